@@ -1,0 +1,38 @@
+"""kenspec client: talk to a kenspec server over gRPC without torch.
+
+    from client import Client
+    with Client("127.0.0.1:50051") as kenspec:
+        print(kenspec.generate_text("Once upon a time", max_new_tokens=32).text)
+
+Needs only grpcio and protobuf. The generated API modules are in `client.api`.
+"""
+
+from __future__ import annotations
+
+from .async_client import AsyncClient
+from .errors import (
+    AuthenticationError,
+    DeadlineExceeded,
+    InvalidRequest,
+    KenspecError,
+    ProtocolError,
+    ServerBusy,
+    ServerUnavailable,
+)
+from .results import Completion, Round, Usage
+from .sync_client import Client
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "Client",
+    "Completion",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "KenspecError",
+    "ProtocolError",
+    "Round",
+    "ServerBusy",
+    "ServerUnavailable",
+    "Usage",
+]

@@ -1,0 +1,129 @@
+"""Build protobuf requests from the client's keyword arguments.
+
+Defaults are the proto's zero values, which the server reads as "use the server default"
+(greedy decoding, default max_new_tokens, default draft length); only what the caller sets
+is sent. Range checks are the server's job: it knows its limits and says which one was hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypedDict
+
+from .api import generator_pb2 as pb
+
+Speculation = Literal["auto", "off"]
+# A chat turn: ("user", "Hi"), {"role": "user", "content": "Hi"}, or a pb.ChatMessage.
+ChatTurn = tuple[str, str] | Mapping[str, str] | pb.ChatMessage
+
+_SPECULATION_MODES = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF}
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword options of `generate()` / `generate_text()`; see `build_generate_request`."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    max_new_tokens: int
+    stop: str | Sequence[str]
+    ignore_eos: bool
+    speculation: Speculation
+    num_draft_tokens: int
+    adaptive: bool | None
+    draft_context: bool | None
+    request_id: str
+
+
+def build_generate_request(
+    prompt: str | None = None,
+    messages: Sequence[ChatTurn] | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    max_new_tokens: int = 0,
+    stop: str | Sequence[str] = (),
+    ignore_eos: bool = False,
+    speculation: Speculation = "auto",
+    num_draft_tokens: int = 0,
+    adaptive: bool | None = None,
+    draft_context: bool | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest; `None` for seed/adaptive/draft_context leaves the choice to the server.
+
+    >>> build_generate_request("Hi", stop="\\n", speculation="off").speculation.mode
+    2
+    """
+    if speculation not in _SPECULATION_MODES:
+        raise ValueError(f"speculation must be 'auto' or 'off', not {speculation!r}")
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        sampling=pb.SamplingParameters(temperature=temperature, top_k=top_k, top_p=top_p),
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=max_new_tokens,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            ignore_eos=ignore_eos,
+        ),
+        speculation=pb.SpeculationParameters(
+            mode=_SPECULATION_MODES[speculation],
+            num_draft_tokens=num_draft_tokens,
+            draft_context=_draft_context(draft_context),
+        ),
+    )
+    if seed is not None:
+        request.sampling.seed = seed
+    if adaptive is not None:
+        request.speculation.adaptive = adaptive
+    _set_input(request, prompt, messages)
+    return request
+
+
+def build_tokenize_request(
+    prompt: str | None = None,
+    messages: Sequence[ChatTurn] | None = None,
+    *,
+    return_tokens: bool = False,
+) -> pb.TokenizeRequest:
+    request = pb.TokenizeRequest(return_tokens=return_tokens)
+    _set_input(request, prompt, messages)
+    return request
+
+
+def chat_message(turn: ChatTurn) -> pb.ChatMessage:
+    """One chat turn as a ChatMessage; ``ValueError`` for anything else."""
+    if isinstance(turn, pb.ChatMessage):
+        return turn
+    if isinstance(turn, Mapping):
+        if set(turn) != {"role", "content"}:
+            raise ValueError(f"a chat message dict needs exactly 'role' and 'content': {turn!r}")
+        return pb.ChatMessage(role=turn["role"], content=turn["content"])
+    if isinstance(turn, tuple) and len(turn) == 2:
+        role, content = turn
+        return pb.ChatMessage(role=role, content=content)
+    raise ValueError(f"a chat message is a (role, content) tuple or a dict, not {turn!r}")
+
+
+def _set_input(
+    request: pb.GenerateRequest | pb.TokenizeRequest,
+    prompt: str | None,
+    messages: Sequence[ChatTurn] | None,
+) -> None:
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt or messages")
+    if prompt is not None:
+        request.prompt = prompt
+        return
+    assert messages is not None
+    if isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list of chat messages")
+    request.messages.messages.extend(chat_message(turn) for turn in messages)
+
+
+def _draft_context(enabled: bool | None) -> pb.DraftContext:
+    if enabled is None:
+        return pb.DRAFT_CONTEXT_UNSPECIFIED
+    return pb.DRAFT_CONTEXT_ON if enabled else pb.DRAFT_CONTEXT_OFF
