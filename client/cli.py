@@ -1,0 +1,257 @@
+"""`kenspec`: stream a generation from a kenspec server to the terminal.
+
+    kenspec "Once upon a time" -n 64
+    echo "Tell me a joke" | kenspec --chat --temperature 0.7
+    kenspec --info
+
+Text goes to stdout as it arrives; one statistics line goes to stderr at the end. Errors print
+``error: <CODE>: <message>`` and exit 2 (bad usage) or 1 (server or connection failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import NoReturn, TextIO
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from .channel import DEFAULT_ADDRESS, TOKEN_ENV
+from .errors import KenspecError, ProtocolError
+from .request import ChatTurn, GenerateOptions
+from .stats import StreamStats
+from .sync_client import Client
+
+ADDRESS_ENV = "KENSPEC_ADDRESS"
+EXIT_SERVER_ERROR = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"error: INVALID_ARGUMENT: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kenspec",
+        description="Generate text with a kenspec speculative-decoding server.",
+        epilog=f"Environment: {ADDRESS_ENV} (default --address), {TOKEN_ENV} (default --token).",
+    )
+    parser.add_argument(
+        "prompt",
+        nargs="?",
+        help="the prompt; '-' or absent reads it from stdin (one trailing newline dropped)",
+    )
+    _add_connection_flags(parser)
+    _add_input_flags(parser)
+    _add_sampling_flags(parser)
+    _add_speculation_flags(parser)
+    return parser
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "-a",
+        "--address",
+        action="append",
+        metavar="HOST:PORT",
+        help="server address; repeat or comma-separate several to balance round-robin "
+        f"(default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})",
+    )
+    group.add_argument("--token", help=f"bearer token to send (default: ${TOKEN_ENV})")
+    group.add_argument("--tls", action="store_true", help="use TLS with the system root CAs")
+    group.add_argument("--tls-ca", metavar="PEM", help="root CA file; implies --tls")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS")
+    group.add_argument("--tls-key", metavar="PEM", help="client private key for mTLS")
+    group.add_argument(
+        "--tls-server-name", metavar="NAME", help="name to verify the server certificate against"
+    )
+    group.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
+
+
+def _add_input_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("input and output")
+    group.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    group.add_argument("--system", metavar="TEXT", help="system message; implies --chat")
+    group.add_argument(
+        "--json", action="store_true", help="print each round as one JSON object per line"
+    )
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--tokenize", action="store_true", help="print the prompt's tokens as JSON and exit"
+    )
+    mode.add_argument("--info", action="store_true", help="print the server's model info as JSON")
+    group.add_argument("--request-id", default="", help="request id to log and echo")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling and stopping")
+    group.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0, help="0 = no top-k filtering")
+    group.add_argument("--top-p", type=float, default=0.0, help="0 or 1 = no nucleus filtering")
+    group.add_argument("--seed", type=int, help="random seed (default: the server picks one)")
+    group.add_argument(
+        "-n", "--max-new-tokens", type=int, default=0, help="0 = the server's default"
+    )
+    group.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop text; repeatable"
+    )
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-sequence"
+    )
+
+
+def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculation")
+    group.add_argument(
+        "--speculation",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: draft and verify while it pays; off: plain decoding (default: auto)",
+    )
+    group.add_argument(
+        "-k",
+        "--num-draft-tokens",
+        type=int,
+        default=0,
+        help="most draft tokens per round; 0 = the server's default",
+    )
+    group.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        help="grow/shrink the draft length with acceptance (default: the server's)",
+    )
+    group.add_argument(
+        "--draft-context",
+        action=argparse.BooleanOptionalAction,
+        help="also draft from the prompt and output so far (default: the server's)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error already printed
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        return _run(args, sys.stdout, sys.stderr)
+    except (UsageError, ValueError, OSError) as error:
+        print(f"error: INVALID_ARGUMENT: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KenspecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except KeyboardInterrupt:
+        print("\nerror: CANCELLED: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    with _client(args) as client:
+        if args.info:
+            _print_json(client.model_info(), out, indent=2)
+            return 0
+        prompt, messages = _input(args)
+        if args.tokenize:
+            tokens = client.tokenize(prompt, messages, return_tokens=True)
+            _print_json(tokens, out, indent=2)
+            return 0
+        return _generate(client, prompt, messages, args, out, err)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    addresses = args.address or [os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS]
+    return Client(
+        addresses,
+        token=args.token,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        timeout=args.timeout,
+    )
+
+
+def _input(args: argparse.Namespace) -> tuple[str | None, list[ChatTurn] | None]:
+    """(prompt, None) for raw text, (None, messages) with --chat/--system."""
+    text = args.prompt
+    if text is None or text == "-":
+        if text is None and sys.stdin.isatty():
+            raise UsageError("no prompt: pass one as an argument or pipe it on stdin")
+        text = sys.stdin.read().removesuffix("\n")
+    if not (args.chat or args.system):
+        return text, None
+    messages: list[ChatTurn] = [("system", args.system)] if args.system else []
+    messages.append(("user", text))
+    return None, messages
+
+
+def _generate(
+    client: Client,
+    prompt: str | None,
+    messages: list[ChatTurn] | None,
+    args: argparse.Namespace,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    stats = StreamStats(started=time.perf_counter())
+    last_text = "\n"
+    try:
+        for round_ in client.generate(prompt, messages, **_generate_options(args)):
+            stats.observe(round_, time.perf_counter())
+            if args.json:
+                _print_json(round_.response, out)
+            elif round_.text:
+                out.write(round_.text)
+                out.flush()
+                last_text = round_.text
+    finally:
+        # End the line on a terminal so stats or an error do not start mid-line; pipes get
+        # the text exactly as generated.
+        if not last_text.endswith("\n") and out.isatty():
+            out.write("\n")
+            out.flush()
+    print(stats.summary(), file=err)
+    if stats.finish_reason is None:
+        raise ProtocolError(None, "the stream ended without a finish_reason", client.address)
+    return 0
+
+
+def _generate_options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        speculation=args.speculation,
+        num_draft_tokens=args.num_draft_tokens,
+        adaptive=args.adaptive,
+        draft_context=args.draft_context,
+        request_id=args.request_id,
+    )
+
+
+def _print_json(message: Message, out: TextIO, indent: int | None = None) -> None:
+    data = MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    out.write(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
+    out.flush()

@@ -1,0 +1,166 @@
+"""The `kenspec` command line, run in-process through `main([...])`."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+from client.api import generator_pb2 as pb
+from client.cli import main
+
+if TYPE_CHECKING:
+    from conftest import FakeServer
+
+TIMEOUT = ["--timeout", "10"]  # no CLI test can hang on a stream
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main([*TIMEOUT, *argv])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.out, captured.err
+
+
+def test_streams_text_then_prints_stats(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "-a", threaded_fake.address, "world")
+
+    assert code == 0
+    assert out == "Hello world"  # not a terminal: no newline added
+    (stats,) = err.splitlines()
+    assert stats == (
+        "completion_tokens=7 tokens/s="
+        + stats.split("tokens/s=")[1].split()[0]
+        + " acceptance=4/6 (66.7%) rounds=3 mode_switches=2 finish_reason=length"
+    )
+
+
+def test_flags_map_onto_the_request(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["-a", threaded_fake.address, "--chat", "--system", "be brief", "-t", "0.8"]
+    argv += ["--top-k", "5", "--top-p", "0.5", "--seed", "7", "-n", "9", "--ignore-eos"]
+    argv += ["--stop", "a", "--stop", "b", "--speculation", "off", "-k", "3", "--no-adaptive"]
+    argv += ["--draft-context", "--request-id", "cli-1", "--token", "tok", "hello"]
+    code, _, _ = run(capsys, *argv)
+
+    assert code == 0
+    (request,) = threaded_fake.servicer.requests
+    assert isinstance(request, pb.GenerateRequest)
+    turns = [(m.role, m.content) for m in request.messages.messages]
+    assert turns == [("system", "be brief"), ("user", "hello")]
+    assert request.sampling.temperature == pytest.approx(0.8)
+    assert request.sampling.top_p == pytest.approx(0.5)
+    assert (request.sampling.top_k, request.sampling.seed) == (5, 7)
+    assert request.stopping.max_new_tokens == 9 and request.stopping.ignore_eos
+    assert list(request.stopping.stop) == ["a", "b"]
+    assert request.speculation.mode == pb.SPECULATION_MODE_OFF
+    assert request.speculation.num_draft_tokens == 3
+    assert request.speculation.HasField("adaptive") and not request.speculation.adaptive
+    assert request.speculation.draft_context == pb.DRAFT_CONTEXT_ON
+    assert request.request_id == "cli-1"
+    assert threaded_fake.servicer.metadata[0]["authorization"] == "Bearer tok"
+
+
+def test_json_prints_one_object_per_round(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "-a", threaded_fake.address, "--json", "world")
+
+    assert code == 0
+    rounds = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in rounds] == ["Hel", "lo", " world"]
+    assert rounds[0]["round"]["mode"] == "ROUND_MODE_SPECULATIVE"
+    assert rounds[0]["finish_reason"] == "FINISH_REASON_UNSPECIFIED"
+    assert rounds[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert rounds[-1]["usage"]["completion_tokens"] == 7
+    assert "usage" not in rounds[0]
+    assert "finish_reason=length" in err
+
+
+def test_prompt_from_stdin(
+    threaded_fake: FakeServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin\n"))
+    code, out, _ = run(capsys, "-a", threaded_fake.address, "-")
+
+    assert code == 0
+    assert out == "Hello from stdin"
+    assert threaded_fake.servicer.requests[0].prompt == "from stdin"
+
+
+def test_info_and_tokenize_print_json(
+    threaded_fake: FakeServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KENSPEC_ADDRESS", threaded_fake.address)
+    code, out, _ = run(capsys, "--info")
+    assert code == 0
+    assert json.loads(out)["model"] == "fake"
+
+    code, out, _ = run(capsys, "--tokenize", "ab")
+    assert code == 0
+    assert json.loads(out) == {"token_ids": [97, 98], "tokens": ["a", "b"], "token_count": 2}
+
+
+def test_server_error_exits_1_with_code_and_message(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "-a", threaded_fake.address, "__invalid__")
+
+    assert code == 1
+    assert out == ""
+    assert err == f"error: INVALID_ARGUMENT: {threaded_fake.servicer.INVALID_MESSAGE}\n"
+
+
+def test_unreachable_server_exits_1(dead_address: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "-a", dead_address, "hi")
+
+    assert code == 1
+    assert err.startswith(f"error: UNAVAILABLE: cannot reach the kenspec server at {dead_address}")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--top-k", "many", "hi"],
+        ["--speculation", "sometimes", "hi"],
+        ["--info", "--tokenize"],
+        ["--tls-cert", "client.pem", "hi"],  # a certificate without its key
+        ["-a", "127.0.0.1:1,[::1]:2", "hi"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *argv)
+
+    assert code == 2
+    assert out == ""
+    assert "error: INVALID_ARGUMENT: " in err
+
+
+def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+
+    assert code == 0
+    flags = "--address --chat --system --json --tokenize --info --token --tls --tls-ca --tls-cert"
+    flags += " --tls-key --tls-server-name --timeout --temperature --top-k --top-p --seed"
+    flags += " --max-new-tokens --stop --ignore-eos --speculation --num-draft-tokens"
+    flags += " --adaptive --draft-context --request-id KENSPEC_ADDRESS KENSPEC_TOKEN"
+    assert [flag for flag in flags.split() if flag not in out] == []
+
+
+def test_python_dash_m_client_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "client", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "usage: kenspec" in result.stdout
