@@ -1,0 +1,198 @@
+"""Circuit breakers that keep speculation from costing more than it gives.
+
+Two scopes, both built on pybreaker and driven from the engine's thread (pybreaker's
+call_async is Tornado-only):
+
+- AcceptanceBreaker, one per request: a sliding window over the request's last N speculative
+  rounds. When accepted/drafted over a full window falls below the threshold the breaker opens
+  and the request decodes autoregressively; after the reset timeout one trial speculative round
+  runs (half-open) and closes it again if that round's acceptance clears the threshold. Per
+  request, because one prompt in a language the n-gram never saw must not switch speculation
+  off for everyone else.
+- DraftFaultBreaker, one per process: the draft raising, or taking longer than its latency
+  budget, is a fault; after fault_max consecutive faults the breaker opens for every request
+  (a broken KenLM model is broken for all) until a trial call after the reset timeout succeeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import pybreaker
+import structlog
+
+from server.engine.draft import DraftSession, Proposal
+from server.engine.rounds import BreakerState
+
+log = structlog.get_logger("kenspec.breaker")
+
+_STATES = {
+    pybreaker.STATE_CLOSED: BreakerState.CLOSED,
+    pybreaker.STATE_OPEN: BreakerState.OPEN,
+    pybreaker.STATE_HALF_OPEN: BreakerState.HALF_OPEN,
+}
+
+
+class AcceptanceTooLow(Exception):
+    """A failure signal for the acceptance breaker (never leaves this module)."""
+
+
+class DraftTooSlow(Exception):
+    """The draft answered, but past its latency budget: a fault, though its proposal is usable."""
+
+    def __init__(self, seconds: float, proposal: Proposal) -> None:
+        super().__init__(f"draft took {seconds * 1000:.1f} ms")
+        self.proposal = proposal
+
+
+class _TransitionLog(pybreaker.CircuitBreakerListener):
+    def __init__(self, describe: Callable[[], dict[str, object]]) -> None:
+        self._describe = describe
+
+    def state_change(self, cb: pybreaker.CircuitBreaker, old_state, new_state) -> None:  # type: ignore[no-untyped-def]
+        log.info(
+            "breaker_transition",
+            breaker=cb.name,
+            old=getattr(old_state, "name", None),
+            new=new_state.name,
+            **self._describe(),
+        )
+
+
+class AcceptanceBreaker:
+    """Per-request breaker on the acceptance rate of the last `window_rounds` speculative rounds."""
+
+    def __init__(
+        self,
+        *,
+        threshold: float,
+        window_rounds: int,
+        reset_timeout_s: float,
+        request_id: str = "",
+    ) -> None:
+        self.threshold = threshold
+        self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
+        self._request_id = request_id
+        self._breaker = pybreaker.CircuitBreaker(
+            fail_max=1,
+            reset_timeout=reset_timeout_s,
+            name=f"acceptance:{request_id}",
+            listeners=[_TransitionLog(self._describe), _ClearOnClose(self._window)],
+        )
+
+    @property
+    def state(self) -> BreakerState:
+        return _STATES[self._breaker.current_state]
+
+    @property
+    def window_acceptance(self) -> float:
+        drafted = sum(d for d, _ in self._window)
+        return sum(a for _, a in self._window) / drafted if drafted else 0.0
+
+    def allows_speculation(self) -> bool:
+        """Closed, or half-open for a trial round once the reset timeout has passed."""
+        if self._breaker.current_state != pybreaker.STATE_OPEN:
+            return True
+        opened_at = self._breaker._state_storage.opened_at  # pybreaker has no public accessor
+        if opened_at is None or _seconds_since(opened_at) >= self._breaker.reset_timeout:
+            self._breaker.half_open()
+            log.info("breaker_transition", breaker=self._breaker.name, old="open",
+                     new="half-open", **self._describe())
+            return True
+        return False
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Judge a speculative round; a trial round is judged alone, others by the full window."""
+        if drafted == 0:
+            return
+        trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
+        self._window.append((drafted, accepted))
+        rate = accepted / drafted if trial else self.window_acceptance
+        judged = trial or len(self._window) == self._window.maxlen
+        try:
+            self._breaker.call(_judge, judged and rate < self.threshold)
+        except (AcceptanceTooLow, pybreaker.CircuitBreakerError):
+            pass
+
+    def _describe(self) -> dict[str, object]:
+        return {
+            "request_id": self._request_id,
+            "window_acceptance": round(self.window_acceptance, 3),
+            "threshold": round(self.threshold, 3),
+        }
+
+
+class _ClearOnClose(pybreaker.CircuitBreakerListener):
+    """A breaker that closes after a good trial starts a fresh window: old rounds are stale."""
+
+    def __init__(self, window: deque[tuple[int, int]]) -> None:
+        self._window = window
+
+    def state_change(self, cb: pybreaker.CircuitBreaker, old_state, new_state) -> None:  # type: ignore[no-untyped-def]
+        if new_state.name == pybreaker.STATE_CLOSED:
+            last = self._window[-1] if self._window else None
+            self._window.clear()
+            if last is not None:
+                self._window.append(last)
+
+
+def _judge(too_low: bool) -> None:
+    if too_low:
+        raise AcceptanceTooLow
+
+
+class DraftFaultBreaker:
+    """Process-wide breaker on draft faults: exceptions and proposals slower than the budget."""
+
+    def __init__(self, *, fault_max: int, reset_timeout_s: float, latency_budget_s: float) -> None:
+        self.latency_budget_s = latency_budget_s
+        self._breaker = pybreaker.CircuitBreaker(
+            fail_max=fault_max,
+            reset_timeout=reset_timeout_s,
+            name="draft-faults",
+            listeners=[_TransitionLog(lambda: {"fault_max": fault_max})],
+        )
+
+    @property
+    def state(self) -> BreakerState:
+        return _STATES[self._breaker.current_state]
+
+    @property
+    def fault_max(self) -> int:
+        return self._breaker.fail_max
+
+    @property
+    def reset_timeout_s(self) -> float:
+        return float(self._breaker.reset_timeout)
+
+    def propose(self, session: DraftSession, k: int, request_id: str = "") -> Proposal | None:
+        """The session's proposal, or None when the breaker is open or the draft failed."""
+        try:
+            return self._breaker.call(self._timed, session, k)
+        except pybreaker.CircuitBreakerError as error:
+            cause = error.__context__
+            if isinstance(cause, DraftTooSlow):
+                return cause.proposal
+            return None
+        except DraftTooSlow as slow:
+            log.warning("draft_slow", request_id=request_id, error=str(slow))
+            return slow.proposal
+        except Exception as error:  # any draft failure must not fail the request
+            log.warning("draft_fault", request_id=request_id, error=repr(error))
+            return None
+
+    def _timed(self, session: DraftSession, k: int) -> Proposal:
+        started = time.perf_counter()
+        proposal = session.propose(k)
+        elapsed = time.perf_counter() - started
+        if elapsed > self.latency_budget_s:
+            raise DraftTooSlow(elapsed, proposal)
+        return proposal
+
+
+def _seconds_since(moment) -> float:  # type: ignore[no-untyped-def]
+    from datetime import UTC, datetime
+
+    return (datetime.now(UTC) - moment).total_seconds()

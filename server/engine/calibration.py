@@ -1,0 +1,72 @@
+"""The break-even acceptance rate, from the measured cost of a verification pass.
+
+A round with per-token acceptance alpha and k drafts emits E = (1 - alpha^(k+1)) / (1 - alpha)
+tokens (Leviathan et al. 2023, eq. 1) for the price of one pass over k+1 tokens; decoding
+autoregressively emits one token per single-token pass. Speculation pays while
+E(alpha) > cost(k+1) / cost(1), so the breaker's threshold is the alpha where they are equal.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from server.engine.target import TargetModel
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    num_draft_tokens: int
+    step_seconds: float  # one token through the target, with a warm KV cache
+    verify_seconds: float  # k + 1 tokens in one pass
+    threshold: float
+
+    @property
+    def cost_ratio(self) -> float:
+        return self.verify_seconds / self.step_seconds
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def break_even_acceptance(cost_ratio: float, k: int) -> float:
+    """The alpha at which E(alpha) equals cost_ratio: 0 when verifying is free, 1 when it never pays."""
+    if cost_ratio <= 1.0:
+        return 0.0
+    if cost_ratio >= k + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):  # E is increasing in alpha; bisection to well below float32 noise
+        middle = (low + high) / 2
+        if expected_tokens_per_round(middle, k) < cost_ratio:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def calibrate(target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7) -> Calibration:
+    """Time a 1-token and a (k+1)-token pass after a context_tokens prefill; medians of repeats."""
+    step, verify = measure_pass_seconds(target, [1, k + 1], context_tokens, repeats)
+    return Calibration(k, step, verify, break_even_acceptance(verify / step, k))
+
+
+def measure_pass_seconds(
+    target: TargetModel, widths: list[int], context_tokens: int, repeats: int
+) -> list[float]:
+    vocab = min(target.vocab_size, len(target.tokenizer))
+    context = [(7 + 31 * i) % vocab for i in range(min(context_tokens, target.max_context // 2))]
+    cache = target.new_cache()
+    target.prefill(cache, context)
+    samples: dict[int, list[float]] = {width: [] for width in widths}
+    for _ in range(repeats + 1):  # the first pass of each width warms up and is dropped
+        for width in widths:
+            started = time.perf_counter()
+            target.forward(cache, context[:width])
+            samples[width].append(time.perf_counter() - started)
+            target.rollback(cache, width)
+    return [statistics.median(samples[width][1:]) for width in widths]

@@ -1,0 +1,62 @@
+"""The engine: a target, an optional draft and the process-wide draft breaker, making generations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from server.engine.draft import Draft
+from server.engine.generation import Generation
+from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.speculator import Speculator
+from server.engine.target import TargetModel
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    window_rounds: int = 8
+    threshold: float = 0.0  # acceptance below this opens a request's breaker
+    reset_timeout_s: float = 2.0
+    fault_max: int = 3
+    fault_reset_timeout_s: float = 30.0
+    draft_latency_budget_s: float = 0.05
+
+
+class SpeculativeEngine:
+    """Starts generations that share one target, one draft and one draft-fault breaker."""
+
+    def __init__(
+        self, target: TargetModel, draft: Draft | None, breaker: BreakerSettings | None = None
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.breaker = breaker or BreakerSettings()
+        self.faults = DraftFaultBreaker(
+            fault_max=self.breaker.fault_max,
+            reset_timeout_s=self.breaker.fault_reset_timeout_s,
+            latency_budget_s=self.breaker.draft_latency_budget_s,
+        )
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        speculation: SpeculationParams,
+        request_id: str = "",
+    ) -> Generation:
+        session = self.draft.start(prompt_ids) if self.draft and speculation.enabled else None
+        acceptance = AcceptanceBreaker(
+            threshold=self.breaker.threshold,
+            window_rounds=self.breaker.window_rounds,
+            reset_timeout_s=self.breaker.reset_timeout_s,
+            request_id=request_id,
+        )
+        speculator = Speculator(
+            session, speculation, acceptance=acceptance, faults=self.faults, request_id=request_id
+        )
+        return Generation(
+            self.target, prompt_ids, sampling=sampling, stopping=stopping, speculator=speculator
+        )

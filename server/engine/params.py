@@ -1,0 +1,72 @@
+"""Request parameters for one generation, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `field` names it so a caller can map it to an API error."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen from the target's distribution.
+
+    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1 disable those filters.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise InvalidParameter("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidParameter("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidParameter("seed", f"must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    """When generation ends. Stop strings are matched on the decoded text and not returned."""
+
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidParameter("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        for index, text in enumerate(self.stop):
+            if not text:
+                raise InvalidParameter(f"stop[{index}]", "must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationParams:
+    """How much to draft. enabled=False is plain autoregressive decoding."""
+
+    enabled: bool = True
+    num_draft_tokens: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise InvalidParameter(
+                "num_draft_tokens", f"must be in [1, 64], got {self.num_draft_tokens}"
+            )

@@ -1,0 +1,168 @@
+"""The target model: a local Hugging Face causal LM that verifies drafts with a rolling KV cache."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetLoadError(RuntimeError):
+    """The target model directory is missing, incomplete or not a causal LM."""
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with bf16 arithmetic (avx512_bf16 or AMX), where bf16 is faster than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise TargetLoadError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs with native bf16 (verification is then nearly free), else fp32."""
+    if dtype == "auto":
+        native_bf16 = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native_bf16 else torch.float32
+    if dtype not in _DTYPES:
+        raise TargetLoadError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class TargetModel:
+    """A causal LM and its tokenizer; all forward passes go through here.
+
+    The cache protocol: a generation's DynamicCache holds every accepted token but the last one
+    (the "pending" token). A round feeds [pending, d_1..d_k] and gets k+1 next-token
+    distributions; rejected drafts are cropped off, so no accepted token is recomputed.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
+        directory = Path(path)
+        _check_model_dir(directory)
+        resolved_device = resolve_device(device)
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
+        config = AutoConfig.from_pretrained(directory)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolved_dtype)
+        except ValueError as error:
+            raise TargetLoadError(
+                f"{directory} is not a causal language model "
+                f"(model_type={config.model_type!r}): {error}"
+            ) from error
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model.to(resolved_device).eval()
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            name=str(directory),
+            device=resolved_device,
+            dtype=resolved_dtype,
+            eos_token_ids=_eos_ids(model, tokenizer),
+            max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer (may exceed the tokenizer's size)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"model {self.name} has no chat template; send a raw prompt instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append token_ids to the cache; returns next-token logits [len(token_ids), vocab], fp32."""
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        output = self.model(
+            input_ids=input_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=len(token_ids),
+        )
+        return output.logits[0].float()
+
+    @torch.inference_mode()
+    def prefill(self, cache: DynamicCache, token_ids: Sequence[int]) -> None:
+        """Fill the cache with token_ids; only the cache is kept (one logit row, discarded)."""
+        if token_ids:
+            input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+            self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    @staticmethod
+    def rollback(cache: DynamicCache, num_tokens: int) -> None:
+        """Drop the last num_tokens positions (rejected drafts) from the cache."""
+        if num_tokens > 0:
+            cache.crop(-num_tokens)
+
+
+def _check_model_dir(directory: Path) -> None:
+    if not directory.is_dir():
+        raise TargetLoadError(f"model directory {directory} does not exist")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise TargetLoadError(f"{directory} has no config.json; expected a Hugging Face model folder")
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except json.JSONDecodeError as error:
+        raise TargetLoadError(f"{config_file} is not valid JSON: {error}") from error
+    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+        raise TargetLoadError(
+            f"{directory} holds {', '.join(architectures)}, not a causal language model"
+        )
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(int(token) for token in generation_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

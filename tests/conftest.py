@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models saved to a temp dir and loaded through TargetModel.load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine.target import TargetModel
+from tests import tiny
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-byte-model")
+    return tiny.save_tiny_model(directory, tiny.build_byte_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model_dir: Path) -> TargetModel:
+    return TargetModel.load(tiny_model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def word_target(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    """A 9-word vocabulary (plus specials) for distribution tests; one layer, sharp-ish logits."""
+    directory = tmp_path_factory.mktemp("tiny-word-model")
+    words = ["red", "green", "blue", "cat", "dog", "runs", "sleeps", "and", "the"]
+    tiny.save_tiny_model(directory, tiny.build_word_tokenizer(words), seed=3, layers=1)
+    return TargetModel.load(directory, device="cpu", dtype="float32")

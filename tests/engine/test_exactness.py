@@ -1,0 +1,102 @@
+"""Greedy speculative output equals plain transformers greedy output, token for token (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.engine.kenlm_draft import KenLMDraft
+from server.engine.rounds import FinishReason, Mode
+from server.engine.target import TargetModel
+from tests import tiny
+from tests.engine.drafts import OracleDraft, generate, never_matching_kenlm, reference_greedy
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target: TargetModel) -> dict[str, tuple[list[int], list[int]]]:
+    """prompt -> (prompt ids, reference greedy continuation)."""
+    result = {}
+    for prompt in tiny.PROMPTS:
+        ids = tiny_target.encode_prompt(prompt)
+        result[prompt] = (ids, reference_greedy(tiny_target, ids, MAX_NEW))
+    return result
+
+
+@pytest.fixture(scope="module")
+def partly_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
+    """A trigram over the first 10 reference tokens of every prompt: right early, wrong later."""
+    sentences = [continuation[:10] for _, continuation in references.values()]
+    path = tmp_path_factory.mktemp("arpa") / "partly.arpa"
+    tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)
+    return KenLMDraft.load(path, vocab_size=tiny_target.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def never_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
+    seen = {token for _, continuation in references.values() for token in continuation}
+    path = tmp_path_factory.mktemp("arpa") / "never.arpa"
+    return never_matching_kenlm(tiny_target, path, seen)
+
+
+def test_at_least_twenty_prompts() -> None:
+    assert len(tiny.PROMPTS) >= 20
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("kind", ["always", "never", "partly"])
+def test_greedy_speculative_equals_plain_greedy(
+    tiny_target, references, partly_matching, never_matching, kind: str, k: int
+) -> None:
+    totals = {"drafted": 0, "accepted": 0}
+    for ids, expected in references.values():
+        draft = {"always": OracleDraft(expected), "never": never_matching, "partly": partly_matching}[kind]
+        generation = generate(tiny_target, draft, ids, max_new_tokens=MAX_NEW, k=k)
+        rounds = list(generation)
+        assert [t for r in rounds for t in r.token_ids] == expected
+        assert generation.output_ids == expected
+        usage = rounds[-1].usage
+        totals["drafted"] += usage.drafted_tokens
+        totals["accepted"] += usage.accepted_tokens
+    # The three drafts really are what they claim to be, so each path of the rule is exercised.
+    if kind == "always":
+        assert totals["accepted"] == totals["drafted"] > 0
+    elif kind == "never":
+        assert totals["drafted"] > 0 and totals["accepted"] == 0
+    else:
+        assert 0 < totals["accepted"] < totals["drafted"]
+
+
+def test_autoregressive_mode_equals_plain_greedy(tiny_target, references, partly_matching) -> None:
+    for ids, expected in references.values():
+        generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, enabled=False)
+        rounds = list(generation)
+        assert all(r.mode is Mode.AUTOREGRESSIVE and r.drafted == 0 for r in rounds)
+        assert generation.output_ids == expected
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_oracle_draft_accepts_everything_with_k_plus_one_tokens_per_round(
+    tiny_target, references, k: int
+) -> None:
+    ids, expected = references[tiny.PROMPTS[0]]
+    assert len(expected) == MAX_NEW, "the reference must not stop early for this test"
+    generation = generate(tiny_target, OracleDraft(expected), ids, max_new_tokens=MAX_NEW, k=k)
+    rounds = list(generation)
+    assert all(r.accepted == r.drafted for r in rounds)
+    # Every round but the last emits k drafts + 1 bonus token; the last is cut by the length limit.
+    assert all(len(r.token_ids) == k + 1 for r in rounds[:-1])
+    assert len(rounds) == -(-MAX_NEW // (k + 1))
+    usage = rounds[-1].usage
+    assert usage.accepted_tokens == usage.drafted_tokens
+    assert rounds[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_chat_prompt_matches_plain_greedy(tiny_target, partly_matching) -> None:
+    ids = tiny_target.encode_chat([{"role": "user", "content": "The quick brown fox"}])
+    assert ids[0] == tiny_target.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
+    list(generation)
+    assert generation.output_ids == reference_greedy(tiny_target, ids, MAX_NEW)
