@@ -78,7 +78,12 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tls-server-name", metavar="NAME", help="name to verify the server certificate against"
     )
-    group.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the call")
+    group.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="deadline of the whole call, stream included",
+    )
 
 
 def _add_input_flags(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
         return _run(args, sys.stdout, sys.stderr)
+    except BrokenPipeError:
+        # The reader left (`kenspec ... | head`): stop quietly, and keep Python from
+        # complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SERVER_ERROR
     except (UsageError, ValueError, OSError) as error:
         print(f"error: INVALID_ARGUMENT: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -94,12 +94,13 @@ async def test_failed_handshakes_are_server_unavailable(
     pki: Pki, start_fake_server: StartFake, case: str
 ) -> None:
     fake = await start_fake_server(credentials=pki.server_credentials())
-    kwargs: dict[str, object] = {
+    options_by_case: dict[str, dict[str, object]] = {
         "no client certificate": {"tls_ca": pki.ca, "tls_server_name": SERVER_NAME},
         "wrong server name": {"tls_ca": pki.ca, "tls_cert": pki.client_cert,
                               "tls_key": pki.client_key},
         "plaintext": {},
-    }[case]  # fmt: skip
+    }  # fmt: skip
+    kwargs = options_by_case[case]
     async with AsyncClient(fake.address, **kwargs) as client:  # type: ignore[arg-type]
         with pytest.raises(ServerUnavailable):
             await asyncio.wait_for(client.model_info(), TIMEOUT)
