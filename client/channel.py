@@ -19,7 +19,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 TOKEN_ENV = "KENSPEC_TOKEN"
 USER_AGENT = "kenspec-client/0.1"
 
-# (key, value) pairs, as grpc takes channel options and call metadata.
+# Call metadata as grpc takes it: (key, value) pairs, keys lowercase.
 Pairs = tuple[tuple[str, str], ...]
 
 
