@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from conftest import FakeServer
 
 TIMEOUT = ["--timeout", "10"]  # no CLI test can hang on a stream
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository, where `client` lives
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -160,7 +163,11 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_python_dash_m_client_runs() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "client", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "client", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert result.returncode == 0
     assert "usage: kenspec" in result.stdout

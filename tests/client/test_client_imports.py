@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 # Run in a fresh interpreter: this test session may already have imported torch elsewhere.
 CHECK = """
@@ -13,10 +14,12 @@ heavy = sorted({"torch", "transformers", "numpy", "server"} & set(sys.modules))
 assert not heavy, heavy
 """
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository, where `client` lives
+
 
 def test_client_imports_without_server_dependencies() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert result.returncode == 0, result.stderr
 
