@@ -134,7 +134,7 @@ def write_arpa(path: Path, ngrams: Sequence[dict[tuple[str, ...], tuple[float, f
 
 
 def unigram_arpa(path: Path, probs: dict[int, float], vocab: Iterable[int]) -> Path:
-    """A unigram-like model (one bigram, as KenLM needs order 2): the given token probabilities, the rest of vocab sharing what is left."""
+    """A unigram-like model (plus one bigram: KenLM needs order 2) favouring the given tokens."""
     others = [token for token in vocab if token not in probs]
     rest = max(1e-6, 1.0 - sum(probs.values())) / max(1, len(others) + 1)
     table = {("<s>",): (-99.0, 0.0), ("</s>",): (math.log10(rest), 0.0)}
@@ -149,8 +149,10 @@ def unigram_arpa(path: Path, probs: dict[int, float], vocab: Iterable[int]) -> P
     return write_arpa(path, [table, bigrams])
 
 
-def train_arpa(path: Path, sentences: Sequence[Sequence[int]], vocab: Iterable[int], order: int = 3) -> Path:
-    """A small backoff n-gram from token-id sentences (absolute discounting; enough for drafting)."""
+def train_arpa(
+    path: Path, sentences: Sequence[Sequence[int]], vocab: Iterable[int], order: int = 3
+) -> Path:
+    """A small backoff n-gram from token-id sentences (absolute discounting)."""
     counts: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]
     for sentence in sentences:
         words = ["<s>", *map(str, sentence), "</s>"]

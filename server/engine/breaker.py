@@ -16,9 +16,11 @@ call_async is Tornado-only):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import pybreaker
 import structlog
@@ -98,8 +100,13 @@ class AcceptanceBreaker:
         opened_at = self._breaker._state_storage.opened_at  # pybreaker has no public accessor
         if opened_at is None or _seconds_since(opened_at) >= self._breaker.reset_timeout:
             self._breaker.half_open()
-            log.info("breaker_transition", breaker=self._breaker.name, old="open",
-                     new="half-open", **self._describe())
+            log.info(
+                "breaker_transition",
+                breaker=self._breaker.name,
+                old="open",
+                new="half-open",
+                **self._describe(),
+            )
             return True
         return False
 
@@ -111,10 +118,8 @@ class AcceptanceBreaker:
         self._window.append((drafted, accepted))
         rate = accepted / drafted if trial else self.window_acceptance
         judged = trial or len(self._window) == self._window.maxlen
-        try:
+        with contextlib.suppress(AcceptanceTooLow, pybreaker.CircuitBreakerError):
             self._breaker.call(_judge, judged and rate < self.threshold)
-        except (AcceptanceTooLow, pybreaker.CircuitBreakerError):
-            pass
 
     def _describe(self) -> dict[str, object]:
         return {
@@ -192,7 +197,5 @@ class DraftFaultBreaker:
         return proposal
 
 
-def _seconds_since(moment) -> float:  # type: ignore[no-untyped-def]
-    from datetime import UTC, datetime
-
+def _seconds_since(moment: datetime) -> float:
     return (datetime.now(UTC) - moment).total_seconds()

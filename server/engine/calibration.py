@@ -34,7 +34,7 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
 
 
 def break_even_acceptance(cost_ratio: float, k: int) -> float:
-    """The alpha at which E(alpha) equals cost_ratio: 0 when verifying is free, 1 when it never pays."""
+    """The alpha where E(alpha) equals cost_ratio: 0 if verifying is free, 1 if it never pays."""
     if cost_ratio <= 1.0:
         return 0.0
     if cost_ratio >= k + 1:
@@ -49,7 +49,9 @@ def break_even_acceptance(cost_ratio: float, k: int) -> float:
     return (low + high) / 2
 
 
-def calibrate(target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7) -> Calibration:
+def calibrate(
+    target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7
+) -> Calibration:
     """Time a 1-token and a (k+1)-token pass after a context_tokens prefill; medians of repeats."""
     step, verify = measure_pass_seconds(target, [1, k + 1], context_tokens, repeats)
     return Calibration(k, step, verify, break_even_acceptance(verify / step, k))

@@ -1,4 +1,4 @@
-"""The engine: a target, an optional draft and the process-wide draft breaker, making generations."""
+"""The engine: a target, an optional draft and the process-wide draft breaker."""
 
 from __future__ import annotations
 

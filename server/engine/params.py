@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 class InvalidParameter(ValueError):
-    """A request parameter is out of range; `field` names it so a caller can map it to an API error."""
+    """A request parameter is out of range; `field` names it for the API error."""
 
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
@@ -28,7 +28,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise InvalidParameter("temperature", f"must be a finite number >= 0, got {self.temperature}")
+            raise InvalidParameter(
+                "temperature", f"must be a finite number >= 0, got {self.temperature}"
+            )
         if self.top_k < 0:
             raise InvalidParameter("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

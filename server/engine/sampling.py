@@ -34,7 +34,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (Holtzman 2019)."""
+    """Keep the fewest most likely tokens whose probability reaches top_p (Holtzman 2019)."""
     sorted_scores, sorted_ids = torch.sort(scores, descending=True, dim=-1)
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     # A token is dropped when the tokens ranked above it already reach top_p; the best always stays.

@@ -43,7 +43,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA and on CPUs with native bf16 (verification is then nearly free), else fp32."""
+    """auto: bf16 on CUDA and on CPUs with native bf16 (verify passes cost ~1 step), else fp32."""
     if dtype == "auto":
         native_bf16 = device.type == "cuda" or cpu_has_native_bf16()
         return torch.bfloat16 if native_bf16 else torch.float32
@@ -116,7 +116,7 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
-        """Append token_ids to the cache; returns next-token logits [len(token_ids), vocab], fp32."""
+        """Append token_ids to the cache; next-token logits [len(token_ids), vocab] in fp32."""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         output = self.model(
             input_ids=input_ids,
@@ -145,7 +145,9 @@ def _check_model_dir(directory: Path) -> None:
         raise TargetLoadError(f"model directory {directory} does not exist")
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise TargetLoadError(f"{directory} has no config.json; expected a Hugging Face model folder")
+        raise TargetLoadError(
+            f"{directory} has no config.json; expected a Hugging Face model folder"
+        )
     try:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except json.JSONDecodeError as error:

@@ -1,4 +1,4 @@
-"""Drafts with known behaviour for engine tests: oracle (always right), fixed, failing, and helpers."""
+"""Drafts with known behaviour for engine tests: oracle (always right), fixed, never matching."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from server.engine.target import TargetModel
 from tests import tiny
 
 
-def reference_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+def reference_greedy(
+    target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int
+) -> list[int]:
     """What plain transformers greedy decoding gives: the ground truth for exactness tests."""
     input_ids = torch.tensor([list(prompt_ids)])
     output = target.model.generate(

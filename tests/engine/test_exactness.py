@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from server.engine.kenlm_draft import KenLMDraft
@@ -52,7 +50,11 @@ def test_greedy_speculative_equals_plain_greedy(
 ) -> None:
     totals = {"drafted": 0, "accepted": 0}
     for ids, expected in references.values():
-        draft = {"always": OracleDraft(expected), "never": never_matching, "partly": partly_matching}[kind]
+        draft = {
+            "always": OracleDraft(expected),
+            "never": never_matching,
+            "partly": partly_matching,
+        }[kind]
         generation = generate(tiny_target, draft, ids, max_new_tokens=MAX_NEW, k=k)
         rounds = list(generation)
         assert [t for r in rounds for t in r.token_ids] == expected
@@ -71,7 +73,9 @@ def test_greedy_speculative_equals_plain_greedy(
 
 def test_autoregressive_mode_equals_plain_greedy(tiny_target, references, partly_matching) -> None:
     for ids, expected in references.values():
-        generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, enabled=False)
+        generation = generate(
+            tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, enabled=False
+        )
         rounds = list(generation)
         assert all(r.mode is Mode.AUTOREGRESSIVE and r.drafted == 0 for r in rounds)
         assert generation.output_ids == expected

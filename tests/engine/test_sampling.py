@@ -1,0 +1,202 @@
+"""The verification rule as pure functions, and its output distribution against the exact target."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
+from server.engine.target import TargetModel
+from tests.engine.drafts import FixedDraft, generate
+
+
+def logits_with_argmax(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
+    """Fake logits whose row i has its maximum at argmaxes[i] (as vLLM's tests build them)."""
+    logits = torch.zeros(len(argmaxes), vocab)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("drafts", "argmaxes", "emitted"),
+    [
+        ([], [3], [3]),  # autoregressive: the target's own token
+        ([5, 7, 1], [5, 7, 1, 4], [5, 7, 1, 4]),  # all accepted + bonus
+        ([5, 7, 1], [5, 7, 2, 4], [5, 7, 2]),  # first mismatch at position 3
+        ([5, 7, 1], [6, 7, 1, 4], [6]),  # nothing accepted
+        ([0], [0, 0], [0, 0]),
+    ],
+)
+def test_accept_greedy(drafts: list[int], argmaxes: list[int], emitted: list[int]) -> None:
+    assert accept_greedy(drafts, logits_with_argmax(argmaxes)) == emitted
+
+
+def test_accept_sampled_with_one_hot_target_is_deterministic() -> None:
+    probs = torch.nn.functional.one_hot(torch.tensor([5, 7, 2, 4]), 8).float()
+    generator = torch.Generator().manual_seed(0)
+    assert accept_sampled([5, 7, 1], probs, generator) == [5, 7, 2]
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        (SamplingParams(temperature=1.0), {0, 1, 2, 3}),
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.5), {0}),  # p(0) = 0.5 already reaches top_p
+        (SamplingParams(temperature=1.0, top_p=0.75), {0, 1}),
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.99), {0, 1, 2}),
+    ],
+)
+def test_warp_logits_filters(params: SamplingParams, kept: set[int]) -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = warp_logits(logits, params)[0]
+    assert {i for i, p in enumerate(probs.tolist()) if p > 0} == kept
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_warp_logits_temperature_sharpens() -> None:
+    logits = torch.tensor([[1.0, 0.0]])
+    hot = warp_logits(logits, SamplingParams(temperature=2.0))[0, 0].item()
+    cold = warp_logits(logits, SamplingParams(temperature=0.5))[0, 0].item()
+    assert hot < torch.softmax(logits, -1)[0, 0].item() < cold
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: SamplingParams(temperature=-0.1), "temperature"),
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(top_k=-1), "top_k"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(seed=-1), "seed"),
+        (lambda: StoppingParams(max_new_tokens=0), "max_new_tokens"),
+        (lambda: StoppingParams(stop=("",)), "stop[0]"),
+        (lambda: SpeculationParams(num_draft_tokens=0), "num_draft_tokens"),
+    ],
+)
+def test_invalid_parameters_name_the_field(build, field: str) -> None:
+    with pytest.raises(InvalidParameter) as error:
+        build()
+    assert error.value.field == field
+    assert field in str(error.value)
+
+
+# --- distribution tests -------------------------------------------------------------------------
+
+SAMPLES = 3000
+PROMPT = "the cat"
+
+
+def exact_joint(target: TargetModel, prompt_ids: list[int], params: SamplingParams) -> dict:
+    """p(y1, y2) = p(y1) p(y2 | y1) from the model's own logits, after the same warping."""
+    vocab = target.vocab_size
+    first = warp_logits(_last_logits(target, prompt_ids), params)[0]
+    joint = {}
+    for y1 in range(vocab):
+        if first[y1] == 0:
+            continue
+        second = warp_logits(_last_logits(target, [*prompt_ids, y1]), params)[0]
+        for y2 in range(vocab):
+            joint[(y1, y2)] = first[y1].item() * second[y2].item()
+    return joint
+
+
+def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
+    return target.forward(target.new_cache(), ids)[-1:]
+
+
+def speculative_samples(target, prompt_ids, params, draft, *, rule=None) -> list[tuple[int, int]]:
+    samples = []
+    for seed in range(SAMPLES):
+        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+        generation = generate(
+            target, draft, prompt_ids, max_new_tokens=2, k=2, sampling=sampling, ignore_eos=True
+        )
+        if rule is not None:
+            generation._verify = rule  # a deliberately wrong acceptance rule, to show test power
+        list(generation)
+        samples.append(tuple(generation.output_ids[:2]))
+    return samples
+
+
+def chi_square_pvalue(samples: list[tuple[int, int]], joint: dict) -> float:
+    """Pearson chi-square of the samples against joint, pooling cells expected below 5."""
+    counts = {cell: 0 for cell in joint}
+    for cell in samples:
+        counts[cell] = counts.get(cell, 0) + 1
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for cell, probability in joint.items():
+        if probability * SAMPLES >= 5:
+            observed.append(counts[cell])
+            expected.append(probability * SAMPLES)
+        else:
+            pooled_observed += counts[cell]
+            pooled_expected += probability * SAMPLES
+    pooled_observed += sum(c for cell, c in counts.items() if cell not in joint)
+    observed.append(pooled_observed)
+    expected.append(max(pooled_expected, 1e-9))
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def likely_draft(target: TargetModel, prompt_ids: list[int], params: SamplingParams) -> FixedDraft:
+    """A draft of the most likely first token then the second most likely next one:
+    accepted often, rejected often, so both branches of the rule are exercised."""
+    first = warp_logits(_last_logits(target, prompt_ids), params)[0]
+    y1 = int(first.argmax())
+    second = warp_logits(_last_logits(target, [*prompt_ids, y1]), params)[0]
+    y2 = int(torch.topk(second, 2).indices[1])
+    return FixedDraft([y1, y2])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6, top_p=0.9)],
+    ids=["t1", "t0.7-topk6-topp0.9"],
+)
+def test_speculative_sampling_follows_target_distribution(word_target, params) -> None:
+    prompt_ids = word_target.encode_prompt(PROMPT)
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = likely_draft(word_target, prompt_ids, params)
+    samples = speculative_samples(word_target, prompt_ids, params, draft)
+    accepted_first = sum(1 for s in samples if s[0] == draft.tokens[0]) / SAMPLES
+    assert 0.05 < accepted_first < 0.95, "the draft must be neither always nor never accepted"
+    assert chi_square_pvalue(samples, joint) > 1e-3
+
+
+def test_distribution_check_rejects_an_always_accept_rule(word_target) -> None:
+    """The same check on a wrong rule (accept every draft) must fail: the test has power."""
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = word_target.encode_prompt(PROMPT)
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = likely_draft(word_target, prompt_ids, params)
+
+    def always_accept(drafts, logits):
+        bonus = torch.multinomial(warp_logits(logits[-1:], params), 1).item()
+        return [*drafts, bonus]
+
+    samples = speculative_samples(word_target, prompt_ids, params, draft, rule=always_accept)
+    assert chi_square_pvalue(samples, joint) < 1e-6
+
+
+def test_same_seed_same_output_whatever_runs_in_between(tiny_target) -> None:
+    prompt_ids = tiny_target.encode_prompt("The quick brown fox")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    draft = FixedDraft([5, 6, 7])
+    first = generate(tiny_target, draft, prompt_ids, sampling=params, k=3)
+    other = generate(
+        tiny_target, draft, prompt_ids, sampling=SamplingParams(temperature=1.0, seed=9)
+    )
+    list(first)
+    interleaved = generate(tiny_target, draft, prompt_ids, sampling=params, k=3)
+    for _ in itertools.zip_longest(interleaved, other):  # advance both generations in turns
+        pass
+    assert first.output_ids == interleaved.output_ids
+    assert generate(tiny_target, draft, prompt_ids, sampling=params).seed == 1234
+    unseeded = generate(tiny_target, draft, prompt_ids, sampling=SamplingParams(temperature=1.0))
+    assert 0 <= unseeded.seed < 2**63
