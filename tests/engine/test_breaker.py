@@ -1,0 +1,263 @@
+"""Circuit breakers: fall back to autoregressive decoding, recover, scope, calibration, adaptive k."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from server.engine import calibration
+from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from server.engine.calibration import break_even_acceptance, calibrate, expected_tokens_per_round
+from server.engine.draft import Proposal
+from server.engine.engine import BreakerSettings, SpeculativeEngine
+from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.rounds import BreakerState, Mode
+from server.engine.speculator import Speculator
+from tests.engine.drafts import FixedDraft, OracleDraft, generate, reference_greedy
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def case(tiny_target):
+    ids = tiny_target.encode_prompt("The quick brown fox")
+    reference = reference_greedy(tiny_target, ids, MAX_NEW)
+    assert len(reference) == MAX_NEW
+    wrong = next(t for t in range(3, 300) if t not in reference)
+    return ids, reference, wrong
+
+
+class SwitchingDraft:
+    """Wrong (a token the target never emits) for the first `bad_tokens` of output, then oracle."""
+
+    name = "switching"
+
+    def __init__(self, reference: Sequence[int], wrong: int, bad_tokens: int) -> None:
+        self.reference, self.wrong, self.bad_tokens = list(reference), wrong, bad_tokens
+
+    def start(self, prompt_ids):
+        return _SwitchingSession(self)
+
+
+class _SwitchingSession:
+    def __init__(self, draft: SwitchingDraft) -> None:
+        self.draft, self.position = draft, 0
+
+    def propose(self, k: int) -> Proposal:
+        if self.position < self.draft.bad_tokens:
+            return Proposal((self.draft.wrong,) * k, (1.0,) * k)
+        tokens = tuple(self.draft.reference[self.position : self.position + k])
+        return Proposal(tokens, (1.0,) * len(tokens))
+
+    def extend(self, token_ids) -> None:
+        self.position += len(token_ids)
+
+
+class FlakyDraft:
+    """Raises while `broken` is set, else proposes a fixed token; counts its calls."""
+
+    name = "flaky"
+
+    def __init__(self, token: int) -> None:
+        self.broken, self.token, self.calls = True, token, 0
+
+    def start(self, prompt_ids):
+        return self
+
+    def propose(self, k: int) -> Proposal:
+        self.calls += 1
+        if self.broken:
+            raise RuntimeError("kenlm model corrupted")
+        return Proposal((self.token,), (1.0,))
+
+    def extend(self, token_ids) -> None:
+        pass
+
+
+def settings(**overrides) -> BreakerSettings:
+    values = dict(window_rounds=4, threshold=0.5, reset_timeout_s=60.0, fault_max=2)
+    return BreakerSettings(**{**values, **overrides})
+
+
+def test_never_matching_draft_opens_within_window_then_decodes_autoregressively(
+    tiny_target, case
+) -> None:
+    ids, reference, wrong = case
+    generation = generate(
+        tiny_target, FixedDraft([wrong] * 8), ids, max_new_tokens=MAX_NEW, breaker=settings()
+    )
+    rounds = list(generation)
+    speculative = [r for r in rounds if r.mode is Mode.SPECULATIVE]
+    assert len(speculative) == 4  # the window: judged once full, opened at once
+    assert rounds[3].breaker_state is BreakerState.OPEN
+    assert all(r.mode is Mode.AUTOREGRESSIVE for r in rounds[4:])
+    assert all(r.breaker_state is BreakerState.OPEN for r in rounds[4:])
+    assert generation.output_ids == reference
+
+
+def test_flips_closed_open_half_open_closed_keep_greedy_output(tiny_target, case) -> None:
+    ids, reference, wrong = case
+    draft = SwitchingDraft(reference, wrong, bad_tokens=12)
+    generation = generate(
+        tiny_target, draft, ids, max_new_tokens=MAX_NEW, breaker=settings(reset_timeout_s=0.0)
+    )
+    rounds = list(generation)
+    states = [r.breaker_state for r in rounds]
+    assert generation.output_ids == reference
+    first_open = states.index(BreakerState.OPEN)
+    assert BreakerState.CLOSED in states[:first_open]
+    # With a zero reset timeout each round after opening is a half-open trial; the bad trials
+    # reopen it, and the first good one closes it again for good.
+    reclosed = states.index(BreakerState.CLOSED, first_open)
+    assert states[reclosed - 1] is BreakerState.OPEN
+    assert all(s is BreakerState.CLOSED for s in states[reclosed:])
+    assert all(r.mode is Mode.SPECULATIVE and r.accepted == r.drafted for r in rounds[reclosed:])
+
+
+def test_half_open_trial_after_reset_timeout_returns_to_speculation(tiny_target, case) -> None:
+    ids, reference, wrong = case
+    draft = SwitchingDraft(reference, wrong, bad_tokens=4)
+    generation = generate(
+        tiny_target, draft, ids, max_new_tokens=MAX_NEW, breaker=settings(reset_timeout_s=0.2)
+    )
+    opened = [generation.step() for _ in range(4)][-1]
+    assert opened.breaker_state is BreakerState.OPEN
+    assert generation.step().mode is Mode.AUTOREGRESSIVE  # still inside the reset timeout
+    time.sleep(0.25)
+    trial = generation.step()
+    assert trial.mode is Mode.SPECULATIVE and trial.accepted == trial.drafted
+    assert trial.breaker_state is BreakerState.CLOSED
+    list(generation)
+    assert generation.output_ids == reference
+
+
+def test_draft_faults_fall_back_silently_and_open_the_process_breaker(tiny_target, case) -> None:
+    ids, reference, _ = case
+    draft = FlakyDraft(token=reference[0])
+    engine = SpeculativeEngine(tiny_target, draft, settings(fault_max=2, fault_reset_timeout_s=0.3))
+
+    def start():
+        return engine.start(
+            ids,
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=8),
+            speculation=SpeculationParams(num_draft_tokens=4),
+        )
+
+    first = start()
+    rounds = list(first)
+    assert first.output_ids == reference[:8]  # no error reaches the caller
+    assert all(r.mode is Mode.AUTOREGRESSIVE for r in rounds)
+    assert engine.faults.state is BreakerState.OPEN
+    assert draft.calls == 2  # opened after fault_max faults; not called while open
+    second = start()  # process-wide: another request does not even try the broken draft
+    list(second)
+    assert draft.calls == 2 and second.output_ids == reference[:8]
+    draft.broken = False
+    time.sleep(0.35)
+    third = start()
+    third_rounds = list(third)
+    assert engine.faults.state is BreakerState.CLOSED
+    assert third_rounds[0].mode is Mode.SPECULATIVE
+    assert third.output_ids == reference[:8]
+
+
+def test_slow_draft_counts_as_a_fault_but_its_proposal_is_used() -> None:
+    class SlowSession:
+        def propose(self, k: int) -> Proposal:
+            time.sleep(0.02)
+            return Proposal((1,), (1.0,))
+
+        def extend(self, token_ids) -> None:
+            pass
+
+    faults = DraftFaultBreaker(fault_max=2, reset_timeout_s=60, latency_budget_s=0.001)
+    assert faults.propose(SlowSession(), 1) == Proposal((1,), (1.0,))
+    assert faults.state is BreakerState.CLOSED
+    assert faults.propose(SlowSession(), 1) == Proposal((1,), (1.0,))
+    assert faults.state is BreakerState.OPEN
+    assert faults.propose(SlowSession(), 1) is None
+
+
+def test_acceptance_is_judged_per_request(tiny_target, case) -> None:
+    ids, reference, wrong = case
+    engine = SpeculativeEngine(tiny_target, None, settings())
+    params = dict(sampling=SamplingParams(), stopping=StoppingParams(max_new_tokens=MAX_NEW))
+    good = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
+    bad = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
+    # Same engine and breaker settings; each generation gets its own draft session.
+    good._speculator._session = OracleDraft(reference).start(ids)
+    bad._speculator._session = FixedDraft([wrong] * 8)
+    good_rounds, bad_rounds = [], []
+    while not (good.finished and bad.finished):  # interleaved, as the scheduler does
+        if not good.finished:
+            good_rounds.append(good.step())
+        if not bad.finished:
+            bad_rounds.append(bad.step())
+    assert all(r.breaker_state is BreakerState.CLOSED for r in good_rounds)
+    assert all(r.mode is Mode.SPECULATIVE for r in good_rounds)
+    assert bad_rounds[-1].breaker_state is BreakerState.OPEN
+    assert good.output_ids == bad.output_ids == reference
+
+
+def test_window_acceptance_and_threshold() -> None:
+    breaker = AcceptanceBreaker(threshold=0.5, window_rounds=3, reset_timeout_s=60)
+    for drafted, accepted in [(4, 1), (4, 1)]:
+        breaker.record(drafted, accepted)
+    assert breaker.state is BreakerState.CLOSED  # window not full yet
+    breaker.record(4, 4)
+    assert breaker.window_acceptance == pytest.approx(6 / 12)
+    assert breaker.state is BreakerState.CLOSED  # 0.5 is not below 0.5
+    breaker.record(4, 0)
+    assert breaker.window_acceptance == pytest.approx(5 / 12)
+    assert breaker.state is BreakerState.OPEN
+    assert not breaker.allows_speculation()
+
+
+def test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_rejection() -> None:
+    speculator = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=True))
+    assert speculator.k == 6
+    steps = [(6, 2, 5), (5, 5, 6), (6, 0, 5), (5, 0, 4), (4, 0, 3), (3, 0, 2), (2, 0, 1), (1, 0, 1)]
+    for drafted, accepted, k_after in steps:
+        speculator.record(drafted, accepted)
+        assert speculator.k == k_after
+    speculator.record(1, 1)
+    assert speculator.k == 3
+    fixed = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=False))
+    fixed.record(6, 0)
+    assert fixed.k == 6
+
+
+@pytest.mark.parametrize(("ratio", "k"), [(1.5, 4), (2.0, 4), (1.2, 1), (3.5, 8)])
+def test_break_even_acceptance_solves_the_expected_tokens_equation(ratio, k) -> None:
+    alpha = break_even_acceptance(ratio, k)
+    assert 0 < alpha < 1
+    assert expected_tokens_per_round(alpha, k) == pytest.approx(ratio, rel=1e-6)
+
+
+def test_break_even_edges() -> None:
+    assert break_even_acceptance(0.9, 4) == 0.0  # verifying is cheaper than a step: always draft
+    assert break_even_acceptance(5.0, 4) == 1.0  # k + 1 tokens per round could not pay for it
+
+
+def test_calibrated_threshold_comes_from_measured_costs(tiny_target, monkeypatch) -> None:
+    measured = {}
+
+    def fake_costs(target, widths, context_tokens, repeats):
+        measured["widths"] = widths
+        return [0.040, 0.070]  # a fake cost model: a 5-token pass costs 1.75 steps
+
+    monkeypatch.setattr(calibration, "measure_pass_seconds", fake_costs)
+    result = calibrate(tiny_target, k=4)
+    assert measured["widths"] == [1, 5]
+    assert result.cost_ratio == pytest.approx(1.75)
+    assert result.threshold == pytest.approx(break_even_acceptance(1.75, 4))
+    assert expected_tokens_per_round(result.threshold, 4) == pytest.approx(1.75, rel=1e-6)
+
+
+def test_calibration_measures_the_real_model(tiny_target) -> None:
+    result = calibrate(tiny_target, k=4, context_tokens=32, repeats=3)
+    assert result.step_seconds > 0 and result.verify_seconds > 0
+    assert 0.0 <= result.threshold <= 1.0
