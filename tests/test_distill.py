@@ -1,0 +1,120 @@
+"""server/distill.py: padding, answer cutting, resumable corpus, end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from server import distill
+from server.distill import Answer, CorpusWriter, cut_answer, left_pad, plan_batches
+
+
+def test_left_pad_right_aligns_rows() -> None:
+    ids, mask = left_pad([[5, 6, 7], [8], []], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("generated", "expected"),
+    [
+        ([4, 5, 2, 0, 0], ([4, 5], "eos")),  # pad after EOS dropped
+        ([4, 5, 2, 2, 2], ([4, 5], "eos")),  # pad == EOS, as SmolLM2
+        ([2, 0, 0], ([], "eos")),
+        ([4, 5, 6], ([4, 5, 6], "length")),
+        ([4, 9, 6], ([4], "eos")),  # any of several EOS ids
+    ],
+)
+def test_cut_answer(generated: list[int], expected: tuple[list[int], str]) -> None:
+    assert cut_answer(generated, frozenset({2, 9})) == expected
+
+
+def test_plan_batches_groups_similar_lengths_longest_first() -> None:
+    lengths = {0: 5, 1: 50, 2: 6, 3: 49, 4: 5}
+    assert plan_batches(lengths, 2) == [[1, 3], [2, 0], [4]]
+
+
+def _answer(index: int, text: str = "a\nb") -> Answer:
+    return Answer(index, f"prompt {index}", [index, 7], "eos", text)
+
+
+def test_corpus_writer_resumes_and_drops_a_half_written_line(tmp_path: Path) -> None:
+    out = tmp_path / "corpus.ids"
+    writer = CorpusWriter(out).open()
+    writer.write(_answer(3))
+    writer.write(_answer(0))
+    writer.close()
+    with out.open("a") as f:  # a crash after corpus.ids got a line, before corpus.jsonl did
+        f.write("1 7\n")
+    with out.with_suffix(".jsonl").open("a") as f:
+        f.write('{"index": 1, "pro')
+
+    writer = CorpusWriter(out).open()
+    assert writer.done == {0, 3}
+    writer.write(_answer(1))
+    writer.close()
+    assert out.read_text() == "3 7\n0 7\n1 7\n"
+    assert out.with_suffix(".txt").read_text() == "a\\nb\na\\nb\na\\nb\n"
+    records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [(r["index"], r["n_tokens"], r["text"]) for r in records] == [
+        (3, 2, "a\nb"),
+        (0, 2, "a\nb"),
+        (1, 2, "a\nb"),
+    ]
+
+
+def test_resume_refuses_other_settings(tmp_path: Path) -> None:
+    meta = tmp_path / "corpus.meta.json"
+    distill.check_run_settings(meta, {"max_new_tokens": 256})
+    distill.check_run_settings(meta, {"max_new_tokens": 256})
+    with pytest.raises(SystemExit, match="other settings"):
+        distill.check_run_settings(meta, {"max_new_tokens": 128})
+
+
+def test_batched_answers_equal_single_answers(tiny_model_dir: Path) -> None:
+    model, tokenizer = distill.load_target(tiny_model_dir, "cpu", "float32")
+    prompts = ["The quick brown fox", "A", "Speculative decoding drafts tokens and verifies"]
+    rows = [distill.render_prompt(tokenizer, p) for p in prompts]
+    assert len({len(r) for r in rows}) == 3  # padding really happens
+    kwargs = {"pad_id": tokenizer.pad_token_id, "eos_ids": frozenset({tokenizer.eos_token_id})}
+    together = distill.generate_batch(model, rows, max_new_tokens=12, **kwargs)
+    alone = [distill.generate_batch(model, [r], max_new_tokens=12, **kwargs)[0] for r in rows]
+    assert together == alone
+
+
+def test_main_writes_aligned_corpus_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n\nAn n-gram model\n1 2 3\n")
+    out = tmp_path / "drafts" / "corpus.ids"
+    argv = ["--model", str(tiny_model_dir), "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--max-new-tokens", "8", "--batch-size", "2"]
+    assert distill.main(argv) == 0
+
+    model, tokenizer = distill.load_target(tiny_model_dir, "cpu", "float32")
+    eos = tokenizer.eos_token_id
+    records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    id_lines = out.read_text().splitlines()
+    assert sorted(r["index"] for r in records) == [0, 2, 3]  # line 1 is blank
+    assert len(id_lines) == len(out.with_suffix(".txt").read_text().splitlines()) == 3
+    for record, line in zip(records, id_lines, strict=True):
+        ids = [int(t) for t in line.split()]
+        assert eos not in ids and tokenizer.pad_token_id not in ids
+        assert len(ids) == record["n_tokens"] <= 8
+        assert tokenizer.decode(ids) == record["text"]
+        rendered = distill.render_prompt(tokenizer, record["prompt"])
+        [(alone, _)] = distill.generate_batch(
+            model,
+            [rendered],
+            pad_id=tokenizer.pad_token_id,
+            eos_ids=frozenset({eos}),
+            max_new_tokens=8,
+        )
+        assert ids == alone
+
+    before = out.read_text()
+    assert distill.main(argv) == 0  # everything done: nothing appended
+    assert out.read_text() == before
+    with pytest.raises(SystemExit):
+        distill.main([*argv[:-4], "--max-new-tokens", "9", "--batch-size", "2"])
