@@ -1,4 +1,4 @@
-"""Circuit breakers: fall back to autoregressive decoding, recover, scope, calibration, adaptive k."""
+"""Circuit breakers: fallback to plain decoding, recovery, scope, calibration, adaptive k."""
 
 from __future__ import annotations
 
@@ -217,7 +217,9 @@ def test_window_acceptance_and_threshold() -> None:
 
 
 def test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_rejection() -> None:
-    speculator = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=True))
+    speculator = Speculator(
+        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=True)
+    )
     assert speculator.k == 6
     steps = [(6, 2, 5), (5, 5, 6), (6, 0, 5), (5, 0, 4), (4, 0, 3), (3, 0, 2), (2, 0, 1), (1, 0, 1)]
     for drafted, accepted, k_after in steps:

@@ -1,0 +1,54 @@
+"""`python -m server`: serve until SIGTERM/SIGINT, then drain in-flight streams and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from server.app import KenspecServer
+from server.engine.arpa import DraftFormatError
+from server.engine.target import TargetLoadError
+from server.logs import configure_logging
+from server.settings import Settings, parse_settings
+
+log = structlog.get_logger("kenspec")
+
+
+async def serve(settings: Settings) -> int:
+    server = KenspecServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    loading = asyncio.create_task(server.load())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        await server.stop(0)
+        error = loading.exception()
+        log.error("load_failed", error=str(error))
+        return 1
+    await stopping
+    if not loading.done():
+        loading.cancel()
+    await server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        return asyncio.run(serve(settings))
+    except (TargetLoadError, DraftFormatError, FileNotFoundError, OSError) as error:
+        log.error("startup_failed", error=str(error))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

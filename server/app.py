@@ -1,0 +1,103 @@
+"""The gRPC server's lifecycle: listen, load, serve, drain.
+
+Health (grpc.health.v1) reports NOT_SERVING while the model loads and warms up, SERVING after,
+and NOT_SERVING again once a drain starts. Reflection answers on both v1alpha (what
+grpcio-reflection ships) and v1 (what current grpcurl asks first; the messages are identical,
+so the v1 service is the same handler under the v1 name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from client.api import generator_pb2 as pb
+from client.api import generator_pb2_grpc as pb_grpc
+from server.runtime import Runtime, load_runtime
+from server.scheduler import Scheduler
+from server.service import GeneratorService
+from server.settings import Settings
+
+log = structlog.get_logger("kenspec.server")
+
+GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class KenspecServer:
+    def __init__(self, settings: Settings, loader: Callable[[Settings], Runtime] = load_runtime):
+        self.settings = settings
+        self._loader = loader
+        self.scheduler = Scheduler(
+            max_active=settings.max_concurrent_streams, max_queue=settings.max_queue
+        )
+        self.service = GeneratorService(self.scheduler)
+        self.health = health_aio.HealthServicer()
+        self.port = 0
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self._register()
+
+    def _register(self) -> None:
+        pb_grpc.add_GeneratorServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        names = [GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        names += [reflection.SERVICE_NAME, REFLECTION_V1]
+        reflector = reflection.aio.ReflectionServicer(names)
+        reflection.enable_server_reflection(names, self._server)
+        self._server.add_generic_rpc_handlers([_reflection_v1_handler(reflector)])
+
+    async def start(self) -> int:
+        """Listen (health NOT_SERVING until load() finishes); returns the bound port."""
+        address = f"{self.settings.host}:{self.settings.port}"
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+        log.info("listening", address=f"{self.settings.host}:{self.port}")
+        return self.port
+
+    async def load(self) -> None:
+        """Load and warm the model off the event loop, then report SERVING."""
+        self.service.runtime = await asyncio.to_thread(self._loader, self.settings)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
+        grace = self.settings.grace_period_s if grace_s is None else grace_s
+        log.info("draining", grace_s=grace)
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        await asyncio.to_thread(self.scheduler.shutdown)
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", GENERATOR_SERVICE):
+            await self.health.set(name, status)
+
+
+def _reflection_v1_handler(reflector: reflection.aio.ReflectionServicer) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        REFLECTION_V1,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                reflector.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )

@@ -1,0 +1,35 @@
+"""structlog set-up: JSON lines for machines, console for humans; request ids from contextvars."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(log_format: str = "auto", level: str = "info") -> None:
+    """auto picks console on a terminal and JSON otherwise (containers, log shippers)."""
+    if log_format not in ("auto", "console", "json"):
+        raise ValueError(f"log format {log_format!r} is not one of auto, console, json")
+    numeric_level = logging.getLevelNamesMapping().get(level.upper())
+    if numeric_level is None:
+        raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
+    use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,  # request_id bound by the servicer
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,131 @@
+"""From a GenerateRequest to engine parameters, checked against the server's limits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from client.api import generator_pb2 as pb
+from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    default_max_new_tokens: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    max_stop_sequences: int
+    max_stop_length: int
+    max_draft_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    num_draft_tokens: int
+    adaptive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    sampling: SamplingParams
+    stopping: StoppingParams
+    speculation: SpeculationParams
+
+
+def parse_input(
+    request: pb.GenerateRequest | pb.TokenizeRequest,
+) -> tuple[str | None, tuple | None]:
+    """The raw prompt or the chat messages; exactly one, and not empty."""
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidParameter("input", "set exactly one of prompt or messages")
+    if which == "prompt":
+        if not request.prompt:
+            raise InvalidParameter("prompt", "must not be empty")
+        return request.prompt, None
+    messages = request.messages.messages
+    if not messages:
+        raise InvalidParameter("messages", "must contain at least one message")
+    for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidParameter(
+                f"messages[{index}].role", f"{message.role!r} is not one of {', '.join(ROLES)}"
+            )
+    return None, tuple({"role": m.role, "content": m.content} for m in messages)
+
+
+def parse_generate(
+    request: pb.GenerateRequest, limits: Limits, defaults: Defaults
+) -> GenerateParams:
+    prompt, messages = parse_input(request)
+    return GenerateParams(
+        prompt=prompt,
+        messages=messages,
+        sampling=_sampling(request.sampling),
+        stopping=_stopping(request.stopping, limits),
+        speculation=_speculation(request.speculation, limits, defaults),
+    )
+
+
+def check_prompt_length(prompt_tokens: int, limits: Limits) -> None:
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise InvalidParameter(
+            "prompt",
+            f"{prompt_tokens} tokens exceed the server limit of {limits.max_prompt_tokens}",
+        )
+
+
+def _sampling(sampling: pb.SamplingParameters) -> SamplingParams:
+    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
+        raise InvalidParameter("sampling", "temperature and top_p must be numbers, not NaN")
+    top_p = 1.0 if sampling.top_p == 0.0 else sampling.top_p  # proto3 default 0 = no filter
+    seed = sampling.seed if sampling.HasField("seed") else None
+    return SamplingParams(
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=seed
+    )
+
+
+def _stopping(stopping: pb.StoppingCriteria, limits: Limits) -> StoppingParams:
+    max_new_tokens = stopping.max_new_tokens or limits.default_max_new_tokens
+    if max_new_tokens > limits.max_new_tokens:
+        raise InvalidParameter(
+            "max_new_tokens",
+            f"max_new_tokens={max_new_tokens} exceeds the server limit of {limits.max_new_tokens}",
+        )
+    if len(stopping.stop) > limits.max_stop_sequences:
+        raise InvalidParameter(
+            "stop", f"{len(stopping.stop)} stop sequences; the limit is {limits.max_stop_sequences}"
+        )
+    for index, stop in enumerate(stopping.stop):
+        if len(stop) > limits.max_stop_length:
+            raise InvalidParameter(
+                f"stop[{index}]",
+                f"{len(stop)} characters; the limit is {limits.max_stop_length}",
+            )
+    return StoppingParams(
+        max_new_tokens=max_new_tokens, stop=tuple(stopping.stop), ignore_eos=stopping.ignore_eos
+    )
+
+
+def _speculation(
+    speculation: pb.SpeculationParameters, limits: Limits, defaults: Defaults
+) -> SpeculationParams:
+    if speculation.mode not in pb.SpeculationMode.values():
+        raise InvalidParameter("speculation.mode", f"unknown mode {speculation.mode}")
+    if speculation.draft_context == pb.DRAFT_CONTEXT_ON:
+        raise InvalidParameter(
+            "speculation.draft_context", "this server's draft does not support context drafting"
+        )
+    k = speculation.num_draft_tokens or defaults.num_draft_tokens
+    if k > limits.max_draft_tokens:
+        raise InvalidParameter(
+            "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
+        )
+    adaptive = speculation.adaptive if speculation.HasField("adaptive") else defaults.adaptive
+    return SpeculationParams(
+        enabled=speculation.mode != pb.SPECULATION_MODE_OFF, num_draft_tokens=k, adaptive=adaptive
+    )

@@ -1,0 +1,145 @@
+"""Loading what the service serves: target, draft, calibrated breaker, and its ModelInfo."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import structlog
+import torch
+
+from client.api import generator_pb2 as pb
+from server import __version__
+from server.engine.calibration import calibrate
+from server.engine.engine import BreakerSettings, SpeculativeEngine
+from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
+from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.target import TargetModel
+from server.requests import Defaults, Limits
+from server.settings import Settings
+
+log = structlog.get_logger("kenspec.runtime")
+
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    engine: SpeculativeEngine
+    limits: Limits
+    defaults: Defaults
+    info: pb.ModelInfo
+
+
+def load_runtime(settings: Settings) -> Runtime:
+    """Load, calibrate and warm up; blocking (run it off the event loop)."""
+    started = time.perf_counter()
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    target = TargetModel.load(settings.model, device=settings.device, dtype=settings.dtype)
+    draft = _load_draft(settings, target)
+    log.info(
+        "model_loaded",
+        model=target.name,
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        draft=draft.name if draft else None,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    breaker = _breaker_settings(settings, target)
+    engine = SpeculativeEngine(target, draft, breaker)
+    _warm_up(engine)
+    limits = Limits(
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens=settings.max_new_tokens_limit,
+        max_prompt_tokens=min(settings.max_prompt_tokens or target.max_context, target.max_context),
+        max_stop_sequences=settings.max_stop_sequences,
+        max_stop_length=settings.max_stop_length,
+        max_draft_tokens=MAX_DRAFT_TOKENS,
+    )
+    defaults = Defaults(num_draft_tokens=settings.num_draft_tokens, adaptive=settings.adaptive)
+    info = _model_info(settings, engine, limits, calibrated=settings.breaker_threshold < 0)
+    log.info("ready", seconds=round(time.perf_counter() - started, 2))
+    return Runtime(engine=engine, limits=limits, defaults=defaults, info=info)
+
+
+def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
+    if not settings.has_draft:
+        return None
+    eos = target.tokenizer.eos_token_id
+    return KenLMDraft.load(
+        settings.draft,
+        vocab_size=target.vocab_size,
+        fingerprint=tokenizer_fingerprint(target.tokenizer.get_vocab()),
+        min_draft_prob=settings.min_draft_prob,
+        end_token_id=eos,
+    )
+
+
+def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSettings:
+    breaker = BreakerSettings(
+        window_rounds=settings.breaker_window,
+        threshold=max(0.0, settings.breaker_threshold),
+        reset_timeout_s=settings.breaker_reset_timeout_s,
+        fault_max=settings.draft_fault_max,
+        fault_reset_timeout_s=settings.draft_fault_reset_timeout_s,
+        draft_latency_budget_s=settings.draft_latency_budget_ms / 1000.0,
+    )
+    if settings.breaker_threshold >= 0 or not settings.has_draft:
+        return breaker
+    result = calibrate(target, settings.num_draft_tokens)
+    log.info(
+        "breaker_calibrated",
+        k=result.num_draft_tokens,
+        step_ms=round(result.step_seconds * 1000, 2),
+        verify_ms=round(result.verify_seconds * 1000, 2),
+        cost_ratio=round(result.cost_ratio, 3),
+        threshold=round(result.threshold, 3),
+    )
+    return replace(breaker, threshold=result.threshold)
+
+
+def _warm_up(engine: SpeculativeEngine) -> None:
+    """One short generation so lazy initialisation does not land on the first request."""
+    prompt = engine.target.encode_prompt("Hello")
+    generation = engine.start(
+        prompt,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=4),
+        speculation=SpeculationParams(num_draft_tokens=2),
+        request_id="warm-up",
+    )
+    for _ in generation:
+        pass
+
+
+def _model_info(
+    settings: Settings, engine: SpeculativeEngine, limits: Limits, *, calibrated: bool
+) -> pb.ModelInfo:
+    target, breaker = engine.target, engine.breaker
+    draft = engine.draft
+    return pb.ModelInfo(
+        model=target.name,
+        draft=draft.name if draft else "",
+        draft_order=draft.order if isinstance(draft, KenLMDraft) else 0,
+        vocab_size=target.vocab_size,
+        max_context_tokens=target.max_context,
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        num_draft_tokens=settings.num_draft_tokens,
+        adaptive_draft=settings.adaptive,
+        min_draft_prob=settings.min_draft_prob,
+        draft_context=False,
+        breaker=pb.BreakerSettings(
+            window_rounds=breaker.window_rounds,
+            threshold=breaker.threshold,
+            threshold_calibrated=calibrated and draft is not None,
+            reset_timeout_s=breaker.reset_timeout_s,
+            fault_max=breaker.fault_max,
+            draft_latency_budget_ms=breaker.draft_latency_budget_s * 1000.0,
+        ),
+        max_new_tokens_limit=limits.max_new_tokens,
+        default_max_new_tokens=limits.default_max_new_tokens,
+        max_prompt_tokens=limits.max_prompt_tokens,
+        version=__version__,
+    )

@@ -1,0 +1,68 @@
+"""Admission control and the one worker thread that runs every torch call.
+
+Each stream runs one round at a time on the worker and submits its next round only after the
+previous one came back, so the worker's FIFO queue interleaves concurrent streams round by
+round: every stream progresses, and the event loop stays free for health checks and I/O.
+A torch call cannot be interrupted, so a cancelled stream stops after at most the round in
+flight; its rounds still queued are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Overloaded(Exception):
+    """No slot and no room in the queue: the caller should retry later."""
+
+
+class Scheduler:
+    def __init__(self, *, max_active: int, max_queue: int) -> None:
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.active = 0
+        self.waiting = 0
+        self._slots = asyncio.Semaphore(max_active)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-engine")
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of max_active generation slots, waiting in a bounded queue for it."""
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            raise Overloaded(
+                f"server busy: {self.active} streams generating and {self.waiting} queued "
+                f"(limits {self.max_active} and {self.max_queue}); retry later"
+            )
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._slots.release()
+
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        """Run function on the engine thread, with the caller's context (request-bound logs)."""
+        call = functools.partial(contextvars.copy_context().run, function, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, call)
+
+    def submit(self, function: Callable[[], object]) -> None:
+        """Queue function behind every round already submitted; nobody waits for it."""
+        with contextlib.suppress(RuntimeError):  # the worker is already shut down
+            self._worker.submit(function)
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,157 @@
+"""Server settings: one dataclass, filled from CLI flags with KENSPEC_* environment fallbacks.
+
+Every flag `--some-name` falls back to the environment variable `KENSPEC_SOME_NAME`, then to
+the default shown in `--help`. Read once in `__main__`, then passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # model and draft
+    model: str = str(DEFAULT_MODEL)
+    draft: str = str(DEFAULT_DRAFT)
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 0
+    # network
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace_period_s: float = 30.0
+    # speculation
+    num_draft_tokens: int = 4
+    adaptive: bool = True
+    min_draft_prob: float = 0.05
+    # circuit breaker
+    breaker_window: int = 8
+    breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
+    breaker_reset_timeout_s: float = 2.0
+    draft_fault_max: int = 3
+    draft_fault_reset_timeout_s: float = 30.0
+    draft_latency_budget_ms: float = 50.0
+    # limits
+    max_concurrent_streams: int = 8
+    max_queue: int = 32
+    default_max_new_tokens: int = 256
+    max_new_tokens_limit: int = 2048
+    max_prompt_tokens: int = 0  # 0: the model's context length
+    max_stop_sequences: int = 8
+    max_stop_length: int = 128
+    max_message_bytes: int = 1 << 20
+    # logs
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft.lower() not in ("", "none", "off")
+
+
+_HELP = {
+    "model": "target model: a local Hugging Face causal-LM folder (default: the bundled SmolLM2)",
+    "draft": "draft: a KenLM draft folder or ARPA file; 'none' decodes autoregressively only",
+    "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
+    "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
+    "float16",
+    "threads": "torch CPU threads (0: torch's default, one per core)",
+    "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
+    "port": "gRPC port (0: pick a free one and log it)",
+    "grace_period_s": "on SIGTERM, seconds in-flight streams get to finish before being cancelled",
+    "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
+    "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
+    "min_draft_prob": "stop drafting at the first n-gram step below this probability",
+    "breaker_window": "speculative rounds in a request's acceptance window",
+    "breaker_threshold": "acceptance below which a request falls back to plain decoding "
+    "(negative: calibrate the break-even rate from measured verify costs at start-up)",
+    "breaker_reset_timeout_s": "seconds before an open request breaker tries speculation again",
+    "draft_fault_max": "consecutive draft faults that switch the draft off for every request",
+    "draft_fault_reset_timeout_s": "seconds before a faulty draft is tried again",
+    "draft_latency_budget_ms": "a draft proposal slower than this counts as a fault",
+    "max_concurrent_streams": "streams generating at once; more wait in the queue",
+    "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
+    "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
+    "max_prompt_tokens": "longest prompt in tokens (0: the model's context length)",
+    "max_stop_sequences": "most stop sequences per request",
+    "max_stop_length": "longest stop sequence in characters",
+    "max_message_bytes": "largest request message in bytes",
+    "log_format": "console, json, or auto (console on a terminal, else JSON)",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def _flag(name: str) -> str:
+    return (
+        "--"
+        + name.removesuffix("_s").removesuffix("_ms").replace("_", "-")
+        + ("-s" if name.endswith("_s") else "-ms" if name.endswith("_ms") else "")
+    )
+
+
+def env_name(name: str) -> str:
+    return "KENSPEC_" + _flag(name)[2:].replace("-", "_").upper()
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Flags override KENSPEC_* variables, which override the defaults."""
+    environ = os.environ if env is None else env
+    parser = build_parser(environ)
+    namespace = parser.parse_args(argv)
+    return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description="kenspec: speculative decoding over gRPC (KenLM draft, transformers target). "
+        "Every flag can also be set with the KENSPEC_* variable shown.",
+    )
+    defaults = Settings()
+    for field in fields(Settings):
+        default = getattr(defaults, field.name)
+        raw = environ.get(env_name(field.name))
+        value = default if raw is None else _convert(raw, default, parser, field.name)
+        help_text = f"{_HELP[field.name]} [env {env_name(field.name)}; default: %(default)s]"
+        if isinstance(default, bool):
+            parser.add_argument(
+                _flag(field.name),
+                dest=field.name,
+                default=value,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                _flag(field.name),
+                dest=field.name,
+                default=value,
+                type=type(default),
+                metavar=field.name.upper(),
+                help=help_text,
+            )
+    return parser
+
+
+def _convert(raw: str, default: object, parser: argparse.ArgumentParser, name: str) -> object:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes", "on")
+        return type(default)(raw)
+    except ValueError:
+        parser.error(f"{env_name(name)}={raw!r} is not a valid {type(default).__name__}")
+        raise  # unreachable: parser.error exits

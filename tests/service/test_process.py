@@ -1,0 +1,157 @@
+"""The real entry points in subprocesses: `python -m server` drains on SIGTERM; the client CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.api import generator_pb2 as pb
+from client.api import generator_pb2_grpc as pb_grpc
+from tests.engine.drafts import reference_greedy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, draft: Path, *extra: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model),
+            "--draft",
+            str(draft),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--log-format",
+            "json",
+            "--breaker-threshold",
+            "0",
+            "--threads",
+            "1",
+            *extra,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ}
+        )
+        self.events: list[dict] = []
+        self.port = int(self.wait_for("listening")["address"].rsplit(":", 1)[1])
+        self.wait_for("ready")
+
+    def wait_for(self, event: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.process.stderr.readline()
+            if not line:
+                raise AssertionError(f"server exited before {event!r}: {self.events}")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # third-party output such as KenLM's loading progress
+            self.events.append(record)
+            if record.get("event") == event:
+                return record
+        raise AssertionError(f"no {event!r} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def server_process(tiny_model_dir, tiny_draft_path):
+    process = ServerProcess(tiny_model_dir, tiny_draft_path)
+    yield process
+    process.stop()
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero(server_process, tiny_target) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server_process.port}")
+    stub = pb_grpc.GeneratorStub(channel)
+    request = pb.GenerateRequest(
+        prompt="The quick brown fox",
+        stopping=pb.StoppingCriteria(max_new_tokens=200),
+        speculation=pb.SpeculationParameters(mode=pb.SPECULATION_MODE_OFF),
+    )
+    stream = stub.Generate(request, timeout=60)
+    tokens = list(next(stream).token_ids)
+    server_process.process.send_signal(signal.SIGTERM)
+    server_process.wait_for("draining")
+    for response in stream:  # the stream in flight finishes, whole
+        tokens.extend(response.token_ids)
+        last = response
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    expected = reference_greedy(tiny_target, tiny_target.encode_prompt("The quick brown fox"), 200)
+    assert tokens == expected
+    server_process.wait_for("stopped")
+    assert server_process.process.wait(30) == 0
+    channel.close()
+
+
+def run_cli(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "client", "--address", f"127.0.0.1:{port}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_client_cli_against_a_running_server(server_process, tiny_target) -> None:
+    result = run_cli(server_process.port, "-n", "12", "The quick brown fox")
+    assert result.returncode == 0, result.stderr
+    expected = reference_greedy(tiny_target, tiny_target.encode_prompt("The quick brown fox"), 12)
+    assert result.stdout.rstrip("\n") == tiny_target.tokenizer.decode(expected)
+    assert "completion_tokens=12" in result.stderr and "finish_reason=length" in result.stderr
+
+    as_json = run_cli(server_process.port, "--json", "-n", "5", "Hello world")
+    rounds = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert sum(len(r.get("token_ids", [])) for r in rounds) == 5
+    assert rounds[-1]["usage"]["completion_tokens"] == 5
+
+    info = run_cli(server_process.port, "--info")
+    assert json.loads(info.stdout)["vocab_size"] == tiny_target.vocab_size
+
+    bad = run_cli(server_process.port, "--temperature", "-1", "x")
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_bad_model_path_fails_startup_with_a_clear_message(tmp_path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(tmp_path / "missing"),
+            "--draft",
+            "none",
+            "--port",
+            "0",
+            "--log-format",
+            "json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
