@@ -1,0 +1,97 @@
+"""Held-out acceptance of a draft, by replaying the target's own greedy answers.
+
+At temperature 0 the target's output for a prompt is fixed, and speculative decoding reproduces
+it exactly, so a draft's rounds can be simulated without running the target: at each point of
+the answer the draft proposes k tokens, the round accepts the prefix that matches the answer and
+then emits one target token. Tokens per round and per-position acceptance come out exactly as a
+live greedy run would give them (in float32), in microseconds per round instead of a forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from server.engine.draft import Draft
+from server.engine.params import SpeculationParams
+from server.engine.speculator import Speculator
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStats:
+    answers: int
+    tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    drafted_at: tuple[int, ...]  # rounds that drafted a token at position j (1-based: index j-1)
+    accepted_at: tuple[int, ...]  # ... and had it accepted
+    draft_seconds: float
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    @property
+    def microseconds_per_drafted_token(self) -> float:
+        return 1e6 * self.draft_seconds / self.drafted if self.drafted else 0.0
+
+
+def replay(
+    draft: Draft,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    params: SpeculationParams,
+) -> ReplayStats:
+    """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair."""
+    k_max = params.num_draft_tokens
+    drafted_at, accepted_at = [0] * k_max, [0] * k_max
+    rounds = drafted = accepted = tokens = 0
+    seconds = 0.0
+    for prompt, answer in zip(prompts, answers, strict=True):
+        speculator = Speculator(draft.start(prompt), params)
+        position = 0
+        while position < len(answer):
+            started = time.perf_counter()
+            proposal = speculator.propose(limit=len(answer) - position - 1)
+            seconds += time.perf_counter() - started
+            matched = _matching_prefix(proposal.token_ids, answer[position:])
+            for j in range(len(proposal)):
+                drafted_at[j] += 1
+                accepted_at[j] += j < matched
+            emitted = answer[position : position + matched + 1]
+            speculator.record(len(proposal), matched)
+            speculator.extend(emitted)
+            position += len(emitted)
+            rounds += 1
+            drafted += len(proposal)
+            accepted += matched
+        tokens += len(answer)
+    return ReplayStats(
+        answers=len(answers),
+        tokens=tokens,
+        rounds=rounds,
+        drafted=drafted,
+        accepted=accepted,
+        drafted_at=tuple(drafted_at),
+        accepted_at=tuple(accepted_at),
+        draft_seconds=seconds,
+    )
+
+
+def _matching_prefix(proposed: Sequence[int], actual: Sequence[int]) -> int:
+    matched = 0
+    while (
+        matched < len(proposed) and matched < len(actual) and proposed[matched] == actual[matched]
+    ):
+        matched += 1
+    return matched

@@ -1,0 +1,274 @@
+"""Train a KenLM draft for a target model, and measure it.
+
+    python -m server.train_draft text    --model M --text corpus.txt --out corpus.ids
+    python -m server.train_draft distill --model M --prompts train.txt --out corpus.ids
+    python -m server.train_draft train   --model M --corpus corpus.ids --order 4 --out drafts/d
+    python -m server.train_draft eval    --model M --draft drafts/d --answers dev.ids
+
+`text` tokenizes a plain-text corpus (one document per line) with the target's tokenizer;
+`distill` runs the target itself on a prompt file (self-distillation: the draft learns the
+target's own habits; see server/distill.py); `train` runs lmplz and build_binary and writes
+the draft directory (binary model, successor index, draft.json); `eval` replays held-out greedy
+answers (a corpus written by `distill` on a dev prompt file) and reports tokens per round and
+per-position acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from server.draft_eval import ReplayStats, replay
+from server.engine.arpa import read_arpa
+from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
+from server.engine.params import SpeculationParams
+from server.engine.successors import SuccessorIndex
+from server.settings import REPO_ROOT
+
+MODEL_FILE = "model.bin"
+INDEX_FILE = "successors.npz"
+
+
+def kenlm_tool(name: str, tools_dir: str | None = None) -> Path:
+    """lmplz / build_binary: --tools, $KENSPEC_TOOLS_DIR/kenlm/bin, <repo>/tools/kenlm/bin, PATH."""
+    candidates = [Path(tools_dir) / name] if tools_dir else []
+    if os.environ.get("KENSPEC_TOOLS_DIR"):
+        candidates.append(Path(os.environ["KENSPEC_TOOLS_DIR"]) / "kenlm" / "bin" / name)
+    candidates.append(REPO_ROOT / "tools" / "kenlm" / "bin" / name)
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise FileNotFoundError(
+        f"KenLM's {name} not found; build it with `bash scripts/build_kenlm_tools.sh`"
+    )
+
+
+def tokenize_text(model: Path, text: Path, out: Path) -> int:
+    """One line of token ids per non-empty line of text; returns the number of tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    count = 0
+    with text.open(encoding="utf-8") as source, out.open("w", encoding="utf-8") as sink:
+        for line in source:
+            if line.strip():
+                ids = tokenizer(line.rstrip("\n"), add_special_tokens=False)["input_ids"]
+                sink.write(" ".join(map(str, ids)) + "\n")
+                count += len(ids)
+    return count
+
+
+def train(
+    model: Path,
+    corpus: Path,
+    out: Path,
+    *,
+    order: int = 4,
+    prune: Sequence[int] = (),
+    memory: str = "25%",
+    tools_dir: str | None = None,
+) -> dict:
+    """lmplz -> ARPA -> build_binary (trie, unquantized: the index needs KenLM's exact floats)."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        arpa = Path(scratch) / "model.arpa"
+        command = [
+            str(kenlm_tool("lmplz", tools_dir)),
+            "-o",
+            str(order),
+            "-S",
+            memory,
+            "-T",
+            scratch,
+            "--discount_fallback",
+        ]
+        if prune:
+            command += ["--prune", *map(str, prune)]
+        with corpus.open("rb") as source, arpa.open("wb") as sink:
+            subprocess.run(command, stdin=source, stdout=sink, check=True)
+        subprocess.run(
+            [
+                str(kenlm_tool("build_binary", tools_dir)),
+                "-s",
+                "trie",
+                str(arpa),
+                str(out / MODEL_FILE),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        tables = read_arpa(arpa, vocab_size=len(tokenizer))
+        SuccessorIndex.from_tables(tables).save(out / INDEX_FILE, tables)
+    manifest = {
+        "model": MODEL_FILE,
+        "successors": INDEX_FILE,
+        "order": order,
+        "prune": list(prune),
+        "vocab_size": _vocab_size(model, tokenizer),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer.get_vocab()),
+        "target": str(model),
+        "corpus": corpus.name,
+        "corpus_lines": sum(1 for _ in corpus.open()),
+        "corpus_tokens": sum(len(line.split()) for line in corpus.open()),
+        "ngrams": [len(table.ids) for table in tables],
+        "trained_at": time.strftime("%Y-%m-%d", time.gmtime()),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _vocab_size(model: Path, tokenizer) -> int:  # type: ignore[no-untyped-def]
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("vocab_size") or len(tokenizer))
+
+
+def load_answers(model: Path, answers: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts (chat-rendered) and answers of a `distill` corpus; EOS kept where it ended one."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    records = [json.loads(line) for line in answers.with_suffix(".jsonl").open()]
+    id_lines = answers.read_text().splitlines()
+    prompts, replies = [], []
+    for record, line in zip(records, id_lines, strict=True):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": record["prompt"]}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        reply = [int(token) for token in line.split()]
+        if record.get("stop") == "eos":
+            reply.append(tokenizer.eos_token_id)
+        replies.append(reply)
+    return prompts, replies
+
+
+def evaluate(
+    model: Path, draft_path: Path, answers: Path, *, k: int, adaptive: bool, min_draft_prob: float
+) -> ReplayStats:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    draft = KenLMDraft.load(
+        draft_path,
+        vocab_size=_vocab_size(model, tokenizer),
+        fingerprint=tokenizer_fingerprint(tokenizer.get_vocab()),
+        min_draft_prob=min_draft_prob,
+        end_token_id=tokenizer.eos_token_id,
+    )
+    prompts, replies = load_answers(model, answers)
+    params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
+    return replay(draft, prompts, replies, params)
+
+
+def report(stats: ReplayStats, label: str = "") -> str:
+    positions = " ".join(f"{p:.2f}" for p in stats.per_position)
+    return (
+        f"{label}answers={stats.answers} tokens={stats.tokens} rounds={stats.rounds} "
+        f"tokens/round={stats.tokens_per_round:.3f} acceptance={stats.acceptance:.3f} "
+        f"per-position=[{positions}] draft={stats.microseconds_per_drafted_token:.1f}us/token"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server.train_draft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    text = commands.add_parser("text", help="tokenize a text corpus into token-id sentences")
+    text.add_argument("--model", type=Path, required=True)
+    text.add_argument("--text", type=Path, required=True, help="one document per line")
+    text.add_argument("--out", type=Path, required=True)
+    commands.add_parser(
+        "distill", help="self-distil a corpus (see python -m server.distill -h)", add_help=False
+    )
+    fit = commands.add_parser("train", help="lmplz + build_binary + successor index")
+    fit.add_argument("--model", type=Path, required=True)
+    fit.add_argument("--corpus", type=Path, required=True, help="token-id sentences, one a line")
+    fit.add_argument("--out", type=Path, required=True, help="draft directory to write")
+    fit.add_argument("--order", type=int, default=4)
+    fit.add_argument(
+        "--prune",
+        type=int,
+        nargs="*",
+        default=[],
+        help="lmplz --prune thresholds per order, e.g. 0 0 1",
+    )
+    fit.add_argument("--memory", default="25%", help="lmplz -S")
+    fit.add_argument("--tools", default=None, help="folder holding lmplz and build_binary")
+    fit.add_argument(
+        "--eval-answers",
+        type=Path,
+        default=None,
+        help="a distill corpus of held-out answers to report acceptance on",
+    )
+    check = commands.add_parser("eval", help="held-out acceptance by replaying greedy answers")
+    check.add_argument("--model", type=Path, required=True)
+    check.add_argument("--draft", type=Path, required=True)
+    check.add_argument("--answers", type=Path, required=True, help="corpus.ids from `distill`")
+    check.add_argument("--k", type=int, default=4)
+    check.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
+    check.add_argument("--min-draft-prob", type=float, default=0.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["distill"]:
+        from server import distill
+
+        return distill.main(args_list[1:])
+    args = build_parser().parse_args(args_list)
+    if args.command == "text":
+        count = tokenize_text(args.model, args.text, args.out)
+        print(f"wrote {count} tokens to {args.out}")
+    elif args.command == "train":
+        manifest = train(
+            args.model,
+            args.corpus,
+            args.out,
+            order=args.order,
+            prune=args.prune,
+            memory=args.memory,
+            tools_dir=args.tools,
+        )
+        print(json.dumps(manifest, indent=2))
+        if args.eval_answers:
+            for k, adaptive in ((4, False), (4, True)):
+                stats = evaluate(
+                    args.model,
+                    args.out,
+                    args.eval_answers,
+                    k=k,
+                    adaptive=adaptive,
+                    min_draft_prob=0.0,
+                )
+                print(report(stats, f"k={k} adaptive={adaptive}: "))
+    else:
+        stats = evaluate(
+            args.model,
+            args.draft,
+            args.answers,
+            k=args.k,
+            adaptive=args.adaptive,
+            min_draft_prob=args.min_draft_prob,
+        )
+        print(report(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
