@@ -9,6 +9,7 @@ import torch
 
 from server.engine.target import TargetModel
 from tests import tiny
+from tests.engine.drafts import reference_greedy
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
 
@@ -31,3 +32,14 @@ def word_target(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
     words = ["red", "green", "blue", "cat", "dog", "runs", "sleeps", "and", "the"]
     tiny.save_tiny_model(directory, tiny.build_word_tokenizer(words), seed=3, layers=1)
     return TargetModel.load(directory, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_path(tiny_target, tmp_path_factory) -> Path:
+    """A trigram over the first tokens of the tiny model's greedy answers: partly matching."""
+    sentences = [
+        reference_greedy(tiny_target, tiny_target.encode_prompt(prompt), 10)
+        for prompt in tiny.PROMPTS
+    ]
+    path = tmp_path_factory.mktemp("draft") / "tiny.arpa"
+    return tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)

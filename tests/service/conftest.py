@@ -13,19 +13,6 @@ from client.api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
-from tests import tiny
-from tests.engine.drafts import reference_greedy
-
-
-@pytest.fixture(scope="session")
-def tiny_draft_path(tiny_target, tmp_path_factory) -> Path:
-    """A trigram over the first tokens of the tiny model's greedy answers: partly matching."""
-    sentences = [
-        reference_greedy(tiny_target, tiny_target.encode_prompt(prompt), 10)
-        for prompt in tiny.PROMPTS
-    ]
-    path = tmp_path_factory.mktemp("draft") / "tiny.arpa"
-    return tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,200 @@
+"""`python -m bench`: kenspec against transformers, side by side, on the default model and draft.
+
+Writes results.json, results.md and PNG plots to --out. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench.concurrency import concurrency_sweep
+from bench.report import write_report
+from bench.runners import Mode
+from bench.suite import greedy_agreement, run_case, summarize
+from server.runtime import load_runtime
+from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    parser.add_argument("--prompts-dir", type=Path, default=REPO_ROOT / "prompts")
+    parser.add_argument("--sets", nargs="+", default=["dev", "ood"], help="prompt files")
+    parser.add_argument("--limit", type=int, default=12, help="prompts per set (0: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--dtypes", nargs="+", default=["auto"], help="auto, float32, bfloat16")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens (and lookup tokens)")
+    parser.add_argument("--k-sweep", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8])
+    parser.add_argument("--k-sweep-limit", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    return parser.parse_args(argv)
+
+
+def modes(k: int) -> list[Mode]:
+    return [
+        Mode("hf_generate", "hf"),
+        Mode("hf_prompt_lookup", "hf_lookup", k=k),
+        Mode("kenspec_ar", "kenspec", k=0),
+        Mode("kenspec_spec_fixed", "kenspec", k=k, adaptive=False),
+        Mode("kenspec_spec_adaptive", "kenspec", k=k, adaptive=True),
+    ]
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return prompts[:limit] if limit else prompts
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    texts = {name: read_prompts(args.prompts_dir / f"{name}.txt", args.limit) for name in args.sets}
+    results: dict = {"machine": machine(), "args": _jsonable(vars(args)), "cases": []}
+    engine_ttft = {}
+    for dtype in args.dtypes:
+        runtime = load_runtime(
+            Settings(
+                model=args.model,
+                draft=args.draft,
+                dtype=dtype,
+                device=args.device,
+                num_draft_tokens=args.k,
+            )
+        )
+        engine = runtime.engine
+        resolved = runtime.info.dtype
+        results["calibration_threshold_" + resolved] = runtime.info.breaker.threshold
+        log(
+            f"loaded {runtime.info.model} ({resolved}); breaker threshold "
+            f"{runtime.info.breaker.threshold:.3f}"
+        )
+        prompt_ids = {
+            name: [engine.target.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+            for name, prompts in texts.items()
+        }
+        for name, prompts in prompt_ids.items():
+            for temperature in args.temperatures:
+                log(f"{name} t={temperature} {resolved}: {len(prompts)} prompts x 5 modes")
+                runs = run_case(
+                    engine,
+                    modes(args.k),
+                    prompts,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=temperature,
+                    progress=log,
+                )
+                case = {
+                    "prompt_set": name,
+                    "temperature": temperature,
+                    "dtype": resolved,
+                    "summary": summarize(runs),
+                }
+                if temperature == 0:
+                    case["greedy_agreement_with_hf"] = greedy_agreement(runs, "hf_generate")
+                    if name == args.sets[0]:
+                        engine_ttft[resolved] = case["summary"]["kenspec_spec_adaptive"][
+                            "ttft_ms_median"
+                        ]
+                results["cases"].append(case)
+        if args.k_sweep:
+            results.setdefault("k_sweep", {})[resolved] = k_sweep(
+                engine, prompt_ids[args.sets[0]][: args.k_sweep_limit], args
+            )
+    if args.concurrency:
+        log(f"concurrency sweep {args.concurrency} through gRPC")
+        server_args = [
+            "--model",
+            args.model,
+            "--draft",
+            args.draft,
+            "--dtype",
+            args.dtypes[0],
+            "--device",
+            args.device,
+            "--num-draft-tokens",
+            str(args.k),
+            "--max-concurrent-streams",
+            str(max(args.concurrency)),
+        ]
+        sweep = concurrency_sweep(
+            server_args,
+            texts[args.sets[0]],
+            args.concurrency,
+            requests_per_stream=args.requests_per_stream,
+            max_new_tokens=args.max_new_tokens,
+        )
+        results["concurrency"] = sweep
+        first = next(iter(engine_ttft.values()), None)
+        if first is not None and sweep and sweep[0]["streams"] == 1:
+            results["grpc_ttft_overhead_ms"] = sweep[0]["ttft_ms_p50"] - first
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(results, args.out)
+    log(f"wrote {args.out}/results.json, results.md and plots")
+    return 0
+
+
+def k_sweep(engine, prompts, args: argparse.Namespace) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Greedy tokens/s of fixed-k speculation for each k, against AR, on the first prompt set."""
+    sweep_modes = [Mode("kenspec_ar", "kenspec", k=0)]
+    sweep_modes += [Mode(f"k={k}", "kenspec", k=k, adaptive=False) for k in args.k_sweep]
+    log(f"k sweep {args.k_sweep} on {len(prompts)} prompts")
+    runs = run_case(
+        engine,
+        sweep_modes,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        progress=log,
+    )
+    summary = summarize(runs)
+    return [
+        {"k": 0 if mode.k == 0 else mode.k, "mode": mode.name, **summary[mode.name]}
+        for mode in sweep_modes
+    ]
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _jsonable(values: dict) -> dict:
+    return {key: str(value) if isinstance(value, Path) else value for key, value in values.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Concurrency sweep through a real `python -m server` process and the bundled async client."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.suite import percentile
+from client import AsyncClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ServerProcess:
+    """`python -m server` on a free port; waits for the `ready` log event."""
+
+    def __init__(self, args: Sequence[str], timeout: float = 600) -> None:
+        command = [sys.executable, "-m", "server", "--port", "0", "--log-format", "json", *args]
+        self.process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        self.port = 0
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.process.stderr.readline()
+            if not line:
+                raise RuntimeError(f"server exited with {self.process.wait()} before it was ready")
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "listening":
+                self.port = int(event["address"].rsplit(":", 1)[1])
+            if event.get("event") == "ready":
+                return
+        raise TimeoutError("server not ready in time")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+async def _one_stream(client: AsyncClient, prompt: str, max_new_tokens: int) -> dict:
+    started = time.perf_counter()
+    times, tokens = [], 0
+    async for round_ in client.generate(
+        messages=[("user", prompt)], max_new_tokens=max_new_tokens, timeout=600
+    ):
+        times.append(time.perf_counter() - started)
+        tokens += len(round_.token_ids)
+    return {"tokens": tokens, "times": times}
+
+
+async def sweep_level(
+    address: str,
+    prompts: Sequence[str],
+    streams: int,
+    requests_per_stream: int,
+    max_new_tokens: int,
+) -> dict:
+    async with AsyncClient(address) as client:
+        queue = [prompts[i % len(prompts)] for i in range(streams * requests_per_stream)]
+
+        async def worker(offset: int) -> list[dict]:
+            return [
+                await _one_stream(client, queue[i], max_new_tokens)
+                for i in range(offset, len(queue), streams)
+            ]
+
+        started = time.perf_counter()
+        done = await asyncio.gather(*(worker(i) for i in range(streams)))
+        wall = time.perf_counter() - started
+    runs = [run for group in done for run in group]
+    ttft = [run["times"][0] for run in runs if run["times"]]
+    gaps = [b - a for run in runs for a, b in itertools.pairwise(run["times"])]
+    tokens = sum(run["tokens"] for run in runs)
+    return {
+        "streams": streams,
+        "requests": len(runs),
+        "tokens": tokens,
+        "wall_s": wall,
+        "aggregate_tokens_per_s": tokens / wall,
+        "ttft_ms_p50": 1000 * percentile(ttft, 0.5),
+        "ttft_ms_p95": 1000 * percentile(ttft, 0.95),
+        "inter_round_ms_p50": 1000 * percentile(gaps, 0.5),
+        "inter_round_ms_p95": 1000 * percentile(gaps, 0.95),
+    }
+
+
+def concurrency_sweep(
+    server_args: Sequence[str],
+    prompts: Sequence[str],
+    levels: Sequence[int],
+    *,
+    requests_per_stream: int,
+    max_new_tokens: int,
+) -> list[dict]:
+    server = ServerProcess(server_args)
+    try:
+        return [
+            asyncio.run(
+                sweep_level(server.address, prompts, level, requests_per_stream, max_new_tokens)
+            )
+            for level in levels
+        ]
+    finally:
+        server.stop()
