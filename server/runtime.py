@@ -85,17 +85,22 @@ def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSetting
         fault_reset_timeout_s=settings.draft_fault_reset_timeout_s,
         draft_latency_budget_s=settings.draft_latency_budget_ms / 1000.0,
     )
-    if settings.breaker_threshold >= 0 or not settings.has_draft:
+    if not settings.has_draft or (settings.breaker_threshold >= 0 and not settings.pad_verify):
         return breaker
     result = calibrate(target, settings.num_draft_tokens)
+    if settings.pad_verify:
+        target.verify_widths = result.widths
     log.info(
-        "breaker_calibrated",
+        "calibrated",
         k=result.num_draft_tokens,
         step_ms=round(result.step_seconds * 1000, 2),
         verify_ms=round(result.verify_seconds * 1000, 2),
         cost_ratio=round(result.cost_ratio, 3),
-        threshold=round(result.threshold, 3),
+        break_even_acceptance=round(result.threshold, 3),
+        padded_widths=result.widths,
     )
+    if settings.breaker_threshold >= 0:
+        return breaker
     return replace(breaker, threshold=result.threshold)
 
 

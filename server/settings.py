@@ -33,6 +33,7 @@ class Settings:
     num_draft_tokens: int = 4
     adaptive: bool = True
     min_draft_prob: float = 0.05
+    pad_verify: bool = True
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -71,6 +72,8 @@ _HELP = {
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
     "min_draft_prob": "stop drafting at the first n-gram step below this probability",
+    "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
+    "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
     "breaker_window": "speculative rounds in a request's acceptance window",
     "breaker_threshold": "acceptance below which a request falls back to plain decoding "
     "(negative: calibrate the break-even rate from measured verify costs at start-up)",

@@ -10,7 +10,7 @@ import torch
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
 from server.engine.rounds import FinishReason, Mode, Round, Usage
-from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
+from server.engine.sampling import LogitRows, accept_greedy, accept_sampled
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 
@@ -76,10 +76,12 @@ class Generation:
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
         drafts = list(self._speculator.propose(limit=remaining - 1).token_ids)
-        logits = self._target.forward(self._cache, [self._pending, *drafts])
+        width = self._target.padded_width(1 + len(drafts), self._cache.get_seq_length())
+        padding = [self._pending] * (width - 1 - len(drafts))  # scored, never read, cropped
+        logits = self._target.forward(self._cache, [self._pending, *drafts, *padding])
         emitted = self._verify(drafts, logits)
         accepted = len(emitted) - 1
-        self._target.rollback(self._cache, len(drafts) - accepted)
+        self._target.rollback(self._cache, width - 1 - accepted)
         self._speculator.record(len(drafts), accepted)
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)
 
@@ -87,10 +89,10 @@ class Generation:
         """Free the KV cache (done automatically when the generation finishes)."""
         self._cache = None  # type: ignore[assignment]
 
-    def _verify(self, drafts: list[int], logits: torch.Tensor) -> list[int]:
+    def _verify(self, drafts: list[int], logits: LogitRows) -> list[int]:
         if self._sampling.greedy:
             return accept_greedy(drafts, logits)
-        return accept_sampled(drafts, warp_logits(logits, self._sampling), self._generator)
+        return accept_sampled(drafts, logits, self._sampling, self._generator)
 
     def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""

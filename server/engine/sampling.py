@@ -13,6 +13,8 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from server.engine.params import SamplingParams
@@ -44,30 +46,41 @@ def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
-def accept_greedy(draft_ids: list[int], logits: torch.Tensor) -> list[int]:
+class LogitRows(Protocol):
+    """Next-token logits by position: a [positions, vocab] tensor, or LazyLogits."""
+
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+
+def accept_greedy(draft_ids: list[int], logits: LogitRows) -> list[int]:
     """Tokens a greedy round emits: the matching draft prefix plus the target's own next token.
 
-    logits: [len(draft_ids) + 1, vocab_size], row i scores the position of draft_ids[i].
+    logits[i] scores the position of draft_ids[i] (logits[len(draft_ids)] the bonus position);
+    rows past the first mismatch are never read.
     """
-    targets = logits.argmax(dim=-1).tolist()
-    return _emit(draft_ids, targets)
+    for position, draft in enumerate(draft_ids):
+        target = int(logits[position].argmax())
+        if target != draft:
+            return [*draft_ids[:position], target]
+    return [*draft_ids, int(logits[len(draft_ids)].argmax())]
 
 
 def accept_sampled(
-    draft_ids: list[int], probs: torch.Tensor, generator: torch.Generator
+    draft_ids: list[int], logits: LogitRows, params: SamplingParams, generator: torch.Generator
 ) -> list[int]:
-    """Tokens a sampled round emits: y_i ~ p_i, accepted while y_i equals the draft.
+    """Tokens a sampled round emits: y_i ~ p_i (warped), accepted while y_i equals the draft.
 
-    probs: [len(draft_ids) + 1, vocab_size], already warped (see warp_logits). The samples past
-    the first mismatch are drawn but discarded, so each emitted token is an independent draw
-    from the target's conditional distribution.
+    Each y_i is drawn from the target's conditional distribution given the accepted prefix, so
+    the emitted tokens are distributed exactly as plain sampling; nothing past the first
+    mismatch is computed or drawn.
     """
-    targets = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1).tolist()
-    return _emit(draft_ids, targets)
+    for position, draft in enumerate(draft_ids):
+        target = _sample(logits[position], params, generator)
+        if target != draft:
+            return [*draft_ids[:position], target]
+    return [*draft_ids, _sample(logits[len(draft_ids)], params, generator)]
 
 
-def _emit(draft_ids: list[int], targets: list[int]) -> list[int]:
-    accepted = 0
-    while accepted < len(draft_ids) and draft_ids[accepted] == targets[accepted]:
-        accepted += 1
-    return [*draft_ids[:accepted], targets[accepted]]
+def _sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    probs = warp_logits(row[None], params)
+    return int(torch.multinomial(probs, num_samples=1, generator=generator))

@@ -18,6 +18,35 @@ from transformers import (
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Architectures whose logits are exactly lm_head(last_hidden_state): no bias, scaling or capping.
+# For these, rows of logits are computed one at a time and only when the verification needs them.
+_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2"})
+
+
+class LazyLogits:
+    """Next-token logits of a forward pass, one row at a time, computed on first access.
+
+    A verification reads row i only if drafts 1..i were all accepted, so on average it needs
+    "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
+    matrix of a small model, and a single-row product against its transposed copy (a GEMV over
+    contiguous memory) is the cheapest way to read it on a CPU.
+    """
+
+    def __init__(self, hidden: torch.Tensor, head_t: torch.Tensor) -> None:
+        self._hidden = hidden  # [positions, hidden_size]
+        self._head_t = head_t  # [hidden_size, vocab]
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return int(self._hidden.shape[0])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        row = self._rows.get(index)
+        if row is None:
+            with torch.inference_mode():
+                row = (self._hidden[index] @ self._head_t).float()
+            self._rows[index] = row
+        return row
 
 
 class TargetLoadError(RuntimeError):
@@ -68,6 +97,8 @@ class TargetModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     max_context: int
+    head_t: torch.Tensor | None = None  # transposed output layer for LazyLogits (None: generic)
+    verify_widths: dict[int, int] | None = None  # pass width -> cheaper padded width, measured
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -85,6 +116,9 @@ class TargetModel:
             ) from error
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model.to(resolved_device).eval()
+        head_t = None
+        if config.model_type in _PLAIN_HEAD_TYPES and model.lm_head.bias is None:
+            head_t = model.lm_head.weight.detach().t().contiguous()
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -93,6 +127,7 @@ class TargetModel:
             dtype=resolved_dtype,
             eos_token_ids=_eos_ids(model, tokenizer),
             max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
+            head_t=head_t,
         )
 
     @property
@@ -115,9 +150,16 @@ class TargetModel:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
-        """Append token_ids to the cache; next-token logits [len(token_ids), vocab] in fp32."""
+    def forward(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor | LazyLogits:
+        """Append token_ids to the cache; next-token logits for each, rows [vocab] in fp32.
+
+        Returns a LazyLogits (rows computed on access) where the architecture allows it, else
+        the full [len(token_ids), vocab] tensor; both are indexed the same way.
+        """
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        if self.head_t is not None:
+            hidden = self.model.model(input_ids=input_ids, cache=cache, use_cache=True)
+            return LazyLogits(hidden.last_hidden_state[0], self.head_t)
         output = self.model(
             input_ids=input_ids,
             cache=cache,
@@ -125,6 +167,12 @@ class TargetModel:
             logits_to_keep=len(token_ids),
         )
         return output.logits[0].float()
+
+    def padded_width(self, width: int, cache_length: int) -> int:
+        """A pass of `width` tokens costs more than a wider one on some CPUs (small-GEMM kernels):
+        the measured cheapest width >= `width`, within the context."""
+        padded = (self.verify_widths or {}).get(width, width)
+        return padded if cache_length + padded <= self.max_context else width
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, token_ids: Sequence[int]) -> None:

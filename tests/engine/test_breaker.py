@@ -249,14 +249,28 @@ def test_calibrated_threshold_comes_from_measured_costs(tiny_target, monkeypatch
 
     def fake_costs(target, widths, context_tokens, repeats):
         measured["widths"] = widths
-        return [0.040, 0.070]  # a fake cost model: a 5-token pass costs 1.75 steps
+        return [0.040, 0.066, 0.079, 0.072, 0.070]  # a fake cost model: 5 tokens cost 1.75 steps
 
     monkeypatch.setattr(calibration, "measure_pass_seconds", fake_costs)
     result = calibrate(tiny_target, k=4)
-    assert measured["widths"] == [1, 5]
+    assert measured["widths"] == [1, 2, 3, 4, 5]
+    assert result.widths == {3: 5}  # 2 is cheaper than 5; 4 -> 5 saves less than 5%
     assert result.cost_ratio == pytest.approx(1.75)
     assert result.threshold == pytest.approx(break_even_acceptance(1.75, 4))
     assert expected_tokens_per_round(result.threshold, 4) == pytest.approx(1.75, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("costs", "padded"),
+    [
+        ({1: 40, 2: 66, 3: 79, 4: 72, 5: 67}, {3: 5, 4: 5}),
+        ({1: 40, 2: 90, 3: 79, 4: 72, 5: 67}, {2: 5, 3: 5, 4: 5}),
+        ({1: 40, 2: 50, 3: 60}, {}),  # monotonic: nothing to gain
+        ({1: 10, 2: 30, 3: 20, 4: 20}, {2: 3}),  # ties go to the narrower width
+    ],
+)
+def test_cheapest_widths(costs, padded) -> None:
+    assert calibration.cheapest_widths(costs) == padded
 
 
 def test_calibration_measures_the_real_model(tiny_target) -> None:

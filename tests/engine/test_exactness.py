@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from server.engine.kenlm_draft import KenLMDraft
@@ -104,3 +106,13 @@ def test_chat_prompt_matches_plain_greedy(tiny_target, partly_matching) -> None:
     generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
     list(generation)
     assert generation.output_ids == reference_greedy(tiny_target, ids, MAX_NEW)
+
+
+def test_generic_logits_path_and_padded_passes_are_exact(tiny_target, references, partly_matching):
+    """Models outside the plain-head list take full logits; padded passes change nothing."""
+    generic = dataclasses.replace(tiny_target, head_t=None, verify_widths={2: 5, 3: 5, 4: 5})
+    for ids, expected in list(references.values())[:8]:
+        generation = generate(generic, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
+        rounds = list(generation)
+        assert generation.output_ids == expected
+        assert any(0 < r.drafted < 4 for r in rounds)  # some passes really were padded

@@ -36,9 +36,29 @@ def test_accept_greedy(drafts: list[int], argmaxes: list[int], emitted: list[int
 
 
 def test_accept_sampled_with_one_hot_target_is_deterministic() -> None:
-    probs = torch.nn.functional.one_hot(torch.tensor([5, 7, 2, 4]), 8).float()
+    logits = logits_with_argmax([5, 7, 2, 4]) * 100  # all mass on the argmax after softmax
     generator = torch.Generator().manual_seed(0)
-    assert accept_sampled([5, 7, 1], probs, generator) == [5, 7, 2]
+    assert accept_sampled([5, 7, 1], logits, SamplingParams(1.0), generator) == [5, 7, 2]
+
+
+class CountingRows:
+    """Logit rows that record which positions were read."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.read = logits, []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.read.append(index)
+        return self.logits[index]
+
+
+def test_rows_past_the_first_mismatch_are_never_read() -> None:
+    rows = CountingRows(logits_with_argmax([5, 6, 1, 4]))
+    assert accept_greedy([5, 7, 1], rows) == [5, 6]
+    assert rows.read == [0, 1]
+    rows = CountingRows(logits_with_argmax([5, 6, 1, 4]) * 100)
+    assert accept_sampled([5, 7, 1], rows, SamplingParams(1.0), torch.Generator()) == [5, 6]
+    assert rows.read == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -107,7 +127,7 @@ def exact_joint(target: TargetModel, prompt_ids: list[int], params: SamplingPara
 
 
 def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
-    return target.forward(target.new_cache(), ids)[-1:]
+    return target.forward(target.new_cache(), ids)[len(ids) - 1][None]
 
 
 def speculative_samples(target, prompt_ids, params, draft, *, rule=None) -> list[tuple[int, int]]:
@@ -177,7 +197,7 @@ def test_distribution_check_rejects_an_always_accept_rule(word_target) -> None:
     draft = likely_draft(word_target, prompt_ids, params)
 
     def always_accept(drafts, logits):
-        bonus = torch.multinomial(warp_logits(logits[-1:], params), 1).item()
+        bonus = torch.multinomial(warp_logits(logits[len(drafts)][None], params), 1).item()
         return [*drafts, bonus]
 
     samples = speculative_samples(word_target, prompt_ids, params, draft, rule=always_accept)
