@@ -29,6 +29,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
     parser.add_argument("--prompts-dir", type=Path, default=REPO_ROOT / "prompts")
     parser.add_argument("--sets", nargs="+", default=["dev", "ood"], help="prompt files")
+    parser.add_argument(
+        "--draft-sets",
+        nargs="*",
+        default=["dev", "ood", "grounded"],
+        help="prompt files for the draft comparison (greedy)",
+    )
     parser.add_argument("--limit", type=int, default=12, help="prompts per set (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
@@ -51,6 +57,17 @@ def modes(k: int) -> list[Mode]:
         Mode("kenspec_ar", "kenspec", k=0),
         Mode("kenspec_spec_fixed", "kenspec", k=k, adaptive=False),
         Mode("kenspec_spec_adaptive", "kenspec", k=k, adaptive=True),
+    ]
+
+
+def draft_modes(k: int) -> list[Mode]:
+    """Which draft: KenLM alone, the request's context alone, both (issue: context draft)."""
+    return [
+        Mode("kenspec_ar", "kenspec", k=0),
+        Mode("kenlm_only", "kenspec", k=k, adaptive=True, draft_context=False),
+        Mode("context_only", "kenspec", k=k, adaptive=True, draft_context=True, static=False),
+        Mode("kenlm+context", "kenspec", k=k, adaptive=True, draft_context=True),
+        Mode("hf_prompt_lookup", "hf_lookup", k=k),
     ]
 
 
@@ -119,6 +136,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.k_sweep:
             results.setdefault("k_sweep", {})[resolved] = k_sweep(
                 engine, prompt_ids[args.sets[0]][: args.k_sweep_limit], args
+            )
+        for name in args.draft_sets:
+            prompts = [
+                engine.target.encode_chat([{"role": "user", "content": p}])
+                for p in read_prompts(args.prompts_dir / f"{name}.txt", args.limit)
+            ]
+            log(f"draft comparison on {name} ({resolved}): {len(prompts)} prompts")
+            runs = run_case(
+                engine,
+                draft_modes(args.k),
+                prompts,
+                max_new_tokens=args.max_new_tokens,
+                temperature=0.0,
+                progress=log,
+            )
+            results.setdefault("drafts", []).append(
+                {"prompt_set": name, "dtype": resolved, "summary": summarize(runs)}
             )
     if args.concurrency:
         log(f"concurrency sweep {args.concurrency} through gRPC")

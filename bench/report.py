@@ -17,6 +17,8 @@ MODE_ORDER = [
     "kenspec_spec_adaptive",
 ]
 
+DRAFT_ORDER = ["kenspec_ar", "kenlm_only", "context_only", "kenlm+context", "hf_prompt_lookup"]
+
 
 def write_report(results: dict, out: Path) -> None:
     (out / "results.md").write_text(markdown(results))
@@ -63,6 +65,21 @@ def markdown(results: dict) -> str:
     if agreement:
         lines += ["", "Greedy outputs identical to transformers `generate` (share of prompts):"]
         lines += agreement
+    if results.get("drafts"):
+        lines += [
+            "",
+            "Drafts (greedy, adaptive k): tokens/round and tokens/s",
+            "",
+            "| set | dtype | " + " | ".join(DRAFT_ORDER) + " |",
+            "|---|---|" + "---|" * len(DRAFT_ORDER),
+        ]
+        for case in results["drafts"]:
+            cells = [
+                f"{case['summary'][m]['tokens_per_round']:.2f} / "
+                f"{case['summary'][m]['tokens_per_s_median']:.1f}"
+                for m in DRAFT_ORDER
+            ]
+            lines.append(f"| {case['prompt_set']} | {case['dtype']} | " + " | ".join(cells) + " |")
     if results.get("k_sweep"):
         lines += ["", "| dtype | k | tok/s | tok/round |", "|---|---|---|---|"]
         for dtype, rows in results["k_sweep"].items():

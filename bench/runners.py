@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -27,6 +27,8 @@ class Mode:
     kind: str  # "hf", "hf_lookup", "kenspec"
     k: int = 0  # draft tokens (prompt lookup tokens for hf_lookup); 0 = no speculation
     adaptive: bool = False
+    draft_context: bool | None = None  # None: the server default; True/False: force it
+    static: bool = True  # False: the request's context alone, no KenLM
 
 
 @dataclass(slots=True)
@@ -116,12 +118,17 @@ def run_kenspec(
     seed: int,
     index: int,
 ) -> RunResult:
+    if not mode.static:
+        engine = _context_only(engine)
     generation = engine.start(
         prompt_ids,
         sampling=SamplingParams(temperature=temperature, seed=seed),
         stopping=StoppingParams(max_new_tokens=max_new_tokens),
         speculation=SpeculationParams(
-            enabled=mode.k > 0, num_draft_tokens=max(mode.k, 1), adaptive=mode.adaptive
+            enabled=mode.k > 0,
+            num_draft_tokens=max(mode.k, 1),
+            adaptive=mode.adaptive,
+            draft_context=mode.draft_context,
         ),
         request_id=f"bench-{index}",
     )
@@ -135,6 +142,18 @@ def run_kenspec(
         result.breaker_opened |= round_.breaker_state.value != "closed"
     result.seconds = time.perf_counter() - started
     return result
+
+
+_CONTEXT_ONLY: dict[int, SpeculativeEngine] = {}
+
+
+def _context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
+    """The same target and breaker settings, drafting from the request's context alone."""
+    key = id(engine)
+    if key not in _CONTEXT_ONLY:
+        context = replace(engine.context, enabled=True)
+        _CONTEXT_ONLY[key] = SpeculativeEngine(engine.target, None, engine.breaker, context=context)
+    return _CONTEXT_ONLY[key]
 
 
 def run(engine: SpeculativeEngine, mode: Mode, prompt_ids: Sequence[int], **kwargs) -> RunResult:

@@ -116,9 +116,9 @@ def _speculation(
 ) -> SpeculationParams:
     if speculation.mode not in pb.SpeculationMode.values():
         raise InvalidParameter("speculation.mode", f"unknown mode {speculation.mode}")
-    if speculation.draft_context == pb.DRAFT_CONTEXT_ON:
+    if speculation.draft_context not in pb.DraftContext.values():
         raise InvalidParameter(
-            "speculation.draft_context", "this server's draft does not support context drafting"
+            "speculation.draft_context", f"unknown value {speculation.draft_context}"
         )
     k = speculation.num_draft_tokens or defaults.num_draft_tokens
     if k > limits.max_draft_tokens:
@@ -126,6 +126,12 @@ def _speculation(
             "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
         )
     adaptive = speculation.adaptive if speculation.HasField("adaptive") else defaults.adaptive
+    context = {pb.DRAFT_CONTEXT_ON: True, pb.DRAFT_CONTEXT_OFF: False}.get(
+        speculation.draft_context
+    )
     return SpeculationParams(
-        enabled=speculation.mode != pb.SPECULATION_MODE_OFF, num_draft_tokens=k, adaptive=adaptive
+        enabled=speculation.mode != pb.SPECULATION_MODE_OFF,
+        num_draft_tokens=k,
+        adaptive=adaptive,
+        draft_context=context,
     )

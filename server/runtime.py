@@ -11,7 +11,7 @@ import torch
 from client.api import generator_pb2 as pb
 from server import __version__
 from server.engine.calibration import calibrate
-from server.engine.engine import BreakerSettings, SpeculativeEngine
+from server.engine.engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.target import TargetModel
@@ -47,7 +47,12 @@ def load_runtime(settings: Settings) -> Runtime:
         seconds=round(time.perf_counter() - started, 2),
     )
     breaker = _breaker_settings(settings, target)
-    engine = SpeculativeEngine(target, draft, breaker)
+    context = ContextSettings(
+        enabled=settings.draft_context,
+        min_match=settings.context_min_match,
+        max_match=settings.context_max_match,
+    )
+    engine = SpeculativeEngine(target, draft, breaker, context=context)
     _warm_up(engine)
     limits = Limits(
         default_max_new_tokens=settings.default_max_new_tokens,
@@ -85,7 +90,8 @@ def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSetting
         fault_reset_timeout_s=settings.draft_fault_reset_timeout_s,
         draft_latency_budget_s=settings.draft_latency_budget_ms / 1000.0,
     )
-    if not settings.has_draft or (settings.breaker_threshold >= 0 and not settings.pad_verify):
+    speculates = settings.has_draft or settings.draft_context
+    if not speculates or (settings.breaker_threshold >= 0 and not settings.pad_verify):
         return breaker
     result = calibrate(target, settings.num_draft_tokens)
     if settings.pad_verify:
@@ -122,7 +128,7 @@ def _model_info(
     settings: Settings, engine: SpeculativeEngine, limits: Limits, *, calibrated: bool
 ) -> pb.ModelInfo:
     target, breaker = engine.target, engine.breaker
-    draft = engine.draft
+    draft = engine.static_draft
     return pb.ModelInfo(
         model=target.name,
         draft=draft.name if draft else "",
@@ -134,11 +140,11 @@ def _model_info(
         num_draft_tokens=settings.num_draft_tokens,
         adaptive_draft=settings.adaptive,
         min_draft_prob=settings.min_draft_prob,
-        draft_context=False,
+        draft_context=settings.draft_context,
         breaker=pb.BreakerSettings(
             window_rounds=breaker.window_rounds,
             threshold=breaker.threshold,
-            threshold_calibrated=calibrated and draft is not None,
+            threshold_calibrated=calibrated and engine.draft is not None,
             reset_timeout_s=breaker.reset_timeout_s,
             fault_max=breaker.fault_max,
             draft_latency_budget_ms=breaker.draft_latency_budget_s * 1000.0,

@@ -34,6 +34,9 @@ class Settings:
     adaptive: bool = True
     min_draft_prob: float = 0.05
     pad_verify: bool = True
+    draft_context: bool = True
+    context_min_match: int = 3
+    context_max_match: int = 8
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -74,6 +77,10 @@ _HELP = {
     "min_draft_prob": "stop drafting at the first n-gram step below this probability",
     "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
+    "draft_context": "also draft from the request's own prompt and output (longest earlier "
+    "match of the last tokens), the n-gram continuing; requests can switch it",
+    "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
+    "context_max_match": "longest suffix match (tokens) the context draft looks for",
     "breaker_window": "speculative rounds in a request's acceptance window",
     "breaker_threshold": "acceptance below which a request falls back to plain decoding "
     "(negative: calibrate the break-even rate from measured verify costs at start-up)",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from server.engine.context_draft import ContextDraft
 from server.engine.draft import Draft
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
@@ -23,20 +24,45 @@ class BreakerSettings:
     draft_latency_budget_s: float = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class ContextSettings:
+    enabled: bool = False  # the default for requests that do not say
+    min_match: int = 3
+    max_match: int = 8
+
+
 class SpeculativeEngine:
     """Starts generations that share one target, one draft and one draft-fault breaker."""
 
     def __init__(
-        self, target: TargetModel, draft: Draft | None, breaker: BreakerSettings | None = None
+        self,
+        target: TargetModel,
+        draft: Draft | None,
+        breaker: BreakerSettings | None = None,
+        *,
+        context: ContextSettings | None = None,
     ) -> None:
         self.target = target
-        self.draft = draft
+        self.static_draft = draft
+        self.context = context or ContextSettings()
+        self.context_draft = ContextDraft(
+            draft, min_match=self.context.min_match, max_match=self.context.max_match
+        )
         self.breaker = breaker or BreakerSettings()
         self.faults = DraftFaultBreaker(
             fault_max=self.breaker.fault_max,
             reset_timeout_s=self.breaker.fault_reset_timeout_s,
             latency_budget_s=self.breaker.draft_latency_budget_s,
         )
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft a request gets by default."""
+        return self.draft_for(None)
+
+    def draft_for(self, context: bool | None) -> Draft | None:
+        use_context = self.context.enabled if context is None else context
+        return self.context_draft if use_context else self.static_draft
 
     def start(
         self,
@@ -47,7 +73,8 @@ class SpeculativeEngine:
         speculation: SpeculationParams,
         request_id: str = "",
     ) -> Generation:
-        session = self.draft.start(prompt_ids) if self.draft and speculation.enabled else None
+        draft = self.draft_for(speculation.draft_context)
+        session = draft.start(prompt_ids) if draft is not None and speculation.enabled else None
         acceptance = AcceptanceBreaker(
             threshold=self.breaker.threshold,
             window_rounds=self.breaker.window_rounds,

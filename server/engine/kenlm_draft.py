@@ -198,6 +198,12 @@ class KenLMSession:
     def extend(self, token_ids: Sequence[int]) -> None:
         self._generated.extend(token_ids)
 
+    def propose_after(self, drafted: Sequence[int], k: int) -> Proposal:
+        """The proposal as if `drafted` were already accepted (the session is not changed)."""
+        window = self._draft.order - 1
+        recent = self._generated[len(self._generated) - window :] if window else []
+        return self._draft.propose([*recent, *drafted], k)
+
 
 def _load_files(
     path: Path, vocab_size: int | None, fingerprint: str | None

@@ -66,6 +66,7 @@ class SpeculationParams:
     enabled: bool = True
     num_draft_tokens: int = 4
     adaptive: bool = True
+    draft_context: bool | None = None  # also draft from the request's context; None: default
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 64:

@@ -12,6 +12,7 @@ def test_bench_runs_every_mode_and_writes_the_report(tiny_model_dir, tiny_draft_
     prompts.mkdir()
     (prompts / "dev.txt").write_text("The quick brown fox\nHello world\nover the\n")
     (prompts / "ood.txt").write_text("日本語\n1 2 3\n")
+    (prompts / "grounded.txt").write_text("Repeat: the quick brown fox the quick brown fox\n")
     out = tmp_path / "out"
     code = main(
         [
@@ -63,6 +64,14 @@ def test_bench_runs_every_mode_and_writes_the_report(tiny_model_dir, tiny_draft_
     assert [row["streams"] for row in results["concurrency"]] == [1, 2]
     assert all(row["tokens"] > 0 for row in results["concurrency"])
     assert "grpc_ttft_overhead_ms" in results
+    assert [case["prompt_set"] for case in results["drafts"]] == ["dev", "ood", "grounded"]
+    assert set(results["drafts"][2]["summary"]) == {
+        "kenspec_ar",
+        "kenlm_only",
+        "context_only",
+        "kenlm+context",
+        "hf_prompt_lookup",
+    }
     for name in (
         "results.md",
         "speedup.png",

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from server.engine.context_draft import ContextDraft
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.rounds import FinishReason, Mode
 from server.engine.target import TargetModel
@@ -46,7 +47,7 @@ def test_at_least_twenty_prompts() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-@pytest.mark.parametrize("kind", ["always", "never", "partly"])
+@pytest.mark.parametrize("kind", ["always", "never", "partly", "context"])
 def test_greedy_speculative_equals_plain_greedy(
     tiny_target, references, partly_matching, never_matching, kind: str, k: int
 ) -> None:
@@ -56,6 +57,7 @@ def test_greedy_speculative_equals_plain_greedy(
             "always": OracleDraft(expected),
             "never": never_matching,
             "partly": partly_matching,
+            "context": ContextDraft(partly_matching, min_match=1, max_match=4),
         }[kind]
         generation = generate(tiny_target, draft, ids, max_new_tokens=MAX_NEW, k=k)
         rounds = list(generation)
@@ -69,7 +71,7 @@ def test_greedy_speculative_equals_plain_greedy(
         assert totals["accepted"] == totals["drafted"] > 0
     elif kind == "never":
         assert totals["drafted"] > 0 and totals["accepted"] == 0
-    else:
+    else:  # partly, and context over partly: some accepted, some not
         assert 0 < totals["accepted"] < totals["drafted"]
 
 

@@ -220,3 +220,17 @@ def test_same_seed_same_output_whatever_runs_in_between(tiny_target) -> None:
     assert generate(tiny_target, draft, prompt_ids, sampling=params).seed == 1234
     unseeded = generate(tiny_target, draft, prompt_ids, sampling=SamplingParams(temperature=1.0))
     assert 0 <= unseeded.seed < 2**63
+
+
+def test_context_draft_sampling_follows_target_distribution(word_target) -> None:
+    """The same check with the context draft: 'the' was followed by 'cat' earlier in the
+    prompt, so the context proposes 'cat', and the n-gram stand-in continues."""
+    from server.engine.context_draft import ContextDraft
+
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = word_target.encode_prompt("the cat runs and the")
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = ContextDraft(likely_draft(word_target, prompt_ids, params), min_match=1, max_match=3)
+    assert draft.start(prompt_ids).propose(2).token_ids[0] == word_target.encode_prompt("cat")[0]
+    samples = speculative_samples(word_target, prompt_ids, params, draft)
+    assert chi_square_pvalue(samples, joint) > 1e-3

@@ -176,3 +176,15 @@ async def test_tokenize_and_model_info(start_server, tiny_target) -> None:
     assert info.max_context_tokens == 512 and info.max_new_tokens_limit == 400
     assert info.breaker.window_rounds == 8
     assert info.breaker.fault_breaker_state == pb.BREAKER_STATE_CLOSED
+
+
+@pytest.mark.parametrize("context", [pb.DRAFT_CONTEXT_ON, pb.DRAFT_CONTEXT_OFF])
+async def test_per_request_draft_context_is_lossless(start_server, tiny_target, context) -> None:
+    _, stub = await start_server()
+    prompt = "dog fox dog fox dog fox dog"  # a repetitive prompt the context draft can copy from
+    request = prompt_request(prompt, max_new_tokens=20)
+    request.speculation.draft_context = context
+    responses = await collect(stub.Generate(request))
+    expected = reference_greedy(tiny_target, tiny_target.encode_prompt(prompt), 20)
+    assert [t for r in responses for t in r.token_ids] == expected
+    assert responses[-1].usage.drafted_tokens > 0

@@ -1,0 +1,68 @@
+"""Context drafting: the longest earlier match of the suffix, updated incrementally, combined."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from server.engine.context_draft import ContextDraft, ContextIndex
+from tests.engine.drafts import FixedDraft
+
+
+def brute_force_continuation(
+    tokens: list[int], k: int, low: int, high: int
+) -> tuple[list[int], int]:
+    """Longest suffix of length in [low, high] seen earlier; its most recent earlier start."""
+    end = len(tokens)
+    for n in range(min(high, end), low - 1, -1):
+        suffix = tokens[end - n :]
+        for start in range(end - n - 1, -1, -1):  # occurrences ending before the suffix itself
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k], n
+    return [], 0
+
+
+def test_index_agrees_with_brute_force_as_tokens_arrive() -> None:
+    rng = random.Random(3)
+    index = ContextIndex(min_match=2, max_match=5)
+    tokens: list[int] = []
+    for _ in range(400):
+        chunk = [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+        index.extend(chunk)
+        tokens.extend(chunk)
+        assert index.continuation(4) == brute_force_continuation(tokens, 4, 2, 5)
+
+
+def test_context_alone_copies_what_followed_the_match() -> None:
+    draft = ContextDraft(None, min_match=2, max_match=4)
+    session = draft.start([10, 11, 12, 13, 14, 99, 10, 11])
+    assert session.propose(3).token_ids == (12, 13, 14)
+    session.extend([12, 13])
+    assert session.propose(2).token_ids == (14, 99)
+    session.extend([50, 51])  # never seen: no proposal
+    assert session.propose(4).token_ids == ()
+
+
+def test_static_draft_when_no_match_and_to_continue_a_short_match() -> None:
+    static = FixedDraft([7, 7, 7, 7])
+    draft = ContextDraft(static, min_match=2, max_match=4)
+    assert draft.start([1, 2, 3]).propose(3).token_ids == (7, 7, 7)  # no match: the n-gram
+    session = draft.start([5, 6, 8, 5, 6])
+    assert session.propose(2).token_ids == (8, 5)  # matched: context first
+    with pytest.raises(ValueError, match="min_match"):
+        ContextDraft(None, min_match=4, max_match=2)
+
+
+def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
+    from server.engine.kenlm_draft import KenLMDraft
+    from tests import tiny
+
+    # A bigram where 9 is always followed by 4, then 4 by 4 ...
+    sentences = [[9, 4, 4, 4, 4, 4]] * 5
+    path = tiny.train_arpa(tmp_path / "m.arpa", sentences, range(12), order=2)
+    draft = ContextDraft(KenLMDraft.load(path, vocab_size=12), min_match=2, max_match=4)
+    session = draft.start([3, 5, 3, 5])  # the match [3, 5] continues with [3, 5] then the present
+    proposal = session.propose(4)
+    assert proposal.token_ids[:2] == (3, 5)
+    assert len(proposal.token_ids) == 4  # KenLM continued after the copied tokens
