@@ -23,6 +23,7 @@ class ReplayStats:
     answers: int
     tokens: int
     rounds: int
+    speculative_rounds: int  # rounds that drafted at least one token
     drafted: int
     accepted: int
     drafted_at: tuple[int, ...]  # rounds that drafted a token at position j (1-based: index j-1)
@@ -32,6 +33,13 @@ class ReplayStats:
     @property
     def tokens_per_round(self) -> float:
         return self.tokens / self.rounds if self.rounds else 0.0
+
+    def estimated_speedup(self, step_cost: float, verify_cost: float) -> float:
+        """Tokens/s over plain decoding if a round costs verify_cost when it drafts and
+        step_cost when it does not (costs measured on the target; the draft's time ignored)."""
+        plain = self.rounds - self.speculative_rounds
+        seconds = plain * step_cost + self.speculative_rounds * verify_cost
+        return self.tokens * step_cost / seconds if seconds else 0.0
 
     @property
     def acceptance(self) -> float:
@@ -55,7 +63,7 @@ def replay(
     """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair."""
     k_max = params.num_draft_tokens
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
-    rounds = drafted = accepted = tokens = 0
+    rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0
     for prompt, answer in zip(prompts, answers, strict=True):
         speculator = Speculator(draft.start(prompt), params)
@@ -73,6 +81,7 @@ def replay(
             speculator.extend(emitted)
             position += len(emitted)
             rounds += 1
+            speculative += len(proposal) > 0
             drafted += len(proposal)
             accepted += matched
         tokens += len(answer)
@@ -80,6 +89,7 @@ def replay(
         answers=len(answers),
         tokens=tokens,
         rounds=rounds,
+        speculative_rounds=speculative,
         drafted=drafted,
         accepted=accepted,
         drafted_at=tuple(drafted_at),

@@ -30,6 +30,8 @@ from transformers import AutoTokenizer
 
 from server.draft_eval import ReplayStats, replay
 from server.engine.arpa import read_arpa
+from server.engine.context_draft import ContextDraft
+from server.engine.draft import Draft
 from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams
 from server.engine.successors import SuccessorIndex
@@ -157,25 +159,42 @@ def load_answers(model: Path, answers: Path) -> tuple[list[list[int]], list[list
 
 
 def evaluate(
-    model: Path, draft_path: Path, answers: Path, *, k: int, adaptive: bool, min_draft_prob: float
+    model: Path,
+    draft_path: Path | None,
+    answers: Path,
+    *,
+    k: int,
+    adaptive: bool,
+    min_draft_prob: float,
+    context: bool = False,
+    min_match: int = 3,
 ) -> ReplayStats:
+    """Replay held-out answers; draft_path None with context=True is prompt lookup alone."""
     tokenizer = AutoTokenizer.from_pretrained(model)
-    draft = KenLMDraft.load(
-        draft_path,
-        vocab_size=_vocab_size(model, tokenizer),
-        fingerprint=tokenizer_fingerprint(tokenizer.get_vocab()),
-        min_draft_prob=min_draft_prob,
-        end_token_id=tokenizer.eos_token_id,
-    )
+    draft: Draft | None = None
+    if draft_path is not None:
+        draft = KenLMDraft.load(
+            draft_path,
+            vocab_size=_vocab_size(model, tokenizer),
+            fingerprint=tokenizer_fingerprint(tokenizer.get_vocab()),
+            min_draft_prob=min_draft_prob,
+            end_token_id=tokenizer.eos_token_id,
+        )
+    if context:
+        draft = ContextDraft(draft, min_match=min_match, max_match=max(8, min_match))
+    if draft is None:
+        raise ValueError("nothing to evaluate: give a draft, or context=True")
     prompts, replies = load_answers(model, answers)
     params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
     return replay(draft, prompts, replies, params)
 
 
-def report(stats: ReplayStats, label: str = "") -> str:
+def report(stats: ReplayStats, label: str = "", costs: Sequence[float] = ()) -> str:
     positions = " ".join(f"{p:.2f}" for p in stats.per_position)
+    estimate = f" est.speedup={stats.estimated_speedup(*costs):.3f}" if costs else ""
     return (
         f"{label}answers={stats.answers} tokens={stats.tokens} rounds={stats.rounds} "
+        f"speculative_rounds={stats.speculative_rounds}{estimate} "
         f"tokens/round={stats.tokens_per_round:.3f} acceptance={stats.acceptance:.3f} "
         f"per-position=[{positions}] draft={stats.microseconds_per_drafted_token:.1f}us/token"
     )
@@ -222,6 +241,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--k", type=int, default=4)
     check.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     check.add_argument("--min-draft-prob", type=float, default=0.0)
+    check.add_argument(
+        "--context",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="combine with the request's own context (as --draft-context)",
+    )
+    check.add_argument("--min-match", type=int, default=3)
+    check.add_argument(
+        "--cost-ms",
+        type=float,
+        nargs=2,
+        default=(),
+        metavar=("STEP", "VERIFY"),
+        help="measured ms of a 1-token step and of a verify pass: estimate speedup",
+    )
     return parser
 
 
@@ -258,15 +292,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print(report(stats, f"k={k} adaptive={adaptive}: "))
     else:
+        draft = None if str(args.draft).lower() == "none" else args.draft
         stats = evaluate(
             args.model,
-            args.draft,
+            draft,
             args.answers,
             k=args.k,
             adaptive=args.adaptive,
             min_draft_prob=args.min_draft_prob,
+            context=args.context,
+            min_match=args.min_match,
         )
-        print(report(stats))
+        print(report(stats, costs=args.cost_ms))
     return 0
 
 
