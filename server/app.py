@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
+from server.metrics import Metrics
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
 from server.service import GeneratorService
@@ -37,7 +38,9 @@ class KenspecServer:
         self.scheduler = Scheduler(
             max_active=settings.max_concurrent_streams, max_queue=settings.max_queue
         )
-        self.service = GeneratorService(self.scheduler)
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
+        self.service = GeneratorService(self.scheduler, self.metrics)
         self.health = health_aio.HealthServicer()
         self.port = 0
         self._server = grpc.aio.server(
@@ -66,11 +69,17 @@ class KenspecServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         log.info("listening", address=f"{self.settings.host}:{self.port}")
+        if self.settings.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
+            log.info("metrics", address=f"http://{self.settings.host}:{self.metrics_port}/metrics")
         return self.port
 
     async def load(self) -> None:
         """Load and warm the model off the event loop, then report SERVING."""
-        self.service.runtime = await asyncio.to_thread(self._loader, self.settings)
+        runtime = await asyncio.to_thread(self._loader, self.settings)
+        runtime.engine.on_transition = self.metrics.observe_transition
+        self.metrics.set_draft_breaker(runtime.engine.faults.state)
+        self.service.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -80,6 +89,7 @@ class KenspecServer:
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await asyncio.to_thread(self.scheduler.shutdown)
+        self.metrics.close()
         log.info("stopped")
 
     async def wait(self) -> None:

@@ -17,6 +17,7 @@ from client.api import generator_pb2_grpc as pb_grpc
 from server.engine.generation import Generation
 from server.engine.params import InvalidParameter
 from server.engine.rounds import BreakerState, FinishReason, Mode, Round
+from server.metrics import Metrics
 from server.requests import GenerateParams, check_prompt_length, parse_generate, parse_input
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
@@ -40,8 +41,11 @@ _FINISH = {
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, metrics: Metrics | None = None) -> None:
         self.scheduler = scheduler
+        self.metrics = metrics or Metrics()
+        self.metrics.active_streams.set_function(lambda: scheduler.active)
+        self.metrics.queue_depth.set_function(lambda: scheduler.waiting)
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
 
     async def Generate(
@@ -49,43 +53,68 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         runtime = await self._ready(context)
         request_id = request.request_id or uuid.uuid4().hex[:16]
+        record = RequestRecord(self.metrics)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                params = parse_generate(request, runtime.limits, runtime.defaults)
-                prompt_ids = await asyncio.to_thread(self._encode, runtime, params)
-                check_prompt_length(len(prompt_ids), runtime.limits)
-                async with self.scheduler.slot():
-                    generation = runtime.engine.start(
-                        prompt_ids,
-                        sampling=params.sampling,
-                        stopping=params.stopping,
-                        speculation=params.speculation,
-                        request_id=request_id,
-                    )
-                    async with contextlib.aclosing(self._stream(generation, request_id)) as rounds:
-                        async for response in rounds:
-                            yield response
+                async with contextlib.aclosing(
+                    self._generate(runtime, request, request_id, record)
+                ) as responses:
+                    async for response in responses:
+                        yield response
+                record.code = grpc.StatusCode.OK
             except InvalidParameter as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                await self._abort(context, record, grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except Overloaded as error:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+                await self._abort(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
             except torch.OutOfMemoryError:
                 log.exception("out_of_memory")
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                message = (
                     f"the target ran out of memory on this request (request_id={request_id}); "
-                    "retry with a shorter prompt or fewer new tokens",
+                    "retry with a shorter prompt or fewer new tokens"
                 )
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+                await self._abort(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            except grpc.aio.AbortError:
+                raise
+            except asyncio.CancelledError:
+                record.code = grpc.StatusCode.CANCELLED
                 raise
             except Exception:
                 log.exception("generate_failed")
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error (request_id={request_id})"
-                )
+                message = f"internal error (request_id={request_id})"
+                await self._abort(context, record, grpc.StatusCode.INTERNAL, message)
+            finally:
+                record.close()
+
+    async def _generate(
+        self, runtime: Runtime, request: pb.GenerateRequest, request_id: str, record: RequestRecord
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        params = parse_generate(request, runtime.limits, runtime.defaults)
+        prompt_ids = await asyncio.to_thread(self._encode, runtime, params)
+        check_prompt_length(len(prompt_ids), runtime.limits)
+        async with self.scheduler.slot():
+            generation = runtime.engine.start(
+                prompt_ids,
+                sampling=params.sampling,
+                stopping=params.stopping,
+                speculation=params.speculation,
+                request_id=request_id,
+            )
+            async with contextlib.aclosing(self._stream(generation, request_id, record)) as rounds:
+                async for response in rounds:
+                    yield response
+
+    @staticmethod
+    async def _abort(
+        context: grpc.aio.ServicerContext,
+        record: RequestRecord,
+        code: grpc.StatusCode,
+        message: str,
+    ) -> None:
+        record.code = code
+        await context.abort(code, message)
 
     async def _stream(
-        self, generation: Generation, request_id: str
+        self, generation: Generation, request_id: str, record: RequestRecord
     ) -> AsyncIterator[pb.GenerateResponse]:
         started = time.perf_counter()
         outcome = "cancelled"
@@ -93,6 +122,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         try:
             while not generation.finished:
                 last = await self.scheduler.run(generation.step)
+                record.observe(last)
                 yield to_response(last, request_id)
             outcome = "finished"
         except (asyncio.CancelledError, GeneratorExit):
@@ -148,6 +178,35 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             return target.encode_chat(params.messages or ())
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
+
+
+class RequestRecord:
+    """One Generate call's metrics: time to first token, gaps between rounds, the outcome."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._started = self._last = time.perf_counter()
+        self._first = True
+        self._tokens = 0
+        self.code = grpc.StatusCode.UNKNOWN
+        self.finish_reason: FinishReason | None = None
+
+    def observe(self, round_: Round) -> None:
+        now = time.perf_counter()
+        histogram = self._metrics.ttft if self._first else self._metrics.round_seconds
+        histogram.observe(now - self._last)
+        self._first, self._last = False, now
+        self._tokens += len(round_.token_ids)
+        self._metrics.observe_round(round_)
+        if round_.finish_reason is not None:
+            self.finish_reason = round_.finish_reason
+
+    def close(self) -> None:
+        reason = self.finish_reason.value if self.finish_reason else "none"
+        self._metrics.requests.labels(finish_reason=reason, code=self.code.name).inc()
+        seconds = self._last - self._started
+        if self.finish_reason is not None and seconds > 0:
+            self._metrics.tokens_per_second.observe(self._tokens / seconds)
 
 
 def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:

@@ -29,6 +29,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 50051
     grace_period_s: float = 30.0
+    metrics_port: int = 9400
     # speculation
     num_draft_tokens: int = 4
     adaptive: bool = True
@@ -72,6 +73,7 @@ _HELP = {
     "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
     "port": "gRPC port (0: pick a free one and log it)",
     "grace_period_s": "on SIGTERM, seconds in-flight streams get to finish before being cancelled",
+    "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
     "min_draft_prob": "stop drafting at the first n-gram step below this probability",

@@ -49,11 +49,22 @@ class DraftTooSlow(Exception):
         self.proposal = proposal
 
 
+TransitionHook = Callable[[str, BreakerState], None]  # (scope, new state), e.g. for metrics
+
+
 class _TransitionLog(pybreaker.CircuitBreakerListener):
-    def __init__(self, describe: Callable[[], dict[str, object]]) -> None:
+    """A structlog event for every transition, and the optional hook (scope: request/draft)."""
+
+    def __init__(
+        self, describe: Callable[[], dict[str, object]], scope: str, hook: TransitionHook | None
+    ) -> None:
         self._describe = describe
+        self._scope = scope
+        self._hook = hook
 
     def state_change(self, cb: pybreaker.CircuitBreaker, old_state, new_state) -> None:  # type: ignore[no-untyped-def]
+        if self._hook is not None:
+            self._hook(self._scope, _STATES[new_state.name])
         log.info(
             "breaker_transition",
             breaker=cb.name,
@@ -73,6 +84,7 @@ class AcceptanceBreaker:
         window_rounds: int,
         reset_timeout_s: float,
         request_id: str = "",
+        on_transition: TransitionHook | None = None,
     ) -> None:
         self.threshold = threshold
         self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
@@ -81,7 +93,10 @@ class AcceptanceBreaker:
             fail_max=1,
             reset_timeout=reset_timeout_s,
             name=f"acceptance:{request_id}",
-            listeners=[_TransitionLog(self._describe), _ClearOnClose(self._window)],
+            listeners=[
+                _TransitionLog(self._describe, "request", on_transition),
+                _ClearOnClose(self._window),
+            ],
         )
 
     @property
@@ -99,14 +114,7 @@ class AcceptanceBreaker:
             return True
         opened_at = self._breaker._state_storage.opened_at  # pybreaker has no public accessor
         if opened_at is None or _seconds_since(opened_at) >= self._breaker.reset_timeout:
-            self._breaker.half_open()
-            log.info(
-                "breaker_transition",
-                breaker=self._breaker.name,
-                old="open",
-                new="half-open",
-                **self._describe(),
-            )
+            self._breaker.half_open()  # notifies the listeners (log, metrics)
             return True
         return False
 
@@ -151,13 +159,20 @@ def _judge(too_low: bool) -> None:
 class DraftFaultBreaker:
     """Process-wide breaker on draft faults: exceptions and proposals slower than the budget."""
 
-    def __init__(self, *, fault_max: int, reset_timeout_s: float, latency_budget_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        fault_max: int,
+        reset_timeout_s: float,
+        latency_budget_s: float,
+        on_transition: TransitionHook | None = None,
+    ) -> None:
         self.latency_budget_s = latency_budget_s
         self._breaker = pybreaker.CircuitBreaker(
             fail_max=fault_max,
             reset_timeout=reset_timeout_s,
             name="draft-faults",
-            listeners=[_TransitionLog(lambda: {"fault_max": fault_max})],
+            listeners=[_TransitionLog(lambda: {"fault_max": fault_max}, "draft", on_transition)],
         )
 
     @property

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, TransitionHook
 from server.engine.context_draft import ContextDraft
 from server.engine.draft import Draft
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.rounds import BreakerState
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 
@@ -49,11 +50,17 @@ class SpeculativeEngine:
             draft, min_match=self.context.min_match, max_match=self.context.max_match
         )
         self.breaker = breaker or BreakerSettings()
+        self.on_transition: TransitionHook | None = None  # e.g. metrics; set by the service
         self.faults = DraftFaultBreaker(
             fault_max=self.breaker.fault_max,
             reset_timeout_s=self.breaker.fault_reset_timeout_s,
             latency_budget_s=self.breaker.draft_latency_budget_s,
+            on_transition=self._transition,
         )
+
+    def _transition(self, scope: str, state: BreakerState) -> None:
+        if self.on_transition is not None:
+            self.on_transition(scope, state)
 
     @property
     def draft(self) -> Draft | None:
@@ -80,6 +87,7 @@ class SpeculativeEngine:
             window_rounds=self.breaker.window_rounds,
             reset_timeout_s=self.breaker.reset_timeout_s,
             request_id=request_id,
+            on_transition=self._transition,
         )
         speculator = Speculator(
             session, speculation, acceptance=acceptance, faults=self.faults, request_id=request_id

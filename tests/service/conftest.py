@@ -23,6 +23,7 @@ def base_settings(tiny_model_dir: Path, tiny_draft_path: Path) -> Settings:
         device="cpu",
         dtype="float32",
         port=0,
+        metrics_port=-1,
         breaker_threshold=0.0,
         min_draft_prob=0.0,
         max_new_tokens_limit=400,

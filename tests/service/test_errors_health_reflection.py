@@ -153,7 +153,7 @@ def test_reflection_lists_services_and_resolves_types() -> None:
         from server.app import KenspecServer
         from server.settings import Settings
 
-        settings = replace(Settings(), port=0, draft="none")
+        settings = replace(Settings(), port=0, draft="none", metrics_port=-1)
         server = KenspecServer(settings, loader=lambda _: None)
         holder["port"] = await server.start()
         ready.set()
@@ -192,3 +192,13 @@ def test_reflection_lists_services_and_resolves_types() -> None:
         holder["done"] = True
         thread.join(10)
         loop.close()
+
+
+async def test_container_healthcheck_command(start_server) -> None:
+    from server import healthcheck
+
+    server, _ = await start_server()
+    assert await asyncio.to_thread(healthcheck.main, [f"127.0.0.1:{server.port}"]) == 0
+    await server.health.enter_graceful_shutdown()
+    assert await asyncio.to_thread(healthcheck.main, [f"127.0.0.1:{server.port}"]) == 1
+    assert await asyncio.to_thread(healthcheck.check, "127.0.0.1:1", 1.0) is False

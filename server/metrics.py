@@ -1,0 +1,121 @@
+"""Prometheus metrics, on their own registry, served over HTTP at /metrics.
+
+Names follow Prometheus conventions: counters end in _total, durations are in _seconds.
+Acceptance is accepted/drafted; per draft position it is
+rate(kenspec_accepted_by_position_total[5m]) / rate(kenspec_drafted_by_position_total[5m]).
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from server.engine.rounds import BreakerState, Round
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MAX_POSITION = 16  # per-position series beyond this are folded into the last one
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kenspec_requests_total",
+            "Generate calls by finish reason and gRPC status code.",
+            ["finish_reason", "code"],
+            registry=r,
+        )
+        self.active_streams = Gauge("kenspec_active_streams", "Streams generating now.", registry=r)
+        self.queue_depth = Gauge(
+            "kenspec_queue_depth", "Streams waiting for a generation slot.", registry=r
+        )
+        self.rounds = Counter(
+            "kenspec_rounds_total", "Verification rounds by mode.", ["mode"], registry=r
+        )
+        self.drafted = Counter("kenspec_drafted_tokens_total", "Draft tokens proposed.", registry=r)
+        self.accepted = Counter(
+            "kenspec_accepted_tokens_total", "Draft tokens the target accepted.", registry=r
+        )
+        self.drafted_at = Counter(
+            "kenspec_drafted_by_position_total",
+            "Rounds that drafted a token at this position.",
+            ["position"],
+            registry=r,
+        )
+        self.accepted_at = Counter(
+            "kenspec_accepted_by_position_total",
+            "Rounds whose draft token here was accepted.",
+            ["position"],
+            registry=r,
+        )
+        self.generated = Counter(
+            "kenspec_generated_tokens_total", "Tokens streamed to clients.", registry=r
+        )
+        self.breaker_transitions = Counter(
+            "kenspec_breaker_transitions_total",
+            "Circuit breaker transitions; scope is 'request' (acceptance) or 'draft' (faults).",
+            ["scope", "state"],
+            registry=r,
+        )
+        self.draft_breaker_state = Gauge(
+            "kenspec_draft_breaker_state",
+            "The process-wide draft-fault breaker: 1 for its current state.",
+            ["state"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kenspec_time_to_first_token_seconds",
+            "From request arrival to its first round.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "kenspec_round_seconds",
+            "Time between consecutive rounds of a stream.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_second = Histogram(
+            "kenspec_request_tokens_per_second",
+            "Completion tokens per second, per request.",
+            buckets=(1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 200, 500, 1000),
+            registry=r,
+        )
+        self.set_draft_breaker(BreakerState.CLOSED)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe_round(self, round_: Round) -> None:
+        self.rounds.labels(mode=round_.mode.value).inc()
+        self.generated.inc(len(round_.token_ids))
+        if round_.drafted:
+            self.drafted.inc(round_.drafted)
+            self.accepted.inc(round_.accepted)
+            for position in range(min(round_.drafted, _MAX_POSITION)):
+                label = str(position + 1)
+                self.drafted_at.labels(position=label).inc()
+                if position < round_.accepted:
+                    self.accepted_at.labels(position=label).inc()
+
+    def observe_transition(self, scope: str, state: BreakerState) -> None:
+        self.breaker_transitions.labels(scope=scope, state=state.value).inc()
+        if scope == "draft":
+            self.set_draft_breaker(state)
+
+    def set_draft_breaker(self, current: BreakerState) -> None:
+        for state in BreakerState:
+            self.draft_breaker_state.labels(state=state.value).set(int(state is current))
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on (host, port); port 0 picks a free one. Returns the bound port."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
