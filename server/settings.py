@@ -31,9 +31,9 @@ class Settings:
     grace_period_s: float = 30.0
     metrics_port: int = 9400
     # speculation
-    num_draft_tokens: int = 4
-    adaptive: bool = True
-    min_draft_prob: float = 0.05
+    num_draft_tokens: int = 6
+    adaptive: bool = False
+    min_draft_prob: float = 0.4
     pad_verify: bool = True
     draft_context: bool = True
     context_min_match: int = 3
