@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     try:
         return asyncio.run(serve(settings))
-    except (TargetLoadError, DraftFormatError, FileNotFoundError, OSError) as error:
+    except (TargetLoadError, DraftFormatError, ValueError, OSError) as error:
         log.error("startup_failed", error=str(error))
         return 1
 

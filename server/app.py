@@ -18,11 +18,11 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
 from server.metrics import Metrics
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
-from server.service import GeneratorService
+from server.security import BearerTokenInterceptor, read_tokens, server_credentials
+from server.service import GeneratorService, generator_handler
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.server")
@@ -40,19 +40,23 @@ class KenspecServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        self.service = GeneratorService(self.scheduler, self.metrics)
+        self.service = GeneratorService(self.scheduler, self.metrics, settings.max_deadline_s)
         self.health = health_aio.HealthServicer()
         self.port = 0
+        interceptors = []
+        if settings.auth_tokens_file:
+            interceptors.append(BearerTokenInterceptor(read_tokens(settings.auth_tokens_file)))
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self._register()
 
     def _register(self) -> None:
-        pb_grpc.add_GeneratorServicer_to_server(self.service, self._server)
+        self._server.add_generic_rpc_handlers([generator_handler(self.service)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         names = [GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         names += [reflection.SERVICE_NAME, REFLECTION_V1]
@@ -63,7 +67,15 @@ class KenspecServer:
     async def start(self) -> int:
         """Listen (health NOT_SERVING until load() finishes); returns the bound port."""
         address = f"{self.settings.host}:{self.settings.port}"
-        self.port = self._server.add_insecure_port(address)
+        if self.settings.tls_cert or self.settings.tls_key:
+            if not (self.settings.tls_cert and self.settings.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            credentials = server_credentials(
+                self.settings.tls_cert, self.settings.tls_key, self.settings.tls_client_ca
+            )
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

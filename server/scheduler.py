@@ -15,7 +15,7 @@ import contextvars
 import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -34,9 +34,8 @@ class Scheduler:
         self._slots = asyncio.Semaphore(max_active)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-engine")
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of max_active generation slots, waiting in a bounded queue for it."""
+    async def acquire(self) -> AbstractAsyncContextManager[None]:
+        """Wait (in the bounded queue) for a slot; the returned context manager holds it."""
         if self._slots.locked() and self.waiting >= self.max_queue:
             raise Overloaded(
                 f"server busy: {self.active} streams generating and {self.waiting} queued "
@@ -48,11 +47,21 @@ class Scheduler:
         finally:
             self.waiting -= 1
         self.active += 1
+        return self._held()
+
+    @asynccontextmanager
+    async def _held(self) -> AsyncIterator[None]:
         try:
             yield
         finally:
             self.active -= 1
             self._slots.release()
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of max_active generation slots, waiting in a bounded queue for it."""
+        async with await self.acquire():
+            yield
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """Run function on the engine thread, with the caller's context (request-bound logs)."""

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
 import torch
+from google.protobuf.message import DecodeError, Message
 
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
@@ -41,8 +42,11 @@ _FINISH = {
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, scheduler: Scheduler, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, metrics: Metrics | None = None, max_deadline_s: float = 600.0
+    ) -> None:
         self.scheduler = scheduler
+        self.max_deadline_s = max_deadline_s
         self.metrics = metrics or Metrics()
         self.metrics.active_streams.set_function(lambda: scheduler.active)
         self.metrics.queue_depth.set_function(lambda: scheduler.waiting)
@@ -51,7 +55,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        runtime = await self._ready(context)
+        runtime = await self._ready(context, request)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         record = RequestRecord(self.metrics)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -62,6 +66,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     async for response in responses:
                         yield response
                 record.code = grpc.StatusCode.OK
+            except DeadlineCapExceeded:
+                message = f"the request ran past the server's limit of {self.max_deadline_s:g} s"
+                await self._abort(context, record, grpc.StatusCode.DEADLINE_EXCEEDED, message)
             except InvalidParameter as error:
                 await self._abort(context, record, grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except Overloaded as error:
@@ -91,7 +98,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         params = parse_generate(request, runtime.limits, runtime.defaults)
         prompt_ids = await asyncio.to_thread(self._encode, runtime, params)
         check_prompt_length(len(prompt_ids), runtime.limits)
-        async with self.scheduler.slot():
+        try:
+            slot = await asyncio.wait_for(
+                self.scheduler.acquire(), record.remaining(self.max_deadline_s)
+            )
+        except TimeoutError:
+            raise DeadlineCapExceeded from None
+        async with slot:
             generation = runtime.engine.start(
                 prompt_ids,
                 sampling=params.sampling,
@@ -121,6 +134,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         last: Round | None = None
         try:
             while not generation.finished:
+                # Checked between rounds (never across a yield, where a cancellation would hit
+                # gRPC's own send): the cap is overshot by at most one round.
+                if record.remaining(self.max_deadline_s) <= 0:
+                    raise DeadlineCapExceeded
                 last = await self.scheduler.run(generation.step)
                 record.observe(last)
                 yield to_response(last, request_id)
@@ -139,7 +156,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        runtime = await self._ready(context)
+        runtime = await self._ready(context, request)
         try:
             prompt, messages = parse_input(request)
         except InvalidParameter as error:
@@ -155,13 +172,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        runtime = await self._ready(context)
+        runtime = await self._ready(context, request)
         info = pb.ModelInfo()
         info.CopyFrom(runtime.info)
         info.breaker.fault_breaker_state = _BREAKER[runtime.engine.faults.state]
         return info
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> Runtime:
+    async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:
+        if isinstance(request, Unparseable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if self.runtime is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -180,6 +199,54 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             raise InvalidParameter("messages", str(error)) from error
 
 
+class DeadlineCapExceeded(Exception):
+    """The request ran past the server's --max-deadline-s."""
+
+
+class Unparseable:
+    """What arrives instead of a request whose bytes are not a valid message."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.message = f"the request is not a valid {type_name}: {error}"
+
+
+def _lenient(message_type: type[Message]) -> Callable[[bytes], Message | Unparseable]:
+    """gRPC answers INTERNAL when a deserializer raises; this lets the servicer answer
+    INVALID_ARGUMENT for bytes that do not parse, as for any other bad input."""
+
+    def parse(data: bytes) -> Message | Unparseable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return Unparseable(message_type.DESCRIPTOR.full_name, str(error))
+
+    return parse
+
+
+def generator_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
+    """The kenspec.v1.Generator methods (as generated code registers them, lenient parsing)."""
+    return grpc.method_handlers_generic_handler(
+        pb.DESCRIPTOR.services_by_name["Generator"].full_name,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                service.Generate,
+                request_deserializer=_lenient(pb.GenerateRequest),
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                service.Tokenize,
+                request_deserializer=_lenient(pb.TokenizeRequest),
+                response_serializer=pb.TokenizeResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                service.GetModelInfo,
+                request_deserializer=_lenient(pb.GetModelInfoRequest),
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
+        },
+    )
+
+
 class RequestRecord:
     """One Generate call's metrics: time to first token, gaps between rounds, the outcome."""
 
@@ -190,6 +257,9 @@ class RequestRecord:
         self._tokens = 0
         self.code = grpc.StatusCode.UNKNOWN
         self.finish_reason: FinishReason | None = None
+
+    def remaining(self, cap_s: float) -> float:
+        return cap_s - (time.perf_counter() - self._started)
 
     def observe(self, round_: Round) -> None:
         now = time.perf_counter()

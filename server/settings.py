@@ -29,6 +29,11 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 50051
     grace_period_s: float = 30.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_tokens_file: str = ""
+    max_deadline_s: float = 600.0
     metrics_port: int = 9400
     # speculation
     num_draft_tokens: int = 6
@@ -73,6 +78,12 @@ _HELP = {
     "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
     "port": "gRPC port (0: pick a free one and log it)",
     "grace_period_s": "on SIGTERM, seconds in-flight streams get to finish before being cancelled",
+    "tls_cert": "PEM certificate chain: serve TLS (with --tls-key) instead of plaintext",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA: require client certificates signed by it (mutual TLS)",
+    "auth_tokens_file": "file of allowed bearer tokens, one a line: every call but health "
+    "needs 'authorization: Bearer <token>' (empty: no authentication)",
+    "max_deadline_s": "longest a Generate call may run, whatever deadline the client set",
     "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",

@@ -20,6 +20,8 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 
 import pybreaker
@@ -39,6 +41,10 @@ _STATES = {
 
 class AcceptanceTooLow(Exception):
     """A failure signal for the acceptance breaker (never leaves this module)."""
+
+
+class DraftHung(Exception):
+    """The draft did not answer within its hang timeout; its thread is abandoned."""
 
 
 class DraftTooSlow(Exception):
@@ -166,8 +172,13 @@ class DraftFaultBreaker:
         reset_timeout_s: float,
         latency_budget_s: float,
         on_transition: TransitionHook | None = None,
+        hang_timeout_s: float | None = None,
     ) -> None:
         self.latency_budget_s = latency_budget_s
+        # A draft that hangs must not hang the engine: proposals run on their own thread and
+        # are abandoned after hang_timeout_s (default: 20 latency budgets, at least 1 s).
+        self.hang_timeout_s = hang_timeout_s or max(1.0, 20 * latency_budget_s)
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-draft")
         self._breaker = pybreaker.CircuitBreaker(
             fail_max=fault_max,
             reset_timeout=reset_timeout_s,
@@ -205,7 +216,13 @@ class DraftFaultBreaker:
 
     def _timed(self, session: DraftSession, k: int) -> Proposal:
         started = time.perf_counter()
-        proposal = session.propose(k)
+        future = self._runner.submit(session.propose, k)
+        try:
+            proposal = future.result(timeout=self.hang_timeout_s)
+        except FutureTimeout:
+            self._runner.shutdown(wait=False)  # leave the hung thread behind, start afresh
+            self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-draft")
+            raise DraftHung(f"draft gave no answer within {self.hang_timeout_s:g} s") from None
         elapsed = time.perf_counter() - started
         if elapsed > self.latency_budget_s:
             raise DraftTooSlow(elapsed, proposal)

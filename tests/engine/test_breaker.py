@@ -277,3 +277,27 @@ def test_calibration_measures_the_real_model(tiny_target) -> None:
     result = calibrate(tiny_target, k=4, context_tokens=32, repeats=3)
     assert result.step_seconds > 0 and result.verify_seconds > 0
     assert 0.0 <= result.threshold <= 1.0
+
+
+def test_hanging_draft_is_abandoned_and_counted_as_a_fault() -> None:
+    import threading
+
+    release = threading.Event()
+
+    class HangingSession:
+        def propose(self, k: int) -> Proposal:
+            release.wait(30)
+            return Proposal((1,), (1.0,))
+
+        def extend(self, token_ids) -> None:
+            pass
+
+    faults = DraftFaultBreaker(
+        fault_max=2, reset_timeout_s=60, latency_budget_s=0.001, hang_timeout_s=0.2
+    )
+    started = time.perf_counter()
+    assert faults.propose(HangingSession(), 2) is None
+    assert faults.propose(HangingSession(), 2) is None
+    assert time.perf_counter() - started < 2.0  # the engine waited 0.2 s each, not 30
+    assert faults.state is BreakerState.OPEN
+    release.set()

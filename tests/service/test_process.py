@@ -82,23 +82,31 @@ def server_process(tiny_model_dir, tiny_draft_path):
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(server_process, tiny_target) -> None:
+    """SIGTERM under load: every stream in flight finishes whole, then the process exits 0."""
     channel = grpc.insecure_channel(f"127.0.0.1:{server_process.port}")
     stub = pb_grpc.GeneratorStub(channel)
-    request = pb.GenerateRequest(
-        prompt="The quick brown fox",
-        stopping=pb.StoppingCriteria(max_new_tokens=200),
-        speculation=pb.SpeculationParameters(mode=pb.SPECULATION_MODE_OFF),
-    )
-    stream = stub.Generate(request, timeout=60)
-    tokens = list(next(stream).token_ids)
+    prompts = ["The quick brown fox", "Hello world", "one pass", "over the"]
+    streams = []
+    for prompt in prompts:
+        request = pb.GenerateRequest(
+            prompt=prompt,
+            stopping=pb.StoppingCriteria(max_new_tokens=120),
+            speculation=pb.SpeculationParameters(mode=pb.SPECULATION_MODE_OFF),
+        )
+        stream = stub.Generate(request, timeout=120)
+        streams.append((prompt, stream, list(next(stream).token_ids)))
     server_process.process.send_signal(signal.SIGTERM)
     server_process.wait_for("draining")
-    for response in stream:  # the stream in flight finishes, whole
-        tokens.extend(response.token_ids)
-        last = response
-    assert last.finish_reason == pb.FINISH_REASON_LENGTH
-    expected = reference_greedy(tiny_target, tiny_target.encode_prompt("The quick brown fox"), 200)
-    assert tokens == expected
+    refused = stub.Generate(pb.GenerateRequest(prompt="late"), timeout=10)
+    with pytest.raises(grpc.RpcError):
+        list(refused)  # no new calls once draining
+    for prompt, stream, tokens in streams:
+        for response in stream:
+            tokens.extend(response.token_ids)
+            last = response
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        expected = reference_greedy(tiny_target, tiny_target.encode_prompt(prompt), 120)
+        assert tokens == expected
     server_process.wait_for("stopped")
     assert server_process.process.wait(30) == 0
     channel.close()

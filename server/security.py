@@ -1,0 +1,95 @@
+"""TLS credentials and bearer-token authentication for the gRPC server."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (load balancers, kubelets) carry no token
+
+
+def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """TLS with the given certificate chain and key; with client_ca, clients must present a
+    certificate signed by it (mutual TLS)."""
+    pair = (Path(key).read_bytes(), Path(cert).read_bytes())
+    root = Path(client_ca).read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=root, require_client_auth=bool(root)
+    )
+
+
+def read_tokens(path: str) -> tuple[bytes, ...]:
+    """One token per line; blank lines and # comments ignored. An empty file is an error."""
+    tokens = tuple(
+        line.strip().encode()
+        for line in Path(path).read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
+    if not tokens:
+        raise ValueError(f"{path} holds no tokens; authentication would refuse every call")
+    return tokens
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health checks needs `authorization: Bearer <token>` with an allowed token.
+
+    Tokens are compared with hmac.compare_digest against every allowed one, so the time taken
+    does not reveal how much of a guess was right.
+    """
+
+    def __init__(self, tokens: tuple[bytes, ...]) -> None:
+        self._tokens = tokens
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        presented = _bearer(handler_call_details.invocation_metadata or ())
+        if presented is None:
+            return _refusal(handler, "missing bearer token: send 'authorization: Bearer <token>'")
+        if not self._allowed(presented):
+            return _refusal(handler, "invalid bearer token")
+        return handler
+
+    def _allowed(self, presented: bytes) -> bool:
+        matches = [hmac.compare_digest(presented, token) for token in self._tokens]
+        return any(matches)
+
+
+def _bearer(metadata) -> bytes | None:  # type: ignore[no-untyped-def]
+    for key, value in metadata:
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip().encode() if scheme.lower() == "bearer" and token else b""
+    return None
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+
+    async def unary(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **serializers)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **serializers)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **serializers)
+    return grpc.stream_stream_rpc_method_handler(stream, **serializers)

@@ -1,0 +1,163 @@
+"""TLS and mutual TLS handshakes (certificates made here with `cryptography`), bearer tokens,
+and the server's deadline cap."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import AsyncClient, AuthenticationError, ServerUnavailable
+from client.api import generator_pb2 as pb
+from tests.service.test_generate import collect, prompt_request
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _certificate(subject, issuer, key, signer, *, ca: bool, dns: str | None = None):
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if dns:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False
+        )
+    return builder.sign(signer, hashes.SHA256())
+
+
+def _write(directory: Path, name: str, certificate, key) -> tuple[Path, Path]:
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """A CA, a server certificate for 'localhost', a client certificate, and a stranger's."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("kenspec test CA", "kenspec test CA", ca_key, ca_key, ca=True)
+    ca_path, _ = _write(directory, "ca", ca, ca_key)
+    files = {"ca": ca_path}
+    for name in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _certificate(name, "kenspec test CA", key, ca_key, ca=False, dns="localhost")
+        files[f"{name}_cert"], files[f"{name}_key"] = _write(directory, name, cert, key)
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    other = _certificate("stranger", "stranger", other_key, other_key, ca=False)
+    files["stranger_cert"], files["stranger_key"] = _write(directory, "stranger", other, other_key)
+    return files
+
+
+async def generate_text(client: AsyncClient) -> str:
+    completion = await client.generate_text("Hello world", max_new_tokens=4, timeout=30)
+    return completion.text
+
+
+async def test_tls_handshake(start_server, pki) -> None:
+    server, _ = await start_server(tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]))
+    address = f"localhost:{server.port}"
+    async with AsyncClient(address, tls=True, tls_ca=pki["ca"]) as client:
+        assert len(await generate_text(client)) >= 0
+        assert (await client.model_info()).vocab_size > 0
+    async with AsyncClient(f"127.0.0.1:{server.port}", timeout=5) as plaintext:
+        with pytest.raises(ServerUnavailable):
+            await generate_text(plaintext)
+
+
+async def test_mutual_tls_requires_a_client_certificate_from_the_ca(start_server, pki) -> None:
+    server, _ = await start_server(
+        tls_cert=str(pki["server_cert"]),
+        tls_key=str(pki["server_key"]),
+        tls_client_ca=str(pki["ca"]),
+    )
+    address = f"localhost:{server.port}"
+    async with AsyncClient(
+        address, tls=True, tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=pki["client_key"]
+    ) as client:
+        await generate_text(client)
+    async with AsyncClient(address, tls=True, tls_ca=pki["ca"], timeout=5) as anonymous:
+        with pytest.raises(ServerUnavailable):
+            await generate_text(anonymous)
+    async with AsyncClient(
+        address,
+        tls=True,
+        tls_ca=pki["ca"],
+        tls_cert=pki["stranger_cert"],
+        tls_key=pki["stranger_key"],
+        timeout=5,
+    ) as stranger:
+        with pytest.raises(ServerUnavailable):
+            await generate_text(stranger)
+
+
+@pytest.fixture
+def tokens_file(tmp_path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text("# allowed\nalpha-token\n\nbeta-token\n")
+    return path
+
+
+async def test_bearer_tokens(start_server, tokens_file) -> None:
+    server, _ = await start_server(auth_tokens_file=str(tokens_file))
+    address = f"127.0.0.1:{server.port}"
+    for token in ("alpha-token", "beta-token"):
+        async with AsyncClient(address, token=token) as client:
+            await generate_text(client)
+            await client.model_info()
+    for token, message in ((None, "missing"), ("wrong", "invalid"), ("alpha-token-x", "invalid")):
+        async with AsyncClient(address, token=token) as client:
+            with pytest.raises(AuthenticationError, match=message):
+                await generate_text(client)
+            with pytest.raises(AuthenticationError):
+                await client.tokenize("x")
+    # Health checks need no token (load balancers and kubelets probe without one).
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_empty_tokens_file_is_refused(tmp_path, base_settings) -> None:
+    from dataclasses import replace
+
+    from server.app import KenspecServer
+
+    empty = tmp_path / "tokens"
+    empty.write_text("# nobody\n")
+    with pytest.raises(ValueError, match="no tokens"):
+        KenspecServer(replace(base_settings, auth_tokens_file=str(empty)))
+
+
+async def test_server_caps_the_deadline(start_server) -> None:
+    _, stub = await start_server(max_deadline_s=0.5)
+    request = prompt_request(max_new_tokens=390)
+    request.speculation.mode = pb.SPECULATION_MODE_OFF
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await collect(stub.Generate(request))  # no client deadline at all
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "0.5 s" in error.value.details()
