@@ -18,33 +18,49 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    """`python -m server` on a free port; waits for the `ready` log event."""
+    """`python -m server` on a free port, read through its JSON log events; ready on return."""
 
     def __init__(self, args: Sequence[str], timeout: float = 600) -> None:
-        command = [sys.executable, "-m", "server", "--port", "0", "--log-format", "json", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "server",
+            "--port",
+            "0",
+            "--log-format",
+            "json",
+            "--metrics-port",
+            "-1",
+            *args,
+        ]
         self.process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
-        self.port = 0
+        self.events: list[dict] = []
+        self.port = int(self.wait_for("listening", timeout)["address"].rsplit(":", 1)[1])
+        self.wait_for("ready", timeout)
+
+    def wait_for(self, event: str, timeout: float = 120) -> dict:
+        """Read log events until `event`; other output (KenLM's progress bars) is skipped."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.process.stderr.readline()
             if not line:
-                raise RuntimeError(f"server exited with {self.process.wait()} before it was ready")
+                raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
             try:
-                event = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if event.get("event") == "listening":
-                self.port = int(event["address"].rsplit(":", 1)[1])
-            if event.get("event") == "ready":
-                return
-        raise TimeoutError("server not ready in time")
+            self.events.append(record)
+            if record.get("event") == event:
+                return record
+        raise TimeoutError(f"no {event!r} from the server within {timeout} s")
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.process.terminate()
+        if self.process.poll() is None:
+            self.process.terminate()
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:

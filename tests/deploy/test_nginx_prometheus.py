@@ -19,7 +19,7 @@ import pytest
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
 from tests.service.test_metrics import scrape, value
-from tests.service.test_process import ServerProcess
+from tests.service.test_process import tiny_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def require(binary: str) -> str:
 def replicas(tiny_model_dir, tiny_draft_path):
     metrics = [free_port(), free_port()]
     processes = [
-        ServerProcess(tiny_model_dir, tiny_draft_path, "--metrics-port", str(port))
+        tiny_server(tiny_model_dir, tiny_draft_path, "--metrics-port", str(port))
         for port in metrics
     ]
     yield list(zip(processes, metrics, strict=True))

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from bench.concurrency import ServerProcess
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
 from tests.engine.drafts import reference_greedy
@@ -20,63 +19,30 @@ from tests.engine.drafts import reference_greedy
 REPO = Path(__file__).resolve().parents[2]
 
 
-class ServerProcess:
-    def __init__(self, model: Path, draft: Path, *extra: str) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "server",
+def tiny_server(model: Path, draft: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(
+        [
             "--model",
             str(model),
             "--draft",
             str(draft),
-            "--port",
-            "0",
             "--device",
             "cpu",
             "--dtype",
             "float32",
-            "--log-format",
-            "json",
             "--breaker-threshold",
             "0",
             "--threads",
             "1",
-            "--metrics-port",
-            "-1",
             *extra,
-        ]
-        self.process = subprocess.Popen(
-            command, cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ}
-        )
-        self.events: list[dict] = []
-        self.port = int(self.wait_for("listening")["address"].rsplit(":", 1)[1])
-        self.wait_for("ready")
-
-    def wait_for(self, event: str, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                raise AssertionError(f"server exited before {event!r}: {self.events}")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # third-party output such as KenLM's loading progress
-            self.events.append(record)
-            if record.get("event") == event:
-                return record
-        raise AssertionError(f"no {event!r} within {timeout}s")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
+        ],
+        timeout=120,
+    )
 
 
 @pytest.fixture
 def server_process(tiny_model_dir, tiny_draft_path):
-    process = ServerProcess(tiny_model_dir, tiny_draft_path)
+    process = tiny_server(tiny_model_dir, tiny_draft_path)
     yield process
     process.stop()
 
