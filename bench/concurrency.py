@@ -86,8 +86,11 @@ async def sweep_level(
     requests_per_stream: int,
     max_new_tokens: int,
 ) -> dict:
+    """`streams` concurrent workers share the requests, every prompt at least once, so the
+    single-stream level is comparable with the engine alone on the same prompts."""
     async with AsyncClient(address) as client:
-        queue = [prompts[i % len(prompts)] for i in range(streams * requests_per_stream)]
+        total = max(streams * requests_per_stream, len(prompts))
+        queue = [prompts[i % len(prompts)] for i in range(total)]
 
         async def worker(offset: int) -> list[dict]:
             return [
