@@ -117,7 +117,10 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model.to(resolved_device).eval()
         head_t = None
-        if config.model_type in _PLAIN_HEAD_TYPES and model.lm_head.bias is None:
+        # float32 only: a bf16 GEMV against the transposed copy ran 4x slower than
+        # transformers' own bf16 head on a CPU without native bf16 (measured; bench/results/bf16).
+        plain_head = config.model_type in _PLAIN_HEAD_TYPES and model.lm_head.bias is None
+        if plain_head and resolved_dtype == torch.float32:
             head_t = model.lm_head.weight.detach().t().contiguous()
         return cls(
             model=model,

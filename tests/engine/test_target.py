@@ -65,3 +65,13 @@ def test_rollback_restores_the_cache_exactly(tiny_target: TargetModel) -> None:
     )
     for row in range(2):
         torch.testing.assert_close(after_rollback[row], never_seen[row])
+
+
+def test_lazy_transposed_head_only_in_float32(
+    tiny_model_dir: Path, tiny_target: TargetModel
+) -> None:
+    assert tiny_target.head_t is not None  # llama, float32: rows through the transposed head
+    bf16 = TargetModel.load(tiny_model_dir, device="cpu", dtype="bfloat16")
+    assert bf16.head_t is None  # transformers' own head, as `generate` uses it
+    logits = bf16.forward(bf16.new_cache(), bf16.encode_prompt("Hello"))
+    assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32
