@@ -4,7 +4,8 @@ Two scopes, both built on pybreaker and driven from the engine's thread (pybreak
 call_async is Tornado-only):
 
 - AcceptanceBreaker, one per request: a sliding window over the request's last N speculative
-  rounds. When accepted/drafted over a full window falls below the threshold the breaker opens
+  rounds. When the acceptance they imply (the alpha whose E(alpha) is their mean tokens per
+  round, see calibration.implied_acceptance) falls below the threshold the breaker opens
   and the request decodes autoregressively; after the reset timeout one trial speculative round
   runs (half-open) and closes it again if that round's acceptance clears the threshold. Per
   request, because one prompt in a language the n-gram never saw must not switch speculation
@@ -27,6 +28,7 @@ from datetime import UTC, datetime
 import pybreaker
 import structlog
 
+from server.engine.calibration import implied_acceptance
 from server.engine.draft import DraftSession, Proposal
 from server.engine.rounds import BreakerState
 
@@ -89,10 +91,12 @@ class AcceptanceBreaker:
         threshold: float,
         window_rounds: int,
         reset_timeout_s: float,
+        num_draft_tokens: int = 1,
         request_id: str = "",
         on_transition: TransitionHook | None = None,
     ) -> None:
         self.threshold = threshold
+        self.num_draft_tokens = num_draft_tokens
         self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
         self._request_id = request_id
         self._breaker = pybreaker.CircuitBreaker(
@@ -124,13 +128,24 @@ class AcceptanceBreaker:
             return True
         return False
 
+    @property
+    def window_effective_acceptance(self) -> float:
+        """The acceptance implied by the window's tokens per round (what is judged)."""
+        return self._effective(list(self._window))
+
+    def _effective(self, rounds: list[tuple[int, int]]) -> float:
+        if not rounds:
+            return 0.0
+        tokens_per_round = sum(accepted + 1 for _, accepted in rounds) / len(rounds)
+        return implied_acceptance(tokens_per_round, self.num_draft_tokens)
+
     def record(self, drafted: int, accepted: int) -> None:
         """Judge a speculative round; a trial round is judged alone, others by the full window."""
         if drafted == 0:
             return
         trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
         self._window.append((drafted, accepted))
-        rate = accepted / drafted if trial else self.window_acceptance
+        rate = self._effective([(drafted, accepted)] if trial else list(self._window))
         judged = trial or len(self._window) == self._window.maxlen
         with contextlib.suppress(AcceptanceTooLow, pybreaker.CircuitBreakerError):
             self._breaker.call(_judge, judged and rate < self.threshold)
@@ -139,6 +154,7 @@ class AcceptanceBreaker:
         return {
             "request_id": self._request_id,
             "window_acceptance": round(self.window_acceptance, 3),
+            "window_effective_acceptance": round(self.window_effective_acceptance, 3),
             "threshold": round(self.threshold, 3),
         }
 

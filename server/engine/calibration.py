@@ -36,14 +36,24 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
 
 def break_even_acceptance(cost_ratio: float, k: int) -> float:
     """The alpha where E(alpha) equals cost_ratio: 0 if verifying is free, 1 if it never pays."""
-    if cost_ratio <= 1.0:
+    return implied_acceptance(cost_ratio, k)
+
+
+def implied_acceptance(tokens_per_round: float, k: int) -> float:
+    """The per-token acceptance alpha whose E(alpha) is tokens_per_round (0 at 1, 1 at k + 1).
+
+    Rounds are compared with the break-even this way, through the tokens they really emitted,
+    because acceptance is far from independent per position: a context match is accepted as a
+    whole span or not at all, and a round then yields more than E(accepted / drafted).
+    """
+    if tokens_per_round <= 1.0:
         return 0.0
-    if cost_ratio >= k + 1:
+    if tokens_per_round >= k + 1:
         return 1.0
     low, high = 0.0, 1.0
     for _ in range(60):  # E is increasing in alpha; bisection to well below float32 noise
         middle = (low + high) / 2
-        if expected_tokens_per_round(middle, k) < cost_ratio:
+        if expected_tokens_per_round(middle, k) < tokens_per_round:
             low = middle
         else:
             high = middle

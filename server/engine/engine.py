@@ -86,6 +86,7 @@ class SpeculativeEngine:
             threshold=self.breaker.threshold,
             window_rounds=self.breaker.window_rounds,
             reset_timeout_s=self.breaker.reset_timeout_s,
+            num_draft_tokens=speculation.num_draft_tokens,
             request_id=request_id,
             on_transition=self._transition,
         )

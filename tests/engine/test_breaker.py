@@ -202,18 +202,37 @@ def test_acceptance_is_judged_per_request(tiny_target, case) -> None:
     assert good.output_ids == bad.output_ids == reference
 
 
-def test_window_acceptance_and_threshold() -> None:
-    breaker = AcceptanceBreaker(threshold=0.5, window_rounds=3, reset_timeout_s=60)
+def test_window_is_judged_by_the_acceptance_its_tokens_per_round_imply() -> None:
+    # k=4, threshold 0.5: break-even E(0.5) = 1.9375 tokens per round.
+    breaker = AcceptanceBreaker(
+        threshold=0.5, window_rounds=3, reset_timeout_s=60, num_draft_tokens=4
+    )
     for drafted, accepted in [(4, 1), (4, 1)]:
         breaker.record(drafted, accepted)
     assert breaker.state is BreakerState.CLOSED  # window not full yet
-    breaker.record(4, 4)
+    breaker.record(4, 4)  # 2, 2, 5 tokens: 3 per round
     assert breaker.window_acceptance == pytest.approx(6 / 12)
-    assert breaker.state is BreakerState.CLOSED  # 0.5 is not below 0.5
-    breaker.record(4, 0)
-    assert breaker.window_acceptance == pytest.approx(5 / 12)
+    assert expected_tokens_per_round(breaker.window_effective_acceptance, 4) == pytest.approx(3.0)
+    breaker.record(4, 0)  # 2, 5, 1
+    breaker.record(4, 0)  # 5, 1, 1: 2.33 per round, still above 1.94
+    assert breaker.state is BreakerState.CLOSED
+    breaker.record(4, 0)  # 1, 1, 1
+    assert breaker.window_effective_acceptance == 0.0
     assert breaker.state is BreakerState.OPEN
     assert not breaker.allows_speculation()
+
+
+def test_all_or_nothing_spans_are_not_judged_by_their_raw_rate() -> None:
+    """Context drafts are accepted as whole spans or not at all: half the rounds accepting all 6
+    tokens is 4 tokens per round, far above break-even, though accepted/drafted is only 0.5."""
+    breaker = AcceptanceBreaker(
+        threshold=0.6, window_rounds=4, reset_timeout_s=60, num_draft_tokens=6
+    )
+    for accepted in (6, 0, 6, 0, 6, 0):
+        breaker.record(6, accepted)
+    assert breaker.window_acceptance == pytest.approx(0.5)
+    assert breaker.window_effective_acceptance > 0.6
+    assert breaker.state is BreakerState.CLOSED
 
 
 def test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_rejection() -> None:
