@@ -82,7 +82,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 await self._abort(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             except grpc.aio.AbortError:
                 raise
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # Cancelled while awaiting a round (CancelledError) or while gRPC was sending
+                # and closed this generator instead (GeneratorExit): either way, the client left.
                 record.code = grpc.StatusCode.CANCELLED
                 raise
             except Exception:
