@@ -99,6 +99,7 @@ class KenspecServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
         grace = self.settings.grace_period_s if grace_s is None else grace_s
+        self.service.draining = True  # before the log line: no call slips in after it
         log.info("draining", grace_s=grace)
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)

@@ -51,6 +51,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics.active_streams.set_function(lambda: scheduler.active)
         self.metrics.queue_depth.set_function(lambda: scheduler.waiting)
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
+        self.draining = False  # set when a drain starts: new calls are refused at once
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -181,6 +182,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
+            )
         if isinstance(request, Unparseable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if self.runtime is None:
