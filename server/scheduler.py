@@ -57,12 +57,6 @@ class Scheduler:
             self.active -= 1
             self._slots.release()
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of max_active generation slots, waiting in a bounded queue for it."""
-        async with await self.acquire():
-            yield
-
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """Run function on the engine thread, with the caller's context (request-bound logs)."""
         call = functools.partial(contextvars.copy_context().run, function, *args)

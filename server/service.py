@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import structlog
@@ -19,7 +19,7 @@ from server.engine.generation import Generation
 from server.engine.params import InvalidParameter
 from server.engine.rounds import BreakerState, FinishReason, Mode, Round
 from server.metrics import Metrics
-from server.requests import GenerateParams, check_prompt_length, parse_generate, parse_input
+from server.requests import check_prompt_length, parse_generate, parse_input
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 
@@ -99,7 +99,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self, runtime: Runtime, request: pb.GenerateRequest, request_id: str, record: RequestRecord
     ) -> AsyncIterator[pb.GenerateResponse]:
         params = parse_generate(request, runtime.limits, runtime.defaults)
-        prompt_ids = await asyncio.to_thread(self._encode, runtime, params)
+        prompt_ids = await asyncio.to_thread(self._encode, runtime, params.prompt, params.messages)
         check_prompt_length(len(prompt_ids), runtime.limits)
         try:
             slot = await asyncio.wait_for(
@@ -162,13 +162,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         runtime = await self._ready(context, request)
         try:
             prompt, messages = parse_input(request)
+            ids = await asyncio.to_thread(self._encode, runtime, prompt, messages)
         except InvalidParameter as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         target = runtime.engine.target
-        ids = await asyncio.to_thread(
-            target.encode_prompt if prompt is not None else target.encode_chat,
-            prompt if prompt is not None else messages,
-        )
         tokens = target.tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, token_count=len(ids))
 
@@ -196,12 +193,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return self.runtime
 
     @staticmethod
-    def _encode(runtime: Runtime, params: GenerateParams) -> list[int]:
+    def _encode(
+        runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
+    ) -> list[int]:
+        """Token ids of a raw prompt or a chat; a model without a chat template is bad input."""
         target = runtime.engine.target
-        if params.prompt is not None:
-            return target.encode_prompt(params.prompt)
+        if prompt is not None:
+            return target.encode_prompt(prompt)
         try:
-            return target.encode_chat(params.messages or ())
+            return target.encode_chat(messages or ())
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
 

@@ -202,3 +202,18 @@ async def test_container_healthcheck_command(start_server) -> None:
     await server.health.enter_graceful_shutdown()
     assert await asyncio.to_thread(healthcheck.main, [f"127.0.0.1:{server.port}"]) == 1
     assert await asyncio.to_thread(healthcheck.check, "127.0.0.1:1", 1.0) is False
+
+
+async def test_chat_without_a_template_is_invalid_argument(start_server, runtime, monkeypatch):
+    """Generate and Tokenize share one encoder: a chat to a model without a chat template is
+    the caller's error on both."""
+    _, stub = await start_server()
+    monkeypatch.setattr(runtime.engine.target.tokenizer, "chat_template", None)
+    messages = chat(("user", "hi"))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.Tokenize(pb.TokenizeRequest(messages=messages))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat template" in error.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await collect(stub.Generate(pb.GenerateRequest(messages=messages)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
