@@ -10,6 +10,7 @@ import torch
 
 from client.api import generator_pb2 as pb
 from server import __version__
+from server.engine.batch import BatchSettings, PassCosts
 from server.engine.calibration import calibrate
 from server.engine.engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
@@ -46,13 +47,19 @@ def load_runtime(settings: Settings) -> Runtime:
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
-    breaker = _breaker_settings(settings, target)
+    breaker, costs = _breaker_settings(settings, target)
     context = ContextSettings(
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
     )
-    engine = SpeculativeEngine(target, draft, breaker, context=context)
+    batching = BatchSettings(
+        max_rows=settings.max_batch_size,
+        prefill_chunk=settings.prefill_chunk,
+        pad_passes=settings.pad_verify,
+    )
+    engine = SpeculativeEngine(target, draft, breaker, context=context, batching=batching)
+    engine.batch.costs = costs
     _warm_up(engine)
     limits = Limits(
         default_max_new_tokens=settings.default_max_new_tokens,
@@ -81,7 +88,10 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
     )
 
 
-def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSettings:
+def _breaker_settings(
+    settings: Settings, target: TargetModel
+) -> tuple[BreakerSettings, PassCosts | None]:
+    """The breaker, calibrated when asked, and the measured pass costs batches choose widths by."""
     breaker = BreakerSettings(
         window_rounds=settings.breaker_window,
         threshold=max(0.0, settings.breaker_threshold),
@@ -91,9 +101,9 @@ def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSetting
         draft_latency_budget_s=settings.draft_latency_budget_ms / 1000.0,
     )
     speculates = settings.has_draft or settings.draft_context
-    if not speculates or (settings.breaker_threshold >= 0 and not settings.pad_verify):
-        return breaker
-    result = calibrate(target, settings.num_draft_tokens)
+    if not speculates:
+        return breaker, None
+    result = calibrate(target, settings.num_draft_tokens, rows=settings.max_batch_size)
     if settings.pad_verify:
         target.verify_widths = result.widths
     log.info(
@@ -104,10 +114,16 @@ def _breaker_settings(settings: Settings, target: TargetModel) -> BreakerSetting
         cost_ratio=round(result.cost_ratio, 3),
         break_even_acceptance=round(result.threshold, 3),
         padded_widths=result.widths,
+        batch_rows=settings.max_batch_size,
+        batch_step_ms=round(result.pass_seconds[settings.max_batch_size, 1] * 1000, 2),
+        batch_verify_ms=round(
+            result.pass_seconds[settings.max_batch_size, settings.num_draft_tokens + 1] * 1000, 2
+        ),
     )
+    costs = PassCosts(result.pass_seconds)
     if settings.breaker_threshold >= 0:
-        return breaker
-    return replace(breaker, threshold=result.threshold)
+        return breaker, costs
+    return replace(breaker, threshold=result.threshold), costs
 
 
 def _warm_up(engine: SpeculativeEngine) -> None:

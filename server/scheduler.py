@@ -1,10 +1,10 @@
 """Admission control and the one worker thread that runs every torch call.
 
-Each stream runs one round at a time on the worker and submits its next round only after the
-previous one came back, so the worker's FIFO queue interleaves concurrent streams round by
-round: every stream progresses, and the event loop stays free for health checks and I/O.
-A torch call cannot be interrupted, so a cancelled stream stops after at most the round in
-flight; its rounds still queued are dropped.
+Admitted streams join the engine's Batch, which the worker drives while any generation is in
+it: every iteration verifies all of them in one forward pass (continuous batching), and each
+round is handed back to its stream's asyncio queue, so the event loop stays free for health
+checks and I/O. A torch call cannot be interrupted, so a cancelled stream leaves the batch
+after at most the pass in flight.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
+
+from server.engine.batch import Batch
+from server.engine.generation import Generation
+from server.engine.rounds import Round
 
 T = TypeVar("T")
 
@@ -56,6 +60,28 @@ class Scheduler:
         finally:
             self.active -= 1
             self._slots.release()
+
+    async def stream(self, batch: Batch, generation: Generation) -> AsyncIterator[Round]:
+        """Run generation in batch; its rounds as they come. Leaving early cancels it."""
+        loop = asyncio.get_running_loop()
+        rounds: asyncio.Queue[Round | BaseException] = asyncio.Queue()
+
+        def deliver(item: Round | BaseException) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(rounds.put_nowait, item)
+
+        if batch.add(generation, deliver):
+            self.submit(batch.run_until_idle)
+        try:
+            while True:
+                item = await rounds.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            batch.cancel(generation)
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """Run function on the engine thread, with the caller's context (request-bound logs)."""

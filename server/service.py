@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
+from server.engine.batch import Batch
 from server.engine.generation import Generation
 from server.engine.params import InvalidParameter
 from server.engine.rounds import BreakerState, FinishReason, Mode, Round
@@ -115,8 +116,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 speculation=params.speculation,
                 request_id=request_id,
             )
-            async with contextlib.aclosing(self._stream(generation, request_id, record)) as rounds:
-                async for response in rounds:
+            responses = self._stream(runtime.engine.batch, generation, request_id, record)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
                     yield response
 
     @staticmethod
@@ -130,20 +132,21 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         await context.abort(code, message)
 
     async def _stream(
-        self, generation: Generation, request_id: str, record: RequestRecord
+        self, batch: Batch, generation: Generation, request_id: str, record: RequestRecord
     ) -> AsyncIterator[pb.GenerateResponse]:
         started = time.perf_counter()
         outcome = "cancelled"
         last: Round | None = None
         try:
-            while not generation.finished:
-                # Checked between rounds (never across a yield, where a cancellation would hit
-                # gRPC's own send): the cap is overshot by at most one round.
-                if record.remaining(self.max_deadline_s) <= 0:
-                    raise DeadlineCapExceeded
-                last = await self.scheduler.run(generation.step)
-                record.observe(last)
-                yield to_response(last, request_id)
+            rounds = self.scheduler.stream(batch, generation)
+            async with contextlib.aclosing(rounds):
+                async for last in rounds:
+                    record.observe(last)
+                    yield to_response(last, request_id)
+                    # Checked between rounds (never across a yield, where a cancellation would
+                    # hit gRPC's own send): the cap is overshot by at most one round.
+                    if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
+                        raise DeadlineCapExceeded
             outcome = "finished"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -152,8 +155,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             outcome = "failed"
             raise
         finally:
-            # On the engine thread, after any round still in flight: never free a cache in use.
-            self.scheduler.submit(generation.close)
             _log_summary(last, outcome, time.perf_counter() - started)
 
     async def Tokenize(

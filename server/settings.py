@@ -52,6 +52,8 @@ class Settings:
     draft_latency_budget_ms: float = 50.0
     # limits
     max_concurrent_streams: int = 8
+    max_batch_size: int = 8
+    prefill_chunk: int = 64
     max_queue: int = 32
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
@@ -102,6 +104,10 @@ _HELP = {
     "draft_fault_reset_timeout_s": "seconds before a faulty draft is tried again",
     "draft_latency_budget_ms": "a draft proposal slower than this counts as a fault",
     "max_concurrent_streams": "streams generating at once; more wait in the queue",
+    "max_batch_size": "streams verified together in one forward pass (continuous batching); "
+    "admitted streams beyond it wait for a row",
+    "prefill_chunk": "prompt tokens prefilled per batch iteration: a long prompt delays the "
+    "running streams by one chunk at a time, not all at once",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
@@ -133,6 +139,9 @@ def parse_settings(
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
+    for name in ("max_batch_size", "prefill_chunk", "max_concurrent_streams"):
+        if getattr(namespace, name) < 1:
+            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
     return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
 
 

@@ -22,6 +22,7 @@ class Calibration:
     verify_seconds: float  # k + 1 tokens in one pass (padded to a cheaper width if there is one)
     threshold: float
     widths: dict[int, int] = field(default_factory=dict)  # pass width -> cheaper padded width
+    pass_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, width)
 
     @property
     def cost_ratio(self) -> float:
@@ -61,16 +62,25 @@ def implied_acceptance(tokens_per_round: float, k: int) -> float:
 
 
 def calibrate(
-    target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7
+    target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7, rows: int = 1
 ) -> Calibration:
-    """Time passes of 1..k+1 tokens after a context_tokens prefill (medians of repeats)."""
+    """Time passes of 1..k+1 tokens after a context_tokens prefill (medians of repeats), for
+    one row and, when rows > 1, for a batch of `rows` (fewer repeats: those passes are longer).
+    """
     widths = list(range(1, k + 2))
     costs = dict(
         zip(widths, measure_pass_seconds(target, widths, context_tokens, repeats), strict=True)
     )
     padded = cheapest_widths(costs)
     verify = costs[padded.get(k + 1, k + 1)]
-    return Calibration(k, costs[1], verify, break_even_acceptance(verify / costs[1], k), padded)
+    batch_costs = {(1, width): seconds for width, seconds in costs.items()}
+    if rows > 1:
+        batched = measure_pass_seconds(
+            target, widths, context_tokens, max(2, repeats // 2), rows=rows
+        )
+        batch_costs.update({(rows, w): s for w, s in zip(widths, batched, strict=True)})
+    threshold = break_even_acceptance(verify / costs[1], k)
+    return Calibration(k, costs[1], verify, threshold, padded, batch_costs)
 
 
 def cheapest_widths(costs: dict[int, float], margin: float = 0.05) -> dict[int, int]:
@@ -92,17 +102,18 @@ def cheapest_widths(costs: dict[int, float], margin: float = 0.05) -> dict[int, 
 
 
 def measure_pass_seconds(
-    target: TargetModel, widths: list[int], context_tokens: int, repeats: int
+    target: TargetModel, widths: list[int], context_tokens: int, repeats: int, rows: int = 1
 ) -> list[float]:
     vocab = min(target.vocab_size, len(target.tokenizer))
     context = [(7 + 31 * i) % vocab for i in range(min(context_tokens, target.max_context // 2))]
-    cache = target.new_cache()
-    target.prefill(cache, context)
+    cache = target.new_cache(rows)
+    for row in range(rows):
+        target.prefill(cache, row, 0, context)
     samples: dict[int, list[float]] = {width: [] for width in widths}
     for _ in range(repeats + 1):  # the first pass of each width warms up and is dropped
         for width in widths:
             started = time.perf_counter()
-            target.forward(cache, context[:width])[0]  # a pass reads at least one row of logits
+            # A pass reads at least one row of logits per sequence; the cache length stays.
+            target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
             samples[width].append(time.perf_counter() - started)
-            target.rollback(cache, width)
     return [statistics.median(samples[width][1:]) for width in widths]

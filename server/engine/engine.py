@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from server.engine.batch import Batch, BatchSettings
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, TransitionHook
 from server.engine.context_draft import ContextDraft
 from server.engine.draft import Draft
@@ -33,7 +34,8 @@ class ContextSettings:
 
 
 class SpeculativeEngine:
-    """Starts generations that share one target, one draft and one draft-fault breaker."""
+    """Starts generations that share one target, one draft and one draft-fault breaker; the
+    service runs them together in `batch` (a generation can also run alone: `step()`)."""
 
     def __init__(
         self,
@@ -42,8 +44,10 @@ class SpeculativeEngine:
         breaker: BreakerSettings | None = None,
         *,
         context: ContextSettings | None = None,
+        batching: BatchSettings | None = None,
     ) -> None:
         self.target = target
+        self.batch = Batch(target, batching)  # where the service runs every generation
         self.static_draft = draft
         self.context = context or ContextSettings()
         self.context_draft = ContextDraft(

@@ -5,23 +5,32 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
 from server.engine.rounds import FinishReason, Mode, Round, Usage
-from server.engine.sampling import LogitRows, accept_greedy, accept_sampled
+from server.engine.sampling import (
+    LogitRows,
+    PositionalGenerator,
+    accept_greedy,
+    accept_sampled,
+)
+from server.engine.slot_cache import SlotCache
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 
 
 class Generation:
-    """Decodes one request round by round; `step()` runs exactly one verification.
+    """Decodes one request round by round.
 
-    Cache invariant (see TargetModel): the cache holds every token of prompt + output except
-    the last one, `_pending`. A round feeds [pending, d_1..d_k], so the pass scores all k drafts
-    plus the bonus position; rejected drafts are cropped, and the round's last emitted token
-    becomes the new pending token. With k = 0 the same loop is plain autoregressive decoding.
+    Cache invariant (see TargetModel): the generation's cache row holds every token of
+    prompt + output except the last one, `_pending`. A round feeds [pending, d_1..d_k], so the
+    pass scores all k drafts plus the bonus position; the row's valid length then grows by
+    1 + accepted, and the round's last emitted token becomes the new pending token. With k = 0
+    the same loop is plain autoregressive decoding.
+
+    A round is split in two around the forward pass so that a Batch can verify many
+    generations in one pass: `plan()` drafts, the caller runs the pass, `complete()` accepts.
+    `step()` does all three alone, on a private one-row cache.
     """
 
     def __init__(
@@ -42,15 +51,16 @@ class Generation:
                 f"exceeds the model's context of {target.max_context} tokens",
             )
         self._target = target
-        self._prompt_len = len(prompt_ids)
+        self._prompt = list(prompt_ids)
         self._sampling = sampling
         self._stopping = stopping
-        self._speculator = speculator
+        self.speculator = speculator
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        self._generator = torch.Generator(device=target.device).manual_seed(self.seed)
-        self._cache = target.new_cache()
-        self._to_prefill: list[int] | None = list(prompt_ids[:-1])
+        self._draws = PositionalGenerator(self.seed, target.device)
+        self._solo_cache: SlotCache | None = None
+        self._prefilled = 0  # tokens of prompt[:-1] already in the cache
         self._pending = prompt_ids[-1]
+        self._drafts: list[int] = []
         self._detokenizer = IncrementalDetokenizer(target.tokenizer)
         self._stops = StopMatcher(stopping.stop)
         self._output: list[int] = []
@@ -62,37 +72,76 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefill_remaining(self) -> int:
+        return len(self._prompt) - 1 - self._prefilled
+
+    @property
+    def cache_length(self) -> int:
+        """Valid positions in the cache row: everything but the pending token."""
+        return self._prefilled + len(self._output)
+
     def __iter__(self) -> Iterator[Round]:
         while not self.finished:
             yield self.step()
 
-    def step(self) -> Round:
-        """Run one verification round (the first one also prefills the prompt)."""
-        if self.finished:
-            raise RuntimeError("generation already finished")
-        if self._to_prefill is not None:
-            self._target.prefill(self._cache, self._to_prefill)
-            self._to_prefill = None
+    def next_prefill(self, limit: int) -> tuple[int, list[int]]:
+        """The next at most `limit` prompt tokens to prefill, and the position they start at."""
+        start = self._prefilled
+        return start, self._prompt[start : min(start + limit, len(self._prompt) - 1)]
+
+    def prefilled(self, count: int) -> None:
+        self._prefilled += count
+
+    def plan(self) -> list[int]:
+        """Draft this round's tokens; returns what the pass must score: [pending, *drafts]."""
+        if self.finished or self.prefill_remaining:
+            raise RuntimeError("plan() needs a prefilled, unfinished generation")
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
-        drafts = list(self._speculator.propose(limit=remaining - 1).token_ids)
-        width = self._target.padded_width(1 + len(drafts), self._cache.get_seq_length())
-        padding = [self._pending] * (width - 1 - len(drafts))  # scored, never read, cropped
-        logits = self._target.forward(self._cache, [self._pending, *drafts, *padding])
+        self._drafts = list(self.speculator.propose(limit=remaining - 1).token_ids)
+        return [self._pending, *self._drafts]
+
+    def truncate_drafts(self, count: int) -> list[int]:
+        """Keep only the first `count` drafts of this round (a batch found more not worth it)."""
+        self.speculator.cut(len(self._drafts), min(count, len(self._drafts)))
+        del self._drafts[count:]
+        return [self._pending, *self._drafts]
+
+    def complete(self, logits: LogitRows) -> Round:
+        """Accept against the pass's logits for [pending, *drafts]; emit the round."""
+        drafts = self._drafts
         emitted = self._verify(drafts, logits)
         accepted = len(emitted) - 1
-        self._target.rollback(self._cache, width - 1 - accepted)
-        self._speculator.record(len(drafts), accepted)
+        self.speculator.record(len(drafts), accepted)
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)
 
+    def step(self) -> Round:
+        """Run one verification round alone (the first one also prefills the prompt)."""
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        if self._solo_cache is None:
+            self._solo_cache = self._target.new_cache()
+        cache = self._solo_cache
+        start, tokens = self.next_prefill(len(self._prompt))
+        self._target.prefill(cache, 0, start, tokens)
+        self.prefilled(len(tokens))
+        tokens = self.plan()
+        width = self._target.padded_width(len(tokens), self.cache_length)
+        logits = self._target.forward(cache, [self.cache_length], [tokens], min_width=width)
+        return self.complete(logits[0])
+
     def close(self) -> None:
-        """Free the KV cache (done automatically when the generation finishes)."""
-        self._cache = None  # type: ignore[assignment]
+        """Free the private cache, if any (done automatically when the generation finishes)."""
+        self._solo_cache = None
 
     def _verify(self, drafts: list[int], logits: LogitRows) -> list[int]:
         if self._sampling.greedy:
             return accept_greedy(drafts, logits)
-        return accept_sampled(drafts, logits, self._sampling, self._generator)
+        position = len(self._output)
+        return accept_sampled(
+            drafts, logits, self._sampling, lambda i: self._draws.at(position + i)
+        )
 
     def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""
@@ -105,7 +154,7 @@ class Generation:
             if self.finish_reason is not None:
                 break
         self._pending = kept[-1]
-        self._speculator.extend(kept)
+        self.speculator.extend(kept)
         accepted = min(accepted, len(kept))  # drafts come first; a cut drops the rest
         self._rounds += 1
         self._drafted += drafted
@@ -119,8 +168,8 @@ class Generation:
             drafted=drafted,
             accepted=accepted,
             mode=Mode.SPECULATIVE if drafted else Mode.AUTOREGRESSIVE,
-            breaker_state=self._speculator.breaker_state,
-            window_acceptance=self._speculator.window_acceptance,
+            breaker_state=self.speculator.breaker_state,
+            window_acceptance=self.speculator.window_acceptance,
             finish_reason=self.finish_reason,
             usage=self._usage() if self.finished else None,
         )
@@ -142,7 +191,7 @@ class Generation:
 
     def _usage(self) -> Usage:
         return Usage(
-            prompt_tokens=self._prompt_len,
+            prompt_tokens=len(self._prompt),
             completion_tokens=len(self._output),
             drafted_tokens=self._drafted,
             accepted_tokens=self._accepted,

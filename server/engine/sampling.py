@@ -13,6 +13,7 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -66,19 +67,47 @@ def accept_greedy(draft_ids: list[int], logits: LogitRows) -> list[int]:
 
 
 def accept_sampled(
-    draft_ids: list[int], logits: LogitRows, params: SamplingParams, generator: torch.Generator
+    draft_ids: list[int],
+    logits: LogitRows,
+    params: SamplingParams,
+    generator_at: Callable[[int], torch.Generator],
 ) -> list[int]:
     """Tokens a sampled round emits: y_i ~ p_i (warped), accepted while y_i equals the draft.
 
     Each y_i is drawn from the target's conditional distribution given the accepted prefix, so
     the emitted tokens are distributed exactly as plain sampling; nothing past the first
-    mismatch is computed or drawn.
+    mismatch is computed or drawn. y_i is drawn with generator_at(i).
     """
     for position, draft in enumerate(draft_ids):
-        target = _sample(logits[position], params, generator)
+        target = _sample(logits[position], params, generator_at(position))
         if target != draft:
             return [*draft_ids[:position], target]
-    return [*draft_ids, _sample(logits[len(draft_ids)], params, generator)]
+    return [*draft_ids, _sample(logits[len(draft_ids)], params, generator_at(len(draft_ids)))]
+
+
+class PositionalGenerator:
+    """Random draws keyed by (seed, output position), not by how many draws came before.
+
+    Token t of an output is drawn with a generator seeded from (seed, t) alone, so a seeded
+    request gives the same text whatever its rounds looked like: with or without drafts, alone
+    or in a batch, before or after its breaker opened (vLLM and TGI keep one running generator
+    per request, whose output then depends on how many draws each round made).
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed = seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, position: int) -> torch.Generator:
+        return self._generator.manual_seed(_splitmix64(self.seed ^ _splitmix64(position)))
+
+
+def _splitmix64(value: int) -> int:
+    """Steele et al.'s SplitMix64 finaliser: nearby inputs give unrelated 63-bit seeds."""
+    value = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (value ^ (value >> 31)) >> 1
 
 
 def _sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

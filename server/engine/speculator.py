@@ -10,6 +10,7 @@ from server.engine.params import SpeculationParams
 from server.engine.rounds import BreakerState
 
 _NOTHING = Proposal()
+PROBE_AFTER = 16
 
 
 class Speculator:
@@ -34,6 +35,7 @@ class Speculator:
         self._faults = faults
         self._request_id = request_id
         self.k = params.num_draft_tokens
+        self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -42,6 +44,22 @@ class Speculator:
     @property
     def window_acceptance(self) -> float:
         return self._acceptance.window_acceptance if self._acceptance else 0.0
+
+    @property
+    def acceptance_estimate(self) -> float:
+        """Per-token acceptance to expect of the next round, for a batch choosing its width:
+        what a full window implies; 1.0 until the window is full (a new request gets to show
+        what its draft can do) and every PROBE_AFTER rounds in a row it had drafts cut
+        entirely (a stale estimate is re-measured once the batch can afford a wider pass)."""
+        if self._acceptance is None or not self._acceptance.window_full:
+            return 1.0
+        if self._starved and self._starved % PROBE_AFTER == 0:
+            return 1.0
+        return self._acceptance.window_effective_acceptance
+
+    def cut(self, proposed: int, kept: int) -> None:
+        """A batch kept `kept` of this round's `proposed` drafts."""
+        self._starved = self._starved + 1 if proposed and not kept else 0
 
     def propose(self, limit: int) -> Proposal:
         """At most min(k, limit) draft tokens; none when speculation is off or not paying."""

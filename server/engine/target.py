@@ -12,11 +12,14 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from server.engine.slot_cache import SlotCache, attention_mask
+
+# A pass may run past the last valid position by its padding (at most one verify width).
+_MAX_PASS_OVERHANG = 128
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Architectures whose logits are exactly lm_head(last_hidden_state): no bias, scaling or capping.
 # For these, rows of logits are computed one at a time and only when the verification needs them.
@@ -24,18 +27,20 @@ _PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", 
 
 
 class LazyLogits:
-    """Next-token logits of a forward pass, one row at a time, computed on first access.
+    """Next-token logits of one sequence's positions in a pass, one row at a time, on access.
 
     A verification reads row i only if drafts 1..i were all accepted, so on average it needs
     "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
     matrix of a small model, and a single-row product against its transposed copy (a GEMV over
-    contiguous memory) is the cheapest way to read it on a CPU.
+    contiguous memory) is the cheapest way to read it on a CPU. Row 0 is read by every
+    sequence of a batched pass, so it is computed for all of them in one GEMM (one read of the
+    output layer instead of one per sequence).
     """
 
-    def __init__(self, hidden: torch.Tensor, head_t: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, head_t: torch.Tensor, first: torch.Tensor) -> None:
         self._hidden = hidden  # [positions, hidden_size]
         self._head_t = head_t  # [hidden_size, vocab]
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {0: first}
 
     def __len__(self) -> int:
         return int(self._hidden.shape[0])
@@ -43,6 +48,8 @@ class LazyLogits:
     def __getitem__(self, index: int) -> torch.Tensor:
         row = self._rows.get(index)
         if row is None:
+            if not 0 <= index < len(self):
+                raise IndexError(f"row {index} of a {len(self)}-position pass")
             with torch.inference_mode():
                 row = (self._hidden[index] @ self._head_t).float()
             self._rows[index] = row
@@ -85,9 +92,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class TargetModel:
     """A causal LM and its tokenizer; all forward passes go through here.
 
-    The cache protocol: a generation's DynamicCache holds every accepted token but the last one
-    (the "pending" token). A round feeds [pending, d_1..d_k] and gets k+1 next-token
-    distributions; rejected drafts are cropped off, so no accepted token is recomputed.
+    The cache protocol: a generation's row of a SlotCache holds every accepted token but the
+    last one (the "pending" token). A round feeds [pending, d_1..d_k] and gets k+1 next-token
+    distributions; the row's valid length then grows by 1 + accepted, so rejected drafts are
+    dropped without copying anything and no accepted token is recomputed.
     """
 
     model: PreTrainedModel
@@ -129,7 +137,7 @@ class TargetModel:
             device=resolved_device,
             dtype=resolved_dtype,
             eos_token_ids=_eos_ids(model, tokenizer),
-            max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
+            max_context=_batchable_context(config),
             head_t=head_t,
         )
 
@@ -149,46 +157,78 @@ class TargetModel:
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, rows: int = 1) -> SlotCache:
+        """A KV cache for up to `rows` sequences of at most the model's context (+ one pass)."""
+        return SlotCache(rows, self.max_context + _MAX_PASS_OVERHANG)
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor | LazyLogits:
-        """Append token_ids to the cache; next-token logits for each, rows [vocab] in fp32.
+    def forward(
+        self,
+        cache: SlotCache,
+        lengths: Sequence[int],
+        token_rows: Sequence[Sequence[int]],
+        *,
+        first_row: int = 0,
+        min_width: int = 1,
+    ) -> list[LazyLogits] | list[torch.Tensor]:
+        """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
 
-        Returns a LazyLogits (rows computed on access) where the architecture allows it, else
-        the full [len(token_ids), vocab] tensor; both are indexed the same way.
+        Rows may differ in length (shorter ones are padded, up to min_width if that is more;
+        the padding is scored, never read, and overwritten by the row's next pass). Returns,
+        per row, its tokens' next-token logits in fp32: a LazyLogits where the architecture
+        allows it, else a [len(token_rows[i]), vocab] tensor; both are indexed the same way.
         """
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        if self.head_t is not None:
-            hidden = self.model.model(input_ids=input_ids, cache=cache, use_cache=True)
-            return LazyLogits(hidden.last_hidden_state[0], self.head_t)
-        output = self.model(
-            input_ids=input_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=len(token_ids),
+        hidden = self._run(
+            cache, lengths, token_rows, first_row, min_width, logits=self.head_t is None
         )
-        return output.logits[0].float()
+        if self.head_t is None:
+            return [hidden[i, : len(row)].float() for i, row in enumerate(token_rows)]
+        firsts = (hidden[:, 0] @ self.head_t).float()  # [rows, vocab]: every row reads row 0
+        return [
+            LazyLogits(hidden[i, : len(row)], self.head_t, firsts[i])
+            for i, row in enumerate(token_rows)
+        ]
+
+    @torch.inference_mode()
+    def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
+        """Write token_ids into cache row `row` after its first `length` positions; no logits."""
+        if token_ids:
+            self._run(cache, [length], [token_ids], row, 1, logits=False)
+
+    def _run(
+        self,
+        cache: SlotCache,
+        lengths: Sequence[int],
+        token_rows: Sequence[Sequence[int]],
+        first_row: int,
+        min_width: int,
+        *,
+        logits: bool,
+    ) -> torch.Tensor:
+        """One pass; hidden states [rows, width, hidden] (or logits [rows, width, vocab])."""
+        width = max(min_width, *(len(row) for row in token_rows))
+        padded = [[*row, *[row[-1]] * (width - len(row))] for row in token_rows]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)
+        starts = torch.tensor(list(lengths), dtype=torch.long, device=self.device)
+        positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
+        cache.bind(first_row, positions)
+        mask = attention_mask(positions, int(positions.max()) + 1, self.dtype)
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "cache": cache,
+            "use_cache": True,
+        }
+        if logits:
+            return self.model(**inputs).logits
+        return self.model.model(**inputs).last_hidden_state
 
     def padded_width(self, width: int, cache_length: int) -> int:
         """A pass of `width` tokens costs more than a wider one on some CPUs (small-GEMM kernels):
         the measured cheapest width >= `width`, within the context."""
         padded = (self.verify_widths or {}).get(width, width)
         return padded if cache_length + padded <= self.max_context else width
-
-    @torch.inference_mode()
-    def prefill(self, cache: DynamicCache, token_ids: Sequence[int]) -> None:
-        """Fill the cache with token_ids; only the cache is kept (one logit row, discarded)."""
-        if token_ids:
-            input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-            self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-
-    @staticmethod
-    def rollback(cache: DynamicCache, num_tokens: int) -> None:
-        """Drop the last num_tokens positions (rejected drafts) from the cache."""
-        if num_tokens > 0:
-            cache.crop(-num_tokens)
 
 
 def _check_model_dir(directory: Path) -> None:
@@ -207,6 +247,26 @@ def _check_model_dir(directory: Path) -> None:
         raise TargetLoadError(
             f"{directory} holds {', '.join(architectures)}, not a causal language model"
         )
+
+
+def _batchable_context(config: object) -> int:
+    """The context kenspec serves: the model's, capped at its attention window if it has one.
+
+    Verification passes attend through an explicit full-causal 4D mask (see SlotCache); within
+    a sliding window that is exactly the model's attention, beyond it it would not be.
+    """
+    context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise TargetLoadError(
+            f"layer types {sorted(kinds)} are not supported: kenspec's batched KV cache "
+            "serves attention-only decoders"
+        )
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True) or "sliding_attention" in kinds
+    if window and uses_window:
+        context = min(context, int(window))
+    return context
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -188,8 +188,8 @@ def test_acceptance_is_judged_per_request(tiny_target, case) -> None:
     good = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
     bad = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
     # Same engine and breaker settings; each generation gets its own draft session.
-    good._speculator._session = OracleDraft(reference).start(ids)
-    bad._speculator._session = FixedDraft([wrong] * 8)
+    good.speculator._session = OracleDraft(reference).start(ids)
+    bad.speculator._session = FixedDraft([wrong] * 8)
     good_rounds, bad_rounds = [], []
     while not (good.finished and bad.finished):  # interleaved, as the scheduler does
         if not good.finished:

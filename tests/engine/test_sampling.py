@@ -38,7 +38,8 @@ def test_accept_greedy(drafts: list[int], argmaxes: list[int], emitted: list[int
 def test_accept_sampled_with_one_hot_target_is_deterministic() -> None:
     logits = logits_with_argmax([5, 7, 2, 4]) * 100  # all mass on the argmax after softmax
     generator = torch.Generator().manual_seed(0)
-    assert accept_sampled([5, 7, 1], logits, SamplingParams(1.0), generator) == [5, 7, 2]
+    draws = lambda _: generator  # noqa: E731
+    assert accept_sampled([5, 7, 1], logits, SamplingParams(1.0), draws) == [5, 7, 2]
 
 
 class CountingRows:
@@ -57,7 +58,8 @@ def test_rows_past_the_first_mismatch_are_never_read() -> None:
     assert accept_greedy([5, 7, 1], rows) == [5, 6]
     assert rows.read == [0, 1]
     rows = CountingRows(logits_with_argmax([5, 6, 1, 4]) * 100)
-    assert accept_sampled([5, 7, 1], rows, SamplingParams(1.0), torch.Generator()) == [5, 6]
+    generator = torch.Generator()
+    assert accept_sampled([5, 7, 1], rows, SamplingParams(1.0), lambda _: generator) == [5, 6]
     assert rows.read == [0, 1]
 
 
@@ -127,7 +129,7 @@ def exact_joint(target: TargetModel, prompt_ids: list[int], params: SamplingPara
 
 
 def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
-    return target.forward(target.new_cache(), ids)[len(ids) - 1][None]
+    return target.forward(target.new_cache(), [0], [ids])[0][len(ids) - 1][None]
 
 
 def speculative_samples(target, prompt_ids, params, draft, *, rule=None) -> list[tuple[int, int]]:

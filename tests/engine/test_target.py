@@ -50,21 +50,53 @@ def test_dtype_resolution(monkeypatch) -> None:
 
 
 def test_rollback_restores_the_cache_exactly(tiny_target: TargetModel) -> None:
-    """Scoring after a crop equals scoring on a cache that never saw the rejected tokens."""
+    """Scoring after rejected tokens equals scoring on a cache that never saw them."""
     prompt = tiny_target.encode_prompt("The quick brown fox")
     rolled = tiny_target.new_cache()
-    tiny_target.prefill(rolled, prompt)
-    tiny_target.forward(rolled, [5, 6, 7])
-    tiny_target.rollback(rolled, 3)
+    tiny_target.prefill(rolled, 0, 0, prompt)
+    tiny_target.forward(rolled, [len(prompt)], [[5, 6, 7]])  # then rolled back: length stays
     fresh = tiny_target.new_cache()
-    tiny_target.prefill(fresh, prompt)
-    assert rolled.get_seq_length() == fresh.get_seq_length() == len(prompt)
-    after_rollback, never_seen = (
-        tiny_target.forward(rolled, [9, 10]),
-        tiny_target.forward(fresh, [9, 10]),
-    )
+    tiny_target.prefill(fresh, 0, 0, prompt)
+    after_rollback = tiny_target.forward(rolled, [len(prompt)], [[9, 10]])[0]
+    never_seen = tiny_target.forward(fresh, [len(prompt)], [[9, 10]])[0]
     for row in range(2):
         torch.testing.assert_close(after_rollback[row], never_seen[row])
+
+
+def test_rows_of_a_batch_score_as_they_would_alone(tiny_target: TargetModel) -> None:
+    """Rows of different lengths and widths, padded into one pass, match solo passes."""
+    prompts = [tiny_target.encode_prompt(text) for text in ("Hi", "The quick brown fox", "a b")]
+    feeds = [[5, 6, 7], [9], [11, 12]]
+    batch = tiny_target.new_cache(rows=len(prompts))
+    for row, prompt in enumerate(prompts):
+        tiny_target.prefill(batch, row, 0, prompt)
+    together = tiny_target.forward(batch, [len(p) for p in prompts], feeds, min_width=5)
+    for prompt, feed, rows in zip(prompts, feeds, together, strict=True):
+        alone = tiny_target.new_cache()
+        tiny_target.prefill(alone, 0, 0, prompt)
+        solo = tiny_target.forward(alone, [len(prompt)], [feed])[0]
+        assert len(rows) == len(feed)
+        for position in range(len(feed)):
+            torch.testing.assert_close(rows[position], solo[position], rtol=1e-5, atol=1e-5)
+
+
+def test_moved_rows_keep_their_keys_and_values(tiny_target: TargetModel) -> None:
+    prompt = tiny_target.encode_prompt("The quick brown fox")
+    cache = tiny_target.new_cache(rows=3)
+    tiny_target.prefill(cache, 2, 0, prompt)
+    cache.move(2, 0, len(prompt))
+    moved = tiny_target.forward(cache, [len(prompt)], [[9]])[0][0]
+    alone = tiny_target.new_cache()
+    tiny_target.prefill(alone, 0, 0, prompt)
+    torch.testing.assert_close(moved, tiny_target.forward(alone, [len(prompt)], [[9]])[0][0])
+
+
+def test_cache_grows_and_refuses_passes_past_its_length(tiny_target: TargetModel) -> None:
+    cache = tiny_target.new_cache(rows=2)
+    tiny_target.prefill(cache, 1, 0, list(range(3, 303)))  # past the first capacity (256)
+    assert cache.capacity >= 300
+    with pytest.raises(ValueError, match="the cache holds"):
+        tiny_target.prefill(cache, 0, cache.max_length, [5])
 
 
 def test_lazy_transposed_head_only_in_float32(
@@ -73,5 +105,6 @@ def test_lazy_transposed_head_only_in_float32(
     assert tiny_target.head_t is not None  # llama, float32: rows through the transposed head
     bf16 = TargetModel.load(tiny_model_dir, device="cpu", dtype="bfloat16")
     assert bf16.head_t is None  # transformers' own head, as `generate` uses it
-    logits = bf16.forward(bf16.new_cache(), bf16.encode_prompt("Hello"))
+    ids = bf16.encode_prompt("Hello")
+    logits = bf16.forward(bf16.new_cache(), [0], [ids])[0]
     assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32

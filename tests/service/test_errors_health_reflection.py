@@ -75,10 +75,10 @@ async def test_tokenize_invalid_input(start_server) -> None:
 async def test_unexpected_error_is_internal_with_request_id(start_server, monkeypatch) -> None:
     server, stub = await start_server()
 
-    def broken_step(self):
+    def broken_round(self, logits):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr("server.engine.generation.Generation.step", broken_step)
+    monkeypatch.setattr("server.engine.generation.Generation.complete", broken_round)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(stub.Generate(pb.GenerateRequest(prompt="x", request_id="rid-7")))
     assert error.value.code() == grpc.StatusCode.INTERNAL

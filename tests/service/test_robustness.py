@@ -207,10 +207,10 @@ def test_target_failure_fails_only_that_request(served, monkeypatch) -> None:
     assert poison != target.encode_prompt("Hello")[-1]  # pending token: the prompt's last one
     original = TargetModel.forward
 
-    def failing_forward(self, cache, token_ids):
-        if token_ids[0] == poison:
+    def failing_forward(self, cache, lengths, token_rows, **options):
+        if any(row[0] == poison for row in token_rows):
             raise RuntimeError("simulated kernel failure")
-        return original(self, cache, token_ids)
+        return original(self, cache, lengths, token_rows, **options)
 
     monkeypatch.setattr(TargetModel, "forward", failing_forward)
     request = pb.GenerateRequest(prompt="zq#", stopping=pb.StoppingCriteria(max_new_tokens=4))
@@ -229,10 +229,10 @@ def test_oom_is_resource_exhausted(served, monkeypatch) -> None:
 
     _, stub, _ = served
 
-    def out_of_memory(self):
+    def out_of_memory(self, logits):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(Generation, "step", out_of_memory)
+    monkeypatch.setattr(Generation, "complete", out_of_memory)
     request = pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=4))
     assert call(stub, request) == grpc.StatusCode.RESOURCE_EXHAUSTED
     monkeypatch.undo()

@@ -1,0 +1,234 @@
+"""Continuous batching: each stream's output in a batch is what it gives alone (float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.batch import Batch, BatchSettings, PassCosts, choose_width
+from server.engine.context_draft import ContextDraft
+from server.engine.generation import Generation
+from server.engine.kenlm_draft import KenLMDraft
+from server.engine.params import SamplingParams
+from server.engine.rounds import Mode, Round
+from server.engine.target import TargetModel
+from tests import tiny
+from tests.engine.drafts import OracleDraft, generate, never_matching_kenlm, reference_greedy
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target: TargetModel) -> list[tuple[list[int], list[int]]]:
+    result = []
+    for prompt in tiny.PROMPTS[:12]:
+        ids = tiny_target.encode_prompt(prompt)
+        result.append((ids, reference_greedy(tiny_target, ids, MAX_NEW)))
+    return result
+
+
+@pytest.fixture(scope="module")
+def partly_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
+    sentences = [continuation[:8] for _, continuation in references]
+    path = tmp_path_factory.mktemp("arpa") / "partly.arpa"
+    tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)
+    return KenLMDraft.load(path, vocab_size=tiny_target.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def never_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
+    seen = {token for _, continuation in references for token in continuation}
+    return never_matching_kenlm(tiny_target, tmp_path_factory.mktemp("arpa") / "n.arpa", seen)
+
+
+class Collector:
+    """A deliver callback: the rounds (or the error) one generation received."""
+
+    def __init__(self) -> None:
+        self.rounds: list[Round] = []
+        self.error: BaseException | None = None
+
+    def __call__(self, item: Round | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.rounds.append(item)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for round_ in self.rounds for token in round_.token_ids]
+
+
+def mixed_generations(tiny_target, references, partly_matching, never_matching):
+    """A generation per reference, cycling draft kinds, draft lengths and speculation on/off."""
+    kinds = ["always", "never", "partly", "context", "off"]
+    generations = []
+    for index, (ids, expected) in enumerate(references):
+        kind = kinds[index % len(kinds)]
+        draft = {
+            "always": OracleDraft(expected),
+            "never": never_matching,
+            "partly": partly_matching,
+            "context": ContextDraft(partly_matching, min_match=1, max_match=4),
+            "off": partly_matching,
+        }[kind]
+        max_new = MAX_NEW - index % 4  # streams end at different iterations
+        k = 1 + index % 6
+        generation = generate(
+            tiny_target, draft, ids, max_new_tokens=max_new, k=k, enabled=kind != "off"
+        )
+        generations.append((kind, generation, expected[:max_new]))
+    return generations
+
+
+def drive(batch: Batch, additions: dict[int, list[tuple[Generation, Collector]]]) -> None:
+    """Iterate; before iteration i, add the generations additions[i] (joins mid-batch)."""
+    iteration = 0
+    while True:
+        for generation, collector in additions.get(iteration, []):
+            batch.add(generation, collector)
+        batch._waiting.extend(batch._inbox)  # what run_until_idle does under its lock
+        batch._inbox.clear()
+        if not (batch.active or batch.waiting) and iteration > max(additions):
+            return
+        batch.iterate()
+        iteration += 1
+
+
+def test_mixed_streams_in_a_batch_equal_their_solo_greedy_output(
+    tiny_target, references, partly_matching, never_matching
+) -> None:
+    generations = mixed_generations(tiny_target, references, partly_matching, never_matching)
+    batch = Batch(tiny_target, BatchSettings(max_rows=5, prefill_chunk=3))
+    collectors = [Collector() for _ in generations]
+    pairs = [(g, c) for (_, g, _), c in zip(generations, collectors, strict=True)]
+    # Four join at once, the rest one every third iteration; only five rows, so some wait.
+    additions = {0: pairs[:4], **{3 * i: [pair] for i, pair in enumerate(pairs[4:], start=1)}}
+    drive(batch, additions)
+    for (kind, _, expected), collector in zip(generations, collectors, strict=True):
+        assert collector.error is None
+        assert collector.tokens == expected, kind
+        assert collector.rounds[-1].finish_reason is not None
+        drafted = sum(r.drafted for r in collector.rounds)
+        accepted = sum(r.accepted for r in collector.rounds)
+        if kind == "always":
+            assert accepted == drafted > 0
+        elif kind == "never":
+            assert drafted > 0 and accepted == 0
+        elif kind == "off":
+            assert all(r.mode is Mode.AUTOREGRESSIVE for r in collector.rounds)
+    assert batch.active == batch.waiting == 0
+    assert max(batch.stats.by_width) > 2  # rows of different widths shared passes
+    assert batch.stats.rows_verified > 2 * batch.stats.passes  # passes really were batched
+    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in references)
+
+
+def test_cancelled_stream_leaves_and_the_others_are_unaffected(
+    tiny_target, references, partly_matching, never_matching
+) -> None:
+    generations = mixed_generations(tiny_target, references[:6], partly_matching, never_matching)
+    batch = Batch(tiny_target, BatchSettings(max_rows=6, prefill_chunk=64))
+    collectors = [Collector() for _ in generations]
+    for (_, generation, _), collector in zip(generations, collectors, strict=True):
+        batch.add(generation, collector)
+    batch._waiting.extend(batch._inbox)
+    batch._inbox.clear()
+    for _ in range(7):  # one prefill per iteration, rounds for every prefilled row
+        batch.iterate()
+    victim = generations[1][1]  # a middle row: the last row moves into its place
+    rounds_before = len(collectors[1].rounds)
+    assert rounds_before >= 3 and batch.active == 6
+    assert not any(generation.finished for _, generation, _ in generations)
+    batch.cancel(victim)
+    while batch.active:
+        batch.iterate()
+    assert len(collectors[1].rounds) == rounds_before
+    pairs = list(zip(generations, collectors, strict=True))
+    for (_, _, expected), collector in pairs[:1] + pairs[2:]:
+        assert collector.tokens == expected
+
+
+def test_same_seed_same_sample_alone_in_a_batch_and_without_drafts(
+    tiny_target, references, partly_matching
+) -> None:
+    """Draws are keyed by output position, so neither drafts nor batching change a sample."""
+    ids, _ = references[0]
+    sampling = SamplingParams(temperature=1.0, seed=77)
+    alone = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, sampling=sampling)
+    list(alone)
+    plain = generate(
+        tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, sampling=sampling, enabled=False
+    )
+    list(plain)
+    batch = Batch(tiny_target, BatchSettings(max_rows=4))
+    batched, collector = None, None
+    others = [Collector() for _ in range(3)]
+    for index, (other_ids, _) in enumerate(references[1:4]):
+        other = generate(
+            tiny_target,
+            partly_matching,
+            other_ids,
+            max_new_tokens=MAX_NEW,
+            sampling=SamplingParams(temperature=1.0, seed=index),
+        )
+        batch.add(other, others[index])
+    batched = generate(
+        tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, sampling=sampling, k=2
+    )
+    collector = Collector()
+    batch.add(batched, collector)
+    batch.run_until_idle()
+    assert alone.output_ids == plain.output_ids == collector.tokens
+    assert len(set(map(tuple, (o.tokens for o in others)))) > 1  # they did sample
+
+
+def test_a_failing_row_fails_alone(tiny_target, references, partly_matching, monkeypatch) -> None:
+    """A pass that raises is rerun row by row; only the row that breaks it fails."""
+    poison = references[2][0][-1]
+    assert all(ids[-1] != poison for ids, _ in references[:2])
+    original = TargetModel.forward
+
+    def failing_forward(self, cache, lengths, token_rows, **options):
+        if any(row[0] == poison for row in token_rows):
+            raise RuntimeError("simulated kernel failure")
+        return original(self, cache, lengths, token_rows, **options)
+
+    monkeypatch.setattr(TargetModel, "forward", failing_forward)
+    batch = Batch(tiny_target)
+    collectors = [Collector() for _ in range(3)]
+    for (ids, _), collector in zip(references[:3], collectors, strict=True):
+        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.run_until_idle()
+    assert isinstance(collectors[2].error, RuntimeError) and not collectors[2].rounds
+    for (_, expected), collector in zip(references[:2], collectors[:2], strict=True):
+        assert collector.error is None and collector.tokens == expected
+    assert batch.active == 0
+
+
+COSTS = PassCosts({(1, 1): 1.0, (1, 4): 1.6, (1, 7): 2.0, (8, 1): 2.4, (8, 4): 4.0, (8, 7): 5.0})
+
+
+@pytest.mark.parametrize(
+    ("proposed", "acceptance", "costs", "width"),
+    [
+        ([6], [0.9], COSTS, 7),  # alone, good acceptance: draft fully
+        ([6], [0.2], COSTS, 1),  # alone, poor acceptance: not worth a wider pass
+        ([6, 0, 0, 0, 0, 0, 0, 0], [0.8] + [1.0] * 7, COSTS, 1),  # one speculator among eight
+        ([6] * 8, [0.9] * 8, COSTS, 7),  # eight good speculators
+        ([2, 6], [1.0, 1.0], COSTS, 7),  # the shorter proposal does not cap the width
+        ([6, 6], [0.5, 0.5], None, 7),  # uncalibrated: the longest proposal
+        ([0, 0], [1.0, 1.0], COSTS, 1),
+    ],
+)
+def test_choose_width(proposed, acceptance, costs, width) -> None:
+    assert choose_width(proposed, acceptance, costs) == width
+
+
+def test_pass_costs_interpolate_in_rows_and_extrapolate_in_width() -> None:
+    assert COSTS.cost(1, 4) == 1.6
+    assert COSTS.cost(8, 7) == 5.0
+    assert COSTS.cost(4, 1) == pytest.approx(1.0 + (2.4 - 1.0) * 3 / 7)
+    assert COSTS.cost(1, 14) == pytest.approx(4.0)  # linear beyond the widest measured
+    assert COSTS.cost(16, 1) == 2.4  # clamped to the largest measured batch
+    padded = PassCosts({(1, 1): 1.0, (1, 2): 1.5, (1, 3): 1.8, (1, 4): 1.6})
+    assert padded.pass_width(1, 3, limit=8) == 4
+    assert padded.pass_width(1, 3, limit=3) == 3
