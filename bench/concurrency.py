@@ -136,3 +136,53 @@ def concurrency_sweep(
         ]
     finally:
         server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.concurrency`: the concurrency sweep alone, for before/after comparisons.
+
+    Extra arguments after `--` go to the server, e.g. `-- --max-batch-size 1`.
+    """
+    import argparse
+
+    from bench.__main__ import machine, read_prompts
+    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="python -m bench.concurrency", description=main.__doc__)
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--prompts", type=Path, default=REPO / "prompts" / "dev.txt")
+    parser.add_argument("--limit", type=int, default=12)
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--label", default="kenspec")
+    parser.add_argument("--out", type=Path, help="append the result as one JSON line here")
+    parser.add_argument("server_args", nargs="*", help="after --: arguments for the server")
+    args = parser.parse_args(argv)
+    server_args = ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)]
+    server_args += ["--max-concurrent-streams", str(max(args.levels)), *args.server_args]
+    levels = concurrency_sweep(
+        server_args,
+        read_prompts(args.prompts, args.limit),
+        args.levels,
+        requests_per_stream=args.requests_per_stream,
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(f"| {args.label} | streams | agg tok/s | x 1 stream | round p50 ms | p95 ms | TTFT p50 |")
+    print("|---|---|---|---|---|---|---|")
+    single = levels[0]
+    for level in levels:
+        print(
+            f"| {args.label} | {level['streams']} | {level['aggregate_tokens_per_s']:.1f} "
+            f"| {level['aggregate_tokens_per_s'] / single['aggregate_tokens_per_s']:.2f} "
+            f"| {level['inter_round_ms_p50']:.0f} | {level['inter_round_ms_p95']:.0f} "
+            f"| {level['ttft_ms_p50']:.0f} |"
+        )
+    if args.out is not None:
+        record = {"label": args.label, "machine": machine(), "server_args": server_args}
+        with args.out.open("a") as file:
+            file.write(json.dumps({**record, "levels": levels}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -45,16 +45,15 @@ class Speculator:
     def window_acceptance(self) -> float:
         return self._acceptance.window_acceptance if self._acceptance else 0.0
 
-    @property
-    def acceptance_estimate(self) -> float:
+    def acceptance_estimate(self, prior: float = 1.0) -> float:
         """Per-token acceptance to expect of the next round, for a batch choosing its width:
-        what a full window implies; 1.0 until the window is full (a new request gets to show
-        what its draft can do) and every PROBE_AFTER rounds in a row it had drafts cut
-        entirely (a stale estimate is re-measured once the batch can afford a wider pass)."""
-        if self._acceptance is None or not self._acceptance.window_full:
-            return 1.0
+        what a full window implies; `prior` (the draft's recent acceptance over all requests)
+        until the window is full; 1.0 every PROBE_AFTER rounds in a row that a batch cut all
+        its drafts (a stale estimate is re-measured once the batch can afford a wider pass)."""
         if self._starved and self._starved % PROBE_AFTER == 0:
             return 1.0
+        if self._acceptance is None or not self._acceptance.window_full:
+            return prior
         return self._acceptance.window_effective_acceptance
 
     def cut(self, proposed: int, kept: int) -> None:

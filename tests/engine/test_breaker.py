@@ -320,3 +320,30 @@ def test_hanging_draft_is_abandoned_and_counted_as_a_fault() -> None:
     assert time.perf_counter() - started < 2.0  # the engine waited 0.2 s each, not 30
     assert faults.state is BreakerState.OPEN
     release.set()
+
+
+def test_acceptance_estimate_for_batches_uses_the_prior_until_measured_and_reprobes() -> None:
+    from server.engine.speculator import PROBE_AFTER
+
+    breaker = AcceptanceBreaker(threshold=0.0, window_rounds=4, reset_timeout_s=60.0)
+    speculator = Speculator(
+        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6), acceptance=breaker
+    )
+    for _ in range(3):
+        speculator.record(6, 0)
+        assert speculator.acceptance_estimate(prior=0.7) == 0.7  # the window is not full yet
+    speculator.record(6, 0)
+    assert speculator.acceptance_estimate(prior=0.7) == 0.0
+    for _ in range(PROBE_AFTER - 1):
+        speculator.cut(6, 0)  # a batch dropped every draft of the round
+        assert speculator.acceptance_estimate() == 0.0
+    speculator.cut(6, 0)
+    assert speculator.acceptance_estimate() == 1.0  # a stale estimate gets a probe
+    speculator.cut(6, 2)
+    assert speculator.acceptance_estimate() == 0.0
+
+
+def test_calibration_measures_batched_passes(tiny_target) -> None:
+    result = calibrate(tiny_target, k=2, context_tokens=16, repeats=2, rows=3)
+    assert set(result.pass_seconds) == {(rows, w) for rows in (1, 3) for w in (1, 2, 3)}
+    assert all(seconds > 0 for seconds in result.pass_seconds.values())
