@@ -45,6 +45,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--k-sweep-limit", type=int, default=6)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument(
+        "--concurrency-repeats", type=int, default=1, help="alternating runs per level (medians)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     return parser.parse_args(argv)
@@ -177,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.concurrency,
             requests_per_stream=args.requests_per_stream,
             max_new_tokens=args.max_new_tokens,
+            repeats=args.concurrency_repeats,
         )
         results["concurrency"] = sweep
         first = next(iter(engine_ttft.values()), None)

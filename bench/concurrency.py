@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,23 +38,35 @@ class ServerProcess:
         ]
         self.process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
         self.events: list[dict] = []
+        self._seen = 0  # events before this index were already looked at by wait_for
+        # The log is read all the time, not only while waiting: a full stderr pipe would block
+        # the server mid-round (it logs from the engine thread) and a sweep would measure that.
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         self.port = int(self.wait_for("listening", timeout)["address"].rsplit(":", 1)[1])
         self.wait_for("ready", timeout)
 
+    def _drain(self) -> None:
+        """Collect JSON log events; other output (KenLM's progress bars) is skipped."""
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    self.events.append(record)
+
     def wait_for(self, event: str, timeout: float = 120) -> dict:
-        """Read log events until `event`; other output (KenLM's progress bars) is skipped."""
+        """The next log event named `event` (after those earlier calls returned)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
+            while self._seen < len(self.events):
+                record = self.events[self._seen]
+                self._seen += 1
+                if record.get("event") == event:
+                    return record
+            if not self._reader.is_alive() and self._seen >= len(self.events):
                 raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            self.events.append(record)
-            if record.get("event") == event:
-                return record
+            time.sleep(0.02)
         raise TimeoutError(f"no {event!r} from the server within {timeout} s")
 
     @property
@@ -125,17 +140,30 @@ def concurrency_sweep(
     *,
     requests_per_stream: int,
     max_new_tokens: int,
+    repeats: int = 1,
 ) -> list[dict]:
+    """Each level `repeats` times, the levels alternating (1, 8, 1, 8, ...) so that machine
+    drift hits every level alike; per level the median of each figure over the repeats."""
     server = ServerProcess(server_args)
     try:
-        return [
-            asyncio.run(
-                sweep_level(server.address, prompts, level, requests_per_stream, max_new_tokens)
-            )
-            for level in levels
-        ]
+        runs: dict[int, list[dict]] = {level: [] for level in levels}
+        for _ in range(repeats):
+            for level in levels:
+                result = asyncio.run(
+                    sweep_level(server.address, prompts, level, requests_per_stream, max_new_tokens)
+                )
+                runs[level].append(result)
+        return [_median_of(runs[level]) for level in levels]
     finally:
         server.stop()
+
+
+def _median_of(results: list[dict]) -> dict:
+    merged = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    merged["repeats"] = len(results)
+    merged["aggregate_tokens_per_s_runs"] = [r["aggregate_tokens_per_s"] for r in results]
+    merged["inter_round_ms_p95_runs"] = [r["inter_round_ms_p95"] for r in results]
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per level")
     parser.add_argument("--label", default="kenspec")
     parser.add_argument("--out", type=Path, help="append the result as one JSON line here")
     parser.add_argument("server_args", nargs="*", help="after --: arguments for the server")
@@ -166,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.levels,
         requests_per_stream=args.requests_per_stream,
         max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
     )
     print(f"| {args.label} | streams | agg tok/s | x 1 stream | round p50 ms | p95 ms | TTFT p50 |")
     print("|---|---|---|---|---|---|---|")

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting = 0
         self._slots = asyncio.Semaphore(max_active)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-engine")
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
 
     async def acquire(self) -> AbstractAsyncContextManager[None]:
         """Wait (in the bounded queue) for a slot; the returned context manager holds it."""
@@ -65,12 +66,8 @@ class Scheduler:
         """Run generation in batch; its rounds as they come. Leaving early cancels it."""
         loop = asyncio.get_running_loop()
         rounds: asyncio.Queue[Round | BaseException] = asyncio.Queue()
-
-        def deliver(item: Round | BaseException) -> None:  # on the worker thread
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
-                loop.call_soon_threadsafe(rounds.put_nowait, item)
-
-        if batch.add(generation, deliver):
+        batch.on_iteration_end = self._flush
+        if batch.add(generation, lambda item: self._outbox.append((loop, rounds, item))):
             self.submit(batch.run_until_idle)
         try:
             while True:
@@ -82,6 +79,17 @@ class Scheduler:
                     return
         finally:
             batch.cancel(generation)
+
+    def _flush(self) -> None:
+        """Hand an iteration's rounds to the event loop in one wake-up, not one per stream
+        (on the engine thread, which alone appends to the outbox)."""
+        items, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue, item in items:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_put_all, batch)
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """Run function on the engine thread, with the caller's context (request-bound logs)."""
@@ -95,3 +103,8 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

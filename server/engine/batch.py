@@ -15,6 +15,7 @@ A Batch is driven by one thread (`run_until_idle`); `add` and `cancel` may be ca
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,12 @@ class BatchStats:
     prefill_tokens: int = 0
     last_rows: int = 0
     by_width: dict[int, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
+
+    def timed(self, phase: str, started: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - started
+        return now
 
 
 class Batch:
@@ -137,6 +144,7 @@ class Batch:
         self.costs = costs
         self.stats = BatchStats()
         self.on_pass: Callable[[int, int], None] | None = None  # (rows, width), e.g. metrics
+        self.on_iteration_end: Callable[[], None] | None = None  # e.g. flush deliveries
         self._cache = target.new_cache(self.settings.max_rows)
         self._decoding: list[_Entry] = []
         self._prefilling: _Entry | None = None
@@ -186,6 +194,7 @@ class Batch:
                 self._inbox.clear()
                 if not (self._decoding or self._prefilling or self._waiting):
                     self._running = False
+                    log.debug("batch_idle", **self._summary())
                     return
             try:
                 self.iterate()
@@ -196,6 +205,9 @@ class Batch:
                         self._finish(entry, error)
                 self._decoding, self._prefilling = [], None
                 self._waiting.clear()
+            finally:
+                if self.on_iteration_end is not None:
+                    self.on_iteration_end()
 
     def iterate(self) -> None:
         self.stats.iterations += 1
@@ -203,6 +215,17 @@ class Batch:
         self._prefill_chunk()
         if self._decoding:
             self._verify()
+
+    def _summary(self) -> dict[str, object]:
+        stats = self.stats
+        return {
+            "iterations": stats.iterations,
+            "passes": stats.passes,
+            "rows_per_pass": round(stats.rows_verified / max(1, stats.passes), 2),
+            "widths": dict(sorted(stats.by_width.items())),
+            "prefill_tokens": stats.prefill_tokens,
+            "seconds": {phase: round(s, 2) for phase, s in stats.seconds.items()},
+        }
 
     def _drop_cancelled(self) -> None:
         for index in reversed(range(len(self._decoding))):
@@ -223,6 +246,7 @@ class Batch:
         entry, row = self._prefilling, len(self._decoding)
         generation = entry.generation
         start, tokens = generation.next_prefill(self.settings.prefill_chunk)
+        started = time.perf_counter()
         try:
             self.target.prefill(self._cache, row, start, tokens)
         except Exception as error:
@@ -230,6 +254,7 @@ class Batch:
             self._prefilling = None
             self._finish(entry, error)
             return
+        self.stats.timed("prefill", started)
         generation.prefilled(len(tokens))
         self.stats.prefill_tokens += len(tokens)
         if generation.prefill_remaining == 0:
@@ -237,6 +262,7 @@ class Batch:
             self._prefilling = None
 
     def _verify(self) -> None:
+        started = time.perf_counter()
         tokens: dict[int, list[int]] = {}
         failed: list[tuple[_Entry, Exception]] = []
         for entry in self._decoding:
@@ -252,6 +278,7 @@ class Batch:
         entries = list(self._decoding)  # entries[i] is in cache row i
         planned = [(entry, tokens[id(entry)]) for entry in entries]
         rows = self._cut_to_width(planned)
+        started = self.stats.timed("plan", started)
         try:
             logits = self._forward(0, entries, rows)
         except Exception as error:
@@ -265,7 +292,9 @@ class Batch:
             log.exception("verify_pass_failed", rows=len(rows))
             self._verify_alone(entries, rows)
             return
+        started = self.stats.timed("forward", started)
         self._complete(list(zip(entries, logits, strict=True)))
+        self.stats.timed("accept", started)
 
     def _verify_alone(self, entries: list[_Entry], rows: list[list[int]]) -> None:
         done = []

@@ -183,11 +183,21 @@ class TargetModel:
         )
         if self.head_t is None:
             return [hidden[i, : len(row)].float() for i, row in enumerate(token_rows)]
-        firsts = (hidden[:, 0] @ self.head_t).float()  # [rows, vocab]: every row reads row 0
+        firsts = self._first_rows(hidden[:, 0])  # [rows, vocab]: every row reads row 0
         return [
             LazyLogits(hidden[i, : len(row)], self.head_t, firsts[i])
             for i, row in enumerate(token_rows)
         ]
+
+    def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of one position per row: a GEMV for one row, else head @ hidden^T.
+
+        Measured for the 49k x 576 head on an AVX2 EPYC: 2..8 rows as head @ hidden^T took
+        5-11 ms where hidden @ head^T (and F.linear) took 17-29 ms; one row is a 4.9 ms GEMV.
+        """
+        if hidden.shape[0] == 1:
+            return (hidden @ self.head_t).float()
+        return (self.model.lm_head.weight @ hidden.t()).t().float()
 
     @torch.inference_mode()
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
