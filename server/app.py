@@ -92,6 +92,7 @@ class KenspecServer:
         # OpenMP pool behind, and multi-token passes then ran ~50% slower (measured, AVX2 EPYC).
         runtime = await self.scheduler.run(self._loader, self.settings)
         runtime.engine.on_transition = self.metrics.observe_transition
+        runtime.engine.batch.on_pass = self.metrics.observe_pass
         self.metrics.set_draft_breaker(runtime.engine.faults.state)
         self.service.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -84,6 +84,18 @@ class Metrics:
             buckets=(1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 200, 500, 1000),
             registry=r,
         )
+        self.pass_rows = Histogram(
+            "kenspec_batch_rows",
+            "Streams verified together per forward pass (continuous batching).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.pass_width = Histogram(
+            "kenspec_batch_pass_width",
+            "Tokens per stream in a verification pass (1 + drafts kept).",
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 65),
+            registry=r,
+        )
         self.set_draft_breaker(BreakerState.CLOSED)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -99,6 +111,10 @@ class Metrics:
                 self.drafted_at.labels(position=label).inc()
                 if position < round_.accepted:
                     self.accepted_at.labels(position=label).inc()
+
+    def observe_pass(self, rows: int, width: int) -> None:
+        self.pass_rows.observe(rows)
+        self.pass_width.observe(width)
 
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self.breaker_transitions.labels(scope=scope, state=state.value).inc()
