@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from server.engine.engine import SpeculativeEngine
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.rounds import Round
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +135,25 @@ def run_kenspec(
     )
     started = time.perf_counter()
     result = RunResult(mode.name, index, [], 0.0, [])
-    for round_ in generation:
+
+    errors: list[BaseException] = []
+
+    def record(round_: Round | BaseException) -> None:
+        if isinstance(round_, BaseException):
+            errors.append(round_)
+            return
         result.chunk_times.append(time.perf_counter() - started)
         result.tokens.extend(round_.token_ids)
         result.drafted_per_round.append(round_.drafted)
         result.accepted_per_round.append(round_.accepted)
         result.breaker_opened |= round_.breaker_state.value != "closed"
+
+    # Through the engine's batch, as the server runs it (a batch of one here): the same
+    # cost-aware choice of how many drafts a pass verifies.
+    engine.batch.add(generation, record)
+    engine.batch.run_until_idle()
+    if errors:
+        raise errors[0]
     result.seconds = time.perf_counter() - started
     return result
 
@@ -152,7 +166,10 @@ def _context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
     key = id(engine)
     if key not in _CONTEXT_ONLY:
         context = replace(engine.context, enabled=True)
-        _CONTEXT_ONLY[key] = SpeculativeEngine(engine.target, None, engine.breaker, context=context)
+        _CONTEXT_ONLY[key] = SpeculativeEngine(
+            engine.target, None, engine.breaker, context=context, batching=engine.batch.settings
+        )
+        _CONTEXT_ONLY[key].batch.costs = engine.batch.costs
     return _CONTEXT_ONLY[key]
 
 
