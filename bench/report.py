@@ -68,7 +68,8 @@ def markdown(results: dict) -> str:
     if results.get("drafts"):
         lines += [
             "",
-            "Drafts (greedy, adaptive k): tokens/round and tokens/s",
+            "Drafts (greedy, adaptive k): tokens/round, tokens per round that verified drafts, "
+            "and tokens/s",
             "",
             "| set | dtype | " + " | ".join(DRAFT_ORDER) + " |",
             "|---|---|" + "---|" * len(DRAFT_ORDER),
@@ -76,6 +77,7 @@ def markdown(results: dict) -> str:
         for case in results["drafts"]:
             cells = [
                 f"{case['summary'][m]['tokens_per_round']:.2f} / "
+                f"{case['summary'][m].get('tokens_per_speculative_round', 0.0):.2f} / "
                 f"{case['summary'][m]['tokens_per_s_median']:.1f}"
                 for m in DRAFT_ORDER
             ]

@@ -67,6 +67,14 @@ def summarize(results: Sequence[RunResult], k_max: int = 8) -> dict[str, dict]:
         tokens = sum(len(r.tokens) for r in runs)
         rounds = sum(r.rounds for r in runs)
         inter = [gap for r in runs for gap in r.inter_round]
+        # What the draft yields where it was used (the breakers and the width choice decide
+        # how often that is): emitted tokens per round that verified at least one draft.
+        speculative = [
+            a + 1
+            for r in runs
+            for d, a in zip(r.drafted_per_round, r.accepted_per_round, strict=True)
+            if d
+        ]
         drafted_at, accepted_at = [0] * k_max, [0] * k_max
         for r in runs:
             for drafted, accepted in zip(r.drafted_per_round, r.accepted_per_round, strict=True):
@@ -78,6 +86,8 @@ def summarize(results: Sequence[RunResult], k_max: int = 8) -> dict[str, dict]:
             "tokens": tokens,
             "tokens_per_s_median": statistics.median(r.tokens_per_second for r in runs),
             "tokens_per_round": tokens / rounds if rounds else 0.0,
+            "tokens_per_speculative_round": (statistics.fmean(speculative) if speculative else 0.0),
+            "speculative_rounds": len(speculative),
             "ttft_ms_median": 1000 * statistics.median(r.ttft for r in runs),
             "inter_round_ms_p50": 1000 * percentile(inter, 0.5),
             "inter_round_ms_p95": 1000 * percentile(inter, 0.95),
