@@ -93,11 +93,13 @@ def markdown(results: dict) -> str:
     if results.get("concurrency"):
         lines += [
             "",
-            "| streams | aggregate tok/s | TTFT ms p50 / p95 | round ms p50 / p95 |",
-            "|---|---|---|---|",
+            "| streams | aggregate tok/s | all-busy tok/s | TTFT ms p50 / p95 "
+            "| round ms p50 / p95 |",
+            "|---|---|---|---|---|",
         ]
         lines += [
             f"| {row['streams']} | {row['aggregate_tokens_per_s']:.1f} | "
+            f"{row.get('all_busy_tokens_per_s', float('nan')):.1f} | "
             f"{row['ttft_ms_p50']:.0f} / {row['ttft_ms_p95']:.0f} | "
             f"{row['inter_round_ms_p50']:.0f} / {row['inter_round_ms_p95']:.0f} |"
             for row in results["concurrency"]
