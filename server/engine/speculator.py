@@ -10,7 +10,8 @@ from server.engine.params import SpeculationParams
 from server.engine.rounds import BreakerState
 
 _NOTHING = Proposal()
-PROBE_AFTER = 16
+PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
+PROBE_AFTER_MAX = 256
 
 
 class Speculator:
@@ -36,6 +37,8 @@ class Speculator:
         self._request_id = request_id
         self.k = params.num_draft_tokens
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
+        self._probe_every = PROBE_AFTER
+        self._probing = False
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -48,16 +51,23 @@ class Speculator:
     def acceptance_estimate(self, prior: float = 1.0) -> float:
         """Per-token acceptance to expect of the next round, for a batch choosing its width:
         what a full window implies; `prior` (the draft's recent acceptance over all requests)
-        until the window is full; 1.0 every PROBE_AFTER rounds in a row that a batch cut all
-        its drafts (a stale estimate is re-measured once the batch can afford a wider pass)."""
-        if self._starved and self._starved % PROBE_AFTER == 0:
+        until the window is full. After `probe_every` rounds in a row whose drafts a batch cut
+        entirely, 1.0 once (a probe: a stale estimate is re-measured); a probe that fails
+        doubles the wait for the next one (up to PROBE_AFTER_MAX), one that pays resets it."""
+        if self._probe_due:
             return 1.0
         if self._acceptance is None or not self._acceptance.window_full:
             return prior
         return self._acceptance.window_effective_acceptance
 
+    @property
+    def _probe_due(self) -> bool:
+        return self._starved > 0 and self._starved % self._probe_every == 0
+
     def cut(self, proposed: int, kept: int) -> None:
         """A batch kept `kept` of this round's `proposed` drafts."""
+        if kept and self._probe_due:
+            self._probing = True
         self._starved = self._starved + 1 if proposed and not kept else 0
 
     def propose(self, limit: int) -> Proposal:
@@ -74,6 +84,12 @@ class Speculator:
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        if self._probing:  # a probe pays when at least half its drafts were accepted
+            self._probing = False
+            failed = 2 * accepted < drafted
+            self._probe_every = (
+                min(2 * self._probe_every, PROBE_AFTER_MAX) if failed else PROBE_AFTER
+            )
         if self._acceptance is not None:
             self._acceptance.record(drafted, accepted)
         if self._params.adaptive:

@@ -339,8 +339,20 @@ def test_acceptance_estimate_for_batches_uses_the_prior_until_measured_and_repro
         assert speculator.acceptance_estimate() == 0.0
     speculator.cut(6, 0)
     assert speculator.acceptance_estimate() == 1.0  # a stale estimate gets a probe
-    speculator.cut(6, 2)
-    assert speculator.acceptance_estimate() == 0.0
+    speculator.cut(6, 6)  # the batch let the probe draft
+    speculator.record(6, 1)  # and it failed: the next probe waits twice as long
+    stale = speculator.acceptance_estimate()
+    assert stale < 0.5
+    for _ in range(2 * PROBE_AFTER - 1):
+        speculator.cut(6, 0)
+        assert speculator.acceptance_estimate() == stale
+    speculator.cut(6, 0)
+    assert speculator.acceptance_estimate() == 1.0
+    speculator.cut(6, 6)
+    speculator.record(6, 5)  # a probe that pays resets the wait
+    for _ in range(PROBE_AFTER):
+        speculator.cut(6, 0)
+    assert speculator.acceptance_estimate() == 1.0
 
 
 def test_calibration_measures_batched_passes(tiny_target) -> None:
