@@ -47,7 +47,7 @@ def load_runtime(settings: Settings) -> Runtime:
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
-    breaker, costs = _breaker_settings(settings, target)
+    breaker, costs = _breaker_and_pass_costs(settings, target)
     context = ContextSettings(
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
@@ -88,7 +88,7 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
     )
 
 
-def _breaker_settings(
+def _breaker_and_pass_costs(
     settings: Settings, target: TargetModel
 ) -> tuple[BreakerSettings, PassCosts | None]:
     """The breaker, calibrated when asked, and the measured pass costs batches choose widths by."""

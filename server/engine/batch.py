@@ -119,7 +119,6 @@ class BatchStats:
     passes: int = 0
     rows_verified: int = 0
     prefill_tokens: int = 0
-    last_rows: int = 0
     by_width: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
 
@@ -190,9 +189,7 @@ class Batch:
     def run_until_idle(self) -> None:
         while True:
             with self._lock:
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
-                if not (self._decoding or self._prefilling or self._waiting):
+                if not (self._inbox or self._decoding or self._prefilling or self._waiting):
                     self._running = False
                     log.debug("batch_idle", **self._summary())
                     return
@@ -211,6 +208,9 @@ class Batch:
 
     def iterate(self) -> None:
         self.stats.iterations += 1
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
         self._drop_cancelled()
         self._prefill_chunk()
         if self._decoding:
@@ -372,7 +372,6 @@ class Batch:
     def _count_pass(self, rows: int, width: int) -> None:
         self.stats.passes += 1
         self.stats.rows_verified += rows
-        self.stats.last_rows = rows
         self.stats.by_width[width] = self.stats.by_width.get(width, 0) + 1
         if self.on_pass is not None:
             self.on_pass(rows, width)

@@ -40,10 +40,6 @@ class SlotCache:
         self._positions: torch.Tensor | None = None  # [n, width]: where each new token goes
         self._kv_length = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
-
     def bind(self, first_row: int, positions: torch.Tensor) -> None:
         """Set where the next pass writes: rows first_row.. get positions [n, width]."""
         rows, _ = positions.shape

@@ -86,8 +86,6 @@ def drive(batch: Batch, additions: dict[int, list[tuple[Generation, Collector]]]
     while True:
         for generation, collector in additions.get(iteration, []):
             batch.add(generation, collector)
-        batch._waiting.extend(batch._inbox)  # what run_until_idle does under its lock
-        batch._inbox.clear()
         if not (batch.active or batch.waiting) and iteration > max(additions):
             return
         batch.iterate()
@@ -130,8 +128,6 @@ def test_cancelled_stream_leaves_and_the_others_are_unaffected(
     collectors = [Collector() for _ in generations]
     for (_, generation, _), collector in zip(generations, collectors, strict=True):
         batch.add(generation, collector)
-    batch._waiting.extend(batch._inbox)
-    batch._inbox.clear()
     for _ in range(7):  # one prefill per iteration, rounds for every prefilled row
         batch.iterate()
     victim = generations[1][1]  # a middle row: the last row moves into its place
