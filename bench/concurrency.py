@@ -20,23 +20,29 @@ from client import AsyncClient
 REPO = Path(__file__).resolve().parent.parent
 
 
+def server_command(args: Sequence[str]) -> list[str]:
+    """`python -m server` on a free port, JSON logs, no metrics port, then `args`."""
+    return [
+        sys.executable,
+        "-m",
+        "server",
+        "--port",
+        "0",
+        "--log-format",
+        "json",
+        "--metrics-port",
+        "-1",
+        *args,
+    ]
+
+
 class ServerProcess:
     """`python -m server` on a free port, read through its JSON log events; ready on return."""
 
     def __init__(self, args: Sequence[str], timeout: float = 600) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "server",
-            "--port",
-            "0",
-            "--log-format",
-            "json",
-            "--metrics-port",
-            "-1",
-            *args,
-        ]
-        self.process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            server_command(args), cwd=REPO, stderr=subprocess.PIPE, text=True
+        )
         self.events: list[dict] = []
         self._seen = 0  # events before this index were already looked at by wait_for
         # The log is read all the time, not only while waiting: a full stderr pipe would block

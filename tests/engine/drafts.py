@@ -104,3 +104,19 @@ def generate(
         speculation=SpeculationParams(enabled=enabled, num_draft_tokens=k, adaptive=adaptive),
     )
     return generation
+
+
+def fail_passes_fed(monkeypatch, poison: int) -> None:
+    """Make every forward pass that feeds `poison` first in a row raise (a kernel failure).
+
+    A round feeds its pending token first, so a request whose prompt ends in `poison` fails
+    from its first round on, and a batched pass that holds it fails as a whole.
+    """
+    original = TargetModel.forward
+
+    def failing_forward(self, cache, lengths, token_rows, **options):  # type: ignore[no-untyped-def]
+        if any(row[0] == poison for row in token_rows):
+            raise RuntimeError("simulated kernel failure")
+        return original(self, cache, lengths, token_rows, **options)
+
+    monkeypatch.setattr(TargetModel, "forward", failing_forward)

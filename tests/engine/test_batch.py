@@ -12,7 +12,13 @@ from server.engine.params import SamplingParams
 from server.engine.rounds import Mode, Round
 from server.engine.target import TargetModel
 from tests import tiny
-from tests.engine.drafts import OracleDraft, generate, never_matching_kenlm, reference_greedy
+from tests.engine.drafts import (
+    OracleDraft,
+    fail_passes_fed,
+    generate,
+    never_matching_kenlm,
+    reference_greedy,
+)
 
 MAX_NEW = 20
 
@@ -181,14 +187,7 @@ def test_a_failing_row_fails_alone(tiny_target, references, partly_matching, mon
     """A pass that raises is rerun row by row; only the row that breaks it fails."""
     poison = references[2][0][-1]
     assert all(ids[-1] != poison for ids, _ in references[:2])
-    original = TargetModel.forward
-
-    def failing_forward(self, cache, lengths, token_rows, **options):
-        if any(row[0] == poison for row in token_rows):
-            raise RuntimeError("simulated kernel failure")
-        return original(self, cache, lengths, token_rows, **options)
-
-    monkeypatch.setattr(TargetModel, "forward", failing_forward)
+    fail_passes_fed(monkeypatch, poison)
     batch = Batch(tiny_target)
     collectors = [Collector() for _ in range(3)]
     for (ids, _), collector in zip(references[:3], collectors, strict=True):

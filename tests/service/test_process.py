@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.concurrency import ServerProcess
+from bench.concurrency import ServerProcess, server_command
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
 from tests.engine.drafts import reference_greedy
@@ -111,21 +111,7 @@ def test_client_cli_against_a_running_server(server_process, tiny_target) -> Non
 
 def test_bad_model_path_fails_startup_with_a_clear_message(tmp_path) -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--model",
-            str(tmp_path / "missing"),
-            "--draft",
-            "none",
-            "--port",
-            "0",
-            "--log-format",
-            "json",
-            "--metrics-port",
-            "-1",
-        ],
+        server_command(["--model", str(tmp_path / "missing"), "--draft", "none"]),
         cwd=REPO,
         capture_output=True,
         text=True,

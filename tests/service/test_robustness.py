@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from client.api import generator_pb2 as pb
 from client.api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
-from tests.engine.drafts import reference_greedy
+from tests.engine.drafts import fail_passes_fed, reference_greedy
 
 VALIDATABLE = {
     grpc.StatusCode.OK,
@@ -199,20 +199,11 @@ def test_load_with_cancellations_loses_nothing(served, tiny_target) -> None:
 def test_target_failure_fails_only_that_request(served, monkeypatch) -> None:
     """A forward pass that raises (a kernel failure) fails its own request with a clear status;
     the slot and cache are freed and other requests go on."""
-    from server.engine.target import TargetModel
-
     server, stub, _ = served
     target = server.server.service.runtime.engine.target
     poison = target.encode_prompt("zq#")[-1]  # every forward of a request starts with its
     assert poison != target.encode_prompt("Hello")[-1]  # pending token: the prompt's last one
-    original = TargetModel.forward
-
-    def failing_forward(self, cache, lengths, token_rows, **options):
-        if any(row[0] == poison for row in token_rows):
-            raise RuntimeError("simulated kernel failure")
-        return original(self, cache, lengths, token_rows, **options)
-
-    monkeypatch.setattr(TargetModel, "forward", failing_forward)
+    fail_passes_fed(monkeypatch, poison)
     request = pb.GenerateRequest(prompt="zq#", stopping=pb.StoppingCriteria(max_new_tokens=4))
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Generate(request, timeout=60))
