@@ -56,6 +56,7 @@ def load_runtime(settings: Settings) -> Runtime:
     batching = BatchSettings(
         max_rows=settings.max_batch_size,
         prefill_chunk=settings.prefill_chunk,
+        prefill_chunk_alone=settings.prefill_chunk_alone,
         pad_passes=settings.pad_verify,
     )
     engine = SpeculativeEngine(target, draft, breaker, context=context, batching=batching)

@@ -54,6 +54,7 @@ class Settings:
     max_concurrent_streams: int = 8
     max_batch_size: int = 8
     prefill_chunk: int = 64
+    prefill_chunk_alone: int = 512
     max_queue: int = 32
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
@@ -108,6 +109,8 @@ _HELP = {
     "admitted streams beyond it wait for a row",
     "prefill_chunk": "prompt tokens prefilled per batch iteration: a long prompt delays the "
     "running streams by one chunk at a time, not all at once",
+    "prefill_chunk_alone": "prompt tokens prefilled per iteration while no stream is decoding "
+    "(nothing waits, and fewer, larger chunks are faster)",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
@@ -139,7 +142,12 @@ def parse_settings(
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
-    for name in ("max_batch_size", "prefill_chunk", "max_concurrent_streams"):
+    for name in (
+        "max_batch_size",
+        "prefill_chunk",
+        "prefill_chunk_alone",
+        "max_concurrent_streams",
+    ):
         if getattr(namespace, name) < 1:
             parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
     return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})

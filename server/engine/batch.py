@@ -4,7 +4,7 @@ One iteration (Orca-style, iteration-level scheduling):
 1. admit: take new generations and cancellations; a cancelled or finished one leaves at once
    and its cache row goes to the next one;
 2. prefill: at most one chunk of one new prompt (chunked, so a long prompt never stalls the
-   streams already running by more than one chunk);
+   streams already running by more than one chunk; larger chunks while none is running);
 3. verify: every prefilled generation drafts (its own k, breakers, sampling parameters; an
    open breaker means a draft of length 0), the pass width is chosen for the whole batch (see
    `choose_width`), one forward pass scores all rows, and each row accepts on its own logits.
@@ -110,6 +110,7 @@ class _Entry:
 class BatchSettings:
     max_rows: int = 8  # generations verified together; more wait for a row
     prefill_chunk: int = 64  # prompt tokens prefilled per iteration
+    prefill_chunk_alone: int = 512  # ... while no generation is decoding (nobody waits)
     pad_passes: bool = True  # pad a pass to a wider width when measured to be cheaper
 
 
@@ -245,7 +246,11 @@ class Batch:
             self._prefilling = self._waiting.popleft()
         entry, row = self._prefilling, len(self._decoding)
         generation = entry.generation
-        start, tokens = generation.next_prefill(self.settings.prefill_chunk)
+        # Chunks keep running streams moving; alone, fewer and larger chunks are faster
+        # (a 190-token prompt: 480 ms in 64-token chunks, 390 ms in one pass, measured).
+        settings = self.settings
+        chunk = settings.prefill_chunk if self._decoding else settings.prefill_chunk_alone
+        start, tokens = generation.next_prefill(chunk)
         started = time.perf_counter()
         try:
             self.target.prefill(self._cache, row, start, tokens)

@@ -227,3 +227,25 @@ def test_pass_costs_interpolate_in_rows_and_extrapolate_in_width() -> None:
     padded = PassCosts({(1, 1): 1.0, (1, 2): 1.5, (1, 3): 1.8, (1, 4): 1.6})
     assert padded.pass_width(1, 3, limit=8) == 4
     assert padded.pass_width(1, 3, limit=3) == 3
+
+
+def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_streams(
+    tiny_target, references, partly_matching
+) -> None:
+    first, second = references[0][0], references[1][0]
+    assert len(first) > 4 and len(second) > 4  # several 2-token chunks each
+    batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=64))
+    alone, beside = Collector(), Collector()
+    batch.add(generate(tiny_target, partly_matching, first, max_new_tokens=MAX_NEW), alone)
+    batch.iterate()  # nothing decodes yet: the whole prompt at once, then its first round
+    assert batch.stats.prefill_tokens == len(first) - 1 and len(alone.rounds) == 1
+    batch.add(generate(tiny_target, partly_matching, second, max_new_tokens=MAX_NEW), beside)
+    chunks = 0
+    while not beside.rounds:
+        before = batch.stats.prefill_tokens
+        batch.iterate()
+        assert batch.stats.prefill_tokens - before <= 2
+        chunks += 1
+    assert chunks == -(-(len(second) - 1) // 2)
+    batch.run_until_idle()
+    assert alone.tokens == references[0][1] and beside.tokens == references[1][1]

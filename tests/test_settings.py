@@ -1,0 +1,26 @@
+"""Command-line settings: defaults, flags over environment, and refused values."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.settings import Settings, parse_settings
+
+
+def test_flags_override_the_environment_which_overrides_defaults() -> None:
+    env = {"KENSPEC_PREFILL_CHUNK_ALONE": "256", "KENSPEC_PREFILL_CHUNK": "32"}
+    settings = parse_settings(["--prefill-chunk", "16"], env=env)
+    assert settings.prefill_chunk == 16
+    assert settings.prefill_chunk_alone == 256
+    assert parse_settings([], env={}).prefill_chunk_alone == Settings().prefill_chunk_alone
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--max-batch-size", "--prefill-chunk", "--prefill-chunk-alone", "--max-concurrent-streams"],
+)
+def test_counts_below_one_are_refused_with_the_flag_named(flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings([flag, "0"], env={})
+    assert exit_.value.code == 2
+    assert f"{flag} must be at least 1, not 0" in capsys.readouterr().err
