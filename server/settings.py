@@ -41,7 +41,7 @@ class Settings:
     min_draft_prob: float = 0.4
     pad_verify: bool = True
     draft_context: bool = True
-    context_min_match: int = 3
+    context_min_match: int = 1
     context_max_match: int = 8
     # circuit breaker
     breaker_window: int = 8

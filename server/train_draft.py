@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="combine with the request's own context (as --draft-context)",
     )
-    check.add_argument("--min-match", type=int, default=3)
+    check.add_argument("--min-match", type=int, default=1)
     check.add_argument(
         "--cost-ms",
         type=float,

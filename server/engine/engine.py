@@ -29,7 +29,7 @@ class BreakerSettings:
 @dataclass(frozen=True, slots=True)
 class ContextSettings:
     enabled: bool = False  # the default for requests that do not say
-    min_match: int = 3
+    min_match: int = 1
     max_match: int = 8
 
 
