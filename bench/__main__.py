@@ -19,6 +19,9 @@ from bench.concurrency import concurrency_sweep
 from bench.report import write_report
 from bench.runners import Mode
 from bench.suite import greedy_agreement, run_case, summarize
+from server.draft_eval import replay
+from server.engine.context_draft import ContextDraft
+from server.engine.params import SpeculationParams
 from server.runtime import load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
 
@@ -156,7 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=log,
             )
             results.setdefault("drafts", []).append(
-                {"prompt_set": name, "dtype": resolved, "summary": summarize(runs)}
+                {
+                    "prompt_set": name,
+                    "dtype": resolved,
+                    "summary": summarize(runs),
+                    "replayed": replay_drafts(engine, prompts, runs, args.k),
+                }
             )
     if args.concurrency:
         log(f"concurrency sweep {args.concurrency} through gRPC")
@@ -210,6 +218,27 @@ def k_sweep(engine, prompts, args: argparse.Namespace) -> list[dict]:  # type: i
         {"k": 0 if mode.k == 0 else mode.k, "mode": mode.name, **summary[mode.name]}
         for mode in sweep_modes
     ]
+
+
+def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Each draft's tokens per round at a fixed k with every round speculating (no breaker,
+    no width choice): its greedy rounds replayed exactly against the target's own greedy
+    answers (those of the autoregressive runs), see server.draft_eval."""
+    answers = {r.prompt_index: r.tokens for r in runs if r.mode == "kenspec_ar"}
+    drafts = {
+        "kenlm_only": engine.static_draft,
+        "context_only": ContextDraft(
+            None, min_match=engine.context.min_match, max_match=engine.context.max_match
+        ),
+        "kenlm+context": engine.context_draft,
+    }
+    params = SpeculationParams(num_draft_tokens=k)
+    ordered = [answers[index] for index in range(len(prompts))]
+    return {
+        name: replay(draft, prompts, ordered, params).tokens_per_round
+        for name, draft in drafts.items()
+        if draft is not None
+    }
 
 
 def machine() -> dict:

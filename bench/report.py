@@ -82,6 +82,22 @@ def markdown(results: dict) -> str:
                 for m in DRAFT_ORDER
             ]
             lines.append(f"| {case['prompt_set']} | {case['dtype']} | " + " | ".join(cells) + " |")
+        replayed = [case for case in results["drafts"] if case.get("replayed")]
+        if replayed:
+            names = list(replayed[0]["replayed"])
+            lines += [
+                "",
+                f"Drafts replayed at fixed k={results['args']['k']}, every round speculating "
+                "(no breaker, no width choice): tokens/round against the target's greedy answers",
+                "",
+                "| set | dtype | " + " | ".join(names) + " |",
+                "|---|---|" + "---|" * len(names),
+            ]
+            for case in replayed:
+                cells = [f"{case['replayed'][name]:.2f}" for name in names]
+                lines.append(
+                    f"| {case['prompt_set']} | {case['dtype']} | " + " | ".join(cells) + " |"
+                )
     if results.get("k_sweep"):
         lines += ["", "| dtype | k | tok/s | tok/round |", "|---|---|---|---|"]
         for dtype, rows in results["k_sweep"].items():

@@ -72,6 +72,10 @@ def test_bench_runs_every_mode_and_writes_the_report(tiny_model_dir, tiny_draft_
         "kenlm+context",
         "hf_prompt_lookup",
     }
+    k = results["args"]["k"]
+    for case in results["drafts"]:  # replayed at fixed k: between 1 and k + 1 tokens a round
+        assert set(case["replayed"]) == {"kenlm_only", "context_only", "kenlm+context"}
+        assert all(1.0 <= value <= k + 1 for value in case["replayed"].values())
     for name in (
         "results.md",
         "speedup.png",
@@ -80,4 +84,6 @@ def test_bench_runs_every_mode_and_writes_the_report(tiny_model_dir, tiny_draft_
         "concurrency.png",
     ):
         assert (out / name).stat().st_size > 0
-    assert "kenspec_spec_adaptive" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    assert "kenspec_spec_adaptive" in report
+    assert f"Drafts replayed at fixed k={k}" in report
