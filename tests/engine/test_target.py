@@ -108,3 +108,29 @@ def test_lazy_transposed_head_only_in_float32(
     ids = bf16.encode_prompt("Hello")
     logits = bf16.forward(bf16.new_cache(), [0], [ids])[0]
     assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5, 6], [6, 1, 3, 0, 5, 2, 4], [2, 1, 0]])
+def test_lazy_rows_equal_the_full_output_layer_in_any_order(tiny_target, order) -> None:
+    """Rows come one at a time or in blocks; every one equals the head applied to all rows."""
+    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
+    weight = tiny_target.model.lm_head.weight
+    with torch.inference_mode():
+        full = hidden @ weight.t()
+    lazy = target_module.LazyLogits(hidden, tiny_target.head_t, full[0], weight)
+    for index in order:
+        torch.testing.assert_close(lazy[index], full[index], rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError):
+        lazy[7]
+
+
+def test_lazy_rows_past_the_first_are_read_in_blocks(tiny_target) -> None:
+    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
+    weight = tiny_target.model.lm_head.weight
+    lazy = target_module.LazyLogits(hidden, tiny_target.head_t, hidden[0] @ weight.t(), weight)
+    lazy[1]
+    assert sorted(lazy._rows) == [0, 1, 2, 3, 4]  # row 1 came with the next BLOCK - 1 rows
+    lazy[6]
+    assert sorted(lazy._rows) == [0, 1, 2, 3, 4, 6]  # the last row: a GEMV of its own
+    lazy[5]
+    assert len(lazy._rows) == 7
