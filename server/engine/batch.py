@@ -30,7 +30,6 @@ from server.engine.target import TargetModel
 
 log = structlog.get_logger("kenspec.batch")
 
-_DECAY = 0.99
 Deliver = Callable[[Round | BaseException], None]
 
 
@@ -153,7 +152,6 @@ class Batch:
         self._inbox: list[_Entry] = []
         self._entries: dict[int, _Entry] = {}  # id(generation) -> entry, for cancel()
         self._running = False
-        self._accepted_tried = (0.0, 0.0)
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -250,6 +248,12 @@ class Batch:
         # (a 190-token prompt: 480 ms in 64-token chunks, 390 ms in one pass, measured).
         settings = self.settings
         chunk = settings.prefill_chunk if self._decoding else settings.prefill_chunk_alone
+        if not self._decoding and generation.prefill_remaining <= chunk:
+            # Alone, the rest of the prompt goes into the first round's pass: one pass less.
+            self.stats.prefill_tokens += generation.prefill_remaining
+            self._decoding.append(entry)
+            self._prefilling = None
+            return
         start, tokens = generation.next_prefill(chunk)
         started = time.perf_counter()
         try:
@@ -319,6 +323,7 @@ class Batch:
             rows,
             first_row=first_row,
             min_width=self._pass_width(len(rows), width),
+            skips=[entry.generation.prompt_in_pass for entry in entries],
         )
         self._count_pass(len(rows), width)
         return logits
@@ -336,7 +341,6 @@ class Batch:
                 log.exception("complete_failed")
                 finished.append((entry, error))
                 continue
-            self._observe(round_)
             entry.deliver(round_)
             if round_.finish_reason is not None:
                 finished.append((entry, None))
@@ -344,29 +348,10 @@ class Batch:
             self._finish_row(entry, error)
 
     def _cut_to_width(self, planned: list[tuple[_Entry, list[int]]]) -> list[list[int]]:
-        proposed = [len(tokens) - 1 for _, tokens in planned]
-        prior = self._recent_acceptance()
-        acceptance = [
-            entry.generation.speculator.acceptance_estimate(prior) for entry, _ in planned
-        ]
+        proposed = [len(tokens) - 1 - e.generation.prompt_in_pass for e, tokens in planned]
+        acceptance = [entry.generation.speculator.acceptance_estimate() for entry, _ in planned]
         width = choose_width(proposed, acceptance, self.costs)
         return [entry.generation.truncate_drafts(width - 1) for entry, _ in planned]
-
-    def _observe(self, round_: Round) -> None:
-        """Track the draft's per-token acceptance over every request's recent rounds: each
-        draft position tried is accepted or ends the round (the geometric model of Leviathan
-        et al. 2023), so accepted / tried estimates alpha. Decays over ~100 rounds."""
-        if round_.drafted:
-            tried = round_.accepted + (round_.accepted < round_.drafted)
-            self._accepted_tried = (
-                self._accepted_tried[0] * _DECAY + round_.accepted,
-                self._accepted_tried[1] * _DECAY + tried,
-            )
-
-    def _recent_acceptance(self) -> float:
-        """The prior for requests without a full window of their own (1.0 with no history)."""
-        accepted, tried = self._accepted_tried
-        return accepted / tried if tried > 0 else 1.0
 
     def _pass_width(self, rows: int, width: int) -> int:
         if width == 1 or self.costs is None or not self.settings.pad_passes:

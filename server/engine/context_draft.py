@@ -80,14 +80,12 @@ class ContextSession:
 
     def propose(self, k: int) -> Proposal:
         tokens, matched = self._index.continuation(k)
-        if self._static is None:
-            return Proposal(tuple(tokens), tuple(1.0 for _ in tokens))
-        if not matched:
-            return self._static.propose(k)
-        if len(tokens) < k:  # the earlier occurrence runs into the present: continue statically
-            extra = self._static_after(tokens, k - len(tokens))
-            tokens = [*tokens, *extra]
-        return Proposal(tuple(tokens), tuple(1.0 for _ in tokens))
+        if matched and self._static is not None and len(tokens) < k:
+            # The earlier occurrence runs into the present: continue statically.
+            tokens = [*tokens, *self._static_after(tokens, k - len(tokens))]
+        if matched or self._static is None:
+            return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=_source(matched))
+        return self._static.propose(k)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._index.extend(token_ids)
@@ -100,3 +98,10 @@ class ContextSession:
         if propose_after is None:
             return []
         return list(propose_after(drafted, k).token_ids)
+
+
+def _source(matched: int) -> str:
+    """The match length, bucketed: it predicts acceptance. Replayed on the default model's
+    greedy answers, per-token acceptance after a 1-token match was 0.29-0.59 (by prompt set),
+    2: 0.56-0.79, 3: 0.65-0.82, 4 or more: 0.94-0.95."""
+    return f"context:{min(matched, 4)}"

@@ -23,6 +23,9 @@ class Proposal:
     token_ids: tuple[int, ...] = ()
     probs: tuple[float, ...] = ()
     distributions: torch.Tensor | None = field(default=None, compare=False)
+    # Where the proposal came from ("kenlm", "context:3", ...): acceptance is tracked per
+    # source, because sources differ far more than rounds of one source do.
+    source: str = ""
 
     def __len__(self) -> int:
         return len(self.token_ids)

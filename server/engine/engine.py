@@ -12,7 +12,7 @@ from server.engine.draft import Draft
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.rounds import BreakerState
-from server.engine.speculator import Speculator
+from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.target import TargetModel
 
 
@@ -55,6 +55,7 @@ class SpeculativeEngine:
         )
         self.breaker = breaker or BreakerSettings()
         self.on_transition: TransitionHook | None = None  # e.g. metrics; set by the service
+        self.acceptance_stats = AcceptanceStats()  # every request's, per draft source: priors
         self.faults = DraftFaultBreaker(
             fault_max=self.breaker.fault_max,
             reset_timeout_s=self.breaker.fault_reset_timeout_s,
@@ -95,7 +96,13 @@ class SpeculativeEngine:
             on_transition=self._transition,
         )
         speculator = Speculator(
-            session, speculation, acceptance=acceptance, faults=self.faults, request_id=request_id
+            session,
+            speculation,
+            acceptance=acceptance,
+            faults=self.faults,
+            request_id=request_id,
+            shared=self.acceptance_stats,
+            sampled=not sampling.greedy,
         )
         return Generation(
             self.target, prompt_ids, sampling=sampling, stopping=stopping, speculator=speculator

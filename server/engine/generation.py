@@ -94,24 +94,39 @@ class Generation:
         self._prefilled += count
 
     def plan(self) -> list[int]:
-        """Draft this round's tokens; returns what the pass must score: [pending, *drafts]."""
-        if self.finished or self.prefill_remaining:
-            raise RuntimeError("plan() needs a prefilled, unfinished generation")
+        """Draft this round's tokens; returns what the pass must score: [pending, *drafts],
+        after the prompt tokens not yet in the cache, if any (a prompt prefilled in the same
+        pass as its first round: `prompt_in_pass` tokens whose logits are not needed)."""
+        if self.finished:
+            raise RuntimeError("plan() needs an unfinished generation")
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
         self._drafts = list(self.speculator.propose(limit=remaining - 1).token_ids)
-        return [self._pending, *self._drafts]
+        return self._feed()
+
+    @property
+    def prompt_in_pass(self) -> int:
+        """Leading prompt tokens in this round's pass (0 once the prompt is in the cache)."""
+        return self.prefill_remaining
 
     def truncate_drafts(self, count: int) -> list[int]:
         """Keep only the first `count` drafts of this round (a batch found more not worth it)."""
         self.speculator.cut(len(self._drafts), min(count, len(self._drafts)))
         del self._drafts[count:]
-        return [self._pending, *self._drafts]
+        return self._feed()
+
+    def _feed(self) -> list[int]:
+        return [
+            *self._prompt[self._prefilled : len(self._prompt) - 1],
+            self._pending,
+            *self._drafts,
+        ]
 
     def complete(self, logits: LogitRows) -> Round:
         """Accept against the pass's logits for [pending, *drafts]; emit the round."""
         drafts = self._drafts
         emitted = self._verify(drafts, logits)
+        self._prefilled += self.prefill_remaining  # the pass wrote the rest of the prompt
         accepted = len(emitted) - 1
         self.speculator.record(len(drafts), accepted)
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)

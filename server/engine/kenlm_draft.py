@@ -119,7 +119,7 @@ class KenLMDraft:
             if step.token_id == self.end_token_id:
                 break
             state, history = step.state, self._trim((*history, step.token_id))
-        return Proposal(tuple(tokens), tuple(probs))
+        return Proposal(tuple(tokens), tuple(probs), source="kenlm")
 
     def best_next(self, state: kenlm.State, history: tuple[int, ...]) -> _Step | None:
         """The vocabulary argmax of p(w | history), ties to the smaller id, from the index.

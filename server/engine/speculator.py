@@ -12,6 +12,37 @@ from server.engine.rounds import BreakerState
 _NOTHING = Proposal()
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 PROBE_AFTER_MAX = 256
+PRIOR_TRIES = 2.0  # weight of the shared prior in a request's estimate, in draft tokens tried
+_OWN_DECAY = 0.8  # a request's own counts: the last few rounds of a source dominate
+
+
+class AcceptanceStats:
+    """Decayed counts of draft tokens accepted and tried, per key (draft source, sampling).
+
+    Each draft position tried is accepted or ends the round (the geometric model of Leviathan
+    et al. 2023), so accepted / tried estimates the per-token acceptance alpha. Shared by all
+    requests of an engine, this is the prior a new request starts from: `unseen` (0.5: at
+    k=6 a draft worth trying when a wide pass costs < 2 steps) counted as `unseen_tries`
+    tries, so that one early round cannot decide a source's prior alone.
+    """
+
+    def __init__(self, decay: float = 0.99, unseen: float = 0.5, unseen_tries: float = 4.0) -> None:
+        self.decay = decay
+        self.unseen = unseen
+        self.unseen_tries = unseen_tries
+        self._counts: dict[object, tuple[float, float]] = {}
+
+    def observe(self, key: object, drafted: int, accepted: int) -> None:
+        tried = accepted + (accepted < drafted)
+        old_accepted, old_tried = self._counts.get(key, (0.0, 0.0))
+        self._counts[key] = (old_accepted * self.decay + accepted, old_tried * self.decay + tried)
+
+    def counts(self, key: object) -> tuple[float, float]:
+        return self._counts.get(key, (0.0, 0.0))
+
+    def rate(self, key: object) -> float:
+        accepted, tried = self.counts(key)
+        return (accepted + self.unseen * self.unseen_tries) / (tried + self.unseen_tries)
 
 
 class Speculator:
@@ -29,6 +60,8 @@ class Speculator:
         acceptance: AcceptanceBreaker | None = None,
         faults: DraftFaultBreaker | None = None,
         request_id: str = "",
+        shared: AcceptanceStats | None = None,
+        sampled: bool = False,
     ) -> None:
         self._session = session if params.enabled else None
         self._params = params
@@ -39,6 +72,10 @@ class Speculator:
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
         self._probe_every = PROBE_AFTER
         self._probing = False
+        self._shared = shared if shared is not None else AcceptanceStats()
+        self._own = AcceptanceStats(decay=_OWN_DECAY)
+        self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
+        self._source = ""  # of this round's proposal
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -48,17 +85,20 @@ class Speculator:
     def window_acceptance(self) -> float:
         return self._acceptance.window_acceptance if self._acceptance else 0.0
 
-    def acceptance_estimate(self, prior: float = 1.0) -> float:
-        """Per-token acceptance to expect of the next round, for a batch choosing its width:
-        what a full window implies; `prior` (the draft's recent acceptance over all requests)
-        until the window is full. After `probe_every` rounds in a row whose drafts a batch cut
-        entirely, 1.0 once (a probe: a stale estimate is re-measured); a probe that fails
-        doubles the wait for the next one (up to PROBE_AFTER_MAX), one that pays resets it."""
+    def acceptance_estimate(self) -> float:
+        """Per-token acceptance to expect of this round's proposal, for a batch choosing its
+        width: this request's recent acceptance of drafts from the same source (KenLM, or the
+        context after a match of a given length), shrunk towards the shared prior for that
+        source over all recent requests by PRIOR_TRIES pseudo-tries.
+
+        After `probe_every` rounds in a row whose drafts a batch cut entirely, 1.0 once (a
+        probe: a stale estimate is re-measured); a probe that fails doubles the wait for the
+        next one (up to PROBE_AFTER_MAX), one that pays resets it."""
         if self._probe_due:
             return 1.0
-        if self._acceptance is None or not self._acceptance.window_full:
-            return prior
-        return self._acceptance.window_effective_acceptance
+        key = (self._source, self._sampled)
+        accepted, tried = self._own.counts(key)
+        return (accepted + PRIOR_TRIES * self._shared.rate(key)) / (tried + PRIOR_TRIES)
 
     @property
     def _probe_due(self) -> bool:
@@ -78,8 +118,11 @@ class Speculator:
             return _NOTHING
         k = min(self.k, limit)
         if self._faults is None:
-            return self._session.propose(k)
-        return self._faults.propose(self._session, k, self._request_id) or _NOTHING
+            proposal = self._session.propose(k)
+        else:
+            proposal = self._faults.propose(self._session, k, self._request_id) or _NOTHING
+        self._source = proposal.source
+        return proposal
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -90,6 +133,9 @@ class Speculator:
             self._probe_every = (
                 min(2 * self._probe_every, PROBE_AFTER_MAX) if failed else PROBE_AFTER
             )
+        key = (self._source, self._sampled)
+        self._own.observe(key, drafted, accepted)
+        self._shared.observe(key, drafted, accepted)
         if self._acceptance is not None:
             self._acceptance.record(drafted, accepted)
         if self._params.adaptive:

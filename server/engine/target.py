@@ -188,23 +188,33 @@ class TargetModel:
         *,
         first_row: int = 0,
         min_width: int = 1,
+        skips: Sequence[int] | None = None,
     ) -> list[LazyLogits] | list[torch.Tensor]:
         """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
 
         Rows may differ in length (shorter ones are padded, up to min_width if that is more;
         the padding is scored, never read, and overwritten by the row's next pass). Returns,
-        per row, its tokens' next-token logits in fp32: a LazyLogits where the architecture
-        allows it, else a [len(token_rows[i]), vocab] tensor; both are indexed the same way.
+        per row, the next-token logits in fp32 of its tokens after the first skips[i] (0 by
+        default; e.g. prompt tokens prefilled in the same pass): a LazyLogits where the
+        architecture allows it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both
+        are indexed the same way.
         """
+        skips = list(skips) if skips is not None else [0] * len(token_rows)
         hidden = self._run(
             cache, lengths, token_rows, first_row, min_width, logits=self.head_t is None
         )
         if self.head_t is None:
-            return [hidden[i, : len(row)].float() for i, row in enumerate(token_rows)]
-        firsts = self._first_rows(hidden[:, 0])  # [rows, vocab]: every row reads row 0
+            return [
+                hidden[i, skip : len(row)].float()
+                for i, (row, skip) in enumerate(zip(token_rows, skips, strict=True))
+            ]
+        rows = torch.arange(len(token_rows), device=hidden.device)
+        firsts = self._first_rows(hidden[rows, skips])  # [rows, vocab]: every row reads one
         return [
-            LazyLogits(hidden[i, : len(row)], self.head_t, firsts[i])
-            for i, row in enumerate(token_rows)
+            LazyLogits(
+                hidden[i, skip : len(row)], self.head_t, firsts[i], self.model.lm_head.weight
+            )
+            for i, (row, skip) in enumerate(zip(token_rows, skips, strict=True))
         ]
 
     def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:

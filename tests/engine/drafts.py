@@ -60,14 +60,16 @@ class FixedDraft:
 
     name = "fixed"
 
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], source: str = "") -> None:
         self.tokens = tuple(tokens)
+        self.source = source  # the proposals' source label (settable between rounds)
 
     def start(self, prompt_ids: Sequence[int]) -> FixedDraft:
         return self
 
     def propose(self, k: int) -> Proposal:
-        return Proposal(self.tokens[:k], tuple(1.0 for _ in self.tokens[:k]))
+        tokens = self.tokens[:k]
+        return Proposal(tokens, tuple(1.0 for _ in tokens), source=self.source)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         pass
@@ -109,13 +111,15 @@ def generate(
 def fail_passes_fed(monkeypatch, poison: int) -> None:
     """Make every forward pass that feeds `poison` first in a row raise (a kernel failure).
 
-    A round feeds its pending token first, so a request whose prompt ends in `poison` fails
-    from its first round on, and a batched pass that holds it fails as a whole.
+    A round feeds its pending token first (after the prompt's tail, in a first round that
+    prefills it: `skips`), so a request whose prompt ends in `poison` fails from its first
+    round on, and a batched pass that holds it fails as a whole.
     """
     original = TargetModel.forward
 
     def failing_forward(self, cache, lengths, token_rows, **options):  # type: ignore[no-untyped-def]
-        if any(row[0] == poison for row in token_rows):
+        skips = options.get("skips") or [0] * len(token_rows)
+        if any(row[skip] == poison for row, skip in zip(token_rows, skips, strict=True)):
             raise RuntimeError("simulated kernel failure")
         return original(self, cache, lengths, token_rows, **options)
 

@@ -237,8 +237,9 @@ def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_str
     batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=64))
     alone, beside = Collector(), Collector()
     batch.add(generate(tiny_target, partly_matching, first, max_new_tokens=MAX_NEW), alone)
-    batch.iterate()  # nothing decodes yet: the whole prompt at once, then its first round
+    batch.iterate()  # nothing decodes: the whole prompt goes into its first round's pass
     assert batch.stats.prefill_tokens == len(first) - 1 and len(alone.rounds) == 1
+    assert batch.stats.passes == 1 and "prefill" not in batch.stats.seconds
     batch.add(generate(tiny_target, partly_matching, second, max_new_tokens=MAX_NEW), beside)
     chunks = 0
     while not beside.rounds:
@@ -249,3 +250,21 @@ def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_str
     assert chunks == -(-(len(second) - 1) // 2)
     batch.run_until_idle()
     assert alone.tokens == references[0][1] and beside.tokens == references[1][1]
+
+
+def test_a_long_prompt_alone_is_chunked_and_its_last_chunk_shares_the_first_round(
+    tiny_target, references, partly_matching
+) -> None:
+    ids, expected = references[3]
+    assert len(ids) > 5
+    batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=3))
+    collector = Collector()
+    batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    iterations = 0
+    while not collector.rounds:
+        batch.iterate()
+        iterations += 1
+    separate = -(-(len(ids) - 1) // 3) - 1  # chunks of 3, the last one in the round's pass
+    assert iterations == separate + 1 and batch.stats.passes == 1
+    batch.run_until_idle()
+    assert collector.tokens == expected

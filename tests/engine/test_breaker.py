@@ -322,21 +322,53 @@ def test_hanging_draft_is_abandoned_and_counted_as_a_fault() -> None:
     release.set()
 
 
-def test_acceptance_estimate_for_batches_uses_the_prior_until_measured_and_reprobes() -> None:
+def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() -> None:
+    from server.engine.speculator import PRIOR_TRIES, AcceptanceStats
+
+    shared = AcceptanceStats()
+    draft = FixedDraft([1] * 8, source="long-match")
+    params = SpeculationParams(num_draft_tokens=6)
+    first = Speculator(draft, params, shared=shared)
+    first.propose(6)
+    assert first.acceptance_estimate() == 0.5  # nothing seen: the unseen prior
+    for _ in range(20):
+        first.record(6, 6)  # long matches are always accepted
+    assert first.acceptance_estimate() > 0.95
+    draft.source = "short-match"
+    first.propose(6)
+    for _ in range(20):
+        first.record(6, 0)  # short ones never
+    assert first.acceptance_estimate() < 0.1
+    draft.source = "long-match"
+    first.propose(6)
+    assert first.acceptance_estimate() > 0.95  # each source keeps its own estimate
+
+    second = Speculator(draft, params, shared=shared)  # a new request: the shared prior
+    second.propose(6)
+    assert second.acceptance_estimate() == pytest.approx(shared.rate(("long-match", False)))
+    assert second.acceptance_estimate() > 0.85
+    second.record(6, 0)  # one early failure moves it, but does not decide it alone
+    assert 0.2 < second.acceptance_estimate() < 0.85
+    assert second.acceptance_estimate() == pytest.approx(
+        PRIOR_TRIES * shared.rate(("long-match", False)) / (1 + PRIOR_TRIES)
+    )
+    sampled = Speculator(draft, params, shared=shared, sampled=True)
+    sampled.propose(6)
+    assert sampled.acceptance_estimate() == 0.5  # sampled rounds have priors of their own
+
+
+def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
     from server.engine.speculator import PROBE_AFTER
 
-    breaker = AcceptanceBreaker(threshold=0.0, window_rounds=4, reset_timeout_s=60.0)
-    speculator = Speculator(
-        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6), acceptance=breaker
-    )
-    for _ in range(3):
+    speculator = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6))
+    speculator.propose(6)
+    for _ in range(8):
         speculator.record(6, 0)
-        assert speculator.acceptance_estimate(prior=0.7) == 0.7  # the window is not full yet
-    speculator.record(6, 0)
-    assert speculator.acceptance_estimate(prior=0.7) == 0.0
+    low = speculator.acceptance_estimate()
+    assert low < 0.1
     for _ in range(PROBE_AFTER - 1):
         speculator.cut(6, 0)  # a batch dropped every draft of the round
-        assert speculator.acceptance_estimate() == 0.0
+        assert speculator.acceptance_estimate() == low
     speculator.cut(6, 0)
     assert speculator.acceptance_estimate() == 1.0  # a stale estimate gets a probe
     speculator.cut(6, 6)  # the batch let the probe draft

@@ -54,6 +54,16 @@ def test_static_draft_when_no_match_and_to_continue_a_short_match() -> None:
         ContextDraft(None, min_match=4, max_match=2)
 
 
+def test_proposals_say_where_they_came_from_by_match_length() -> None:
+    """The batch's width choice tracks acceptance per source; match length predicts it."""
+    draft = ContextDraft(FixedDraft([7, 7], source="static"), min_match=1, max_match=8)
+    assert draft.start([1, 2, 3]).propose(2).source == "static"  # no match: the static draft
+    assert draft.start([1, 2, 9, 2]).propose(2).source == "context:1"
+    assert draft.start([1, 2, 9, 1, 2]).propose(2).source == "context:2"
+    assert draft.start([4, 1, 2, 3, 9, 4, 1, 2, 3]).propose(2).source == "context:4"
+    assert draft.start([5, 4, 1, 2, 3, 9, 5, 4, 1, 2, 3]).propose(2).source == "context:4"
+
+
 def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
     from server.engine.kenlm_draft import KenLMDraft
     from tests import tiny
