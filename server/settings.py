@@ -109,8 +109,9 @@ _HELP = {
     "admitted streams beyond it wait for a row",
     "prefill_chunk": "prompt tokens prefilled per batch iteration: a long prompt delays the "
     "running streams by one chunk at a time, not all at once",
-    "prefill_chunk_alone": "prompt tokens prefilled per iteration while no stream is decoding "
-    "(nothing waits, and fewer, larger chunks are faster)",
+    "prefill_chunk_alone": "while no stream is decoding, new prompts that fit in a pass of this "
+    "many tokens (rows x the longest) start together, prefilled in their first round's pass; "
+    "longer ones are prefilled in chunks of this size (nothing waits; larger chunks are faster)",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",

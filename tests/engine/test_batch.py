@@ -134,11 +134,11 @@ def test_cancelled_stream_leaves_and_the_others_are_unaffected(
     collectors = [Collector() for _ in generations]
     for (_, generation, _), collector in zip(generations, collectors, strict=True):
         batch.add(generation, collector)
-    for _ in range(7):  # one prefill per iteration, rounds for every prefilled row
+    for _ in range(2):  # all six start together (their prompts fit one pass), then decode
         batch.iterate()
     victim = generations[1][1]  # a middle row: the last row moves into its place
     rounds_before = len(collectors[1].rounds)
-    assert rounds_before >= 3 and batch.active == 6
+    assert rounds_before == 2 and batch.active == 6
     assert not any(generation.finished for _, generation, _ in generations)
     batch.cancel(victim)
     while batch.active:
@@ -268,3 +268,27 @@ def test_a_long_prompt_alone_is_chunked_and_its_last_chunk_shares_the_first_roun
     assert iterations == separate + 1 and batch.stats.passes == 1
     batch.run_until_idle()
     assert collector.tokens == expected
+
+
+def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
+    tiny_target, references, partly_matching, never_matching
+) -> None:
+    generations = mixed_generations(tiny_target, references[:7], partly_matching, never_matching)
+    widest = max(len(ids) for ids, _ in references[:4])  # prompt rest + pending + k <= this + 6
+    budget = 4 * (widest + 6)
+    batch = Batch(
+        tiny_target, BatchSettings(max_rows=6, prefill_chunk=2, prefill_chunk_alone=budget)
+    )
+    collectors = [Collector() for _ in generations]
+    pairs = list(zip(generations, collectors, strict=True))
+    for (_, generation, _), collector in pairs[:6]:
+        batch.add(generation, collector)
+    batch.iterate()
+    started = [c for c in collectors if c.rounds]
+    assert batch.stats.passes == 1 and len(started) >= 4  # at least four fit the budget
+    assert all(not c.rounds for c in collectors[len(started) :])  # the rest wait their turn
+    batch.add(pairs[6][0][1], pairs[6][1])
+    batch.run_until_idle()
+    for (kind, _, expected), collector in pairs:
+        assert collector.error is None and collector.tokens == expected, kind
+    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in references[:7])
