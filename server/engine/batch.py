@@ -238,7 +238,7 @@ class Batch:
             self._forget(entry)
 
     def _prefill_chunk(self) -> None:
-        if not self._decoding and self._start_together():
+        if self._start_together():
             return
         if self._prefilling is None:
             if not self._waiting or len(self._decoding) >= self.settings.max_rows:
@@ -267,19 +267,25 @@ class Batch:
             self._prefilling = None
 
     def _start_together(self) -> bool:
-        """With nothing decoding, the waiting prompts whose rests fit in one pass of
-        `prefill_chunk_alone` tokens (rows x the widest, padding included) start decoding at
-        once: each one's prompt is prefilled in its first round's pass. A burst of new
-        requests then costs one pass instead of a prefill each, and they start together."""
+        """New prompts start decoding at once, each prefilled in its first round's pass, when
+        the pass stays within `prefill_chunk_alone` tokens (rows x the widest row, padding
+        included) and they are at least as many as the rows already decoding (whose rows are
+        padded to the prompts' width: worth it for a burst, not for one newcomer among many).
+
+        A burst of new requests then costs one pass instead of a prefill each, and its
+        streams start (and tend to finish) together."""
         candidates = [self._prefilling] if self._prefilling is not None else []
         candidates += self._waiting
-        budget, widest, taken = self.settings.prefill_chunk_alone, 0, 0
-        for entry in candidates[: self.settings.max_rows]:
+        decoding = len(self._decoding)
+        budget, widest, taken = self.settings.prefill_chunk_alone, 1, 0
+        for entry in candidates[: self.settings.max_rows - decoding]:
             width = max(widest, entry.generation.prefill_remaining + 1)
-            if (taken + 1) * width > budget:
+            if (decoding + taken + 1) * width > budget:
                 break
             taken, widest = taken + 1, width
-        for entry in candidates[:taken]:  # a partly prefilled one first: its row is row 0
+        if taken == 0 or taken < decoding:
+            return False
+        for entry in candidates[:taken]:  # a partly prefilled one first: its row is next
             if entry is self._prefilling:
                 self._prefilling = None
             else:

@@ -232,24 +232,28 @@ def test_pass_costs_interpolate_in_rows_and_extrapolate_in_width() -> None:
 def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_streams(
     tiny_target, references, partly_matching
 ) -> None:
-    first, second = references[0][0], references[1][0]
-    assert len(first) > 4 and len(second) > 4  # several 2-token chunks each
+    (first, _), (second, _), (third, _) = references[:3]
+    assert len(third) > 4  # several 2-token chunks
     batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=64))
-    alone, beside = Collector(), Collector()
-    batch.add(generate(tiny_target, partly_matching, first, max_new_tokens=MAX_NEW), alone)
-    batch.iterate()  # nothing decodes: the whole prompt goes into its first round's pass
-    assert batch.stats.prefill_tokens == len(first) - 1 and len(alone.rounds) == 1
+    collectors = [Collector() for _ in range(3)]
+    for ids, collector in zip((first, second), collectors, strict=False):
+        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.iterate()  # nothing decodes: both prompts go into their first round's pass
+    assert batch.stats.prefill_tokens == len(first) + len(second) - 2
     assert batch.stats.passes == 1 and "prefill" not in batch.stats.seconds
-    batch.add(generate(tiny_target, partly_matching, second, max_new_tokens=MAX_NEW), beside)
+    assert all(len(c.rounds) == 1 for c in collectors[:2])
+    # One newcomer beside two running streams: its own 2-token chunks, the others go on.
+    batch.add(generate(tiny_target, partly_matching, third, max_new_tokens=MAX_NEW), collectors[2])
     chunks = 0
-    while not beside.rounds:
+    while not collectors[2].rounds:
         before = batch.stats.prefill_tokens
         batch.iterate()
         assert batch.stats.prefill_tokens - before <= 2
         chunks += 1
-    assert chunks == -(-(len(second) - 1) // 2)
+    assert chunks == -(-(len(third) - 1) // 2)
     batch.run_until_idle()
-    assert alone.tokens == references[0][1] and beside.tokens == references[1][1]
+    for (_, expected), collector in zip(references[:3], collectors, strict=True):
+        assert collector.tokens == expected
 
 
 def test_a_long_prompt_alone_is_chunked_and_its_last_chunk_shares_the_first_round(
@@ -292,3 +296,23 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
     for (kind, _, expected), collector in pairs:
         assert collector.error is None and collector.tokens == expected, kind
     assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in references[:7])
+
+
+def test_a_burst_joins_a_lone_running_stream_in_one_pass(
+    tiny_target, references, partly_matching
+) -> None:
+    """Three newcomers beside one running stream: padding one row beats three prefills."""
+    batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=256))
+    collectors = [Collector() for _ in range(4)]
+    pairs = list(zip(references[:4], collectors, strict=True))
+    (ids, _), collector = pairs[0]
+    batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.iterate()
+    for (ids, _), collector in pairs[1:]:
+        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.iterate()
+    assert batch.stats.passes == 2 and all(len(c.rounds) == 1 for c in collectors[1:])
+    assert "prefill" not in batch.stats.seconds
+    batch.run_until_idle()
+    for (_, expected), collector in pairs:
+        assert collector.tokens == expected
