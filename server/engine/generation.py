@@ -61,7 +61,6 @@ class Generation:
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
         self._pending = prompt_ids[-1]
         self._drafts: list[int] = []
-        self._cut: list[int] = []
         self._detokenizer = IncrementalDetokenizer(target.tokenizer)
         self._stops = StopMatcher(stopping.stop)
         self._output: list[int] = []
@@ -103,7 +102,6 @@ class Generation:
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
         self._drafts = list(self.speculator.propose(limit=remaining - 1).token_ids)
-        self._cut = []
         return self._feed()
 
     @property
@@ -114,7 +112,6 @@ class Generation:
     def truncate_drafts(self, count: int) -> list[int]:
         """Keep only the first `count` drafts of this round (a batch found more not worth it)."""
         self.speculator.cut(len(self._drafts), min(count, len(self._drafts)))
-        self._cut = self._drafts[count : count + 1]  # the first draft left out, if any
         del self._drafts[count:]
         return self._feed()
 
@@ -132,10 +129,6 @@ class Generation:
         self._prefilled += self.prefill_remaining  # the pass wrote the rest of the prompt
         accepted = len(emitted) - 1
         self.speculator.record(len(drafts), accepted)
-        if self._cut and accepted == len(drafts):
-            # The token the target chose where the batch cut the drafts is what verifying the
-            # first cut draft would have decided: free evidence of that source's acceptance.
-            self.speculator.observe_cut(emitted[-1] == self._cut[0])
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)
 
     def step(self) -> Round:

@@ -124,14 +124,6 @@ class Speculator:
         self._source = proposal.source
         return proposal
 
-    def observe_cut(self, accepted: bool) -> None:
-        """Whether the first draft a batch cut would have been accepted (seen for free: the
-        target's token at that position decides it). Only the estimates learn from it; the
-        breaker and adaptive k judge the drafts that were verified."""
-        key = (self._source, self._sampled)
-        self._own.observe(key, 1, int(accepted))
-        self._shared.observe(key, 1, int(accepted))
-
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return

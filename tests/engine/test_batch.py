@@ -316,31 +316,3 @@ def test_a_burst_joins_a_lone_running_stream_in_one_pass(
     batch.run_until_idle()
     for (_, expected), collector in pairs:
         assert collector.tokens == expected
-
-
-def test_drafts_a_batch_cuts_still_teach_their_acceptance(tiny_target, references) -> None:
-    """A draft whose prior says it never pays is cut, but the target's token where it was cut
-    shows whether it would have been accepted: an always-right draft earns its width back."""
-    from server.engine.engine import SpeculativeEngine
-    from server.engine.params import SpeculationParams, StoppingParams
-    from server.engine.speculator import PROBE_AFTER
-
-    ids, expected = references[0]
-    engine = SpeculativeEngine(tiny_target, OracleDraft(expected))
-    for _ in range(50):
-        engine.acceptance_stats.observe(("", False), 6, 0)  # the shared prior: never accepted
-    generation = engine.start(
-        ids,
-        sampling=SamplingParams(),
-        stopping=StoppingParams(max_new_tokens=MAX_NEW),
-        speculation=SpeculationParams(num_draft_tokens=4),
-    )
-    batch = Batch(tiny_target, costs=PassCosts({(1, 1): 1.0, (1, 5): 1.5}))
-    collector = Collector()
-    batch.add(generation, collector)
-    batch.run_until_idle()
-    assert collector.tokens == expected
-    drafted = [round_.drafted for round_ in collector.rounds]
-    assert drafted[0] == 0  # cut at first
-    first = next(index for index, count in enumerate(drafted) if count)
-    assert first < PROBE_AFTER // 2  # verified again long before a re-probe would have come
