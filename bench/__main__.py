@@ -17,10 +17,9 @@ import torch
 
 from bench.concurrency import concurrency_sweep
 from bench.report import write_report
-from bench.runners import Mode
+from bench.runners import Mode, context_only
 from bench.suite import greedy_agreement, run_case, summarize
 from server.draft_eval import replay
-from server.engine.context_draft import ContextDraft
 from server.engine.params import SpeculationParams
 from server.runtime import load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
@@ -227,9 +226,7 @@ def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: i
     answers = {r.prompt_index: r.tokens for r in runs if r.mode == "kenspec_ar"}
     drafts = {
         "kenlm_only": engine.static_draft,
-        "context_only": ContextDraft(
-            None, min_match=engine.context.min_match, max_match=engine.context.max_match
-        ),
+        "context_only": context_only(engine).context_draft,
         "kenlm+context": engine.context_draft,
     }
     params = SpeculationParams(num_draft_tokens=k)

@@ -120,7 +120,7 @@ def run_kenspec(
     index: int,
 ) -> RunResult:
     if not mode.static:
-        engine = _context_only(engine)
+        engine = context_only(engine)
     generation = engine.start(
         prompt_ids,
         sampling=SamplingParams(temperature=temperature, seed=seed),
@@ -161,7 +161,7 @@ def run_kenspec(
 _CONTEXT_ONLY: dict[int, SpeculativeEngine] = {}
 
 
-def _context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
+def context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The same target and breaker settings, drafting from the request's context alone."""
     key = id(engine)
     if key not in _CONTEXT_ONLY:

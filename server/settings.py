@@ -109,9 +109,10 @@ _HELP = {
     "admitted streams beyond it wait for a row",
     "prefill_chunk": "prompt tokens prefilled per batch iteration: a long prompt delays the "
     "running streams by one chunk at a time, not all at once",
-    "prefill_chunk_alone": "while no stream is decoding, new prompts that fit in a pass of this "
-    "many tokens (rows x the longest) start together, prefilled in their first round's pass; "
-    "longer ones are prefilled in chunks of this size (nothing waits; larger chunks are faster)",
+    "prefill_chunk_alone": "new prompts at least as many as the running streams (a lone "
+    "request, a burst) start together, prefilled in their first round's pass, when they fit in "
+    "a pass of this many tokens (rows x the longest); alone, a longer prompt is prefilled in "
+    "chunks of this size",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",

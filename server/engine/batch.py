@@ -3,8 +3,10 @@
 One iteration (Orca-style, iteration-level scheduling):
 1. admit: take new generations and cancellations; a cancelled or finished one leaves at once
    and its cache row goes to the next one;
-2. prefill: at most one chunk of one new prompt (chunked, so a long prompt never stalls the
-   streams already running by more than one chunk; larger chunks while none is running);
+2. prefill: new prompts at least as many as the running streams (a lone request, a burst)
+   start at once, prefilled in their first round's pass (see `_start_together`); otherwise at
+   most one chunk of one new prompt (chunked, so a long prompt never stalls the streams
+   already running by more than one chunk; larger chunks while none is running);
 3. verify: every prefilled generation drafts (its own k, breakers, sampling parameters; an
    open breaker means a draft of length 0), the pass width is chosen for the whole batch (see
    `choose_width`), one forward pass scores all rows, and each row accepts on its own logits.
@@ -109,7 +111,7 @@ class _Entry:
 class BatchSettings:
     max_rows: int = 8  # generations verified together; more wait for a row
     prefill_chunk: int = 64  # prompt tokens prefilled per iteration
-    prefill_chunk_alone: int = 512  # tokens of the pass that starts prompts while none decodes
+    prefill_chunk_alone: int = 512  # tokens of a pass that starts prompts together (or chunk)
     pad_passes: bool = True  # pad a pass to a wider width when measured to be cheaper
 
 
@@ -292,7 +294,7 @@ class Batch:
                 self._waiting.remove(entry)
             self.stats.prefill_tokens += entry.generation.prefill_remaining
             self._decoding.append(entry)
-        return taken > 0
+        return True
 
     def _verify(self) -> None:
         started = time.perf_counter()
@@ -347,7 +349,7 @@ class Batch:
             rows,
             first_row=first_row,
             min_width=self._pass_width(len(rows), width),
-            skips=[entry.generation.prompt_in_pass for entry in entries],
+            skips=[entry.generation.prefill_remaining for entry in entries],  # prompt tails
         )
         self._count_pass(len(rows), width)
         return logits
@@ -372,7 +374,7 @@ class Batch:
             self._finish_row(entry, error)
 
     def _cut_to_width(self, planned: list[tuple[_Entry, list[int]]]) -> list[list[int]]:
-        proposed = [len(tokens) - 1 - e.generation.prompt_in_pass for e, tokens in planned]
+        proposed = [len(tokens) - 1 - e.generation.prefill_remaining for e, tokens in planned]
         acceptance = [entry.generation.speculator.acceptance_estimate() for entry, _ in planned]
         width = choose_width(proposed, acceptance, self.costs)
         return [entry.generation.truncate_drafts(width - 1) for entry, _ in planned]

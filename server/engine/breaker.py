@@ -129,10 +129,6 @@ class AcceptanceBreaker:
         return False
 
     @property
-    def window_full(self) -> bool:
-        return len(self._window) == self._window.maxlen
-
-    @property
     def window_effective_acceptance(self) -> float:
         """The acceptance implied by the window's tokens per round (what is judged)."""
         return self._effective(list(self._window))

@@ -96,18 +96,13 @@ class Generation:
     def plan(self) -> list[int]:
         """Draft this round's tokens; returns what the pass must score: [pending, *drafts],
         after the prompt tokens not yet in the cache, if any (a prompt prefilled in the same
-        pass as its first round: `prompt_in_pass` tokens whose logits are not needed)."""
+        pass as its first round: `prefill_remaining` tokens whose logits are not needed)."""
         if self.finished:
             raise RuntimeError("plan() needs an unfinished generation")
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
         self._drafts = list(self.speculator.propose(limit=remaining - 1).token_ids)
         return self._feed()
-
-    @property
-    def prompt_in_pass(self) -> int:
-        """Leading prompt tokens in this round's pass (0 once the prompt is in the cache)."""
-        return self.prefill_remaining
 
     def truncate_drafts(self, count: int) -> list[int]:
         """Keep only the first `count` drafts of this round (a batch found more not worth it)."""

@@ -96,9 +96,13 @@ class Speculator:
         next one (up to PROBE_AFTER_MAX), one that pays resets it."""
         if self._probe_due:
             return 1.0
-        key = (self._source, self._sampled)
-        accepted, tried = self._own.counts(key)
-        return (accepted + PRIOR_TRIES * self._shared.rate(key)) / (tried + PRIOR_TRIES)
+        accepted, tried = self._own.counts(self._key)
+        return (accepted + PRIOR_TRIES * self._shared.rate(self._key)) / (tried + PRIOR_TRIES)
+
+    @property
+    def _key(self) -> tuple[str, bool]:
+        """What acceptance is tracked by: this round's draft source, and greedy or sampled."""
+        return (self._source, self._sampled)
 
     @property
     def _probe_due(self) -> bool:
@@ -133,9 +137,8 @@ class Speculator:
             self._probe_every = (
                 min(2 * self._probe_every, PROBE_AFTER_MAX) if failed else PROBE_AFTER
             )
-        key = (self._source, self._sampled)
-        self._own.observe(key, drafted, accepted)
-        self._shared.observe(key, drafted, accepted)
+        self._own.observe(self._key, drafted, accepted)
+        self._shared.observe(self._key, drafted, accepted)
         if self._acceptance is not None:
             self._acceptance.record(drafted, accepted)
         if self._params.adaptive:
