@@ -20,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from server.engine.engine import SpeculativeEngine
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.rounds import Round
+from server.engine.skinny import stock_linears
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ def run_hf(
         kwargs["prompt_lookup_num_tokens"] = mode.k
     started = time.perf_counter()
     streamer = _TimingStreamer(started)
-    with torch.inference_mode():
+    with torch.inference_mode(), stock_linears(model):  # transformers as shipped
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs
         )

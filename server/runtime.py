@@ -15,6 +15,7 @@ from server.engine.calibration import calibrate
 from server.engine.engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.skinny import measure_skinny_rows, use_skinny
 from server.engine.target import TargetModel
 from server.requests import Defaults, Limits
 from server.settings import Settings
@@ -47,6 +48,8 @@ def load_runtime(settings: Settings) -> Runtime:
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
+    if settings.skinny_gemm:
+        _choose_linear_kernels(target)
     breaker, costs = _breaker_and_pass_costs(settings, target)
     context = ContextSettings(
         enabled=settings.draft_context,
@@ -86,6 +89,19 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
         fingerprint=tokenizer_fingerprint(target.tokenizer.get_vocab()),
         min_draft_prob=settings.min_draft_prob,
         end_token_id=eos,
+    )
+
+
+def _choose_linear_kernels(target: TargetModel) -> None:
+    """Small passes on a CPU in float32: W @ x^T where measured faster (see engine.skinny)."""
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        return
+    rows, timings = measure_skinny_rows(target.model)
+    use_skinny(target.model, rows)
+    log.info(
+        "linear_kernels",
+        skinny_rows=sorted(rows),
+        ms={r: [round(p * 1000, 1), round(s * 1000, 1)] for r, (p, s) in timings.items()},
     )
 
 

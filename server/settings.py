@@ -40,6 +40,7 @@ class Settings:
     adaptive: bool = False
     min_draft_prob: float = 0.4
     pad_verify: bool = True
+    skinny_gemm: bool = True
     draft_context: bool = True
     context_min_match: int = 1
     context_max_match: int = 8
@@ -93,6 +94,8 @@ _HELP = {
     "min_draft_prob": "stop drafting at the first n-gram step below this probability",
     "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
+    "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-8 tokens "
+    "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
     "draft_context": "also draft from the request's own prompt and output (longest earlier "
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",

@@ -2,8 +2,9 @@
 
 A round with per-token acceptance alpha and k drafts emits E = (1 - alpha^(k+1)) / (1 - alpha)
 tokens (Leviathan et al. 2023, eq. 1) for the price of one pass over k+1 tokens; decoding
-autoregressively emits one token per single-token pass. Speculation pays while
-E(alpha) > cost(k+1) / cost(1), so the breaker's threshold is the alpha where they are equal.
+autoregressively emits one token per single-token pass. Speculation with k drafts pays while
+E(alpha) > cost(k+1) / cost(1); the breaker's threshold is the lowest alpha where that holds
+for some k up to the maximum (the batch then chooses the width, see batch.choose_width).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def calibrate(
     target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7, rows: int = 1
 ) -> Calibration:
     """Time passes of 1..k+1 tokens after a context_tokens prefill (medians of repeats), for
-    one row and, when rows > 1, for a batch of `rows` (fewer repeats: those passes are longer).
+    one row and, when rows > 1, for batches of 2, 4 and `rows` (fewer repeats: those passes
+    are longer).
     """
     widths = list(range(1, k + 2))
     costs = dict(
@@ -74,12 +76,20 @@ def calibrate(
     padded = cheapest_widths(costs)
     verify = costs[padded.get(k + 1, k + 1)]
     batch_costs = {(1, width): seconds for width, seconds in costs.items()}
-    if rows > 1:
+    # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see
+    # engine.skinny), so a few row counts are measured and PassCosts interpolates between them.
+    for count in sorted({r for r in (2, 4) if r < rows} | ({rows} if rows > 1 else set())):
         batched = measure_pass_seconds(
-            target, widths, context_tokens, max(2, repeats // 2), rows=rows
+            target, widths, context_tokens, max(2, repeats // 2), rows=count
         )
-        batch_costs.update({(rows, w): s for w, s in zip(widths, batched, strict=True)})
-    threshold = break_even_acceptance(verify / costs[1], k)
+        batch_costs.update({(count, w): s for w, s in zip(widths, batched, strict=True)})
+    # The breaker guards against speculation that cannot pay at any width the batch may choose:
+    # the lowest break-even over draft lengths (with W @ x^T kernels a 2-token pass can cost
+    # about one step, so one draft pays at nearly any acceptance; see engine.skinny).
+    threshold = min(
+        break_even_acceptance(costs[padded.get(width, width)] / costs[1], width - 1)
+        for width in widths[1:]
+    )
     return Calibration(k, costs[1], verify, threshold, padded, batch_costs)
 
 

@@ -279,6 +279,19 @@ def test_calibrated_threshold_comes_from_measured_costs(tiny_target, monkeypatch
     assert expected_tokens_per_round(result.threshold, 4) == pytest.approx(1.75, rel=1e-6)
 
 
+def test_calibrated_threshold_is_the_lowest_break_even_over_widths(tiny_target, monkeypatch):
+    """A cheap 2-token pass (5% over one step) makes one draft pay at 5% acceptance."""
+    monkeypatch.setattr(
+        calibration,
+        "measure_pass_seconds",
+        lambda target, widths, context_tokens, repeats: [0.040, 0.042, 0.079, 0.080, 0.090],
+    )
+    result = calibrate(tiny_target, k=4)
+    assert result.cost_ratio == pytest.approx(2.25)
+    assert result.threshold == pytest.approx(0.05)
+    assert result.threshold < break_even_acceptance(2.25, 4)
+
+
 @pytest.mark.parametrize(
     ("costs", "padded"),
     [
@@ -389,5 +402,5 @@ def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
 
 def test_calibration_measures_batched_passes(tiny_target) -> None:
     result = calibrate(tiny_target, k=2, context_tokens=16, repeats=2, rows=3)
-    assert set(result.pass_seconds) == {(rows, w) for rows in (1, 3) for w in (1, 2, 3)}
+    assert set(result.pass_seconds) == {(rows, w) for rows in (1, 2, 3) for w in (1, 2, 3)}
     assert all(seconds > 0 for seconds in result.pass_seconds.values())

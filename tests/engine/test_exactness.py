@@ -9,6 +9,7 @@ import pytest
 from server.engine.context_draft import ContextDraft
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.rounds import FinishReason, Mode
+from server.engine.skinny import decoder_linears, use_skinny
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.engine.drafts import OracleDraft, generate, never_matching_kenlm, reference_greedy
@@ -118,3 +119,21 @@ def test_generic_logits_path_and_padded_passes_are_exact(tiny_target, references
         rounds = list(generation)
         assert generation.output_ids == expected
         assert any(0 < r.drafted < 4 for r in rounds)  # some passes really were padded
+
+
+def test_skinny_linears_are_exact(tiny_target, references, partly_matching) -> None:
+    """Passes of 2-8 tokens through W @ x^T (engine.skinny) give plain greedy output."""
+    seen: list[int] = []
+    hook = decoder_linears(tiny_target.model)[0].register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].numel() // args[0].shape[-1])
+    )
+    use_skinny(tiny_target.model, range(2, 9))
+    try:
+        for ids, expected in references.values():
+            generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
+            list(generation)
+            assert generation.output_ids == expected
+    finally:
+        use_skinny(tiny_target.model, ())
+        hook.remove()
+    assert {2, 3, 4, 5} & set(seen)  # verify passes really went through the skinny path

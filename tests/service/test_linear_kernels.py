@@ -1,0 +1,32 @@
+"""The runtime switches the target's linear layers to W @ x^T where measured faster."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from server import runtime as runtime_module
+from server.engine.skinny import SkinnyLinear, decoder_linears
+from server.runtime import load_runtime
+
+
+def test_runtime_uses_the_row_counts_measured_faster(base_settings, monkeypatch) -> None:
+    timings = {2: (2.0, 1.0), 3: (1.0, 1.0), 4: (2.0, 1.0)}
+    monkeypatch.setattr(
+        runtime_module, "measure_skinny_rows", lambda model: (frozenset({2, 4}), timings)
+    )
+    runtime = load_runtime(replace(base_settings, draft="none", draft_context=False))
+    layers = decoder_linears(runtime.engine.target.model)
+    assert layers and all(type(layer) is SkinnyLinear for layer in layers)
+    assert all(layer.skinny_rows == {2, 4} for layer in layers)
+
+
+def test_no_skinny_gemm_keeps_plain_linear_layers(base_settings, monkeypatch) -> None:
+    def never(model):
+        raise AssertionError("measured although --no-skinny-gemm")
+
+    monkeypatch.setattr(runtime_module, "measure_skinny_rows", never)
+    settings = replace(base_settings, draft="none", draft_context=False, skinny_gemm=False)
+    runtime = load_runtime(settings)
+    assert all(type(layer) is nn.Linear for layer in decoder_linears(runtime.engine.target.model))
