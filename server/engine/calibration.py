@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 from server.engine.target import TargetModel
 
+# A wider pass is never taken to cost less than this many steps: on a busy CPU a 2-token pass
+# can time below a 1-token one, which would set the threshold to 0 and never open a breaker.
+_MIN_RATIO = 1.05
+
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
@@ -87,8 +91,8 @@ def calibrate(
     # the lowest break-even over draft lengths (with W @ x^T kernels a 2-token pass can cost
     # about one step, so one draft pays at nearly any acceptance; see engine.skinny).
     threshold = min(
-        break_even_acceptance(costs[padded.get(width, width)] / costs[1], width - 1)
-        for width in widths[1:]
+        break_even_acceptance(max(costs[padded.get(w, w)] / costs[1], _MIN_RATIO), w - 1)
+        for w in widths[1:]
     )
     return Calibration(k, costs[1], verify, threshold, padded, batch_costs)
 

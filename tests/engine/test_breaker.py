@@ -292,6 +292,15 @@ def test_calibrated_threshold_is_the_lowest_break_even_over_widths(tiny_target, 
     assert result.threshold < break_even_acceptance(2.25, 4)
 
 
+def test_a_pass_timed_cheaper_than_a_step_still_leaves_a_threshold(tiny_target, monkeypatch):
+    monkeypatch.setattr(
+        calibration,
+        "measure_pass_seconds",
+        lambda target, widths, context_tokens, repeats: [0.040, 0.038, 0.079],
+    )
+    assert calibrate(tiny_target, k=2).threshold == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize(
     ("costs", "padded"),
     [
