@@ -37,17 +37,22 @@ class SkinnyLinear(nn.Linear):
         rows = x.numel() // x.shape[-1]
         if rows not in self.skinny_rows:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])
-        out = (self.weight @ flat.t()).t()
+        out = _skinny(self.weight, x.reshape(rows, x.shape[-1]))
         if self.bias is not None:
             out = out + self.bias
-        return out.contiguous().reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _skinny(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for a [rows, in] x, computed as (weight @ x^T)^T, contiguous."""
+    return (weight @ x.t()).t().contiguous()
 
 
 def decoder_linears(model: nn.Module) -> list[nn.Linear]:
-    """The linear layers of the decoder stack (not the output layer), in forward order."""
-    body = getattr(model, "model", model)
-    return [m for m in body.modules() if isinstance(m, nn.Linear)]
+    """The model's linear layers but its output layer, in forward order."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
 
 
 def use_skinny(model: nn.Module, rows: Iterable[int]) -> None:
@@ -105,7 +110,7 @@ def measure_skinny_rows(
             for weight, bias in weights:
                 x = inputs[weight.shape[1]]
                 if skinny:
-                    (weight @ x.t()).t().contiguous()
+                    _skinny(weight, x)
                 else:
                     F.linear(x, weight, bias)
             return time.perf_counter() - started
