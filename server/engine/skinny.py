@@ -1,18 +1,16 @@
 """Linear layers for passes of a few tokens: W @ x^T where that is measured faster than x @ W^T.
 
-A verification pass of one sequence and a handful of drafts, or of a batch of sequences,
-feeds each linear layer an input of a few rows (rows x tokens per row). On an AVX2 EPYC with
-MKL, `F.linear` (x @ W^T) at 2-5 rows cost 1.4-1.7x its single-row GEMV, while the same
-product computed as (W @ x^T)^T cost about one GEMV: the decoder's linear stack of
-SmolLM2-135M (30 layers) took 32-48 ms against 57-77 ms (medians, weights streamed from
-memory as in a real pass). Whole passes: one row x 2 or 4 tokens 64-77 ms against 89-110 ms,
-where one token costs 64-75 ms; 4 rows x 1 token 74-75 ms against 86-110 ms; at 8-32 rows
-(8 streams x 1-4 tokens) 5-18% faster, measured interleaved.
-
-The win depends on the CPU and on the row count, so `measure_skinny_rows` times both on the
-model's own weights at start-up at a ladder of row counts, and `use_skinny` switches the row
-counts where W @ x^T was not slower (each count decided by the rung at or below it). Prompt
-chunks (65+ rows) stay with `F.linear`, which won at 256 rows.
+A verification pass of one sequence and a handful of drafts, or of a few sequences, feeds
+each linear layer an input of 2-8 rows. On an AVX2 EPYC with MKL, `F.linear` (x @ W^T) at
+2-5 rows cost 1.4-1.7x its single-row GEMV, while the same product computed as (W @ x^T)^T
+cost about one GEMV: the decoder's linear stack of SmolLM2-135M (30 layers) took 32-48 ms
+against 57-77 ms (medians, weights streamed from memory as in a real pass). The win depends
+on the CPU and on the row count, so `measure_skinny_rows` times both on the model's own weights
+at start-up and `use_skinny` switches only the row counts where W @ x^T won. Only 2-5 rows
+are candidates: at 6-8 the linear stack alone sometimes ran faster as W @ x^T, but whole
+passes of 6-8 rows did not (2 rows x 3 tokens: 117-135 ms against 98-123 ms), while passes of
+2-5 rows did (one row x 2 or 4 tokens: 64-77 ms against 89-110 ms, where one token costs
+64-75 ms; 4 rows x 1 token: 74-75 ms against 86-110 ms).
 
 Both are the same product in float32, summed in a different order: results differ in the
 last bits, as any two GEMM kernels (or batch sizes) do.
@@ -22,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -81,67 +79,49 @@ def stock_linears(model: nn.Module) -> Iterator[None]:
         use_skinny(model, rows)
 
 
-RUNGS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts timed at start-up
-
-
 @torch.inference_mode()
 def measure_skinny_rows(
     model: nn.Module,
-    rungs: Sequence[int] = RUNGS,
+    candidates: Iterable[int] = range(2, 6),
     *,
-    repeats: int = 2,
+    repeats: int = 3,
     margin: float = 0.05,
 ) -> tuple[frozenset[int], dict[int, tuple[float, float]]]:
-    """The row counts to run as W @ x^T: every count from a rung where it ran the decoder's
-    linear stack at most `margin` slower than F.linear, up to the next rung (exclusive; the
-    last rung alone). Ties go to W @ x^T because whole passes of 8-32 rows ran 5-18% faster
-    with it (interleaved), even where the stack alone timed the two within a few percent.
+    """The row counts where W @ x^T ran the decoder's linear stack at least `margin` faster.
 
-    Each rung feeds every decoder linear, in order, an input of that many rows with either
-    kernel, alternating; medians of `repeats`. The stack's weights do not fit in the CPU
-    caches, so this streams them from memory as a forward pass does.
-    Returns the chosen rows and {rung: (F.linear seconds, W @ x^T seconds)}.
+    Each candidate feeds every decoder linear, in order, an input of that many rows with
+    either kernel, alternating; medians of `repeats`. The stack's weights do not fit in the
+    CPU caches, so this streams them from memory as a forward pass does.
+    Returns the chosen rows and {rows: (F.linear seconds, W @ x^T seconds)}.
     """
     layers = decoder_linears(model)
     if not layers:
         return frozenset(), {}
     weights = [(layer.weight, layer.bias) for layer in layers]
-    like = weights[0][0]
     timings: dict[int, tuple[float, float]] = {}
-    for rows in rungs:
+    for rows in candidates:
         inputs = {
-            size: torch.randn(rows, size, dtype=like.dtype, device=like.device)
-            for size in {weight.shape[1] for weight, _ in weights}
+            size: torch.randn(rows, size, dtype=weights[0][0].dtype, device=weights[0][0].device)
+            for size in {w.shape[1] for w, _ in weights}
         }
+
+        def stack(skinny: bool, inputs: dict[int, torch.Tensor] = inputs) -> float:
+            started = time.perf_counter()
+            for weight, bias in weights:
+                x = inputs[weight.shape[1]]
+                if skinny:
+                    _skinny(weight, x)
+                else:
+                    F.linear(x, weight, bias)
+            return time.perf_counter() - started
+
         samples: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(repeats + 1):  # the first of each warms up and is dropped
             for skinny in (False, True) if repeat % 2 else (True, False):
-                samples[skinny].append(_time_stack(weights, inputs, skinny))
+                samples[skinny].append(stack(skinny))
         timings[rows] = (
             statistics.median(samples[False][1:]),
             statistics.median(samples[True][1:]),
         )
-    ladder = sorted(timings)
-    chosen = frozenset(
-        count
-        for rung, upper in zip(ladder, [*ladder[1:], ladder[-1] + 1], strict=True)
-        if timings[rung][1] <= timings[rung][0] * (1 + margin)
-        for count in range(rung, upper)
-    )
+    chosen = frozenset(r for r, (plain, skinny) in timings.items() if skinny < plain * (1 - margin))
     return chosen, timings
-
-
-def _time_stack(
-    weights: list[tuple[torch.Tensor, torch.Tensor | None]],
-    inputs: dict[int, torch.Tensor],
-    skinny: bool,
-) -> float:
-    """Seconds to run every weight, in order, on the input of its width, one way or the other."""
-    started = time.perf_counter()
-    for weight, bias in weights:
-        x = inputs[weight.shape[1]]
-        if skinny:
-            _skinny(weight, x)
-        else:
-            F.linear(x, weight, bias)
-    return time.perf_counter() - started
