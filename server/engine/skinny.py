@@ -6,11 +6,11 @@ each linear layer an input of 2-8 rows. On an AVX2 EPYC with MKL, `F.linear` (x 
 cost about one GEMV: the decoder's linear stack of SmolLM2-135M (30 layers) took 32-48 ms
 against 57-77 ms (medians, weights streamed from memory as in a real pass). The win depends
 on the CPU and on the row count, so `measure_skinny_rows` times both on the model's own weights
-at start-up and `use_skinny` switches only the row counts where W @ x^T won. Only 2-5 rows
-are candidates: at 6-8 the linear stack alone sometimes ran faster as W @ x^T, but whole
-passes of 6-8 rows did not (2 rows x 3 tokens: 117-135 ms against 98-123 ms), while passes of
-2-5 rows did (one row x 2 or 4 tokens: 64-77 ms against 89-110 ms, where one token costs
-64-75 ms; 4 rows x 1 token: 74-75 ms against 86-110 ms).
+at start-up and `use_skinny` switches only the row counts where W @ x^T won. Whole passes of
+2-5 rows: one row x 2 or 4 tokens 81-83 ms against 116-130 ms, where one token cost 77-80 ms;
+4 rows x 1 token 77 ms against 120 ms (interleaved medians). Only 2-5 rows are candidates:
+passes of 8-32 rows also ran 5-18% faster as W @ x^T, but served at 8 streams that bought
+no throughput (the batch chose wider passes instead; tried and reverted, see the README).
 
 Both are the same product in float32, summed in a different order: results differ in the
 last bits, as any two GEMM kernels (or batch sizes) do.
