@@ -94,7 +94,7 @@ _HELP = {
     "min_draft_prob": "stop drafting at the first n-gram step below this probability",
     "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
-    "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-8 tokens "
+    "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-5 tokens "
     "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
     "draft_context": "also draft from the request's own prompt and output (longest earlier "
     "match of the last tokens), the n-gram continuing; requests can switch it",

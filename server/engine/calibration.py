@@ -82,7 +82,7 @@ def calibrate(
     batch_costs = {(1, width): seconds for width, seconds in costs.items()}
     # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see
     # engine.skinny), so a few row counts are measured and PassCosts interpolates between them.
-    for count in sorted({r for r in (2, 4) if r < rows} | ({rows} if rows > 1 else set())):
+    for count in [r for r in (2, 4) if r < rows] + ([rows] if rows > 1 else []):
         batched = measure_pass_seconds(
             target, widths, context_tokens, max(2, repeats // 2), rows=count
         )
