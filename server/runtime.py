@@ -132,9 +132,16 @@ def _breaker_and_pass_costs(
         break_even_acceptance=round(result.threshold, 3),
         padded_widths=result.widths,
         batch_rows=settings.max_batch_size,
-        batch_step_ms=round(result.pass_seconds[settings.max_batch_size, 1] * 1000, 2),
+        batch_step_ms=round(
+            result.pass_seconds[settings.max_batch_size, settings.max_batch_size] * 1000, 2
+        ),
         batch_verify_ms=round(
-            result.pass_seconds[settings.max_batch_size, settings.num_draft_tokens + 1] * 1000, 2
+            result.pass_seconds[
+                settings.max_batch_size,
+                settings.max_batch_size * (settings.num_draft_tokens + 1),
+            ]
+            * 1000,
+            2,
         ),
     )
     costs = PassCosts(result.pass_seconds)

@@ -110,12 +110,11 @@ _HELP = {
     "max_concurrent_streams": "streams generating at once; more wait in the queue",
     "max_batch_size": "streams verified together in one forward pass (continuous batching); "
     "admitted streams beyond it wait for a row",
-    "prefill_chunk": "prompt tokens prefilled per batch iteration: a long prompt delays the "
-    "running streams by one chunk at a time, not all at once",
-    "prefill_chunk_alone": "new prompts at least as many as the running streams (a lone "
-    "request, a burst) start together, prefilled in their first round's pass, when they fit in "
-    "a pass of this many tokens (rows x the longest); alone, a longer prompt is prefilled in "
-    "chunks of this size",
+    "prefill_chunk": "prompt tokens per pass beside running streams: new prompts within it join "
+    "the running streams' next pass; a longer prompt is prefilled in chunks of this size, so it "
+    "delays them by one chunk at a time, not all at once",
+    "prefill_chunk_alone": "prompt tokens per pass while no stream is running: a lone request "
+    "or a burst that fits starts in one pass; a longer prompt is chunked in this size",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",

@@ -3,13 +3,14 @@
 One iteration (Orca-style, iteration-level scheduling):
 1. admit: take new generations and cancellations; a cancelled or finished one leaves at once
    and its cache row goes to the next one;
-2. prefill: new prompts at least as many as the running streams (a lone request, a burst)
-   start at once, prefilled in their first round's pass (see `_start_together`); otherwise at
-   most one chunk of one new prompt (chunked, so a long prompt never stalls the streams
-   already running by more than one chunk; larger chunks while none is running);
+2. join: new prompts whose tokens fit the pass's prompt budget start decoding at once, each
+   prefilled in its first round's pass (see `_join`); a longer one is prefilled a chunk per
+   iteration first, in a pass of its own, so it never stalls running streams by more than a
+   chunk (larger chunks while none is running);
 3. verify: every prefilled generation drafts (its own k, breakers, sampling parameters; an
-   open breaker means a draft of length 0), the pass width is chosen for the whole batch (see
-   `choose_width`), one forward pass scores all rows, and each row accepts on its own logits.
+   open breaker means a draft of length 0), the drafts worth their cost are chosen for the
+   whole pass (see `choose_drafts`), one packed forward pass scores all rows, each with its
+   own number of tokens (see SlotCache), and each row accepts on its own logits.
 
 A Batch is driven by one thread (`run_until_idle`); `add` and `cancel` may be called from any.
 """
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from server.engine.calibration import expected_tokens_per_round
 from server.engine.generation import Generation
 from server.engine.rounds import Round
 from server.engine.sampling import LogitRows
@@ -37,67 +37,79 @@ Deliver = Callable[[Round | BaseException], None]
 
 @dataclass(frozen=True, slots=True)
 class PassCosts:
-    """Measured seconds of a forward pass by (rows, width), for choosing a batch's width.
+    """Measured seconds of a packed forward pass by (rows, tokens), to choose drafts by.
 
-    Widths and row counts between the measured ones are interpolated linearly; wider passes
-    than measured are extrapolated linearly from the widest.
+    Token counts and row counts between the measured ones are interpolated linearly; passes
+    of more tokens than measured are extrapolated in proportion to the most measured.
     """
 
-    seconds: dict[tuple[int, int], float]  # (rows, width) -> seconds
+    seconds: dict[tuple[int, int], float]  # (rows, tokens in the pass) -> seconds
 
-    def cost(self, rows: int, width: int) -> float:
+    def cost(self, rows: int, tokens: int) -> float:
         measured_rows = sorted({r for r, _ in self.seconds})
         below = max((r for r in measured_rows if r <= rows), default=measured_rows[0])
         above = min((r for r in measured_rows if r >= rows), default=measured_rows[-1])
-        low, high = self._at(below, width), self._at(above, width)
+        low, high = self._at(below, tokens), self._at(above, tokens)
         if above == below:
             return low
         return low + (high - low) * (rows - below) / (above - below)
 
-    def _at(self, rows: int, width: int) -> float:
-        widths = sorted(w for r, w in self.seconds if r == rows)
-        lower = max((w for w in widths if w <= width), default=widths[0])
-        upper = min((w for w in widths if w >= width), default=None)
+    def _at(self, rows: int, tokens: int) -> float:
+        counts = sorted(t for r, t in self.seconds if r == rows)
+        lower = max((t for t in counts if t <= tokens), default=counts[0])
+        upper = min((t for t in counts if t >= tokens), default=None)
         if upper is None:
-            return self.seconds[rows, lower] * width / lower
+            return self.seconds[rows, lower] * tokens / lower
         if upper == lower:
             return self.seconds[rows, lower]
         low, high = self.seconds[rows, lower], self.seconds[rows, upper]
-        return low + (high - low) * (width - lower) / (upper - lower)
+        return low + (high - low) * (tokens - lower) / (upper - lower)
 
-    def pass_width(self, rows: int, width: int, limit: int) -> int:
-        """The cheapest measured width >= width (and <= limit): padding can make a pass cheaper."""
-        candidates = [w for r, w in self.seconds if r == 1 and width <= w <= limit] or [width]
-        return min(candidates, key=lambda w: (self.cost(rows, w), w))
+    def pass_tokens(self, tokens: int, limit: int) -> int:
+        """For a one-row pass, the cheapest measured token count >= tokens (and <= limit):
+        padding can make a pass cheaper (small GEMMs are not monotonic in M on every CPU)."""
+        candidates = [t for r, t in self.seconds if r == 1 and tokens <= t <= limit] or [tokens]
+        return min(candidates, key=lambda t: (self._at(1, t), t))
 
 
-def choose_width(
-    proposed: Sequence[int], acceptance: Sequence[float], costs: PassCosts | None
-) -> int:
-    """The number of tokens per row (1 + drafts) that maximises the batch's expected tokens/s.
+def choose_drafts(
+    proposed: Sequence[int],
+    acceptance: Sequence[float],
+    costs: PassCosts | None,
+    base_tokens: int | None = None,
+) -> list[int]:
+    """How many of its proposed drafts each row verifies, to maximise the pass's expected
+    tokens per second.
 
-    Each row r with a proposal of k_r drafts and per-token acceptance a_r emits
-    E(a_r, min(k_r, w - 1)) tokens at width w (Leviathan et al. 2023, eq. 1); the pass costs
-    cost(rows, w) for every row. A lone row with good acceptance drafts fully; eight rows
-    where two speculate well still pay for eight rows at the wider width, so their drafts are
-    cut short, or dropped when plain decoding of all eight is worth more.
+    A packed pass costs cost(rows, tokens), every row paying only for its own tokens. Row r's
+    j-th draft adds a_r^j expected tokens (E(a, j) - E(a, j - 1), Leviathan et al. 2023,
+    eq. 1), so for any token budget the best drafts are the budget's highest gains over all
+    rows; the budget chosen is the one with the best (rows + gains) / cost. base_tokens: the
+    pass's tokens without drafts (one per row, plus prompt tails prefilled in it).
 
-    Example (cost 1.0 at width 1, 2.0 at width 7): one row, k=6, a=0.8 -> width 7 (3.6 tokens
-    per 2.0 s beats 1 per 1.0 s); eight rows of which one has k=6 -> width 1.
+    Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
+    per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
+    drafts, the others' none.
     """
-    widest = 1 + max(proposed, default=0)
-    if costs is None or widest == 1:
-        return widest
     rows = len(proposed)
-
-    def rate(width: int) -> float:
-        tokens = sum(
-            expected_tokens_per_round(alpha, min(k, width - 1))
-            for k, alpha in zip(proposed, acceptance, strict=True)
-        )
-        return tokens / costs.cost(rows, width)
-
-    return max(range(1, widest + 1), key=lambda width: (rate(width), -width))
+    if costs is None or not any(proposed):
+        return list(proposed)
+    base = rows if base_tokens is None else base_tokens
+    # Gains in order, a row's j-th draft before its (j + 1)-th (equal gains when a = 1).
+    pairs = enumerate(zip(proposed, acceptance, strict=True))
+    gains = sorted(
+        ((alpha**j, -j, row) for row, (k, alpha) in pairs for j in range(1, k + 1)), reverse=True
+    )
+    best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
+    for taken, (gain, _, _) in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / costs.cost(rows, base + taken)
+        if rate > best_rate:
+            best, best_rate = taken, rate
+    counts = [0] * rows
+    for _, _, row in gains[:best]:
+        counts[row] += 1
+    return counts
 
 
 @dataclass(slots=True)
@@ -110,9 +122,9 @@ class _Entry:
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
     max_rows: int = 8  # generations verified together; more wait for a row
-    prefill_chunk: int = 64  # prompt tokens prefilled per iteration
-    prefill_chunk_alone: int = 512  # tokens of a pass that starts prompts together (or chunk)
-    pad_passes: bool = True  # pad a pass to a wider width when measured to be cheaper
+    prefill_chunk: int = 64  # prompt tokens per iteration while others decode
+    prefill_chunk_alone: int = 512  # prompt tokens per iteration while none decodes
+    pad_passes: bool = True  # pad a one-row pass to more tokens when measured to be cheaper
 
 
 @dataclass(slots=True)
@@ -128,6 +140,17 @@ class BatchStats:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - started
         return now
+
+
+def _fitting(entries: Sequence[_Entry], budget: int) -> int:
+    """How many of entries, in order, have prompt tokens left that fit in budget together."""
+    taken = 0
+    for entry in entries:
+        budget -= entry.generation.prefill_remaining
+        if budget < 0:
+            break
+        taken += 1
+    return taken
 
 
 class Batch:
@@ -240,7 +263,7 @@ class Batch:
             self._forget(entry)
 
     def _prefill_chunk(self) -> None:
-        if self._start_together():
+        if self._join():
             return
         if self._prefilling is None:
             if not self._waiting or len(self._decoding) >= self.settings.max_rows:
@@ -250,8 +273,9 @@ class Batch:
         generation = entry.generation
         # Chunks keep running streams moving; alone, fewer and larger chunks are faster
         # (a 190-token prompt: 480 ms in 64-token chunks, 390 ms in one pass, measured).
-        settings = self.settings
-        chunk = settings.prefill_chunk if self._decoding else settings.prefill_chunk_alone
+        # The prompt's last `budget` tokens are left to its first round's pass (`_join`).
+        budget = self._prompt_budget()
+        chunk = min(budget, generation.prefill_remaining - budget)
         start, tokens = generation.next_prefill(chunk)
         started = time.perf_counter()
         try:
@@ -264,29 +288,24 @@ class Batch:
         self.stats.timed("prefill", started)
         generation.prefilled(len(tokens))
         self.stats.prefill_tokens += len(tokens)
-        if generation.prefill_remaining == 0:
-            self._decoding.append(entry)  # row len(decoding) is exactly where it was filled
-            self._prefilling = None
 
-    def _start_together(self) -> bool:
-        """New prompts start decoding at once, each prefilled in its first round's pass, when
-        the pass stays within `prefill_chunk_alone` tokens (rows x the widest row, padding
-        included) and they are at least as many as the rows already decoding (whose rows are
-        padded to the prompts' width: worth it for a burst, not for one newcomer among many).
+    def _prompt_budget(self) -> int:
+        settings = self.settings
+        return settings.prefill_chunk if self._decoding else settings.prefill_chunk_alone
 
-        A burst of new requests then costs one pass instead of a prefill each, and its
-        streams start (and tend to finish) together."""
+    def _join(self) -> bool:
+        """New prompts start decoding at once, each prefilled in its first round's pass, as
+        many as fit the prompt budget together: `prefill_chunk_alone` tokens when they are at
+        least as many as the running streams (a lone request, a burst: better one pass than a
+        wait each), else `prefill_chunk`. A pass is packed, so the running rows pay only for
+        the prompt tokens, not for padding to them. False when the next prompt does not fit
+        (it is then prefilled in chunks)."""
         candidates = [self._prefilling] if self._prefilling is not None else []
         candidates += self._waiting
-        decoding = len(self._decoding)
-        budget, widest, taken = self.settings.prefill_chunk_alone, 1, 0
-        for entry in candidates[: self.settings.max_rows - decoding]:
-            width = max(widest, entry.generation.prefill_remaining + 1)
-            if (decoding + taken + 1) * width > budget:
-                break
-            taken, widest = taken + 1, width
-        if taken == 0 or taken < decoding:
-            return False
+        candidates = candidates[: self.settings.max_rows - len(self._decoding)]
+        taken = _fitting(candidates, self.settings.prefill_chunk_alone)
+        if taken < len(self._decoding):
+            taken = _fitting(candidates, self.settings.prefill_chunk)
         for entry in candidates[:taken]:  # a partly prefilled one first: its row is next
             if entry is self._prefilling:
                 self._prefilling = None
@@ -294,7 +313,7 @@ class Batch:
                 self._waiting.remove(entry)
             self.stats.prefill_tokens += entry.generation.prefill_remaining
             self._decoding.append(entry)
-        return True
+        return taken > 0
 
     def _verify(self) -> None:
         started = time.perf_counter()
@@ -311,8 +330,7 @@ class Batch:
         if not self._decoding:
             return
         entries = list(self._decoding)  # entries[i] is in cache row i
-        planned = [(entry, tokens[id(entry)]) for entry in entries]
-        rows = self._cut_to_width(planned)
+        rows = self._cut_drafts(entries, [tokens[id(entry)] for entry in entries])
         started = self.stats.timed("plan", started)
         try:
             logits = self._forward(0, entries, rows)
@@ -342,16 +360,15 @@ class Batch:
         self._complete(done)
 
     def _forward(self, first_row: int, entries: list[_Entry], rows: list[list[int]]) -> list:
-        width = max(len(row) for row in rows)
         logits = self.target.forward(
             self._cache,
             [entry.generation.cache_length for entry in entries],
             rows,
             first_row=first_row,
-            min_width=self._pass_width(len(rows), width),
+            min_tokens=self._pass_tokens(entries, rows),
             skips=[entry.generation.prefill_remaining for entry in entries],  # prompt tails
         )
-        self._count_pass(len(rows), width)
+        self._count_pass(len(rows), max(len(row) for row in rows))
         return logits
 
     def _complete(self, results: list[tuple[_Entry, LogitRows | Exception]]) -> None:
@@ -373,17 +390,23 @@ class Batch:
         for entry, error in finished:
             self._finish_row(entry, error)
 
-    def _cut_to_width(self, planned: list[tuple[_Entry, list[int]]]) -> list[list[int]]:
-        proposed = [len(tokens) - 1 - e.generation.prefill_remaining for e, tokens in planned]
-        acceptance = [entry.generation.speculator.acceptance_estimate() for entry, _ in planned]
-        width = choose_width(proposed, acceptance, self.costs)
-        return [entry.generation.truncate_drafts(width - 1) for entry, _ in planned]
+    def _cut_drafts(self, entries: list[_Entry], planned: list[list[int]]) -> list[list[int]]:
+        skips = [entry.generation.prefill_remaining for entry in entries]
+        proposed = [len(tokens) - 1 - skip for tokens, skip in zip(planned, skips, strict=True)]
+        acceptance = [entry.generation.speculator.acceptance_estimate() for entry in entries]
+        counts = choose_drafts(proposed, acceptance, self.costs, len(entries) + sum(skips))
+        return [
+            entry.generation.truncate_drafts(count)
+            for entry, count in zip(entries, counts, strict=True)
+        ]
 
-    def _pass_width(self, rows: int, width: int) -> int:
-        if width == 1 or self.costs is None or not self.settings.pad_passes:
-            return width
-        room = min(self.target.max_context - e.generation.cache_length for e in self._decoding)
-        return self.costs.pass_width(rows, width, limit=max(width, room))
+    def _pass_tokens(self, entries: list[_Entry], rows: list[list[int]]) -> int:
+        """Pad a one-row pass to more tokens where that was measured cheaper (0: no padding)."""
+        settings = self.settings
+        if len(rows) > 1 or len(rows[0]) == 1 or self.costs is None or not settings.pad_passes:
+            return 0
+        room = self.target.max_context - entries[0].generation.cache_length
+        return self.costs.pass_tokens(len(rows[0]), limit=max(len(rows[0]), room))
 
     def _count_pass(self, rows: int, width: int) -> None:
         self.stats.passes += 1

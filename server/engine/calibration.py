@@ -4,7 +4,7 @@ A round with per-token acceptance alpha and k drafts emits E = (1 - alpha^(k+1))
 tokens (Leviathan et al. 2023, eq. 1) for the price of one pass over k+1 tokens; decoding
 autoregressively emits one token per single-token pass. Speculation with k drafts pays while
 E(alpha) > cost(k+1) / cost(1); the breaker's threshold is the lowest alpha where that holds
-for some k up to the maximum (the batch then chooses the width, see batch.choose_width).
+for some k up to the maximum (the batch then chooses each row's drafts, see batch.choose_drafts).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Calibration:
     verify_seconds: float  # k + 1 tokens in one pass (padded to a cheaper width if there is one)
     threshold: float
     widths: dict[int, int] = field(default_factory=dict)  # pass width -> cheaper padded width
-    pass_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, width)
+    pass_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens)
 
     @property
     def cost_ratio(self) -> float:
@@ -86,8 +86,8 @@ def calibrate(
         batched = measure_pass_seconds(
             target, widths, context_tokens, max(2, repeats // 2), rows=count
         )
-        batch_costs.update({(count, w): s for w, s in zip(widths, batched, strict=True)})
-    # The breaker guards against speculation that cannot pay at any width the batch may choose:
+        batch_costs.update({(count, count * w): s for w, s in zip(widths, batched, strict=True)})
+    # The breaker guards against speculation that cannot pay at any length the batch may choose:
     # the lowest break-even over draft lengths (with W @ x^T kernels a 2-token pass can cost
     # about one step, so one draft pays at nearly any acceptance; see engine.skinny).
     threshold = min(

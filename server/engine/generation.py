@@ -138,7 +138,7 @@ class Generation:
         self.prefilled(len(tokens))
         tokens = self.plan()
         width = self._target.padded_width(len(tokens), self.cache_length)
-        logits = self._target.forward(cache, [self.cache_length], [tokens], min_width=width)
+        logits = self._target.forward(cache, [self.cache_length], [tokens], min_tokens=width)
         return self.complete(logits[0])
 
     def close(self) -> None:

@@ -1,22 +1,32 @@
 """A KV cache with one row per active sequence, for verifying many sequences in one pass.
 
-Each row r holds a sequence whose first `length_r` positions are valid. A pass feeds every row
-`width` tokens (shorter rows padded) and writes their keys and values at length_r ..
-length_r + width - 1 of that row; a 4D attention mask lets row r's query at offset w see keys
-0 .. length_r + w and nothing else, so padding and stale positions past a row's length are
-never read. Rolling back rejected drafts therefore copies nothing: the caller's next pass just
-starts at the shorter length and overwrites them. This is the slot layout of Orca/vLLM's
-iteration-level batching, kept dense because a CPU pass is dominated by the weights, not by
-the few kilobytes of KV a row adds.
+Each row r holds a sequence whose first `length_r` positions are valid. A pass packs the new
+tokens of all its rows into one sequence (row r contributing its own number of tokens, no
+padding), so the linear layers, which dominate a CPU pass, see each token once. Each token's
+keys and values go to its row at length_r, length_r + 1, ...; attention then lays the queries
+out as [rows, widest row] over the rows' cache (`Packing`), with a 4D mask that lets row r's
+query at offset w see keys 0 .. length_r + w and nothing else, so padding and stale positions
+past a row's length are never read. Rolling back rejected drafts therefore copies nothing:
+the caller's next pass just starts at the shorter length and overwrites them. This is the
+slot layout of Orca/vLLM's iteration-level batching, kept dense because a CPU pass is
+dominated by the weights, not by the few kilobytes of KV a row adds.
 
-Rows in use are kept contiguous (0 .. n-1) so a pass reads a view, never a gathered copy;
+Rows in use are kept contiguous (0 .. n-1) so attention reads a view, never a gathered copy;
 `move` relocates one row when another leaves. Memory grows by doubling the per-row capacity,
 bounded by rows x max_length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 _MIN_CAPACITY = 256
 
@@ -36,38 +46,37 @@ class SlotCache:
         self._values: list[torch.Tensor] = []
         self._first = 0
         self._stop = 0
-        self._batch_index: torch.Tensor | None = None  # [n, width]: row of each new token
-        self._positions: torch.Tensor | None = None  # [n, width]: where each new token goes
+        self._batch_index: torch.Tensor | None = None  # [tokens]: row of each new token
+        self._positions: torch.Tensor | None = None  # [tokens]: where each new token goes
         self._kv_length = 0
 
-    def bind(self, first_row: int, positions: torch.Tensor) -> None:
-        """Set where the next pass writes: rows first_row.. get positions [n, width]."""
-        rows, _ = positions.shape
+    def bind(self, first_row: int, packed: PackedPass) -> None:
+        """Set where the next pass writes: its rows are first_row, first_row + 1, ..."""
+        rows = packed.packing.slots.shape[0]
         if first_row < 0 or first_row + rows > self.rows:
             raise ValueError(f"rows {first_row}..{first_row + rows - 1} outside 0..{self.rows - 1}")
-        self._kv_length = int(positions.max()) + 1
+        self._kv_length = packed.kv_length
         if self._kv_length > self.max_length:
             raise ValueError(
                 f"a pass needs {self._kv_length} positions; the cache holds {self.max_length}"
             )
         self._reserve(self._kv_length)
         self._first, self._stop = first_row, first_row + rows
-        self._positions = positions
-        rows_index = torch.arange(first_row, first_row + rows, device=positions.device)
-        self._batch_index = rows_index[:, None].expand_as(positions)
+        self._positions = packed.positions[0]
+        self._batch_index = packed.token_rows + first_row
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_, **__
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a layer's new keys/values ([n, heads, width, dim]); return the bound rows'."""
+        """Write a layer's new keys/values ([1, heads, tokens, dim]); return the bound rows'."""
         if self._positions is None or self._batch_index is None:
             raise RuntimeError("SlotCache.bind() must be called before a forward pass")
         if layer_idx == len(self._keys):
             self._allocate_layer(key_states, value_states)
         keys, values = self._keys[layer_idx], self._values[layer_idx]
-        # Advanced indices in dims 0 and 2 put the indexed dims first: [n, width, heads, dim].
-        keys[self._batch_index, :, self._positions] = key_states.transpose(1, 2)
-        values[self._batch_index, :, self._positions] = value_states.transpose(1, 2)
+        # Advanced indices in dims 0 and 2 put the indexed dim first: [tokens, heads, dim].
+        keys[self._batch_index, :, self._positions] = key_states[0].transpose(0, 1)
+        values[self._batch_index, :, self._positions] = value_states[0].transpose(0, 1)
         span = slice(self._first, self._stop)
         return keys[span, :, : self._kv_length], values[span, :, : self._kv_length]
 
@@ -116,3 +125,112 @@ def attention_mask(positions: torch.Tensor, kv_length: int, dtype: torch.dtype) 
     visible = keys[None, None, :] <= positions[:, :, None]
     mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How a packed pass's queries are laid out for attention: [rows, width] over the cache."""
+
+    slots: torch.Tensor  # [rows, width]: packed index of row r's w-th token (padding: its last)
+    tokens: torch.Tensor  # [tokens]: each packed token's index in the flattened [rows * width]
+    mask: torch.Tensor  # [rows, 1, width, kv_length], additive (see attention_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedPass:
+    """The inputs of one packed pass: every row's new tokens, one after another."""
+
+    input_ids: torch.Tensor  # [1, tokens]
+    positions: torch.Tensor  # [1, tokens]: each token's position in its row
+    token_rows: torch.Tensor  # [tokens]: each token's row, counted from the pass's first row
+    starts: list[int]  # where each row's tokens begin in the packed sequence
+    kv_length: int
+    packing: Packing
+
+
+def pack(
+    lengths: Sequence[int],
+    token_rows: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    pad_to: int = 0,
+) -> PackedPass:
+    """Row i's tokens follow row i-1's; row i's first goes to position lengths[i] of its row.
+
+    pad_to: pad the pass to at least this many tokens by repeating the last row's last token
+    (scored, never read, overwritten by that row's next pass), for widths measured cheaper.
+
+    Example: lengths [5, 9], rows [[a], [b, c]] -> input [[a, b, c]], positions [[5, 9, 10]],
+    slots [[0, 0], [1, 2]] (row 0's padding repeats its token).
+    """
+    rows = [list(row) for row in token_rows]
+    if pad_to > sum(len(row) for row in rows):
+        rows[-1] += [rows[-1][-1]] * (pad_to - sum(len(row) for row in rows))
+    width = max(len(row) for row in rows)
+    starts, ids, positions, owners, slots, flat = [], [], [], [], [], []
+    for index, (length, row) in enumerate(zip(lengths, rows, strict=True)):
+        start = len(ids)
+        starts.append(start)
+        ids += row
+        positions += range(length, length + len(row))
+        owners += [index] * len(row)
+        slots.append([start + min(w, len(row) - 1) for w in range(width)])
+        flat += range(index * width, index * width + len(row))
+    grid = torch.tensor(
+        [[length + w for w in range(width)] for length in lengths], dtype=torch.long, device=device
+    )
+    kv_length = int(grid.max()) + 1
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    mask = attention_mask(grid, kv_length, dtype)
+    packing = Packing(tensor(slots).view(len(rows), width), tensor(flat), mask)
+    return PackedPass(
+        input_ids=tensor(ids)[None],
+        positions=tensor(positions)[None],
+        token_rows=tensor(owners),
+        starts=starts,
+        kv_length=kv_length,
+        packing=packing,
+    )
+
+
+PACKED_ATTENTION = "kenspec_packed"
+
+
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    packing: Packing | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention for a packed pass: query [1, heads, tokens, dim] against the bound
+    rows' keys/values [rows, kv_heads, kv_length, dim] (SlotCache.update). Without a packing
+    (transformers' own generate on the same model) this is transformers' SDPA attention."""
+    if packing is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rows, width = packing.slots.shape
+    laid_out = query[0][:, packing.slots].transpose(0, 1)  # [rows, heads, width, dim]
+    out = F.scaled_dot_product_attention(
+        laid_out,
+        key,
+        value,
+        attn_mask=packing.mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(rows * width, heads, dim)
+    return out[packing.tokens][None], None  # [1, tokens, heads, dim]
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # for transformers' own generate

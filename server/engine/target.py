@@ -16,7 +16,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from server.engine.slot_cache import SlotCache, attention_mask
+from server.engine.slot_cache import PACKED_ATTENTION, SlotCache, pack
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
@@ -142,6 +142,7 @@ class TargetModel:
             ) from error
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model.to(resolved_device).eval()
+        model.set_attn_implementation(PACKED_ATTENTION)  # transformers' SDPA for its own calls
         head_t = None
         # float32 only: a bf16 GEMV against the transposed copy ran 4x slower than
         # transformers' own bf16 head on a CPU without native bf16 (measured; bench/results/bf16).
@@ -187,34 +188,31 @@ class TargetModel:
         token_rows: Sequence[Sequence[int]],
         *,
         first_row: int = 0,
-        min_width: int = 1,
+        min_tokens: int = 0,
         skips: Sequence[int] | None = None,
     ) -> list[LazyLogits] | list[torch.Tensor]:
         """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
 
-        Rows may differ in length (shorter ones are padded, up to min_width if that is more;
-        the padding is scored, never read, and overwritten by the row's next pass). Returns,
-        per row, the next-token logits in fp32 of its tokens after the first skips[i] (0 by
-        default; e.g. prompt tokens prefilled in the same pass): a LazyLogits where the
-        architecture allows it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both
-        are indexed the same way.
+        Rows may differ in length: the pass packs them into one sequence (see SlotCache), padded
+        to min_tokens if that is more (the padding is scored, never read). Returns, per row, the
+        next-token logits in fp32 of its tokens after the first skips[i] (0 by default; e.g.
+        prompt tokens prefilled in the same pass): a LazyLogits where the architecture allows
+        it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both are indexed the same way.
         """
         skips = list(skips) if skips is not None else [0] * len(token_rows)
-        hidden = self._run(
-            cache, lengths, token_rows, first_row, min_width, logits=self.head_t is None
+        hidden, starts = self._run(
+            cache, lengths, token_rows, first_row, min_tokens, logits=self.head_t is None
         )
+        spans = [
+            (start + skip, start + len(row))
+            for start, skip, row in zip(starts, skips, token_rows, strict=True)
+        ]
         if self.head_t is None:
-            return [
-                hidden[i, skip : len(row)].float()
-                for i, (row, skip) in enumerate(zip(token_rows, skips, strict=True))
-            ]
-        rows = torch.arange(len(token_rows), device=hidden.device)
-        firsts = self._first_rows(hidden[rows, skips])  # [rows, vocab]: every row reads one
+            return [hidden[begin:end].float() for begin, end in spans]
+        firsts = self._first_rows(hidden[[begin for begin, _ in spans]])  # every row reads one
         return [
-            LazyLogits(
-                hidden[i, skip : len(row)], self.head_t, firsts[i], self.model.lm_head.weight
-            )
-            for i, (row, skip) in enumerate(zip(token_rows, skips, strict=True))
+            LazyLogits(hidden[begin:end], self.head_t, firsts[i], self.model.lm_head.weight)
+            for i, (begin, end) in enumerate(spans)
         ]
 
     def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,7 +229,7 @@ class TargetModel:
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
         """Write token_ids into cache row `row` after its first `length` positions; no logits."""
         if token_ids:
-            self._run(cache, [length], [token_ids], row, 1, logits=False)
+            self._run(cache, [length], [token_ids], row, 0, logits=False)
 
     def _run(
         self,
@@ -239,28 +237,26 @@ class TargetModel:
         lengths: Sequence[int],
         token_rows: Sequence[Sequence[int]],
         first_row: int,
-        min_width: int,
+        min_tokens: int,
         *,
         logits: bool,
-    ) -> torch.Tensor:
-        """One pass; hidden states [rows, width, hidden] (or logits [rows, width, vocab])."""
-        width = max(min_width, *(len(row) for row in token_rows))
-        padded = [[*row, *[row[-1]] * (width - len(row))] for row in token_rows]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)
-        starts = torch.tensor(list(lengths), dtype=torch.long, device=self.device)
-        positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
-        cache.bind(first_row, positions)
-        mask = attention_mask(positions, int(positions.max()) + 1, self.dtype)
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One packed pass: hidden states [tokens, hidden] (or logits [tokens, vocab]) and
+        where each row's tokens start among them."""
+        packed = pack(lengths, token_rows, self.dtype, self.device, pad_to=min_tokens)
+        cache.bind(first_row, packed)
         inputs = {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "position_ids": positions,
+            "input_ids": packed.input_ids,
+            # Passed as is (a 4D mask); packed_attention lays the queries out to match it.
+            "attention_mask": packed.packing.mask,
+            "position_ids": packed.positions,
             "cache": cache,
             "use_cache": True,
+            "packing": packed.packing,
         }
         if logits:
-            return self.model(**inputs).logits
-        return self.model.model(**inputs).last_hidden_state
+            return self.model(**inputs).logits[0], packed.starts
+        return self.model.model(**inputs).last_hidden_state[0], packed.starts
 
     def padded_width(self, width: int, cache_length: int) -> int:
         """A pass of `width` tokens costs more than a wider one on some CPUs (small-GEMM kernels):

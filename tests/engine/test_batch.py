@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.batch import Batch, BatchSettings, PassCosts, choose_width
+from server.engine.batch import Batch, BatchSettings, PassCosts, choose_drafts
 from server.engine.context_draft import ContextDraft
 from server.engine.generation import Generation
 from server.engine.kenlm_draft import KenLMDraft
@@ -199,34 +199,49 @@ def test_a_failing_row_fails_alone(tiny_target, references, partly_matching, mon
     assert batch.active == 0
 
 
-COSTS = PassCosts({(1, 1): 1.0, (1, 4): 1.6, (1, 7): 2.0, (8, 1): 2.4, (8, 4): 4.0, (8, 7): 5.0})
+COSTS = PassCosts({(1, 1): 1.0, (1, 4): 1.6, (1, 7): 2.0, (8, 8): 2.4, (8, 32): 4.0, (8, 56): 5.0})
 
 
 @pytest.mark.parametrize(
-    ("proposed", "acceptance", "costs", "width"),
+    ("proposed", "acceptance", "costs", "drafts"),
     [
-        ([6], [0.9], COSTS, 7),  # alone, good acceptance: draft fully
-        ([6], [0.2], COSTS, 1),  # alone, poor acceptance: not worth a wider pass
-        ([6, 0, 0, 0, 0, 0, 0, 0], [0.8] + [1.0] * 7, COSTS, 1),  # one speculator among eight
-        ([6] * 8, [0.9] * 8, COSTS, 7),  # eight good speculators
-        ([2, 6], [1.0, 1.0], COSTS, 7),  # the shorter proposal does not cap the width
-        ([6, 6], [0.5, 0.5], None, 7),  # uncalibrated: the longest proposal
-        ([0, 0], [1.0, 1.0], COSTS, 1),
+        ([6], [0.9], COSTS, [6]),  # alone, good acceptance: draft fully
+        ([6], [0.2], COSTS, [0]),  # alone, poor acceptance: not worth a wider pass
+        ([6] * 8, [0.9] * 8, COSTS, [6] * 8),  # eight good speculators
+        ([6, 6], [0.5, 0.5], None, [6, 6]),  # uncalibrated: every proposal
+        ([0, 0], [1.0, 1.0], COSTS, [0, 0]),
     ],
 )
-def test_choose_width(proposed, acceptance, costs, width) -> None:
-    assert choose_width(proposed, acceptance, costs) == width
+def test_choose_drafts(proposed, acceptance, costs, drafts) -> None:
+    assert choose_drafts(proposed, acceptance, costs) == drafts
 
 
-def test_pass_costs_interpolate_in_rows_and_extrapolate_in_width() -> None:
+def test_one_good_speculator_among_eight_drafts_alone() -> None:
+    """A packed pass charges a row only for its own tokens: the others need not speculate
+    for one row's drafts to pay (a padded pass of 8 x 7 tokens would cost 5.0 for 8 + 3)."""
+    drafts = choose_drafts([6, 0, 0, 0, 0, 0, 0, 0], [0.8] + [1.0] * 7, COSTS)
+    assert drafts[0] >= 4 and drafts[1:] == [0] * 7
+
+
+def test_better_acceptance_gets_more_drafts_and_prompt_tokens_count_in_the_cost() -> None:
+    good, poor = choose_drafts([6, 6], [0.9, 0.3], COSTS)
+    assert good > poor
+    # The same rows in a pass that also prefills 40 prompt tokens, paid for either way: a
+    # draft adds a smaller share to the pass's cost, so no row drafts less.
+    with_prompt = choose_drafts([6, 6], [0.9, 0.3], COSTS, base_tokens=42)
+    assert with_prompt[0] >= good and with_prompt[1] >= poor and with_prompt != [good, poor]
+
+
+def test_pass_costs_interpolate_in_rows_and_extrapolate_in_tokens() -> None:
     assert COSTS.cost(1, 4) == 1.6
-    assert COSTS.cost(8, 7) == 5.0
-    assert COSTS.cost(4, 1) == pytest.approx(1.0 + (2.4 - 1.0) * 3 / 7)
-    assert COSTS.cost(1, 14) == pytest.approx(4.0)  # linear beyond the widest measured
-    assert COSTS.cost(16, 1) == 2.4  # clamped to the largest measured batch
+    assert COSTS.cost(8, 56) == 5.0
+    assert COSTS.cost(8, 20) == pytest.approx(3.2)
+    assert COSTS.cost(4, 4) == pytest.approx(1.6 + (2.4 - 1.6) * 3 / 7)
+    assert COSTS.cost(1, 14) == pytest.approx(4.0)  # in proportion beyond the most measured
+    assert COSTS.cost(16, 8) == 2.4  # clamped to the largest measured batch
     padded = PassCosts({(1, 1): 1.0, (1, 2): 1.5, (1, 3): 1.8, (1, 4): 1.6})
-    assert padded.pass_width(1, 3, limit=8) == 4
-    assert padded.pass_width(1, 3, limit=3) == 3
+    assert padded.pass_tokens(3, limit=8) == 4
+    assert padded.pass_tokens(3, limit=3) == 3
 
 
 def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_streams(
@@ -278,8 +293,7 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
     tiny_target, references, partly_matching, never_matching
 ) -> None:
     generations = mixed_generations(tiny_target, references[:7], partly_matching, never_matching)
-    widest = max(len(ids) for ids, _ in references[:4])  # prompt rest + pending + k <= this + 6
-    budget = 4 * (widest + 6)
+    budget = sum(len(ids) - 1 for ids, _ in references[:4])  # the first four prompts exactly
     batch = Batch(
         tiny_target, BatchSettings(max_rows=6, prefill_chunk=2, prefill_chunk_alone=budget)
     )
@@ -289,8 +303,8 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
         batch.add(generation, collector)
     batch.iterate()
     started = [c for c in collectors if c.rounds]
-    assert batch.stats.passes == 1 and len(started) >= 4  # at least four fit the budget
-    assert all(not c.rounds for c in collectors[len(started) :])  # the rest wait their turn
+    assert batch.stats.passes == 1 and len(started) == 4  # four fit the budget
+    assert all(not c.rounds for c in collectors[4:])  # the rest wait their turn
     batch.add(pairs[6][0][1], pairs[6][1])
     batch.run_until_idle()
     for (kind, _, expected), collector in pairs:
@@ -301,8 +315,9 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
 def test_a_burst_joins_a_lone_running_stream_in_one_pass(
     tiny_target, references, partly_matching
 ) -> None:
-    """Three newcomers beside one running stream: padding one row beats three prefills."""
-    batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=256))
+    """Three newcomers beside one running stream join its next pass: packed, it pays only for
+    their prompt tokens, and no newcomer needs a prefill pass of its own."""
+    batch = Batch(tiny_target, BatchSettings(prefill_chunk=64, prefill_chunk_alone=256))
     collectors = [Collector() for _ in range(4)]
     pairs = list(zip(references[:4], collectors, strict=True))
     (ids, _), collector = pairs[0]

@@ -411,5 +411,5 @@ def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
 
 def test_calibration_measures_batched_passes(tiny_target) -> None:
     result = calibrate(tiny_target, k=2, context_tokens=16, repeats=2, rows=3)
-    assert set(result.pass_seconds) == {(rows, w) for rows in (1, 2, 3) for w in (1, 2, 3)}
+    assert set(result.pass_seconds) == {(rows, rows * w) for rows in (1, 2, 3) for w in (1, 2, 3)}
     assert all(seconds > 0 for seconds in result.pass_seconds.values())

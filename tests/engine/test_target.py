@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from server.engine import target as target_module
+from server.engine.slot_cache import pack
 from server.engine.target import TargetLoadError, TargetModel, resolve_dtype
 
 
@@ -63,14 +64,28 @@ def test_rollback_restores_the_cache_exactly(tiny_target: TargetModel) -> None:
         torch.testing.assert_close(after_rollback[row], never_seen[row])
 
 
+def test_pack_lays_rows_end_to_end_and_attention_out_as_rows() -> None:
+    packed = pack([5, 9], [[1], [2, 3]], torch.float32, torch.device("cpu"))
+    assert packed.input_ids.tolist() == [[1, 2, 3]]
+    assert packed.positions.tolist() == [[5, 9, 10]]
+    assert packed.token_rows.tolist() == [0, 1, 1] and packed.starts == [0, 1]
+    assert packed.packing.slots.tolist() == [[0, 0], [1, 2]]  # row 0 padded with its token
+    assert packed.packing.tokens.tolist() == [0, 2, 3]  # row 0's padding slot is not read back
+    assert packed.kv_length == 11 and packed.packing.mask.shape == (2, 1, 2, 11)
+    padded = pack([5], [[1, 2]], torch.float32, torch.device("cpu"), pad_to=4)
+    assert padded.input_ids.tolist() == [[1, 2, 2, 2]]
+    assert padded.positions.tolist() == [[5, 6, 7, 8]]
+
+
 def test_rows_of_a_batch_score_as_they_would_alone(tiny_target: TargetModel) -> None:
-    """Rows of different lengths and widths, padded into one pass, match solo passes."""
+    """Rows of different lengths and widths, packed into one pass (padded to 9 tokens), match
+    solo passes."""
     prompts = [tiny_target.encode_prompt(text) for text in ("Hi", "The quick brown fox", "a b")]
     feeds = [[5, 6, 7], [9], [11, 12]]
     batch = tiny_target.new_cache(rows=len(prompts))
     for row, prompt in enumerate(prompts):
         tiny_target.prefill(batch, row, 0, prompt)
-    together = tiny_target.forward(batch, [len(p) for p in prompts], feeds, min_width=5)
+    together = tiny_target.forward(batch, [len(p) for p in prompts], feeds, min_tokens=9)
     for prompt, feed, rows in zip(prompts, feeds, together, strict=True):
         alone = tiny_target.new_cache()
         tiny_target.prefill(alone, 0, 0, prompt)
