@@ -61,6 +61,7 @@ def load_runtime(settings: Settings) -> Runtime:
         prefill_chunk=settings.prefill_chunk,
         prefill_chunk_alone=settings.prefill_chunk_alone,
         pad_passes=settings.pad_verify,
+        prefix_cache_tokens=settings.prefix_cache_tokens,
     )
     engine = SpeculativeEngine(target, draft, breaker, context=context, batching=batching)
     engine.batch.costs = costs

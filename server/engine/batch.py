@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from server.engine.generation import Generation
+from server.engine.prefix_cache import Prefix, PrefixCache
 from server.engine.rounds import Round
 from server.engine.sampling import LogitRows
 from server.engine.target import TargetModel
@@ -117,6 +118,13 @@ class _Entry:
     generation: Generation
     deliver: Deliver
     cancelled: bool = False
+    reuse: Prefix | None = None  # a stored prompt whose first `reused` positions it shares
+    reused: int = 0
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to compute (once the shared prefix is copied in)."""
+        return self.generation.prefill_remaining - self.reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,7 @@ class BatchSettings:
     prefill_chunk: int = 64  # prompt tokens per iteration while others decode
     prefill_chunk_alone: int = 512  # prompt tokens per iteration while none decodes
     pad_passes: bool = True  # pad a one-row pass to more tokens when measured to be cheaper
+    prefix_cache_tokens: int = 2048  # positions of recent prompts kept for reuse (0: none)
 
 
 @dataclass(slots=True)
@@ -133,6 +142,7 @@ class BatchStats:
     passes: int = 0
     rows_verified: int = 0
     prefill_tokens: int = 0
+    reused_tokens: int = 0  # prompt positions copied from the prefix cache, not computed
     by_width: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
 
@@ -146,7 +156,7 @@ def _fitting(entries: Sequence[_Entry], budget: int) -> int:
     """How many of entries, in order, have prompt tokens left that fit in budget together."""
     taken = 0
     for entry in entries:
-        budget -= entry.generation.prefill_remaining
+        budget -= entry.to_prefill
         if budget < 0:
             break
         taken += 1
@@ -170,6 +180,8 @@ class Batch:
         self.on_pass: Callable[[int, int], None] | None = None  # (rows, width), e.g. metrics
         self.on_iteration_end: Callable[[], None] | None = None  # e.g. flush deliveries
         self._cache = target.new_cache(self.settings.max_rows)
+        tokens = self.settings.prefix_cache_tokens
+        self.prefixes = PrefixCache(tokens) if tokens > 0 else None
         self._decoding: list[_Entry] = []
         self._prefilling: _Entry | None = None
         self._waiting: deque[_Entry] = deque()
@@ -233,8 +245,11 @@ class Batch:
     def iterate(self) -> None:
         self.stats.iterations += 1
         with self._lock:
-            self._waiting.extend(self._inbox)
-            self._inbox.clear()
+            arrived, self._inbox = self._inbox, []
+        for entry in arrived:
+            if self.prefixes is not None:
+                entry.reuse, entry.reused = self.prefixes.match(entry.generation.prompt[:-1])
+            self._waiting.append(entry)
         self._drop_cancelled()
         self._prefill_chunk()
         if self._decoding:
@@ -248,6 +263,7 @@ class Batch:
             "rows_per_pass": round(stats.rows_verified / max(1, stats.passes), 2),
             "widths": dict(sorted(stats.by_width.items())),
             "prefill_tokens": stats.prefill_tokens,
+            "reused_tokens": stats.reused_tokens,
             "seconds": {phase: round(s, 2) for phase, s in stats.seconds.items()},
         }
 
@@ -269,6 +285,7 @@ class Batch:
             if not self._waiting or len(self._decoding) >= self.settings.max_rows:
                 return
             self._prefilling = self._waiting.popleft()
+            self._reuse_prefix(self._prefilling, len(self._decoding))
         entry, row = self._prefilling, len(self._decoding)
         generation = entry.generation
         # Chunks keep running streams moving; alone, fewer and larger chunks are faster
@@ -276,6 +293,8 @@ class Batch:
         # The prompt's last `budget` tokens are left to its first round's pass (`_join`).
         budget = self._prompt_budget()
         chunk = min(budget, generation.prefill_remaining - budget)
+        if chunk <= 0:  # what the copied prefix left joins the next pass
+            return
         start, tokens = generation.next_prefill(chunk)
         started = time.perf_counter()
         try:
@@ -311,9 +330,30 @@ class Batch:
                 self._prefilling = None
             else:
                 self._waiting.remove(entry)
+                self._reuse_prefix(entry, len(self._decoding))
             self.stats.prefill_tokens += entry.generation.prefill_remaining
             self._decoding.append(entry)
         return taken > 0
+
+    def _reuse_prefix(self, entry: _Entry, row: int) -> None:
+        """Copy the stored prefix the entry's prompt begins with into its new cache row."""
+        if entry.reuse is None:
+            return
+        length = entry.reused
+        keys = [tensor[:, :length] for tensor in entry.reuse.keys]
+        values = [tensor[:, :length] for tensor in entry.reuse.values]
+        self._cache.write(row, keys, values)
+        entry.generation.prefilled(length)
+        self.stats.reused_tokens += length
+        entry.reuse, entry.reused = None, 0
+
+    def _store_prompts(self, entries: list[_Entry], skips: list[int]) -> None:
+        """Keep the prompts whose last tokens were in this pass (all but their pending token)."""
+        if self.prefixes is None:
+            return
+        for row, (entry, skip) in enumerate(zip(entries, skips, strict=True)):
+            if skip:
+                self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
 
     def _verify(self) -> None:
         started = time.perf_counter()
@@ -345,6 +385,7 @@ class Batch:
             log.exception("verify_pass_failed", rows=len(rows))
             self._verify_alone(entries, rows)
             return
+        self._store_prompts(entries, [entry.generation.prefill_remaining for entry in entries])
         started = self.stats.timed("forward", started)
         self._complete(list(zip(entries, logits, strict=True)))
         self.stats.timed("accept", started)

@@ -73,6 +73,10 @@ class Generation:
         return self.finish_reason is not None
 
     @property
+    def prompt(self) -> list[int]:
+        return self._prompt
+
+    @property
     def prefill_remaining(self) -> int:
         return len(self._prompt) - 1 - self._prefilled
 

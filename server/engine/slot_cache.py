@@ -88,6 +88,22 @@ class SlotCache:
         for tensor in (*self._keys, *self._values):
             tensor[destination, :, :length] = tensor[source, :, :length]
 
+    @torch.inference_mode()
+    def read(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row `row`'s first `length` positions, per layer [kv_heads, length, dim]."""
+        return (
+            [tensor[row, :, :length].clone() for tensor in self._keys],
+            [tensor[row, :, :length].clone() for tensor in self._values],
+        )
+
+    @torch.inference_mode()
+    def write(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Put keys/values (as `read` returns them) at the first positions of row `row`."""
+        length = keys[0].shape[1]
+        self._reserve(length)
+        for stored, new in zip((*self._keys, *self._values), (*keys, *values), strict=True):
+            stored[row, :, :length] = new
+
     def _allocate_layer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         def empty(like: torch.Tensor) -> torch.Tensor:
             _, heads, _, dim = like.shape

@@ -1,0 +1,84 @@
+"""Keys and values of recent prompts, reused by later prompts that begin the same way.
+
+Requests to one application share a system prompt and a chat template, and each turn of a
+conversation re-sends the turns before it. The keys and values of a position depend only on
+the tokens up to it, so a new prompt that begins with the first p tokens of a stored one can
+copy their keys and values into its cache row instead of computing them (vLLM's automatic
+prefix caching, SGLang's radix cache). The copy is a few hundred kilobytes; the computation it
+replaces is most of a short prompt's first pass (the default model's dev prompts: 36-42 tokens,
+24 of them its chat template and system prompt).
+
+A copied prefix was computed in another pass, so it can differ from one computed in the
+request's own pass in the last bits, as any two passes of different sizes do.
+
+Stored: each prompt whose first pass ran in a batch (all its tokens but the last), least
+recently used first out, up to `max_tokens` positions in all (memory: layers x 2 x kv_heads x
+head_dim x dtype bytes per position; 46 KB for SmolLM2-135M in float32).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.slot_cache import SlotCache
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]  # per layer [kv_heads, len(tokens), head_dim]
+    values: list[torch.Tensor]
+
+
+class PrefixCache:
+    def __init__(self, max_tokens: int, min_match: int = 8) -> None:
+        self.max_tokens = max_tokens
+        self.min_match = min_match
+        self._prefixes: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest first
+        self._stored = 0  # positions held
+
+    @property
+    def stored_tokens(self) -> int:
+        return self._stored
+
+    def match(self, tokens: Sequence[int]) -> tuple[Prefix | None, int]:
+        """The stored prefix sharing the longest beginning with tokens, and that length
+        (None, 0 when no stored one shares `min_match` tokens)."""
+        best, length = None, 0
+        if len(tokens) < self.min_match:
+            return None, 0
+        for prefix in self._prefixes.values():
+            shared = _shared_length(prefix.tokens, tokens)
+            if shared > length:
+                best, length = prefix, shared
+        if length < self.min_match or best is None:
+            return None, 0
+        self._prefixes.move_to_end(best.tokens)
+        return best, length
+
+    def store(self, cache: SlotCache, row: int, tokens: Sequence[int]) -> None:
+        """Keep the keys/values of `tokens`, the first len(tokens) positions of cache row `row`."""
+        key = tuple(tokens)
+        if len(key) < self.min_match or len(key) > self.max_tokens:
+            return
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            return
+        while self._stored + len(key) > self.max_tokens:
+            _, evicted = self._prefixes.popitem(last=False)
+            self._stored -= len(evicted.tokens)
+        keys, values = cache.read(row, len(key))
+        self._prefixes[key] = Prefix(key, keys, values)
+        self._stored += len(key)
+
+
+def _shared_length(stored: Sequence[int], tokens: Sequence[int]) -> int:
+    length = min(len(stored), len(tokens))
+    for index in range(length):
+        if stored[index] != tokens[index]:
+            return index
+    return length
