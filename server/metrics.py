@@ -90,10 +90,11 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
             registry=r,
         )
-        self.pass_width = Histogram(
-            "kenspec_batch_pass_width",
-            "Tokens per stream in a verification pass (1 + drafts kept).",
-            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 65),
+        self.pass_tokens = Histogram(
+            "kenspec_batch_pass_tokens",
+            "Tokens in a verification pass, all streams' together (1 + drafts kept each, plus "
+            "the prompt tokens of streams starting in it).",
+            buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512),
             registry=r,
         )
         self.set_draft_breaker(BreakerState.CLOSED)
@@ -112,9 +113,9 @@ class Metrics:
                 if position < round_.accepted:
                     self.accepted_at.labels(position=label).inc()
 
-    def observe_pass(self, rows: int, width: int) -> None:
+    def observe_pass(self, rows: int, tokens: int) -> None:
         self.pass_rows.observe(rows)
-        self.pass_width.observe(width)
+        self.pass_tokens.observe(tokens)
 
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self.breaker_transitions.labels(scope=scope, state=state.value).inc()

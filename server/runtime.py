@@ -61,7 +61,7 @@ def load_runtime(settings: Settings) -> Runtime:
         prefill_chunk=settings.prefill_chunk,
         prefill_chunk_alone=settings.prefill_chunk_alone,
         pad_passes=settings.pad_verify,
-        prefix_cache_tokens=settings.prefix_cache_tokens,
+        prefix_cache_bytes=settings.prefix_cache_mb << 20,
     )
     engine = SpeculativeEngine(target, draft, breaker, context=context, batching=batching)
     engine.batch.costs = costs

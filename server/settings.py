@@ -56,7 +56,7 @@ class Settings:
     max_batch_size: int = 8
     prefill_chunk: int = 64
     prefill_chunk_alone: int = 512
-    prefix_cache_tokens: int = 2048
+    prefix_cache_mb: int = 128
     max_queue: int = 32
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
@@ -116,8 +116,9 @@ _HELP = {
     "delays them by one chunk at a time, not all at once",
     "prefill_chunk_alone": "prompt tokens per pass while no stream is running: a lone request "
     "or a burst that fits starts in one pass; a longer prompt is chunked in this size",
-    "prefix_cache_tokens": "prompt positions whose keys/values are kept for later prompts that "
-    "begin the same way (a shared system prompt, earlier turns of a conversation); 0 disables",
+    "prefix_cache_mb": "memory for the keys/values of recent prompts, reused by later prompts "
+    "that begin the same way (a shared system prompt, earlier turns of a conversation); 0 "
+    "disables",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
@@ -149,10 +150,8 @@ def parse_settings(
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
-    if namespace.prefix_cache_tokens < 0:
-        parser.error(
-            f"--prefix-cache-tokens must be 0 or more, not {namespace.prefix_cache_tokens}"
-        )
+    if namespace.prefix_cache_mb < 0:
+        parser.error(f"--prefix-cache-mb must be 0 or more, not {namespace.prefix_cache_mb}")
     for name in (
         "max_batch_size",
         "prefill_chunk",

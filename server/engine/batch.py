@@ -133,7 +133,7 @@ class BatchSettings:
     prefill_chunk: int = 64  # prompt tokens per iteration while others decode
     prefill_chunk_alone: int = 512  # prompt tokens per iteration while none decodes
     pad_passes: bool = True  # pad a one-row pass to more tokens when measured to be cheaper
-    prefix_cache_tokens: int = 2048  # positions of recent prompts kept for reuse (0: none)
+    prefix_cache_bytes: int = 128 << 20  # keys/values of recent prompts kept for reuse (0: none)
 
 
 @dataclass(slots=True)
@@ -143,7 +143,7 @@ class BatchStats:
     rows_verified: int = 0
     prefill_tokens: int = 0
     reused_tokens: int = 0  # prompt positions copied from the prefix cache, not computed
-    by_width: dict[int, int] = field(default_factory=dict)
+    by_width: dict[int, int] = field(default_factory=dict)  # passes by their longest row
     seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
 
     def timed(self, phase: str, started: float) -> float:
@@ -177,11 +177,11 @@ class Batch:
         self.target = target
         self.costs = costs
         self.stats = BatchStats()
-        self.on_pass: Callable[[int, int], None] | None = None  # (rows, width), e.g. metrics
+        self.on_pass: Callable[[int, int], None] | None = None  # (rows, tokens), e.g. metrics
         self.on_iteration_end: Callable[[], None] | None = None  # e.g. flush deliveries
         self._cache = target.new_cache(self.settings.max_rows)
-        tokens = self.settings.prefix_cache_tokens
-        self.prefixes = PrefixCache(tokens) if tokens > 0 else None
+        budget = self.settings.prefix_cache_bytes
+        self.prefixes = PrefixCache(budget) if budget > 0 else None
         self._decoding: list[_Entry] = []
         self._prefilling: _Entry | None = None
         self._waiting: deque[_Entry] = deque()
@@ -409,7 +409,7 @@ class Batch:
             min_tokens=self._pass_tokens(entries, rows),
             skips=[entry.generation.prefill_remaining for entry in entries],  # prompt tails
         )
-        self._count_pass(len(rows), max(len(row) for row in rows))
+        self._count_pass(rows)
         return logits
 
     def _complete(self, results: list[tuple[_Entry, LogitRows | Exception]]) -> None:
@@ -449,12 +449,13 @@ class Batch:
         room = self.target.max_context - entries[0].generation.cache_length
         return self.costs.pass_tokens(len(rows[0]), limit=max(len(rows[0]), room))
 
-    def _count_pass(self, rows: int, width: int) -> None:
-        self.stats.passes += 1
-        self.stats.rows_verified += rows
-        self.stats.by_width[width] = self.stats.by_width.get(width, 0) + 1
+    def _count_pass(self, rows: list[list[int]]) -> None:
+        stats, width = self.stats, max(len(row) for row in rows)
+        stats.passes += 1
+        stats.rows_verified += len(rows)
+        stats.by_width[width] = stats.by_width.get(width, 0) + 1
         if self.on_pass is not None:
-            self.on_pass(rows, width)
+            self.on_pass(len(rows), sum(len(row) for row in rows))
 
     def _finish_row(self, entry: _Entry, error: BaseException | None) -> None:
         """Take a decoding generation out of the batch (delivering error, if any)."""

@@ -12,8 +12,9 @@ A copied prefix was computed in another pass, so it can differ from one computed
 request's own pass in the last bits, as any two passes of different sizes do.
 
 Stored: each prompt whose first pass ran in a batch (all its tokens but the last), least
-recently used first out, up to `max_tokens` positions in all (memory: layers x 2 x kv_heads x
-head_dim x dtype bytes per position; 46 KB for SmolLM2-135M in float32).
+recently used first out, up to `max_bytes` of keys and values in all (layers x 2 x kv_heads x
+head_dim x dtype bytes a position: 46 KB for SmolLM2-135M in float32, so 128 MB hold about
+2,900 positions).
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ class Prefix:
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int, min_match: int = 8) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_bytes: int, min_match: int = 8) -> None:
+        self.max_bytes = max_bytes
         self.min_match = min_match
         self._prefixes: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest first
-        self._stored = 0  # positions held
+        self._stored = 0  # bytes held
 
     @property
-    def stored_tokens(self) -> int:
+    def stored_bytes(self) -> int:
         return self._stored
 
     def match(self, tokens: Sequence[int]) -> tuple[Prefix | None, int]:
@@ -63,17 +64,18 @@ class PrefixCache:
     def store(self, cache: SlotCache, row: int, tokens: Sequence[int]) -> None:
         """Keep the keys/values of `tokens`, the first len(tokens) positions of cache row `row`."""
         key = tuple(tokens)
-        if len(key) < self.min_match or len(key) > self.max_tokens:
+        size = len(key) * cache.bytes_per_position
+        if len(key) < self.min_match or size > self.max_bytes:
             return
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
             return
-        while self._stored + len(key) > self.max_tokens:
+        while self._stored + size > self.max_bytes:
             _, evicted = self._prefixes.popitem(last=False)
-            self._stored -= len(evicted.tokens)
+            self._stored -= len(evicted.tokens) * cache.bytes_per_position
         keys, values = cache.read(row, len(key))
         self._prefixes[key] = Prefix(key, keys, values)
-        self._stored += len(key)
+        self._stored += size
 
 
 def _shared_length(stored: Sequence[int], tokens: Sequence[int]) -> int:

@@ -88,6 +88,11 @@ class SlotCache:
         for tensor in (*self._keys, *self._values):
             tensor[destination, :, :length] = tensor[source, :, :length]
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes of keys and values one position of one row takes (0 before the first pass)."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self._keys, *self._values))
+
     @torch.inference_mode()
     def read(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of row `row`'s first `length` positions, per layer [kv_heads, length, dim]."""

@@ -23,7 +23,7 @@ def test_the_longest_shared_beginning_is_matched_and_copied_exactly(tiny_target)
     first = tiny_target.encode_prompt(SYSTEM + "The quick brown fox")
     second = tiny_target.encode_prompt(SYSTEM + "The lazy dog")
     cache = _cache_with(tiny_target, first)
-    prefixes = PrefixCache(max_tokens=256)
+    prefixes = PrefixCache(max_bytes=1 << 20)
     prefixes.store(cache, 0, first)
     prefix, length = prefixes.match(second)
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
@@ -40,14 +40,16 @@ def test_the_longest_shared_beginning_is_matched_and_copied_exactly(tiny_target)
 
 def test_short_matches_are_not_reused_and_old_prompts_are_evicted_first(tiny_target) -> None:
     prompts = [tiny_target.encode_prompt(f"{word} {SYSTEM}") for word in ("one", "two", "six")]
-    prefixes = PrefixCache(max_tokens=2 * len(prompts[0]) + 1, min_match=8)
+    per_position = _cache_with(tiny_target, prompts[0]).bytes_per_position
+    assert per_position == 2 * 2 * 2 * 8 * 4  # layers x (k, v) x kv_heads x head_dim x fp32
+    prefixes = PrefixCache(max_bytes=(2 * len(prompts[0]) + 1) * per_position, min_match=8)
     for prompt in prompts[:2]:
         prefixes.store(_cache_with(tiny_target, prompt), 0, prompt)
     assert prefixes.match(prompts[0][:7]) == (None, 0)  # fewer than min_match tokens
     assert prefixes.match(prompts[2]) == (None, 0)  # shares only a few first tokens
     prefixes.match(prompts[0])  # used: now the most recent
     prefixes.store(_cache_with(tiny_target, prompts[2]), 0, prompts[2])
-    assert prefixes.stored_tokens <= prefixes.max_tokens
+    assert prefixes.stored_bytes <= prefixes.max_bytes
     assert prefixes.match(prompts[1]) == (None, 0)  # the least recently used went
     assert prefixes.match(prompts[0])[1] == len(prompts[0])
 
@@ -56,7 +58,7 @@ def test_a_batch_reuses_a_shared_system_prompt_and_outputs_are_unchanged(tiny_ta
     """Greedy output of requests that copy a stored prefix equals their output alone."""
     prompts = [tiny_target.encode_prompt(SYSTEM + text) for text in ("Hello", "The fox", "Hello")]
     expected = [reference_greedy(tiny_target, ids, 12) for ids in prompts]
-    batch = Batch(tiny_target, BatchSettings(prefix_cache_tokens=512))
+    batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=1 << 20))
     collectors = [Collector() for _ in prompts]
     batch.add(generate(tiny_target, None, prompts[0], max_new_tokens=12), collectors[0])
     batch.iterate()  # the first prompt's pass: stored
@@ -76,7 +78,7 @@ def test_a_batch_reuses_a_shared_system_prompt_and_outputs_are_unchanged(tiny_ta
 
 def test_no_prefix_cache_when_disabled(tiny_target) -> None:
     prompt = tiny_target.encode_prompt(SYSTEM + "Hello")
-    batch = Batch(tiny_target, BatchSettings(prefix_cache_tokens=0))
+    batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=0))
     for _ in range(2):
         batch.add(generate(tiny_target, None, prompt, max_new_tokens=4), Collector())
         batch.run_until_idle()

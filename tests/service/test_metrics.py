@@ -75,7 +75,7 @@ async def test_metrics_move_with_requests(strict_server) -> None:
     assert value(after, "kenspec_round_seconds_count") == rounds - 1
     assert value(after, "kenspec_batch_rows_count") == rounds  # one pass per round, alone
     assert value(after, "kenspec_batch_rows_sum") == rounds
-    assert value(after, "kenspec_batch_pass_width_sum") >= rounds
+    assert value(after, "kenspec_batch_pass_tokens_sum") >= rounds
     # The partly-matching draft falls below 0.95 acceptance: the request's breaker opened.
     assert any(r.round.breaker_state == pb.BREAKER_STATE_OPEN for r in finished)
     assert value(after, "kenspec_breaker_transitions_total", scope="request", state="open") >= 1
