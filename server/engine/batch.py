@@ -245,11 +245,8 @@ class Batch:
     def iterate(self) -> None:
         self.stats.iterations += 1
         with self._lock:
-            arrived, self._inbox = self._inbox, []
-        for entry in arrived:
-            if self.prefixes is not None:
-                entry.reuse, entry.reused = self.prefixes.match(entry.generation.prompt[:-1])
-            self._waiting.append(entry)
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
         self._drop_cancelled()
         self._prefill_chunk()
         if self._decoding:
@@ -322,6 +319,10 @@ class Batch:
         candidates = [self._prefilling] if self._prefilling is not None else []
         candidates += self._waiting
         candidates = candidates[: self.settings.max_rows - len(self._decoding)]
+        if self.prefixes is not None:  # matched now: prompts stored since they arrived count
+            for entry in candidates:
+                if entry is not self._prefilling:
+                    entry.reuse, entry.reused = self.prefixes.match(entry.generation.prompt[:-1])
         taken = _fitting(candidates, self.settings.prefill_chunk_alone)
         if taken < len(self._decoding):
             taken = _fitting(candidates, self.settings.prefill_chunk)

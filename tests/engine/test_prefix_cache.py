@@ -84,3 +84,16 @@ def test_no_prefix_cache_when_disabled(tiny_target) -> None:
         batch.run_until_idle()
     assert batch.prefixes is None and batch.stats.reused_tokens == 0
     assert batch.stats.prefill_tokens == 2 * (len(prompt) - 1)
+
+
+def test_a_request_queued_before_the_prompt_was_stored_still_reuses_it(tiny_target) -> None:
+    prompts = [tiny_target.encode_prompt(SYSTEM + text) for text in ("Hello", "The fox")]
+    batch = Batch(tiny_target, BatchSettings(max_rows=1, prefix_cache_bytes=1 << 20))
+    collectors = [Collector() for _ in prompts]
+    for ids, collector in zip(prompts, collectors, strict=True):  # both queued at once
+        batch.add(generate(tiny_target, None, ids, max_new_tokens=6), collector)
+    batch.run_until_idle()
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
+    assert batch.stats.reused_tokens == shared
+    for ids, collector in zip(prompts, collectors, strict=True):
+        assert collector.tokens == reference_greedy(tiny_target, ids, 6)
