@@ -93,6 +93,7 @@ class KenspecServer:
         runtime = await self.scheduler.run(self._loader, self.settings)
         runtime.engine.on_transition = self.metrics.observe_transition
         runtime.engine.batch.on_pass = self.metrics.observe_pass
+        runtime.engine.batch.on_reuse = self.metrics.reused_prompt_tokens.inc
         self.metrics.set_draft_breaker(runtime.engine.faults.state)
         self.service.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

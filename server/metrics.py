@@ -97,6 +97,11 @@ class Metrics:
             buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512),
             registry=r,
         )
+        self.reused_prompt_tokens = Counter(
+            "kenspec_prefix_cache_reused_tokens_total",
+            "Prompt tokens whose keys/values were copied from the prefix cache, not computed.",
+            registry=r,
+        )
         self.set_draft_breaker(BreakerState.CLOSED)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None

@@ -179,6 +179,7 @@ class Batch:
         self.stats = BatchStats()
         self.on_pass: Callable[[int, int], None] | None = None  # (rows, tokens), e.g. metrics
         self.on_iteration_end: Callable[[], None] | None = None  # e.g. flush deliveries
+        self.on_reuse: Callable[[int], None] | None = None  # prompt tokens copied, e.g. metrics
         self._cache = target.new_cache(self.settings.max_rows)
         budget = self.settings.prefix_cache_bytes
         self.prefixes = PrefixCache(budget) if budget > 0 else None
@@ -346,6 +347,8 @@ class Batch:
         self._cache.write(row, keys, values)
         entry.generation.prefilled(length)
         self.stats.reused_tokens += length
+        if self.on_reuse is not None:
+            self.on_reuse(length)
         entry.reuse, entry.reused = None, 0
 
     def _store_prompts(self, entries: list[_Entry], skips: list[int]) -> None:

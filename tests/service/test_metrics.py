@@ -81,3 +81,15 @@ async def test_metrics_move_with_requests(strict_server) -> None:
     assert value(after, "kenspec_breaker_transitions_total", scope="request", state="open") >= 1
     assert value(after, "kenspec_active_streams") == 0.0
     assert value(after, "kenspec_queue_depth") == 0.0
+
+
+async def test_a_repeated_prompt_counts_its_reused_tokens(strict_server, tiny_target) -> None:
+    server, stub = strict_server
+    prompt = "The quick brown fox jumps over the lazy dog"
+    await collect(stub.Generate(prompt_request(prompt, max_new_tokens=4)))
+    first = scrape(server.metrics_port)
+    await collect(stub.Generate(prompt_request(prompt, max_new_tokens=4)))
+    second = scrape(server.metrics_port)
+    assert value(first, "kenspec_prefix_cache_reused_tokens_total") == 0.0
+    reused = len(tiny_target.encode_prompt(prompt)) - 1  # all but the token its round feeds
+    assert value(second, "kenspec_prefix_cache_reused_tokens_total") == reused
