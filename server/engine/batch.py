@@ -433,7 +433,17 @@ class Batch:
             if round_.finish_reason is not None:
                 finished.append((entry, None))
         for entry, error in finished:
+            if error is None:
+                self._store_sequence(entry)
             self._finish_row(entry, error)
+
+    def _store_sequence(self, entry: _Entry) -> None:
+        """Keep a finished stream's prompt and answer: a conversation's next turn re-sends them."""
+        if self.prefixes is None:
+            return
+        generation = entry.generation
+        tokens = (generation.prompt + generation.output_ids)[: generation.cache_length]
+        self.prefixes.store(self._cache, self._decoding.index(entry), tokens)
 
     def _cut_drafts(self, entries: list[_Entry], planned: list[list[int]]) -> list[list[int]]:
         skips = [entry.generation.prefill_remaining for entry in entries]

@@ -11,10 +11,11 @@ replaces is most of a short prompt's first pass (the default model's dev prompts
 A copied prefix was computed in another pass, so it can differ from one computed in the
 request's own pass in the last bits, as any two passes of different sizes do.
 
-Stored: each prompt whose first pass ran in a batch (all its tokens but the last), least
-recently used first out, up to `max_bytes` of keys and values in all (layers x 2 x kv_heads x
-head_dim x dtype bytes a position: 46 KB for SmolLM2-135M in float32, so 128 MB hold about
-2,900 positions).
+Stored: each prompt whose first pass ran in a batch, and each finished stream's prompt and
+answer (what its row holds: all but the last token), which replaces the prompt's entry; a
+stored sequence that begins a newer one is dropped for it. Least recently used first out, up
+to `max_bytes` of keys and values in all (layers x 2 x kv_heads x head_dim x dtype bytes a
+position: 46 KB for SmolLM2-135M in float32, so 128 MB hold about 2,900 positions).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class PrefixCache:
     def stored_bytes(self) -> int:
         return self._stored
 
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
     def match(self, tokens: Sequence[int]) -> tuple[Prefix | None, int]:
         """The stored prefix sharing the longest beginning with tokens, and that length
         (None, 0 when no stored one shares `min_match` tokens)."""
@@ -67,9 +71,13 @@ class PrefixCache:
         size = len(key) * cache.bytes_per_position
         if len(key) < self.min_match or size > self.max_bytes:
             return
-        if key in self._prefixes:
-            self._prefixes.move_to_end(key)
-            return
+        for stored in list(self._prefixes):
+            if stored[: len(key)] == key:  # already held, as it is or in a longer sequence
+                self._prefixes.move_to_end(stored)
+                return
+            if key[: len(stored)] == stored:  # the new one holds it all
+                del self._prefixes[stored]
+                self._stored -= len(stored) * cache.bytes_per_position
         while self._stored + size > self.max_bytes:
             _, evicted = self._prefixes.popitem(last=False)
             self._stored -= len(evicted.tokens) * cache.bytes_per_position

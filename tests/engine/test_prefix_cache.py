@@ -97,3 +97,23 @@ def test_a_request_queued_before_the_prompt_was_stored_still_reuses_it(tiny_targ
     assert batch.stats.reused_tokens == shared
     for ids, collector in zip(prompts, collectors, strict=True):
         assert collector.tokens == reference_greedy(tiny_target, ids, 6)
+
+
+def test_a_next_turn_reuses_the_previous_prompt_and_answer(tiny_target) -> None:
+    """A finished stream's prompt and answer are kept (replacing its prompt's entry); a next
+    turn that re-sends them copies all of it but the answer's last token (never in the row)."""
+    first = tiny_target.encode_prompt(SYSTEM + "Hello")
+    batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=1 << 20))
+    collector = Collector()
+    batch.add(generate(tiny_target, None, first, max_new_tokens=10, ignore_eos=True), collector)
+    batch.run_until_idle()
+    answer = collector.tokens
+    assert len(answer) == 10
+    second = first + answer + tiny_target.encode_prompt(" and then?")[1:]
+    replies = Collector()
+    batch.add(generate(tiny_target, None, second, max_new_tokens=8), replies)
+    batch.run_until_idle()
+    assert batch.stats.reused_tokens == len(first) + len(answer) - 1
+    assert replies.tokens == reference_greedy(tiny_target, second, 8)
+    # One entry is left: each stored sequence began the next one, which replaced it.
+    assert batch.prefixes is not None and len(batch.prefixes) == 1
