@@ -108,12 +108,18 @@ async def sweep_level(
     streams: int,
     requests_per_stream: int,
     max_new_tokens: int,
+    tag: str = "",
 ) -> dict:
     """`streams` concurrent workers share the requests, every prompt at least once, so the
-    single-stream level is comparable with the engine alone on the same prompts."""
+    single-stream level is comparable with the engine alone on the same prompts.
+
+    tag: put "(tag-n) " before request n's prompt, so that no request repeats an earlier
+    prompt (the server's prefix cache then reuses only what prompts really share)."""
     async with AsyncClient(address) as client:
         total = max(streams * requests_per_stream, len(prompts))
         queue = [prompts[i % len(prompts)] for i in range(total)]
+        if tag:
+            queue = [f"({tag}-{i}) {prompt}" for i, prompt in enumerate(queue)]
 
         finished: list[float] = []
 
@@ -160,16 +166,21 @@ def concurrency_sweep(
     requests_per_stream: int,
     max_new_tokens: int,
     repeats: int = 1,
+    distinct: bool = False,
 ) -> list[dict]:
     """Each level `repeats` times, the levels alternating (1, 8, 1, 8, ...) so that machine
-    drift hits every level alike; per level the median of each figure over the repeats."""
+    drift hits every level alike; per level the median of each figure over the repeats.
+    distinct: no request repeats an earlier one's prompt (see sweep_level's tag)."""
     server = ServerProcess(server_args)
     try:
         runs: dict[int, list[dict]] = {level: [] for level in levels}
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for level in levels:
+                tag = f"{repeat}.{level}" if distinct else ""
                 result = asyncio.run(
-                    sweep_level(server.address, prompts, level, requests_per_stream, max_new_tokens)
+                    sweep_level(
+                        server.address, prompts, level, requests_per_stream, max_new_tokens, tag
+                    )
                 )
                 runs[level].append(result)
         return [_median_of(runs[level]) for level in levels]
@@ -203,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per level")
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="tag every request's prompt so none repeats an earlier one: the server's prefix "
+        "cache then reuses only the chat template and system prompt (without it, prompts recur "
+        "across levels and repeats, and are reused whole)",
+    )
     parser.add_argument("--label", default="kenspec")
     parser.add_argument("--out", type=Path, help="append the result as one JSON line here")
     parser.add_argument("server_args", nargs="*", help="after --: arguments for the server")
@@ -216,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests_per_stream=args.requests_per_stream,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
+        distinct=args.distinct,
     )
     print(
         f"| {args.label} | streams | agg tok/s | x 1 stream | all-busy tok/s | x 1 stream "
@@ -233,7 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {level['ttft_ms_p50']:.0f} |"
         )
     if args.out is not None:
-        record = {"label": args.label, "machine": machine(), "server_args": server_args}
+        record = {
+            "label": args.label,
+            "machine": machine(),
+            "server_args": server_args,
+            "distinct": args.distinct,
+        }
         with args.out.open("a") as file:
             file.write(json.dumps({**record, "levels": levels}) + "\n")
     return 0
