@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine.batch import Batch, BatchSettings
-from server.engine.prefix_cache import PrefixCache
+from server.engine.prefix_cache import PrefixCache, _shared_length
 from server.engine.target import TargetModel
 from tests.engine.drafts import generate, reference_greedy
 from tests.engine.test_batch import Collector
@@ -117,3 +118,18 @@ def test_a_next_turn_reuses_the_previous_prompt_and_answer(tiny_target) -> None:
     assert replies.tokens == reference_greedy(tiny_target, second, 8)
     # One entry is left: each stored sequence began the next one, which replaced it.
     assert batch.prefixes is not None and len(batch.prefixes) == 1
+
+
+@pytest.mark.parametrize(
+    ("stored", "tokens", "shared"),
+    [
+        ((1, 2, 3), (1, 2, 3), 3),
+        ((1, 2, 3), (1, 2, 4, 5), 2),
+        ((1, 2), (1, 2, 3), 2),
+        ((5, 2, 3), (1, 2, 3), 0),
+        ((), (1,), 0),
+        (tuple(range(999)), (*range(500), 7), 500),
+    ],
+)
+def test_shared_length(stored, tokens, shared) -> None:
+    assert _shared_length(stored, tokens) == shared
