@@ -114,8 +114,9 @@ _HELP = {
     "prefill_chunk": "prompt tokens per pass beside running streams: new prompts within it join "
     "the running streams' next pass; a longer prompt is prefilled in chunks of this size, so it "
     "delays them by one chunk at a time, not all at once",
-    "prefill_chunk_alone": "prompt tokens per pass while no stream is running: a lone request "
-    "or a burst that fits starts in one pass; a longer prompt is chunked in this size",
+    "prefill_chunk_alone": "prompt tokens per pass while no stream is running, or when the new "
+    "prompts are at least as many as the running streams: a lone request or a burst that fits "
+    "starts in one pass; a lone longer prompt is chunked in this size",
     "prefix_cache_mb": "memory for the keys/values of recent prompts, reused by later prompts "
     "that begin the same way (a shared system prompt, earlier turns of a conversation); 0 "
     "disables",

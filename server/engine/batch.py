@@ -131,7 +131,7 @@ class _Entry:
 class BatchSettings:
     max_rows: int = 8  # generations verified together; more wait for a row
     prefill_chunk: int = 64  # prompt tokens per iteration while others decode
-    prefill_chunk_alone: int = 512  # prompt tokens per iteration while none decodes
+    prefill_chunk_alone: int = 512  # ... while none decodes, or for a burst (see _join)
     pad_passes: bool = True  # pad a one-row pass to more tokens when measured to be cheaper
     prefix_cache_bytes: int = 128 << 20  # keys/values of recent prompts kept for reuse (0: none)
 
@@ -351,12 +351,14 @@ class Batch:
             self.on_reuse(length)
         entry.reuse, entry.reused = None, 0
 
-    def _store_prompts(self, entries: list[_Entry], skips: list[int]) -> None:
-        """Keep the prompts whose last tokens were in this pass (all but their pending token)."""
+    def _store_prompts(self, entries: list[_Entry]) -> None:
+        """Keep the prompts whose last tokens were in this pass (all but their pending token);
+        called after the pass, before its rows are accepted (so their prompt tails still count
+        as remaining)."""
         if self.prefixes is None:
             return
-        for row, (entry, skip) in enumerate(zip(entries, skips, strict=True)):
-            if skip:
+        for row, entry in enumerate(entries):
+            if entry.generation.prefill_remaining:
                 self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
 
     def _verify(self) -> None:
@@ -389,7 +391,7 @@ class Batch:
             log.exception("verify_pass_failed", rows=len(rows))
             self._verify_alone(entries, rows)
             return
-        self._store_prompts(entries, [entry.generation.prefill_remaining for entry in entries])
+        self._store_prompts(entries)
         started = self.stats.timed("forward", started)
         self._complete(list(zip(entries, logits, strict=True)))
         self.stats.timed("accept", started)

@@ -315,9 +315,11 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
 def test_a_burst_joins_a_lone_running_stream_in_one_pass(
     tiny_target, references, partly_matching
 ) -> None:
-    """Three newcomers beside one running stream join its next pass: packed, it pays only for
-    their prompt tokens, and no newcomer needs a prefill pass of its own."""
-    batch = Batch(tiny_target, BatchSettings(prefill_chunk=64, prefill_chunk_alone=256))
+    """Three newcomers beside one running stream join its next pass: they are at least as many
+    as the running streams, so the larger budget applies (their prompts exceed the 2-token
+    chunk); packed, the running row pays only for their prompt tokens, and no newcomer needs a
+    prefill pass of its own."""
+    batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=256))
     collectors = [Collector() for _ in range(4)]
     pairs = list(zip(references[:4], collectors, strict=True))
     (ids, _), collector = pairs[0]
