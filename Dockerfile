@@ -12,6 +12,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server server
 COPY client client
+COPY kenspec_api kenspec_api
+COPY draft_tools draft_tools
 COPY scripts scripts
 COPY drafts drafts
 # torch==2.13.0 from PyPI is a CUDA build; for a slim CPU image pass the CPU wheel index:

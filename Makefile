@@ -40,7 +40,7 @@ lint: install  ## ruff, and a check that the generated protobuf code is current
 	$(VENV)/bin/ruff format --check .
 	PYTHON=$(PY) bash scripts/gen_proto.sh --check
 
-proto: install  ## regenerate client/api from proto/
+proto: install  ## regenerate kenspec_api from proto/
 	PYTHON=$(PY) bash scripts/gen_proto.sh
 
 bench: setup  ## the benchmark harness on the default model and draft (see bench/README.md)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -16,10 +15,11 @@ from pathlib import Path
 import torch
 
 from bench.concurrency import concurrency_sweep
+from bench.machine import machine
 from bench.report import write_report
 from bench.runners import Mode, context_only
-from bench.suite import greedy_agreement, run_case, summarize
-from server.draft_eval import replay
+from bench.suite import greedy_agreement, read_prompts, run_case, summarize
+from draft_tools.replay import replay
 from server.engine.params import SpeculationParams
 from server.runtime import load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
@@ -74,11 +74,6 @@ def draft_modes(k: int) -> list[Mode]:
         Mode("kenlm+context", "kenspec", k=k, adaptive=True, draft_context=True),
         Mode("hf_prompt_lookup", "hf_lookup", k=k),
     ]
-
-
-def read_prompts(path: Path, limit: int) -> list[str]:
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return prompts[:limit] if limit else prompts
 
 
 def log(message: str) -> None:
@@ -222,7 +217,7 @@ def k_sweep(engine, prompts, args: argparse.Namespace) -> list[dict]:  # type: i
 def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Each draft's tokens per round at a fixed k with every round speculating (no breaker,
     no width choice): its greedy rounds replayed exactly against the target's own greedy
-    answers (those of the autoregressive runs), see server.draft_eval."""
+    answers (those of the autoregressive runs), see draft_tools.replay."""
     answers = {r.prompt_index: r.tokens for r in runs if r.mode == "kenspec_ar"}
     drafts = {
         "kenlm_only": engine.static_draft,
@@ -235,25 +230,6 @@ def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: i
         name: replay(draft, prompts, ordered, params).tokens_per_round
         for name, draft in drafts.items()
         if draft is not None
-    }
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 

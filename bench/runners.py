@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from server.engine.engine import SpeculativeEngine
+from server.engine.generation import Round
+from server.engine.linear_kernels import stock_linears
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.rounds import Round
-from server.engine.skinny import stock_linears
+from server.engine.speculative_engine import SpeculativeEngine
 
 
 @dataclass(frozen=True, slots=True)

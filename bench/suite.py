@@ -6,9 +6,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.runners import Mode, RunResult, run
-from server.engine.engine import SpeculativeEngine
+from server.engine.speculative_engine import SpeculativeEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +116,8 @@ def greedy_agreement(results: Sequence[RunResult], reference_mode: str) -> dict[
         if result.mode != reference_mode:
             counts[result.mode].append(result.tokens == reference[result.prompt_index])
     return {mode: sum(same) / len(same) for mode, same in counts.items()}
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return prompts[:limit] if limit else prompts

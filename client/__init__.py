@@ -4,7 +4,7 @@
     with Client("127.0.0.1:50051") as kenspec:
         print(kenspec.generate_text("Once upon a time", max_new_tokens=32).text)
 
-Needs only grpcio and protobuf. The generated API modules are in `client.api`.
+Needs only grpcio and protobuf. The generated API modules are in `kenspec_api`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from typing import Any, Unpack
 import grpc
 import grpc.aio
 
-from .api import generator_pb2 as pb
-from .api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
+
 from .channel import DEFAULT_ADDRESS, ChannelSpec, channel_spec, tls_config
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request

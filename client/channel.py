@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from .target import build_target
+from .addresses import build_target
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TOKEN_ENV = "KENSPEC_TOKEN"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypedDict
 
-from .api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 
 Speculation = Literal["auto", "off"]
 # A chat turn: ("user", "Hi"), {"role": "user", "content": "Hi"}, or a pb.ChatMessage.

@@ -1,43 +1,20 @@
-"""Value types for what the server streams back: `Round`, `Usage`, `Completion`.
+"""Value types for what the server streams back: `Round` and `Completion`, with the shared
+`Usage` and enums of `kenspec_api.outputs`.
 
-Enum values become short lowercase labels ("speculative", "eos") so callers need not import
-the generated module; each `Round` keeps the raw response for anyone who needs more.
+Enum values are string enums that equal their lowercase labels (``round.mode ==
+"speculative"``), so callers need not import the generated module; each `Round` keeps the raw
+response for anyone who needs more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+from kenspec_api import generator_pb2 as pb
+from kenspec_api.convert import from_proto, usage_from_proto
+from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
 
-from .api import generator_pb2 as pb
 from .errors import ProtocolError
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    drafted_tokens: int
-    accepted_tokens: int
-    rounds: int
-    seed: int
-
-    @property
-    def acceptance(self) -> float | None:
-        """accepted / drafted over the request; None when nothing was drafted."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
-
-    @classmethod
-    def from_proto(cls, usage: pb.Usage) -> Usage:
-        return cls(
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            drafted_tokens=usage.drafted_tokens,
-            accepted_tokens=usage.accepted_tokens,
-            rounds=usage.rounds,
-            seed=usage.seed,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +27,10 @@ class Round:
     index: int
     drafted: int
     accepted: int
-    mode: str  # "speculative", "autoregressive" or "unspecified"
-    breaker_state: str  # "closed", "open", "half_open" or "unspecified"
+    mode: Mode | str  # a str only for a value this client does not know
+    breaker_state: BreakerState | str
     window_acceptance: float
-    finish_reason: str | None  # "eos", "length", "stop_sequence"; None before the last round
+    finish_reason: FinishReason | str | None  # None before the last round
     usage: Usage | None
     response: pb.GenerateResponse = field(repr=False, compare=False)
 
@@ -68,11 +45,11 @@ class Round:
             index=info.index,
             drafted=info.drafted,
             accepted=info.accepted,
-            mode=enum_label(pb.RoundMode, info.mode, "ROUND_MODE_"),
-            breaker_state=enum_label(pb.BreakerState, info.breaker_state, "BREAKER_STATE_"),
+            mode=from_proto(Mode, info.mode),
+            breaker_state=from_proto(BreakerState, info.breaker_state),
             window_acceptance=info.window_acceptance,
-            finish_reason=enum_label(pb.FinishReason, finish, "FINISH_REASON_") if finish else None,
-            usage=Usage.from_proto(response.usage) if response.HasField("usage") else None,
+            finish_reason=from_proto(FinishReason, finish) if finish else None,
+            usage=usage_from_proto(response.usage) if response.HasField("usage") else None,
             response=response,
         )
 
@@ -84,17 +61,9 @@ class Completion:
     request_id: str
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: FinishReason | str
     usage: Usage
     rounds: tuple[Round, ...] = field(repr=False)
-
-
-def enum_label(enum: EnumTypeWrapper, value: int, prefix: str) -> str:
-    """``enum_label(pb.RoundMode, 1, "ROUND_MODE_") == "speculative"``; unknown values -> str."""
-    try:
-        return enum.Name(value).removeprefix(prefix).lower()
-    except ValueError:  # a value from a newer server than this client
-        return str(value)
 
 
 def completion_from_rounds(rounds: list[Round], address: str) -> Completion:

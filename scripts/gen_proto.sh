@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Generate the Python protobuf/gRPC modules for the kenspec API into client/api/.
+# Generate the Python protobuf/gRPC modules for the kenspec API into kenspec_api/.
 #
-#   bash scripts/gen_proto.sh           # regenerate client/api/generator_pb2{.py,.pyi,_grpc.py}
+#   bash scripts/gen_proto.sh           # regenerate kenspec_api/generator_pb2{.py,.pyi,_grpc.py}
 #   bash scripts/gen_proto.sh --check   # exit 1 if the committed modules are out of date (CI)
 #
 # protoc runs with `-I proto` so the descriptor registers as "kenspec/v1/generator.proto"
-# (the name server reflection and grpcurl see); the output is then flattened into client/api/
+# (the name server reflection and grpcurl see); the output is then flattened into kenspec_api/
 # and the absolute imports protoc writes are made package-relative, so the modules work from
 # an installed `client` package and not only from one working directory.
 # Python: $PYTHON if set, else .venv/bin/python if present, else `python`.
@@ -13,7 +13,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROTO="kenspec/v1/generator.proto"
-API_DIR="client/api"
+API_DIR="kenspec_api"
 FILES=(generator_pb2.py generator_pb2.pyi generator_pb2_grpc.py)
 
 pick_python() {

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from server.metrics import Metrics
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler

@@ -12,7 +12,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from server.engine.rounds import BreakerState, Round
+from kenspec_api.outputs import BreakerState
+from server.engine.generation import Round
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_POSITION = 16  # per-position series beyond this are folded into the last one

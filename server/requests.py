@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
 
 ROLES = ("system", "user", "assistant", "tool")

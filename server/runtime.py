@@ -8,14 +8,14 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from server import __version__
 from server.engine.batch import BatchSettings, PassCosts
 from server.engine.calibration import calibrate
-from server.engine.engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
+from server.engine.linear_kernels import measure_skinny_rows, use_skinny
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.skinny import measure_skinny_rows, use_skinny
+from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
 from server.requests import Defaults, Limits
 from server.settings import Settings
@@ -94,7 +94,7 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
 
 
 def _choose_linear_kernels(target: TargetModel) -> None:
-    """Small passes on a CPU in float32: W @ x^T where measured faster (see engine.skinny)."""
+    """Small passes on a CPU in float32: W @ x^T where timed faster (engine.linear_kernels)."""
     if target.device.type != "cpu" or target.dtype != torch.float32:
         return
     rows, timings = measure_skinny_rows(target.model)

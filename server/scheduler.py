@@ -19,8 +19,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 from server.engine.batch import Batch
-from server.engine.generation import Generation
-from server.engine.rounds import Round
+from server.engine.generation import Generation, Round
 
 T = TypeVar("T")
 

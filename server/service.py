@@ -13,33 +13,19 @@ import structlog
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec_api.convert import to_proto, usage_to_proto
+from kenspec_api.outputs import FinishReason
 from server.engine.batch import Batch
-from server.engine.generation import Generation
+from server.engine.generation import Generation, Round
 from server.engine.params import InvalidParameter
-from server.engine.rounds import BreakerState, FinishReason, Mode, Round
 from server.metrics import Metrics
 from server.requests import check_prompt_length, parse_generate, parse_input
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 
 log = structlog.get_logger("kenspec.service")
-
-_MODES = {
-    Mode.SPECULATIVE: pb.ROUND_MODE_SPECULATIVE,
-    Mode.AUTOREGRESSIVE: pb.ROUND_MODE_AUTOREGRESSIVE,
-}
-_BREAKER = {
-    BreakerState.CLOSED: pb.BREAKER_STATE_CLOSED,
-    BreakerState.OPEN: pb.BREAKER_STATE_OPEN,
-    BreakerState.HALF_OPEN: pb.BREAKER_STATE_HALF_OPEN,
-}
-_FINISH = {
-    FinishReason.EOS: pb.FINISH_REASON_EOS,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
-}
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
@@ -176,7 +162,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         runtime = await self._ready(context, request)
         info = pb.ModelInfo()
         info.CopyFrom(runtime.info)
-        info.breaker.fault_breaker_state = _BREAKER[runtime.engine.faults.state]
+        info.breaker.fault_breaker_state = to_proto(runtime.engine.faults.state)
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:
@@ -296,25 +282,15 @@ def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
             index=round_.index,
             drafted=round_.drafted,
             accepted=round_.accepted,
-            mode=_MODES[round_.mode],
-            breaker_state=_BREAKER[round_.breaker_state],
+            mode=to_proto(round_.mode),
+            breaker_state=to_proto(round_.breaker_state),
             window_acceptance=round_.window_acceptance,
         ),
     )
     if round_.finish_reason is not None:
-        response.finish_reason = _FINISH[round_.finish_reason]
+        response.finish_reason = to_proto(round_.finish_reason)
     if round_.usage is not None:
-        usage = round_.usage
-        response.usage.CopyFrom(
-            pb.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                drafted_tokens=usage.drafted_tokens,
-                accepted_tokens=usage.accepted_tokens,
-                rounds=usage.rounds,
-                seed=usage.seed,
-            )
-        )
+        response.usage.CopyFrom(usage_to_proto(round_.usage))
     return response
 
 

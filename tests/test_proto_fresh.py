@@ -1,4 +1,4 @@
-"""The committed client/api modules must match proto/ (same check CI runs)."""
+"""The committed kenspec_api modules must match proto/ (same check CI runs)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from server.engine.generation import Generation
+from server.engine.generation import Generation, Round
 from server.engine.prefix_cache import Prefix, PrefixCache
-from server.engine.rounds import Round
 from server.engine.sampling import LogitRows
 from server.engine.target import TargetModel
 

@@ -28,9 +28,9 @@ from datetime import UTC, datetime
 import pybreaker
 import structlog
 
+from kenspec_api.outputs import BreakerState
 from server.engine.calibration import implied_acceptance
 from server.engine.draft import DraftSession, Proposal
-from server.engine.rounds import BreakerState
 
 log = structlog.get_logger("kenspec.breaker")
 

@@ -81,7 +81,7 @@ def calibrate(
     verify = costs[padded.get(k + 1, k + 1)]
     batch_costs = {(1, width): seconds for width, seconds in costs.items()}
     # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see
-    # engine.skinny), so a few row counts are measured and PassCosts interpolates between them.
+    # engine.linear_kernels), so a few row counts are measured and PassCosts interpolates.
     for count in [r for r in (2, 4) if r < rows] + ([rows] if rows > 1 else []):
         batched = measure_pass_seconds(
             target, widths, context_tokens, max(2, repeats // 2), rows=count
@@ -89,7 +89,7 @@ def calibrate(
         batch_costs.update({(count, count * w): s for w, s in zip(widths, batched, strict=True)})
     # The breaker guards against speculation that cannot pay at any length the batch may choose:
     # the lowest break-even over draft lengths (with W @ x^T kernels a 2-token pass can cost
-    # about one step, so one draft pays at nearly any acceptance; see engine.skinny).
+    # about one step, so one draft pays at nearly any acceptance; see engine.linear_kernels).
     threshold = min(
         break_even_acceptance(max(costs[padded.get(w, w)] / costs[1], _MIN_RATIO), w - 1)
         for w in widths[1:]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
-from server.engine.rounds import FinishReason, Mode, Round, Usage
 from server.engine.sampling import (
     LogitRows,
     PositionalGenerator,
@@ -17,6 +18,26 @@ from server.engine.sampling import (
 from server.engine.slot_cache import SlotCache
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One verification: the tokens it added to the output and how the draft did.
+
+    accepted counts draft tokens the target agreed with that made it into the output; the round
+    also adds one token of the target's own unless a stop condition cut it off earlier.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    drafted: int
+    accepted: int
+    mode: Mode
+    breaker_state: BreakerState
+    window_acceptance: float
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
 
 
 class Generation:

@@ -2,7 +2,7 @@
 
 Formats accepted by `KenLMDraft.load`:
 - an ARPA file (words are decimal token ids; see server/engine/arpa.py): index built at load;
-- a draft directory written by `python -m server.train_draft`: `draft.json` (order, vocabulary
+- a draft directory written by `python -m draft_tools.train`: `draft.json` (order, vocabulary
   size, tokenizer fingerprint, how it was trained), a KenLM binary and `successors.npz`;
 - a KenLM binary file with its index beside it as `<file>.successors.npz`.
 """
@@ -219,7 +219,7 @@ def _load_files(
         return path, SuccessorIndex.from_tables(read_arpa(path, vocab_size))
     raise DraftFormatError(
         f"{path} is a binary KenLM model without its successor index {sidecar.name}; "
-        "pass the draft directory written by `python -m server.train_draft`"
+        "pass the draft directory written by `python -m draft_tools.train`"
     )
 
 

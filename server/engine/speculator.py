@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kenspec_api.outputs import BreakerState
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.draft import DraftSession, Proposal
 from server.engine.params import SpeculationParams
-from server.engine.rounds import BreakerState
 
 _NOTHING = Proposal()
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe

@@ -17,7 +17,7 @@ from client import (
     Round,
     ServerUnavailable,
 )
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartFake

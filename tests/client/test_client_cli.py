@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client.api import generator_pb2 as pb
 from client.cli import main
+from kenspec_api import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from conftest import FakeServer

@@ -9,7 +9,7 @@ from pathlib import Path
 # Run in a fresh interpreter: this test session may already have imported torch elsewhere.
 CHECK = """
 import sys
-import client, client.cli, client.api
+import client, client.cli, kenspec_api
 heavy = sorted({"torch", "transformers", "numpy", "server"} & set(sys.modules))
 assert not heavy, heavy
 """
@@ -27,9 +27,9 @@ def test_client_imports_without_server_dependencies() -> None:
 def test_messages_pickle_under_their_real_module() -> None:
     import pickle
 
-    from client.api import generator_pb2 as pb
+    from kenspec_api import generator_pb2 as pb
 
     request = pb.GenerateRequest(prompt="hi")
-    assert pb.GenerateRequest.__module__ == "client.api.generator_pb2"
+    assert pb.GenerateRequest.__module__ == "kenspec_api.generator_pb2"
     assert pickle.loads(pickle.dumps(request)) == request
     assert pb.DESCRIPTOR.name == "kenspec/v1/generator.proto"  # what reflection serves

@@ -7,8 +7,8 @@ import doctest
 import pytest
 
 import client.request
-from client.api import generator_pb2 as pb
 from client.request import build_generate_request, build_tokenize_request, chat_message
+from kenspec_api import generator_pb2 as pb
 
 
 def test_defaults_leave_choices_to_the_server() -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from client import Client, InvalidRequest, ServerUnavailable
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartThreadedFake

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
 from tests.service.test_metrics import scrape, value
 from tests.service.test_process import tiny_server
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from server.engine.draft import Proposal
-from server.engine.engine import BreakerSettings, SpeculativeEngine
 from server.engine.generation import Generation
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
 from server.engine.target import TargetModel
 from tests import tiny
 

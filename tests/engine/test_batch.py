@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kenspec_api.outputs import Mode
 from server.engine.batch import Batch, BatchSettings, PassCosts, choose_drafts
 from server.engine.context_draft import ContextDraft
-from server.engine.generation import Generation
+from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import SamplingParams
-from server.engine.rounds import Mode, Round
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.engine.drafts import (

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from kenspec_api.outputs import BreakerState, Mode
 from server.engine import calibration
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.calibration import break_even_acceptance, calibrate, expected_tokens_per_round
 from server.engine.draft import Proposal
-from server.engine.engine import BreakerSettings, SpeculativeEngine
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.rounds import BreakerState, Mode
+from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
 from server.engine.speculator import Speculator
 from tests.engine.drafts import FixedDraft, OracleDraft, generate, reference_greedy
 

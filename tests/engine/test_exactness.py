@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from kenspec_api.outputs import FinishReason, Mode
 from server.engine.context_draft import ContextDraft
 from server.engine.kenlm_draft import KenLMDraft
-from server.engine.rounds import FinishReason, Mode
-from server.engine.skinny import decoder_linears, use_skinny
+from server.engine.linear_kernels import decoder_linears, use_skinny
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.engine.drafts import OracleDraft, generate, never_matching_kenlm, reference_greedy
@@ -122,7 +122,7 @@ def test_generic_logits_path_and_padded_passes_are_exact(tiny_target, references
 
 
 def test_skinny_linears_are_exact(tiny_target, references, partly_matching) -> None:
-    """Passes of 2-8 tokens through W @ x^T (engine.skinny) give plain greedy output."""
+    """Passes of 2-8 tokens through W @ x^T (engine.linear_kernels) give plain greedy output."""
     seen: list[int] = []
     hook = decoder_linears(tiny_target.model)[0].register_forward_pre_hook(
         lambda _, args: seen.append(args[0].numel() // args[0].shape[-1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.rounds import FinishReason
+from kenspec_api.outputs import FinishReason
 from tests.engine.drafts import OracleDraft, generate, reference_greedy
 
 PROMPT = "The quick brown fox"

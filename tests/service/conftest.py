@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings

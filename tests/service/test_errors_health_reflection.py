@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from tests.service.test_generate import collect, prompt_request
 
 
@@ -110,7 +110,7 @@ async def test_health_not_serving_while_loading_then_serving_then_draining(
         assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         stub = pb.DESCRIPTOR.services_by_name["Generator"]
         assert stub.full_name == "kenspec.v1.Generator"
-        from client.api import generator_pb2_grpc as pb_grpc
+        from kenspec_api import generator_pb2_grpc as pb_grpc
 
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await pb_grpc.GeneratorStub(channel).GetModelInfo(pb.GetModelInfoRequest())

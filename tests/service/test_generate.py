@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from server.engine.generation import Generation
 from tests.engine.drafts import reference_greedy
 

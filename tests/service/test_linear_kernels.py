@@ -7,7 +7,7 @@ from dataclasses import replace
 from torch import nn
 
 from server import runtime as runtime_module
-from server.engine.skinny import SkinnyLinear, decoder_linears
+from server.engine.linear_kernels import SkinnyLinear, decoder_linears
 from server.runtime import load_runtime
 
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
 from server.runtime import load_runtime
 from tests.service.test_generate import collect, prompt_request

@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.concurrency import ServerProcess, server_command
-from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
+from harness.server_process import ServerProcess, server_command
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
 from tests.engine.drafts import reference_greedy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.api import generator_pb2 as pb
-from client.api import generator_pb2_grpc as pb_grpc
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
 from tests.engine.drafts import fail_passes_fed, reference_greedy
 

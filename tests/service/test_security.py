@@ -15,7 +15,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, AuthenticationError, ServerUnavailable
-from client.api import generator_pb2 as pb
+from kenspec_api import generator_pb2 as pb
 from tests.service.test_generate import collect, prompt_request
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kenspec_api.outputs import BreakerState
 from server.engine.batch import Batch, BatchSettings
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, TransitionHook
 from server.engine.context_draft import ContextDraft
 from server.engine.draft import Draft
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.rounds import BreakerState
 from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.target import TargetModel
 

@@ -11,7 +11,8 @@ greedy, on each prompt rendered as a chat user message, and writes:
 The three files stay line-aligned. The run is resumable: prompts already in corpus.jsonl are
 skipped, and a line half-written by an interrupted run is dropped.
 
-    python -m server.distill --model models/smollm2-135m-instruct --prompts prompts/train.txt \\
+    python -m draft_tools.distill --model models/smollm2-135m-instruct \\
+        --prompts prompts/train.txt \\
         --out models/drafts/smollm2-135m/corpus.ids --max-new-tokens 256 --batch-size 16
 """
 
@@ -302,7 +303,7 @@ def file_sha256(path: Path) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m server.distill", description=__doc__.split("\n\n")[0]
+        prog="python -m draft_tools.distill", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--prompts", type=Path, required=True, help="one prompt per line")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server import train_draft
+from draft_tools import train as train_draft
 from server.engine.arpa import DraftFormatError
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams

@@ -1,4 +1,4 @@
-"""Linear layers computed as W @ x^T for small row counts (server.engine.skinny)."""
+"""Linear layers computed as W @ x^T for small row counts (server.engine.linear_kernels)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine.skinny import (
+from server.engine.linear_kernels import (
     SkinnyLinear,
     decoder_linears,
     measure_skinny_rows,

@@ -1,13 +1,13 @@
 """Train a KenLM draft for a target model, and measure it.
 
-    python -m server.train_draft text    --model M --text corpus.txt --out corpus.ids
-    python -m server.train_draft distill --model M --prompts train.txt --out corpus.ids
-    python -m server.train_draft train   --model M --corpus corpus.ids --order 4 --out drafts/d
-    python -m server.train_draft eval    --model M --draft drafts/d --answers dev.ids
+    python -m draft_tools.train text    --model M --text corpus.txt --out corpus.ids
+    python -m draft_tools.train distill --model M --prompts train.txt --out corpus.ids
+    python -m draft_tools.train train   --model M --corpus corpus.ids --order 4 --out drafts/d
+    python -m draft_tools.train eval    --model M --draft drafts/d --answers dev.ids
 
 `text` tokenizes a plain-text corpus (one document per line) with the target's tokenizer;
 `distill` runs the target itself on a prompt file (self-distillation: the draft learns the
-target's own habits; see server/distill.py); `train` runs lmplz and build_binary and writes
+target's own habits; see draft_tools/distill.py); `train` runs lmplz and build_binary and writes
 the draft directory (binary model, successor index, draft.json); `eval` replays held-out greedy
 answers (a corpus written by `distill` on a dev prompt file) and reports tokens per round and
 per-position acceptance.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from server.draft_eval import ReplayStats, replay
+from draft_tools.replay import ReplayStats, replay
 from server.engine.arpa import read_arpa
 from server.engine.context_draft import ContextDraft
 from server.engine.draft import Draft
@@ -202,7 +202,7 @@ def report(stats: ReplayStats, label: str = "", costs: Sequence[float] = ()) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m server.train_draft",
+        prog="python -m draft_tools.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--text", type=Path, required=True, help="one document per line")
     text.add_argument("--out", type=Path, required=True)
     commands.add_parser(
-        "distill", help="self-distil a corpus (see python -m server.distill -h)", add_help=False
+        "distill",
+        help="self-distil a corpus (see python -m draft_tools.distill -h)",
+        add_help=False,
     )
     fit = commands.add_parser("train", help="lmplz + build_binary + successor index")
     fit.add_argument("--model", type=Path, required=True)
@@ -262,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["distill"]:
-        from server import distill
+        from draft_tools import distill
 
         return distill.main(args_list[1:])
     args = build_parser().parse_args(args_list)

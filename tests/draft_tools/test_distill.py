@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server import distill
-from server.distill import Answer, CorpusWriter, cut_answer, left_pad, plan_batches
+from draft_tools import distill
+from draft_tools.distill import Answer, CorpusWriter, cut_answer, left_pad, plan_batches
 
 
 def test_left_pad_right_aligns_rows() -> None:

@@ -1,0 +1,1 @@
+"""What benchmarks and tests share to run the server as a process."""

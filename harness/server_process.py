@@ -1,0 +1,83 @@
+"""A `python -m server` process for benchmarks and end-to-end tests, read through its JSON log."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def server_command(args: Sequence[str]) -> list[str]:
+    """`python -m server` on a free port, JSON logs, no metrics port, then `args`."""
+    return [
+        sys.executable,
+        "-m",
+        "server",
+        "--port",
+        "0",
+        "--log-format",
+        "json",
+        "--metrics-port",
+        "-1",
+        *args,
+    ]
+
+
+class ServerProcess:
+    """`python -m server` on a free port, read through its JSON log events; ready on return."""
+
+    def __init__(self, args: Sequence[str], timeout: float = 600) -> None:
+        self.process = subprocess.Popen(
+            server_command(args), cwd=REPO, stderr=subprocess.PIPE, text=True
+        )
+        self.events: list[dict] = []
+        self._seen = 0  # events before this index were already looked at by wait_for
+        # The log is read all the time, not only while waiting: a full stderr pipe would block
+        # the server mid-round (it logs from the engine thread) and a sweep would measure that.
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        self.port = int(self.wait_for("listening", timeout)["address"].rsplit(":", 1)[1])
+        self.wait_for("ready", timeout)
+
+    def _drain(self) -> None:
+        """Collect JSON log events; other output (KenLM's progress bars) is skipped."""
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    self.events.append(record)
+
+    def wait_for(self, event: str, timeout: float = 120) -> dict:
+        """The next log event named `event` (after those earlier calls returned)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            while self._seen < len(self.events):
+                record = self.events[self._seen]
+                self._seen += 1
+                if record.get("event") == event:
+                    return record
+            if not self._reader.is_alive() and self._seen >= len(self.events):
+                raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
+            time.sleep(0.02)
+        raise TimeoutError(f"no {event!r} from the server within {timeout} s")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,47 @@
+"""What a verification round reports: one vocabulary for the engine, the service and the client.
+
+The enum values are the lowercase proto names without their prefix (``ROUND_MODE_SPECULATIVE``
+is ``"speculative"``), so a value compares equal to its label: ``Mode.SPECULATIVE ==
+"speculative"``. Plain Python: importing this pulls in neither protobuf nor gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    """How a round was decoded: drafts verified, or one token of the target's own."""
+
+    SPECULATIVE = "speculative"
+    AUTOREGRESSIVE = "autoregressive"
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class FinishReason(StrEnum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A finished request's totals."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+    rounds: int
+    seed: int
+
+    @property
+    def acceptance(self) -> float | None:
+        """accepted / drafted over the request; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
