@@ -11,7 +11,7 @@ import torch
 from kenspec_api import generator_pb2 as pb
 from server import __version__
 from server.engine.batch import BatchSettings, PassCosts
-from server.engine.calibration import calibrate
+from server.engine.costs import calibrate
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams

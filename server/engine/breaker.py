@@ -29,7 +29,7 @@ import pybreaker
 import structlog
 
 from kenspec_api.outputs import BreakerState
-from server.engine.calibration import implied_acceptance
+from server.engine.costs import implied_acceptance
 from server.engine.draft import DraftSession, Proposal
 
 log = structlog.get_logger("kenspec.breaker")

@@ -10,7 +10,7 @@ import pytest
 from kenspec_api.outputs import BreakerState, Mode
 from server.engine import calibration
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
-from server.engine.calibration import break_even_acceptance, calibrate, expected_tokens_per_round
+from server.engine.costs import break_even_acceptance, calibrate, expected_tokens_per_round
 from server.engine.draft import Proposal
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
