@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from server.engine.generation import Round
+from kenspec_api.outputs import BreakerState
 from server.engine.linear_kernels import stock_linears
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import SpeculativeEngine
@@ -137,24 +137,14 @@ def run_kenspec(
     started = time.perf_counter()
     result = RunResult(mode.name, index, [], 0.0, [])
 
-    errors: list[BaseException] = []
-
-    def record(round_: Round | BaseException) -> None:
-        if isinstance(round_, BaseException):
-            errors.append(round_)
-            return
+    # Through the engine's batch, as the server runs it (a batch of one here): the same
+    # cost-aware choice of how many drafts a pass verifies.
+    for round_ in engine.batch.rounds(generation):
         result.chunk_times.append(time.perf_counter() - started)
         result.tokens.extend(round_.token_ids)
         result.drafted_per_round.append(round_.drafted)
         result.accepted_per_round.append(round_.accepted)
-        result.breaker_opened |= round_.breaker_state.value != "closed"
-
-    # Through the engine's batch, as the server runs it (a batch of one here): the same
-    # cost-aware choice of how many drafts a pass verifies.
-    engine.batch.add(generation, record)
-    engine.batch.run_until_idle()
-    if errors:
-        raise errors[0]
+        result.breaker_opened |= round_.breaker_state != BreakerState.CLOSED
     result.seconds = time.perf_counter() - started
     return result
 
@@ -168,9 +158,13 @@ def context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
     if key not in _CONTEXT_ONLY:
         context = replace(engine.context, enabled=True)
         _CONTEXT_ONLY[key] = SpeculativeEngine(
-            engine.target, None, engine.breaker, context=context, batching=engine.batch.settings
+            engine.target,
+            None,
+            engine.breaker,
+            context=context,
+            batching=engine.batch.settings,
+            costs=engine.batch.costs,
         )
-        _CONTEXT_ONLY[key].batch.costs = engine.batch.costs
     return _CONTEXT_ONLY[key]
 
 

@@ -123,6 +123,9 @@ class Metrics:
         self.pass_rows.observe(rows)
         self.pass_tokens.observe(tokens)
 
+    def observe_reuse(self, tokens: int) -> None:
+        self.reused_prompt_tokens.inc(tokens)
+
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self.breaker_transitions.labels(scope=scope, state=state.value).inc()
         if scope == "draft":

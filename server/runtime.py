@@ -10,19 +10,23 @@ import torch
 
 from kenspec_api import generator_pb2 as pb
 from server import __version__
-from server.engine.batch import BatchSettings, PassCosts
-from server.engine.costs import calibrate
+from server.engine.admission import BatchSettings
+from server.engine.costs import PassCosts, calibrate
+from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    MAX_DRAFT_TOKENS,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
 from server.requests import Defaults, Limits
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.runtime")
-
-MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +37,9 @@ class Runtime:
     info: pb.ModelInfo
 
 
-def load_runtime(settings: Settings) -> Runtime:
-    """Load, calibrate and warm up; blocking (run it off the event loop)."""
+def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtime:
+    """Load, calibrate and warm up; blocking (run it off the event loop). The engine reports
+    passes, reuse and breaker transitions to `events` (the server's metrics)."""
     started = time.perf_counter()
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
@@ -63,8 +68,9 @@ def load_runtime(settings: Settings) -> Runtime:
         pad_passes=settings.pad_verify,
         prefix_cache_bytes=settings.prefix_cache_mb << 20,
     )
-    engine = SpeculativeEngine(target, draft, breaker, context=context, batching=batching)
-    engine.batch.costs = costs
+    engine = SpeculativeEngine(
+        target, draft, breaker, context=context, batching=batching, costs=costs, events=events
+    )
     _warm_up(engine)
     limits = Limits(
         default_max_new_tokens=settings.default_max_new_tokens,
@@ -122,8 +128,6 @@ def _breaker_and_pass_costs(
     if not speculates:
         return breaker, None
     result = calibrate(target, settings.num_draft_tokens, rows=settings.max_batch_size)
-    if settings.pad_verify:
-        target.verify_widths = result.widths
     log.info(
         "calibrated",
         k=result.num_draft_tokens,
@@ -145,7 +149,7 @@ def _breaker_and_pass_costs(
             2,
         ),
     )
-    costs = PassCosts(result.pass_seconds)
+    costs = result.pass_costs
     if settings.breaker_threshold >= 0:
         return breaker, costs
     return replace(breaker, threshold=result.threshold), costs
@@ -161,7 +165,7 @@ def _warm_up(engine: SpeculativeEngine) -> None:
         speculation=SpeculationParams(num_draft_tokens=2),
         request_id="warm-up",
     )
-    for _ in generation:
+    for _ in engine.batch.rounds(generation):
         pass
 
 

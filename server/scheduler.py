@@ -65,9 +65,8 @@ class Scheduler:
         """Run generation in batch; its rounds as they come. Leaving early cancels it."""
         loop = asyncio.get_running_loop()
         rounds: asyncio.Queue[Round | BaseException] = asyncio.Queue()
-        batch.on_iteration_end = self._flush
         if batch.add(generation, lambda item: self._outbox.append((loop, rounds, item))):
-            self.submit(batch.run_until_idle)
+            self.submit(functools.partial(batch.run_until_idle, self._flush))
         try:
             while True:
                 item = await rounds.get()

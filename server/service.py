@@ -54,20 +54,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     async for response in responses:
                         yield response
                 record.code = grpc.StatusCode.OK
-            except DeadlineCapExceeded:
-                message = f"the request ran past the server's limit of {self.max_deadline_s:g} s"
-                await self._abort(context, record, grpc.StatusCode.DEADLINE_EXCEEDED, message)
-            except InvalidParameter as error:
-                await self._abort(context, record, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except Overloaded as error:
-                await self._abort(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            except torch.OutOfMemoryError:
-                log.exception("out_of_memory")
-                message = (
-                    f"the target ran out of memory on this request (request_id={request_id}); "
-                    "retry with a shorter prompt or fewer new tokens"
-                )
-                await self._abort(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             except grpc.aio.AbortError:
                 raise
             except (asyncio.CancelledError, GeneratorExit):
@@ -75,10 +61,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 # and closed this generator instead (GeneratorExit): either way, the client left.
                 record.code = grpc.StatusCode.CANCELLED
                 raise
-            except Exception:
-                log.exception("generate_failed")
-                message = f"internal error (request_id={request_id})"
-                await self._abort(context, record, grpc.StatusCode.INTERNAL, message)
+            except Exception as error:
+                code, message = status_of(error, request_id)
+                record.code = code
+                await context.abort(code, message)
             finally:
                 record.close()
 
@@ -93,7 +79,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 self.scheduler.acquire(), record.remaining(self.max_deadline_s)
             )
         except TimeoutError:
-            raise DeadlineCapExceeded from None
+            raise DeadlineCapExceeded(self.max_deadline_s) from None
         async with slot:
             generation = runtime.engine.start(
                 prompt_ids,
@@ -106,16 +92,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     yield response
-
-    @staticmethod
-    async def _abort(
-        context: grpc.aio.ServicerContext,
-        record: RequestRecord,
-        code: grpc.StatusCode,
-        message: str,
-    ) -> None:
-        record.code = code
-        await context.abort(code, message)
 
     async def _stream(
         self, batch: Batch, generation: Generation, request_id: str, record: RequestRecord
@@ -132,7 +108,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     # Checked between rounds (never across a yield, where a cancellation would
                     # hit gRPC's own send): the cap is overshot by at most one round.
                     if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
-                        raise DeadlineCapExceeded
+                        raise DeadlineCapExceeded(self.max_deadline_s)
             outcome = "finished"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -195,6 +171,36 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
 class DeadlineCapExceeded(Exception):
     """The request ran past the server's --max-deadline-s."""
+
+    def __init__(self, cap_s: float) -> None:
+        super().__init__(f"the request ran past the server's limit of {cap_s:g} s")
+
+
+# The status of a Generate call that fails, by exception, with its message: the exception's own
+# (None) or a template. Anything else is a bug: INTERNAL, with a request id to report.
+_STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
+    (DeadlineCapExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, None),
+    (InvalidParameter, grpc.StatusCode.INVALID_ARGUMENT, None),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+    (
+        torch.OutOfMemoryError,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "the target ran out of memory on this request (request_id={request_id}); "
+        "retry with a shorter prompt or fewer new tokens",
+    ),
+    (Exception, grpc.StatusCode.INTERNAL, "internal error (request_id={request_id})"),
+)
+
+
+def status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message a failed Generate call ends with (never a traceback)."""
+    for kind, code, template in _STATUS_CODES:
+        if isinstance(error, kind):
+            if template is None:  # the caller's input or the server's load: nothing to log
+                return code, str(error)
+            log.exception("generate_failed", code=code.name)
+            return code, template.format(request_id=request_id)
+    raise AssertionError("unreachable: the table ends with Exception")
 
 
 class Unparseable:

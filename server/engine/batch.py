@@ -1,165 +1,35 @@
-"""Continuous batching: every active generation's round verified in one forward pass.
+"""Continuous batching: every decoding generation's round verified in one forward pass.
 
 One iteration (Orca-style, iteration-level scheduling):
-1. admit: take new generations and cancellations; a cancelled or finished one leaves at once
-   and its cache row goes to the next one;
-2. join: new prompts whose tokens fit the pass's prompt budget start decoding at once, each
-   prefilled in its first round's pass (see `_join`); a longer one is prefilled a chunk per
-   iteration first, in a pass of its own, so it never stalls running streams by more than a
-   chunk (larger chunks while none is running);
-3. verify: every prefilled generation drafts (its own k, breakers, sampling parameters; an
-   open breaker means a draft of length 0), the drafts worth their cost are chosen for the
-   whole pass (see `choose_drafts`), one packed forward pass scores all rows, each with its
-   own number of tokens (see SlotCache), and each row accepts on its own logits.
+1. admit: arrivals join the waiting queue, cancelled generations leave (a decoding one's cache
+   row goes to the next), and new prompts start decoding or are prefilled a chunk
+   (`Admission`);
+2. plan: every decoding generation drafts (its own k, breakers, sampling parameters; an open
+   breaker means no drafts), and the drafts worth their cost are chosen for the whole pass
+   (`costs.choose_drafts`);
+3. verify: one packed forward pass scores all rows, each with its own number of tokens
+   (`SlotCache`), and each row accepts on its own logits; finished rows are freed.
 
-A Batch is driven by one thread (`run_until_idle`); `add` and `cancel` may be called from any.
+A Batch is driven by one thread (`run_until_idle`, or `rounds` for a caller that drives one
+generation itself); `add` and `cancel` may be called from any.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 import structlog
 
+from server.engine.admission import Admission, BatchSettings, BatchStats, Deliver, Entry
+from server.engine.costs import PassCosts, choose_drafts
+from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation, Round
-from server.engine.prefix_cache import Prefix, PrefixCache
+from server.engine.prefix_cache import PrefixCache
 from server.engine.sampling import LogitRows
 from server.engine.target import TargetModel
 
 log = structlog.get_logger("kenspec.batch")
-
-Deliver = Callable[[Round | BaseException], None]
-
-
-@dataclass(frozen=True, slots=True)
-class PassCosts:
-    """Measured seconds of a packed forward pass by (rows, tokens), to choose drafts by.
-
-    Token counts and row counts between the measured ones are interpolated linearly; passes
-    of more tokens than measured are extrapolated in proportion to the most measured.
-    """
-
-    seconds: dict[tuple[int, int], float]  # (rows, tokens in the pass) -> seconds
-
-    def cost(self, rows: int, tokens: int) -> float:
-        measured_rows = sorted({r for r, _ in self.seconds})
-        below = max((r for r in measured_rows if r <= rows), default=measured_rows[0])
-        above = min((r for r in measured_rows if r >= rows), default=measured_rows[-1])
-        low, high = self._at(below, tokens), self._at(above, tokens)
-        if above == below:
-            return low
-        return low + (high - low) * (rows - below) / (above - below)
-
-    def _at(self, rows: int, tokens: int) -> float:
-        counts = sorted(t for r, t in self.seconds if r == rows)
-        lower = max((t for t in counts if t <= tokens), default=counts[0])
-        upper = min((t for t in counts if t >= tokens), default=None)
-        if upper is None:
-            return self.seconds[rows, lower] * tokens / lower
-        if upper == lower:
-            return self.seconds[rows, lower]
-        low, high = self.seconds[rows, lower], self.seconds[rows, upper]
-        return low + (high - low) * (tokens - lower) / (upper - lower)
-
-    def pass_tokens(self, tokens: int, limit: int) -> int:
-        """For a one-row pass, the cheapest measured token count >= tokens (and <= limit):
-        padding can make a pass cheaper (small GEMMs are not monotonic in M on every CPU)."""
-        candidates = [t for r, t in self.seconds if r == 1 and tokens <= t <= limit] or [tokens]
-        return min(candidates, key=lambda t: (self._at(1, t), t))
-
-
-def choose_drafts(
-    proposed: Sequence[int],
-    acceptance: Sequence[float],
-    costs: PassCosts | None,
-    base_tokens: int | None = None,
-) -> list[int]:
-    """How many of its proposed drafts each row verifies, to maximise the pass's expected
-    tokens per second.
-
-    A packed pass costs cost(rows, tokens), every row paying only for its own tokens. Row r's
-    j-th draft adds a_r^j expected tokens (E(a, j) - E(a, j - 1), Leviathan et al. 2023,
-    eq. 1), so for any token budget the best drafts are the budget's highest gains over all
-    rows; the budget chosen is the one with the best (rows + gains) / cost. base_tokens: the
-    pass's tokens without drafts (one per row, plus prompt tails prefilled in it).
-
-    Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
-    per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
-    drafts, the others' none.
-    """
-    rows = len(proposed)
-    if costs is None or not any(proposed):
-        return list(proposed)
-    base = rows if base_tokens is None else base_tokens
-    # Gains in order, a row's j-th draft before its (j + 1)-th (equal gains when a = 1).
-    pairs = enumerate(zip(proposed, acceptance, strict=True))
-    gains = sorted(
-        ((alpha**j, -j, row) for row, (k, alpha) in pairs for j in range(1, k + 1)), reverse=True
-    )
-    best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
-    for taken, (gain, _, _) in enumerate(gains, start=1):
-        expected += gain
-        rate = expected / costs.cost(rows, base + taken)
-        if rate > best_rate:
-            best, best_rate = taken, rate
-    counts = [0] * rows
-    for _, _, row in gains[:best]:
-        counts[row] += 1
-    return counts
-
-
-@dataclass(slots=True)
-class _Entry:
-    generation: Generation
-    deliver: Deliver
-    cancelled: bool = False
-    reuse: Prefix | None = None  # a stored prompt whose first `reused` positions it shares
-    reused: int = 0
-
-    @property
-    def to_prefill(self) -> int:
-        """Prompt tokens still to compute (once the shared prefix is copied in)."""
-        return self.generation.prefill_remaining - self.reused
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSettings:
-    max_rows: int = 8  # generations verified together; more wait for a row
-    prefill_chunk: int = 64  # prompt tokens per iteration while others decode
-    prefill_chunk_alone: int = 512  # ... while none decodes, or for a burst (see _join)
-    pad_passes: bool = True  # pad a one-row pass to more tokens when measured to be cheaper
-    prefix_cache_bytes: int = 128 << 20  # keys/values of recent prompts kept for reuse (0: none)
-
-
-@dataclass(slots=True)
-class BatchStats:
-    iterations: int = 0
-    passes: int = 0
-    rows_verified: int = 0
-    prefill_tokens: int = 0
-    reused_tokens: int = 0  # prompt positions copied from the prefix cache, not computed
-    by_width: dict[int, int] = field(default_factory=dict)  # passes by their longest row
-    seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
-
-    def timed(self, phase: str, started: float) -> float:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - started
-        return now
-
-
-def _fitting(entries: Sequence[_Entry], budget: int) -> int:
-    """How many of entries, in order, have prompt tokens left that fit in budget together."""
-    taken = 0
-    for entry in entries:
-        budget -= entry.to_prefill
-        if budget < 0:
-            break
-        taken += 1
-    return taken
 
 
 class Batch:
@@ -171,24 +41,25 @@ class Batch:
         settings: BatchSettings | None = None,
         *,
         costs: PassCosts | None = None,
+        events: EngineEvents = NO_EVENTS,
     ) -> None:
         self.settings = settings or BatchSettings()
         self.target = target
         self.costs = costs
         self.stats = BatchStats()
-        self.on_pass: Callable[[int, int], None] | None = None  # (rows, tokens), e.g. metrics
-        self.on_iteration_end: Callable[[], None] | None = None  # e.g. flush deliveries
-        self.on_reuse: Callable[[int], None] | None = None  # prompt tokens copied, e.g. metrics
+        self._events = events
         self._cache = target.new_cache(self.settings.max_rows)
         budget = self.settings.prefix_cache_bytes
         self.prefixes = PrefixCache(budget) if budget > 0 else None
-        self._decoding: list[_Entry] = []
-        self._prefilling: _Entry | None = None
-        self._waiting: deque[_Entry] = deque()
-        self._lock = threading.Lock()
-        self._inbox: list[_Entry] = []
-        self._entries: dict[int, _Entry] = {}  # id(generation) -> entry, for cancel()
-        self._running = False
+        self._admission = Admission(
+            target,
+            self._cache,
+            self.settings,
+            prefixes=self.prefixes,
+            stats=self.stats,
+            events=events,
+        )
+        self._decoding: list[Entry] = []  # _decoding[i] is in cache row i
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -198,57 +69,76 @@ class Batch:
         True when the batch was idle: the caller must then start `run_until_idle` on its
         engine thread.
         """
-        entry = _Entry(generation, deliver)
-        with self._lock:
-            self._inbox.append(entry)
-            self._entries[id(generation)] = entry
-            start, self._running = not self._running, True
-        return start
+        return self._admission.submit(Entry(generation, deliver))
 
     def cancel(self, generation: Generation) -> None:
         """Drop a generation at the next iteration (a pass in flight is not interrupted)."""
-        with self._lock:
-            entry = self._entries.get(id(generation))
-            if entry is not None:
-                entry.cancelled = True
+        self._admission.cancel(generation)
 
     @property
     def active(self) -> int:
-        return len(self._decoding) + (self._prefilling is not None)
+        return len(self._decoding) + (self._admission.prefilling is not None)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return self._admission.waiting
 
     # -- the driving thread -------------------------------------------------------------
 
-    def run_until_idle(self) -> None:
-        while True:
-            with self._lock:
-                if not (self._inbox or self._decoding or self._prefilling or self._waiting):
-                    self._running = False
-                    log.debug("batch_idle", **self._summary())
-                    return
-            try:
-                self.iterate()
-            except Exception as error:  # a bug, not a request's fault: fail everyone, go on
-                log.exception("batch_iteration_failed")
-                for entry in [*self._decoding, self._prefilling, *self._waiting]:
-                    if entry is not None:
-                        self._finish(entry, error)
-                self._decoding, self._prefilling = [], None
-                self._waiting.clear()
-            finally:
-                if self.on_iteration_end is not None:
-                    self.on_iteration_end()
+    def run_until_idle(self, on_iteration_end: Callable[[], None] | None = None) -> None:
+        """Iterate while any generation is queued or decoding; on_iteration_end after each
+        iteration (e.g. to hand its rounds to the event loop in one wake-up)."""
+        while self._step():
+            if on_iteration_end is not None:
+                on_iteration_end()
+        log.debug("batch_idle", **self._summary())
+
+    def rounds(self, generation: Generation) -> Iterator[Round]:
+        """Run `generation` to its end on this thread, yielding its rounds as they come (a
+        solo request is a batch of one). The batch must not be driven by another thread."""
+        delivered: list[Round | BaseException] = []
+        if not self.add(generation, delivered.append):
+            self.cancel(generation)
+            raise RuntimeError("the batch is already driven by another thread")
+        try:
+            while True:
+                if not delivered and not self._step():
+                    raise RuntimeError("the batch went idle before the generation finished")
+                while delivered:
+                    item = delivered.pop(0)
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finish_reason is not None:
+                        return
+        finally:
+            if not generation.finished:
+                self.cancel(generation)
+            self.run_until_idle()
+
+    def _step(self) -> bool:
+        """One iteration; False (the batch idle again) when there was nothing to do."""
+        if self._admission.stop_if_idle(len(self._decoding)):
+            return False
+        try:
+            self.iterate()
+        except Exception as error:  # a bug, not a request's fault: fail everyone, go on
+            log.exception("batch_iteration_failed")
+            for entry in self._decoding:
+                self._admission.forget(entry)
+                entry.fail(error)
+            self._decoding = []
+            self._admission.fail_all(error)
+        return True
 
     def iterate(self) -> None:
         self.stats.iterations += 1
-        with self._lock:
-            self._waiting.extend(self._inbox)
-            self._inbox.clear()
-        self._drop_cancelled()
-        self._prefill_chunk()
+        self._admission.take_arrivals()
+        for index in reversed(range(len(self._decoding))):
+            if self._decoding[index].cancelled:
+                self._remove(index)
+        self._admission.drop_cancelled()
+        self._admission.admit(self._decoding)
         if self._decoding:
             self._verify()
 
@@ -264,118 +154,19 @@ class Batch:
             "seconds": {phase: round(s, 2) for phase, s in stats.seconds.items()},
         }
 
-    def _drop_cancelled(self) -> None:
-        for index in reversed(range(len(self._decoding))):
-            if self._decoding[index].cancelled:
-                self._remove(index)
-        if self._prefilling is not None and self._prefilling.cancelled:
-            self._forget(self._prefilling)
-            self._prefilling = None
-        for entry in [e for e in self._waiting if e.cancelled]:
-            self._waiting.remove(entry)
-            self._forget(entry)
-
-    def _prefill_chunk(self) -> None:
-        if self._join():
-            return
-        if self._prefilling is None:
-            if not self._waiting or len(self._decoding) >= self.settings.max_rows:
-                return
-            self._prefilling = self._waiting.popleft()
-            self._reuse_prefix(self._prefilling, len(self._decoding))
-        entry, row = self._prefilling, len(self._decoding)
-        generation = entry.generation
-        # Chunks keep running streams moving; alone, fewer and larger chunks are faster
-        # (a 190-token prompt: 480 ms in 64-token chunks, 390 ms in one pass, measured).
-        # The prompt's last `budget` tokens are left to its first round's pass (`_join`).
-        budget = self._prompt_budget()
-        chunk = min(budget, generation.prefill_remaining - budget)
-        if chunk <= 0:  # what the copied prefix left joins the next pass
-            return
-        start, tokens = generation.next_prefill(chunk)
-        started = time.perf_counter()
-        try:
-            self.target.prefill(self._cache, row, start, tokens)
-        except Exception as error:
-            log.exception("prefill_failed")
-            self._prefilling = None
-            self._finish(entry, error)
-            return
-        self.stats.timed("prefill", started)
-        generation.prefilled(len(tokens))
-        self.stats.prefill_tokens += len(tokens)
-
-    def _prompt_budget(self) -> int:
-        settings = self.settings
-        return settings.prefill_chunk if self._decoding else settings.prefill_chunk_alone
-
-    def _join(self) -> bool:
-        """New prompts start decoding at once, each prefilled in its first round's pass, as
-        many as fit the prompt budget together: `prefill_chunk_alone` tokens when they are at
-        least as many as the running streams (a lone request, a burst: better one pass than a
-        wait each), else `prefill_chunk`. A pass is packed, so the running rows pay only for
-        the prompt tokens, not for padding to them. False when the next prompt does not fit
-        (it is then prefilled in chunks)."""
-        candidates = [self._prefilling] if self._prefilling is not None else []
-        candidates += self._waiting
-        candidates = candidates[: self.settings.max_rows - len(self._decoding)]
-        if self.prefixes is not None:  # matched now: prompts stored since they arrived count
-            for entry in candidates:
-                if entry is not self._prefilling:
-                    entry.reuse, entry.reused = self.prefixes.match(entry.generation.prompt[:-1])
-        taken = _fitting(candidates, self.settings.prefill_chunk_alone)
-        if taken < len(self._decoding):
-            taken = _fitting(candidates, self.settings.prefill_chunk)
-        for entry in candidates[:taken]:  # a partly prefilled one first: its row is next
-            if entry is self._prefilling:
-                self._prefilling = None
-            else:
-                self._waiting.remove(entry)
-                self._reuse_prefix(entry, len(self._decoding))
-            self.stats.prefill_tokens += entry.generation.prefill_remaining
-            self._decoding.append(entry)
-        return taken > 0
-
-    def _reuse_prefix(self, entry: _Entry, row: int) -> None:
-        """Copy the stored prefix the entry's prompt begins with into its new cache row."""
-        if entry.reuse is None:
-            return
-        length = entry.reused
-        keys = [tensor[:, :length] for tensor in entry.reuse.keys]
-        values = [tensor[:, :length] for tensor in entry.reuse.values]
-        self._cache.write(row, keys, values)
-        entry.generation.prefilled(length)
-        self.stats.reused_tokens += length
-        if self.on_reuse is not None:
-            self.on_reuse(length)
-        entry.reuse, entry.reused = None, 0
-
-    def _store_prompts(self, entries: list[_Entry]) -> None:
-        """Keep the prompts whose last tokens were in this pass (all but their pending token);
-        called after the pass, before its rows are accepted (so their prompt tails still count
-        as remaining)."""
-        if self.prefixes is None:
-            return
-        for row, entry in enumerate(entries):
-            if entry.generation.prefill_remaining:
-                self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
-
     def _verify(self) -> None:
         started = time.perf_counter()
-        tokens: dict[int, list[int]] = {}
-        failed: list[tuple[_Entry, Exception]] = []
-        for entry in self._decoding:
+        planned: dict[int, list[int]] = {}
+        for entry in list(self._decoding):
             try:
-                tokens[id(entry)] = entry.generation.plan()
+                planned[id(entry)] = entry.generation.plan()
             except Exception as error:
                 log.exception("plan_failed")
-                failed.append((entry, error))
-        for entry, error in failed:
-            self._finish_row(entry, error)  # rows move: the pass is laid out after this
+                self._finish_row(entry, error)  # rows move: the pass is laid out after this
         if not self._decoding:
             return
         entries = list(self._decoding)  # entries[i] is in cache row i
-        rows = self._cut_drafts(entries, [tokens[id(entry)] for entry in entries])
+        rows = self._cut_drafts(entries, [planned[id(entry)] for entry in entries])
         started = self.stats.timed("plan", started)
         try:
             logits = self._forward(0, entries, rows)
@@ -395,8 +186,8 @@ class Batch:
         self._complete(list(zip(entries, logits, strict=True)))
         self.stats.timed("accept", started)
 
-    def _verify_alone(self, entries: list[_Entry], rows: list[list[int]]) -> None:
-        done = []
+    def _verify_alone(self, entries: list[Entry], rows: list[list[int]]) -> None:
+        done: list[tuple[Entry, LogitRows | Exception]] = []
         for index, (entry, row) in enumerate(zip(entries, rows, strict=True)):
             try:
                 done.append((entry, self._forward(index, [entry], [row])[0]))
@@ -405,21 +196,22 @@ class Batch:
                 done.append((entry, error))
         self._complete(done)
 
-    def _forward(self, first_row: int, entries: list[_Entry], rows: list[list[int]]) -> list:
+    def _forward(self, first_row: int, entries: list[Entry], rows: list[list[int]]) -> list:
+        generations = [entry.generation for entry in entries]
         logits = self.target.forward(
             self._cache,
-            [entry.generation.cache_length for entry in entries],
+            [generation.cache_length for generation in generations],
             rows,
             first_row=first_row,
-            min_tokens=self._pass_tokens(entries, rows),
-            skips=[entry.generation.prefill_remaining for entry in entries],  # prompt tails
+            min_tokens=self._pass_tokens(generations[0], rows),
+            skips=[generation.prefill_remaining for generation in generations],  # prompt tails
         )
         self._count_pass(rows)
         return logits
 
-    def _complete(self, results: list[tuple[_Entry, LogitRows | Exception]]) -> None:
+    def _complete(self, results: list[tuple[Entry, LogitRows | Exception]]) -> None:
         """Accept each row on its logits (or fail it), deliver, then free finished rows."""
-        finished: list[tuple[_Entry, Exception | None]] = []
+        finished: list[tuple[Entry, Exception | None]] = []
         for entry, logits in results:
             if isinstance(logits, Exception):
                 finished.append((entry, logits))
@@ -434,34 +226,40 @@ class Batch:
             if round_.finish_reason is not None:
                 finished.append((entry, None))
         for entry, error in finished:
-            if error is None:
-                self._store_sequence(entry)
+            if error is None and self.prefixes is not None:
+                # A conversation's next turn re-sends this prompt and answer.
+                row = self._decoding.index(entry)
+                self.prefixes.store(self._cache, row, entry.generation.cached_tokens)
             self._finish_row(entry, error)
 
-    def _store_sequence(self, entry: _Entry) -> None:
-        """Keep a finished stream's prompt and answer: a conversation's next turn re-sends them."""
+    def _store_prompts(self, entries: list[Entry]) -> None:
+        """Keep the prompts whose last tokens were in this pass (all but their pending token);
+        called after the pass, before its rows are accepted (so their prompt tails still count
+        as remaining)."""
         if self.prefixes is None:
             return
-        generation = entry.generation
-        tokens = (generation.prompt + generation.output_ids)[: generation.cache_length]
-        self.prefixes.store(self._cache, self._decoding.index(entry), tokens)
+        for row, entry in enumerate(entries):
+            if entry.generation.prefill_remaining:
+                self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
 
-    def _cut_drafts(self, entries: list[_Entry], planned: list[list[int]]) -> list[list[int]]:
-        skips = [entry.generation.prefill_remaining for entry in entries]
+    def _cut_drafts(self, entries: list[Entry], planned: list[list[int]]) -> list[list[int]]:
+        generations = [entry.generation for entry in entries]
+        skips = [generation.prefill_remaining for generation in generations]
         proposed = [len(tokens) - 1 - skip for tokens, skip in zip(planned, skips, strict=True)]
-        acceptance = [entry.generation.speculator.acceptance_estimate() for entry in entries]
+        acceptance = [generation.acceptance_estimate() for generation in generations]
         counts = choose_drafts(proposed, acceptance, self.costs, len(entries) + sum(skips))
         return [
-            entry.generation.truncate_drafts(count)
-            for entry, count in zip(entries, counts, strict=True)
+            generation.truncate_drafts(count)
+            for generation, count in zip(generations, counts, strict=True)
         ]
 
-    def _pass_tokens(self, entries: list[_Entry], rows: list[list[int]]) -> int:
+    def _pass_tokens(self, generation: Generation, rows: list[list[int]]) -> int:
         """Pad a one-row pass to more tokens where that was measured cheaper (0: no padding)."""
-        settings = self.settings
-        if len(rows) > 1 or len(rows[0]) == 1 or self.costs is None or not settings.pad_passes:
+        if len(rows) > 1 or len(rows[0]) == 1 or self.costs is None:
             return 0
-        room = self.target.max_context - entries[0].generation.cache_length
+        if not self.settings.pad_passes:
+            return 0
+        room = self.target.max_context - generation.cache_length
         return self.costs.pass_tokens(len(rows[0]), limit=max(len(rows[0]), room))
 
     def _count_pass(self, rows: list[list[int]]) -> None:
@@ -469,30 +267,22 @@ class Batch:
         stats.passes += 1
         stats.rows_verified += len(rows)
         stats.by_width[width] = stats.by_width.get(width, 0) + 1
-        if self.on_pass is not None:
-            self.on_pass(len(rows), sum(len(row) for row in rows))
+        self._events.observe_pass(len(rows), sum(len(row) for row in rows))
 
-    def _finish_row(self, entry: _Entry, error: BaseException | None) -> None:
+    def _finish_row(self, entry: Entry, error: BaseException | None) -> None:
         """Take a decoding generation out of the batch (delivering error, if any)."""
         self._remove(self._decoding.index(entry))
         if error is not None:
-            entry.deliver(error)
-
-    def _finish(self, entry: _Entry, error: BaseException) -> None:
-        self._forget(entry)
-        entry.deliver(error)
+            entry.fail(error)
 
     def _remove(self, index: int) -> None:
         """Free decoding row `index`: the last decoding row moves in, the prefilling one follows."""
         last = len(self._decoding) - 1
         moved = self._decoding[last]
         self._cache.move(last, index, moved.generation.cache_length)
-        self._forget(self._decoding[index])
+        self._admission.forget(self._decoding[index])
         self._decoding[index] = moved
         self._decoding.pop()
-        if self._prefilling is not None:
-            self._cache.move(last + 1, last, self._prefilling.generation.cache_length)
-
-    def _forget(self, entry: _Entry) -> None:
-        with self._lock:
-            self._entries.pop(id(entry.generation), None)
+        prefilling = self._admission.prefilling
+        if prefilling is not None:
+            self._cache.move(last + 1, last, prefilling.generation.cache_length)

@@ -1,16 +1,21 @@
-"""The break-even acceptance rate, from the measured cost of a verification pass.
+"""What a pass costs, and which drafts are worth it: calibration, break-even, draft choice.
 
 A round with per-token acceptance alpha and k drafts emits E = (1 - alpha^(k+1)) / (1 - alpha)
 tokens (Leviathan et al. 2023, eq. 1) for the price of one pass over k+1 tokens; decoding
-autoregressively emits one token per single-token pass. Speculation with k drafts pays while
-E(alpha) > cost(k+1) / cost(1); the breaker's threshold is the lowest alpha where that holds
-for some k up to the maximum (the batch then chooses each row's drafts, see batch.choose_drafts).
+autoregressively emits one token per single-token pass.
+
+- `calibrate` times packed passes at start-up, by (rows, tokens): `PassCosts`.
+- `choose_drafts` picks, for each pass, how many of its drafts every row verifies, for the most
+  expected tokens per measured second.
+- The breaker's threshold is the lowest alpha at which some draft length pays for itself in one
+  row, E(alpha) > cost(k+1) / cost(1): below it, no choice of drafts can pay.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.engine.target import TargetModel
@@ -32,6 +37,10 @@ class Calibration:
     @property
     def cost_ratio(self) -> float:
         return self.verify_seconds / self.step_seconds
+
+    @property
+    def pass_costs(self) -> PassCosts:
+        return PassCosts(self.pass_seconds)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
@@ -131,3 +140,80 @@ def measure_pass_seconds(
             target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
             samples[width].append(time.perf_counter() - started)
     return [statistics.median(samples[width][1:]) for width in widths]
+
+
+@dataclass(frozen=True, slots=True)
+class PassCosts:
+    """Measured seconds of a packed forward pass by (rows, tokens), to choose drafts by.
+
+    Token counts and row counts between the measured ones are interpolated linearly; passes
+    of more tokens than measured are extrapolated in proportion to the most measured.
+    """
+
+    seconds: dict[tuple[int, int], float]  # (rows, tokens in the pass) -> seconds
+
+    def cost(self, rows: int, tokens: int) -> float:
+        measured_rows = sorted({r for r, _ in self.seconds})
+        below = max((r for r in measured_rows if r <= rows), default=measured_rows[0])
+        above = min((r for r in measured_rows if r >= rows), default=measured_rows[-1])
+        low, high = self._at(below, tokens), self._at(above, tokens)
+        if above == below:
+            return low
+        return low + (high - low) * (rows - below) / (above - below)
+
+    def _at(self, rows: int, tokens: int) -> float:
+        counts = sorted(t for r, t in self.seconds if r == rows)
+        lower = max((t for t in counts if t <= tokens), default=counts[0])
+        upper = min((t for t in counts if t >= tokens), default=None)
+        if upper is None:
+            return self.seconds[rows, lower] * tokens / lower
+        if upper == lower:
+            return self.seconds[rows, lower]
+        low, high = self.seconds[rows, lower], self.seconds[rows, upper]
+        return low + (high - low) * (tokens - lower) / (upper - lower)
+
+    def pass_tokens(self, tokens: int, limit: int) -> int:
+        """For a one-row pass, the cheapest measured token count >= tokens (and <= limit):
+        padding can make a pass cheaper (small GEMMs are not monotonic in M on every CPU)."""
+        candidates = [t for r, t in self.seconds if r == 1 and tokens <= t <= limit] or [tokens]
+        return min(candidates, key=lambda t: (self._at(1, t), t))
+
+
+def choose_drafts(
+    proposed: Sequence[int],
+    acceptance: Sequence[float],
+    costs: PassCosts | None,
+    base_tokens: int | None = None,
+) -> list[int]:
+    """How many of its proposed drafts each row verifies, to maximise the pass's expected
+    tokens per second.
+
+    A packed pass costs cost(rows, tokens), every row paying only for its own tokens. Row r's
+    j-th draft adds a_r^j expected tokens (E(a, j) - E(a, j - 1), Leviathan et al. 2023,
+    eq. 1), so for any token budget the best drafts are the budget's highest gains over all
+    rows; the budget chosen is the one with the best (rows + gains) / cost. base_tokens: the
+    pass's tokens without drafts (one per row, plus prompt tails prefilled in it).
+
+    Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
+    per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
+    drafts, the others' none.
+    """
+    rows = len(proposed)
+    if costs is None or not any(proposed):
+        return list(proposed)
+    base = rows if base_tokens is None else base_tokens
+    # Gains in order, a row's j-th draft before its (j + 1)-th (equal gains when a = 1).
+    pairs = enumerate(zip(proposed, acceptance, strict=True))
+    gains = sorted(
+        ((alpha**j, -j, row) for row, (k, alpha) in pairs for j in range(1, k + 1)), reverse=True
+    )
+    best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
+    for taken, (gain, _, _) in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / costs.cost(rows, base + taken)
+        if rate > best_rate:
+            best, best_rate = taken, rate
+    counts = [0] * rows
+    for _, _, row in gains[:best]:
+        counts[row] += 1
+    return counts

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
@@ -15,7 +15,6 @@ from server.engine.sampling import (
     accept_greedy,
     accept_sampled,
 )
-from server.engine.slot_cache import SlotCache
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 
@@ -50,8 +49,7 @@ class Generation:
     the same loop is plain autoregressive decoding.
 
     A round is split in two around the forward pass so that a Batch can verify many
-    generations in one pass: `plan()` drafts, the caller runs the pass, `complete()` accepts.
-    `step()` does all three alone, on a private one-row cache.
+    generations in one pass: `plan()` drafts, the batch runs the pass, `complete()` accepts.
     """
 
     def __init__(
@@ -78,7 +76,6 @@ class Generation:
         self.speculator = speculator
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
-        self._solo_cache: SlotCache | None = None
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
         self._pending = prompt_ids[-1]
         self._drafts: list[int] = []
@@ -106,9 +103,14 @@ class Generation:
         """Valid positions in the cache row: everything but the pending token."""
         return self._prefilled + len(self._output)
 
-    def __iter__(self) -> Iterator[Round]:
-        while not self.finished:
-            yield self.step()
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose keys/values the cache row holds, in order."""
+        return (self._prompt + self._output)[: self.cache_length]
+
+    def acceptance_estimate(self) -> float:
+        """Per-token acceptance to expect of this round's drafts (see Speculator)."""
+        return self.speculator.acceptance_estimate()
 
     def next_prefill(self, limit: int) -> tuple[int, list[int]]:
         """The next at most `limit` prompt tokens to prefill, and the position they start at."""
@@ -151,25 +153,6 @@ class Generation:
         self.speculator.record(len(drafts), accepted)
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)
 
-    def step(self) -> Round:
-        """Run one verification round alone (the first one also prefills the prompt)."""
-        if self.finished:
-            raise RuntimeError("generation already finished")
-        if self._solo_cache is None:
-            self._solo_cache = self._target.new_cache()
-        cache = self._solo_cache
-        start, tokens = self.next_prefill(len(self._prompt))
-        self._target.prefill(cache, 0, start, tokens)
-        self.prefilled(len(tokens))
-        tokens = self.plan()
-        width = self._target.padded_width(len(tokens), self.cache_length)
-        logits = self._target.forward(cache, [self.cache_length], [tokens], min_tokens=width)
-        return self.complete(logits[0])
-
-    def close(self) -> None:
-        """Free the private cache, if any (done automatically when the generation finishes)."""
-        self._solo_cache = None
-
     def _verify(self, drafts: list[int], logits: LogitRows) -> list[int]:
         if self._sampling.greedy:
             return accept_greedy(drafts, logits)
@@ -194,8 +177,6 @@ class Generation:
         self._rounds += 1
         self._drafted += drafted
         self._accepted += accepted
-        if self.finished:
-            self.close()
         return Round(
             index=self._rounds - 1,
             token_ids=tuple(kept),

@@ -14,6 +14,9 @@ class InvalidParameter(ValueError):
         self.message = message
 
 
+MAX_DRAFT_TOKENS = 64  # draft tokens one round may verify, whatever a request asks
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen from the target's distribution.
@@ -69,7 +72,8 @@ class SpeculationParams:
     draft_context: bool | None = None  # also draft from the request's context; None: default
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= 64:
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidParameter(
-                "num_draft_tokens", f"must be in [1, 64], got {self.num_draft_tokens}"
+                "num_draft_tokens",
+                f"must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}",
             )

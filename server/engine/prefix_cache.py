@@ -66,6 +66,12 @@ class PrefixCache:
         self._prefixes.move_to_end(best.tokens)
         return best, length
 
+    def copy_into(self, cache: SlotCache, row: int, prefix: Prefix, length: int) -> None:
+        """Write the first `length` positions of a matched prefix into cache row `row`."""
+        keys = [tensor[:, :length] for tensor in prefix.keys]
+        values = [tensor[:, :length] for tensor in prefix.values]
+        cache.write(row, keys, values)
+
     def store(self, cache: SlotCache, row: int, tokens: Sequence[int]) -> None:
         """Keep the keys/values of `tokens`, the first len(tokens) positions of cache row `row`."""
         key = tuple(tokens)

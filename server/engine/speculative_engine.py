@@ -1,15 +1,18 @@
-"""The engine: a target, an optional draft and the process-wide draft breaker."""
+"""The engine: a target, an optional draft, the process-wide draft breaker and the batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kenspec_api.outputs import BreakerState
-from server.engine.batch import Batch, BatchSettings
-from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, TransitionHook
+from server.engine.admission import BatchSettings
+from server.engine.batch import Batch
+from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import ContextDraft
+from server.engine.costs import PassCosts
 from server.engine.draft import Draft
+from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculator import AcceptanceStats, Speculator
@@ -34,8 +37,9 @@ class ContextSettings:
 
 
 class SpeculativeEngine:
-    """Starts generations that share one target, one draft and one draft-fault breaker; the
-    service runs them together in `batch` (a generation can also run alone: `step()`)."""
+    """Starts generations that share one target, one draft and one draft-fault breaker, and
+    runs them together in `batch`: the server's streams, the warm-up, the bench and the tests
+    alike (`batch.rounds(generation)` drives a single one on the caller's thread)."""
 
     def __init__(
         self,
@@ -45,27 +49,28 @@ class SpeculativeEngine:
         *,
         context: ContextSettings | None = None,
         batching: BatchSettings | None = None,
+        costs: PassCosts | None = None,
+        events: EngineEvents = NO_EVENTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target = target
-        self.batch = Batch(target, batching)  # where the service runs every generation
+        self.batch = Batch(target, batching, costs=costs, events=events)
         self.static_draft = draft
         self.context = context or ContextSettings()
         self.context_draft = ContextDraft(
             draft, min_match=self.context.min_match, max_match=self.context.max_match
         )
         self.breaker = breaker or BreakerSettings()
-        self.on_transition: TransitionHook | None = None  # e.g. metrics; set by the service
+        self._clock = clock  # what the breakers judge their reset timeouts by
+        self._events = events
         self.acceptance_stats = AcceptanceStats()  # every request's, per draft source: priors
         self.faults = DraftFaultBreaker(
             fault_max=self.breaker.fault_max,
             reset_timeout_s=self.breaker.fault_reset_timeout_s,
             latency_budget_s=self.breaker.draft_latency_budget_s,
-            on_transition=self._transition,
+            on_transition=events.observe_transition,
+            clock=clock,
         )
-
-    def _transition(self, scope: str, state: BreakerState) -> None:
-        if self.on_transition is not None:
-            self.on_transition(scope, state)
 
     @property
     def draft(self) -> Draft | None:
@@ -91,9 +96,9 @@ class SpeculativeEngine:
             threshold=self.breaker.threshold,
             window_rounds=self.breaker.window_rounds,
             reset_timeout_s=self.breaker.reset_timeout_s,
-            num_draft_tokens=speculation.num_draft_tokens,
             request_id=request_id,
-            on_transition=self._transition,
+            on_transition=self._events.observe_transition,
+            clock=self._clock,
         )
         speculator = Speculator(
             session,

@@ -124,7 +124,6 @@ class TargetModel:
     eos_token_ids: frozenset[int]
     max_context: int
     head_t: torch.Tensor | None = None  # transposed output layer for LazyLogits (None: generic)
-    verify_widths: dict[int, int] | None = None  # pass width -> cheaper padded width, measured
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -257,12 +256,6 @@ class TargetModel:
         if logits:
             return self.model(**inputs).logits[0], packed.starts
         return self.model.model(**inputs).last_hidden_state[0], packed.starts
-
-    def padded_width(self, width: int, cache_length: int) -> int:
-        """A pass of `width` tokens costs more than a wider one on some CPUs (small-GEMM kernels):
-        the measured cheapest width >= `width`, within the context."""
-        padded = (self.verify_widths or {}).get(width, width)
-        return padded if cache_length + padded <= self.max_context else width
 
 
 def _check_model_dir(directory: Path) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from server.engine.costs import PassCosts
 from server.engine.draft import Proposal
-from server.engine.generation import Generation
+from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
@@ -84,7 +86,25 @@ def never_matching_kenlm(target: TargetModel, path: Path, avoid: set[int]) -> Ke
     return KenLMDraft.load(path, vocab_size=target.vocab_size)
 
 
-def generate(
+class Collector:
+    """A deliver callback: the rounds (or the error) one generation received."""
+
+    def __init__(self) -> None:
+        self.rounds: list[Round] = []
+        self.error: BaseException | None = None
+
+    def __call__(self, item: Round | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.rounds.append(item)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for round_ in self.rounds for token in round_.token_ids]
+
+
+def start(
     target: TargetModel,
     draft,
     prompt_ids: Sequence[int],
@@ -97,15 +117,42 @@ def generate(
     stop: tuple[str, ...] = (),
     ignore_eos: bool = False,
     breaker: BreakerSettings | None = None,
-) -> Generation:
-    engine = SpeculativeEngine(target, draft, breaker)
+    clock: Callable[[], float] = time.monotonic,
+    costs: PassCosts | None = None,
+) -> tuple[SpeculativeEngine, Generation]:
+    """A new engine (batch of its own) and a generation started on it, not yet run."""
+    engine = SpeculativeEngine(target, draft, breaker, clock=clock, costs=costs)
     generation = engine.start(
         prompt_ids,
         sampling=sampling or SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop=stop, ignore_eos=ignore_eos),
         speculation=SpeculationParams(enabled=enabled, num_draft_tokens=k, adaptive=adaptive),
     )
-    return generation
+    return engine, generation
+
+
+class Solo:
+    """One generation run through its engine's batch on this thread, as the server runs it (a
+    solo request is a batch of one): iterate for its rounds, or `step()` for the next one."""
+
+    def __init__(self, engine: SpeculativeEngine, generation: Generation) -> None:
+        self.engine = engine
+        self.generation = generation
+        self._rounds = engine.batch.rounds(generation)
+
+    def __iter__(self) -> Iterator[Round]:
+        return self._rounds
+
+    def step(self) -> Round:
+        return next(self._rounds)
+
+    def __getattr__(self, name: str) -> object:  # seed, output_ids, text, finished, ...
+        return getattr(self.generation, name)
+
+
+def generate(target: TargetModel, draft, prompt_ids: Sequence[int], **options) -> Solo:
+    """A generation on an engine of its own, run through the batch (see `start` for options)."""
+    return Solo(*start(target, draft, prompt_ids, **options))
 
 
 def fail_passes_fed(monkeypatch, poison: int) -> None:

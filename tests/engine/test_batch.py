@@ -5,70 +5,28 @@ from __future__ import annotations
 import pytest
 
 from kenspec_api.outputs import Mode
-from server.engine.batch import Batch, BatchSettings, PassCosts, choose_drafts
+from server.engine.admission import BatchSettings
+from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
-from server.engine.generation import Generation, Round
-from server.engine.kenlm_draft import KenLMDraft
+from server.engine.costs import PassCosts, choose_drafts
+from server.engine.generation import Generation
 from server.engine.params import SamplingParams
-from server.engine.target import TargetModel
-from tests import tiny
-from tests.engine.drafts import (
-    OracleDraft,
-    fail_passes_fed,
-    generate,
-    never_matching_kenlm,
-    reference_greedy,
-)
+from tests.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
 
 MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def references(tiny_target: TargetModel) -> list[tuple[list[int], list[int]]]:
-    result = []
-    for prompt in tiny.PROMPTS[:12]:
-        ids = tiny_target.encode_prompt(prompt)
-        result.append((ids, reference_greedy(tiny_target, ids, MAX_NEW)))
-    return result
+def streams(references) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference greedy continuation of MAX_NEW) for 12 prompts."""
+    return [(ids, expected[:MAX_NEW]) for ids, expected in list(references.values())[:12]]
 
 
-@pytest.fixture(scope="module")
-def partly_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
-    sentences = [continuation[:8] for _, continuation in references]
-    path = tmp_path_factory.mktemp("arpa") / "partly.arpa"
-    tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)
-    return KenLMDraft.load(path, vocab_size=tiny_target.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def never_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
-    seen = {token for _, continuation in references for token in continuation}
-    return never_matching_kenlm(tiny_target, tmp_path_factory.mktemp("arpa") / "n.arpa", seen)
-
-
-class Collector:
-    """A deliver callback: the rounds (or the error) one generation received."""
-
-    def __init__(self) -> None:
-        self.rounds: list[Round] = []
-        self.error: BaseException | None = None
-
-    def __call__(self, item: Round | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.error = item
-        else:
-            self.rounds.append(item)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [token for round_ in self.rounds for token in round_.token_ids]
-
-
-def mixed_generations(tiny_target, references, partly_matching, never_matching):
+def mixed_generations(tiny_target, streams, partly_matching, never_matching):
     """A generation per reference, cycling draft kinds, draft lengths and speculation on/off."""
     kinds = ["always", "never", "partly", "context", "off"]
     generations = []
-    for index, (ids, expected) in enumerate(references):
+    for index, (ids, expected) in enumerate(streams):
         kind = kinds[index % len(kinds)]
         draft = {
             "always": OracleDraft(expected),
@@ -79,7 +37,7 @@ def mixed_generations(tiny_target, references, partly_matching, never_matching):
         }[kind]
         max_new = MAX_NEW - index % 4  # streams end at different iterations
         k = 1 + index % 6
-        generation = generate(
+        _, generation = start(
             tiny_target, draft, ids, max_new_tokens=max_new, k=k, enabled=kind != "off"
         )
         generations.append((kind, generation, expected[:max_new]))
@@ -99,9 +57,9 @@ def drive(batch: Batch, additions: dict[int, list[tuple[Generation, Collector]]]
 
 
 def test_mixed_streams_in_a_batch_equal_their_solo_greedy_output(
-    tiny_target, references, partly_matching, never_matching
+    tiny_target, streams, partly_matching, never_matching
 ) -> None:
-    generations = mixed_generations(tiny_target, references, partly_matching, never_matching)
+    generations = mixed_generations(tiny_target, streams, partly_matching, never_matching)
     batch = Batch(tiny_target, BatchSettings(max_rows=5, prefill_chunk=3))
     collectors = [Collector() for _ in generations]
     pairs = [(g, c) for (_, g, _), c in zip(generations, collectors, strict=True)]
@@ -123,13 +81,13 @@ def test_mixed_streams_in_a_batch_equal_their_solo_greedy_output(
     assert batch.active == batch.waiting == 0
     assert max(batch.stats.by_width) > 2  # rows of different widths shared passes
     assert batch.stats.rows_verified > 2 * batch.stats.passes  # passes really were batched
-    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in references)
+    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in streams)
 
 
 def test_cancelled_stream_leaves_and_the_others_are_unaffected(
-    tiny_target, references, partly_matching, never_matching
+    tiny_target, streams, partly_matching, never_matching
 ) -> None:
-    generations = mixed_generations(tiny_target, references[:6], partly_matching, never_matching)
+    generations = mixed_generations(tiny_target, streams[:6], partly_matching, never_matching)
     batch = Batch(tiny_target, BatchSettings(max_rows=6, prefill_chunk=64))
     collectors = [Collector() for _ in generations]
     for (_, generation, _), collector in zip(generations, collectors, strict=True):
@@ -150,10 +108,10 @@ def test_cancelled_stream_leaves_and_the_others_are_unaffected(
 
 
 def test_same_seed_same_sample_alone_in_a_batch_and_without_drafts(
-    tiny_target, references, partly_matching
+    tiny_target, streams, partly_matching
 ) -> None:
     """Draws are keyed by output position, so neither drafts nor batching change a sample."""
-    ids, _ = references[0]
+    ids, _ = streams[0]
     sampling = SamplingParams(temperature=1.0, seed=77)
     alone = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, sampling=sampling)
     list(alone)
@@ -164,8 +122,8 @@ def test_same_seed_same_sample_alone_in_a_batch_and_without_drafts(
     batch = Batch(tiny_target, BatchSettings(max_rows=4))
     batched, collector = None, None
     others = [Collector() for _ in range(3)]
-    for index, (other_ids, _) in enumerate(references[1:4]):
-        other = generate(
+    for index, (other_ids, _) in enumerate(streams[1:4]):
+        _, other = start(
             tiny_target,
             partly_matching,
             other_ids,
@@ -173,7 +131,7 @@ def test_same_seed_same_sample_alone_in_a_batch_and_without_drafts(
             sampling=SamplingParams(temperature=1.0, seed=index),
         )
         batch.add(other, others[index])
-    batched = generate(
+    _, batched = start(
         tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, sampling=sampling, k=2
     )
     collector = Collector()
@@ -183,18 +141,18 @@ def test_same_seed_same_sample_alone_in_a_batch_and_without_drafts(
     assert len(set(map(tuple, (o.tokens for o in others)))) > 1  # they did sample
 
 
-def test_a_failing_row_fails_alone(tiny_target, references, partly_matching, monkeypatch) -> None:
+def test_a_failing_row_fails_alone(tiny_target, streams, partly_matching, monkeypatch) -> None:
     """A pass that raises is rerun row by row; only the row that breaks it fails."""
-    poison = references[2][0][-1]
-    assert all(ids[-1] != poison for ids, _ in references[:2])
+    poison = streams[2][0][-1]
+    assert all(ids[-1] != poison for ids, _ in streams[:2])
     fail_passes_fed(monkeypatch, poison)
     batch = Batch(tiny_target)
     collectors = [Collector() for _ in range(3)]
-    for (ids, _), collector in zip(references[:3], collectors, strict=True):
-        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    for (ids, _), collector in zip(streams[:3], collectors, strict=True):
+        batch.add(start(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW)[1], collector)
     batch.run_until_idle()
     assert isinstance(collectors[2].error, RuntimeError) and not collectors[2].rounds
-    for (_, expected), collector in zip(references[:2], collectors[:2], strict=True):
+    for (_, expected), collector in zip(streams[:2], collectors[:2], strict=True):
         assert collector.error is None and collector.tokens == expected
     assert batch.active == 0
 
@@ -245,20 +203,20 @@ def test_pass_costs_interpolate_in_rows_and_extrapolate_in_tokens() -> None:
 
 
 def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_streams(
-    tiny_target, references, partly_matching
+    tiny_target, streams, partly_matching
 ) -> None:
-    (first, _), (second, _), (third, _) = references[:3]
+    (first, _), (second, _), (third, _) = streams[:3]
     assert len(third) > 4  # several 2-token chunks
     batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=64))
     collectors = [Collector() for _ in range(3)]
     for ids, collector in zip((first, second), collectors, strict=False):
-        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+        batch.add(start(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW)[1], collector)
     batch.iterate()  # nothing decodes: both prompts go into their first round's pass
     assert batch.stats.prefill_tokens == len(first) + len(second) - 2
     assert batch.stats.passes == 1 and "prefill" not in batch.stats.seconds
     assert all(len(c.rounds) == 1 for c in collectors[:2])
     # One newcomer beside two running streams: its own 2-token chunks, the others go on.
-    batch.add(generate(tiny_target, partly_matching, third, max_new_tokens=MAX_NEW), collectors[2])
+    batch.add(start(tiny_target, partly_matching, third, max_new_tokens=MAX_NEW)[1], collectors[2])
     chunks = 0
     while not collectors[2].rounds:
         before = batch.stats.prefill_tokens
@@ -267,18 +225,18 @@ def test_prompts_prefill_in_large_chunks_alone_and_small_ones_beside_running_str
         chunks += 1
     assert chunks == -(-(len(third) - 1) // 2)
     batch.run_until_idle()
-    for (_, expected), collector in zip(references[:3], collectors, strict=True):
+    for (_, expected), collector in zip(streams[:3], collectors, strict=True):
         assert collector.tokens == expected
 
 
 def test_a_long_prompt_alone_is_chunked_and_its_last_chunk_shares_the_first_round(
-    tiny_target, references, partly_matching
+    tiny_target, streams, partly_matching
 ) -> None:
-    ids, expected = references[3]
+    ids, expected = streams[3]
     assert len(ids) > 5
     batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=3))
     collector = Collector()
-    batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.add(start(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW)[1], collector)
     iterations = 0
     while not collector.rounds:
         batch.iterate()
@@ -290,10 +248,10 @@ def test_a_long_prompt_alone_is_chunked_and_its_last_chunk_shares_the_first_roun
 
 
 def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
-    tiny_target, references, partly_matching, never_matching
+    tiny_target, streams, partly_matching, never_matching
 ) -> None:
-    generations = mixed_generations(tiny_target, references[:7], partly_matching, never_matching)
-    budget = sum(len(ids) - 1 for ids, _ in references[:4])  # the first four prompts exactly
+    generations = mixed_generations(tiny_target, streams[:7], partly_matching, never_matching)
+    budget = sum(len(ids) - 1 for ids, _ in streams[:4])  # the first four prompts exactly
     batch = Batch(
         tiny_target, BatchSettings(max_rows=6, prefill_chunk=2, prefill_chunk_alone=budget)
     )
@@ -309,11 +267,11 @@ def test_a_burst_of_prompts_starts_in_one_pass_and_later_ones_prefill_in_chunks(
     batch.run_until_idle()
     for (kind, _, expected), collector in pairs:
         assert collector.error is None and collector.tokens == expected, kind
-    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in references[:7])
+    assert batch.stats.prefill_tokens == sum(len(ids) - 1 for ids, _ in streams[:7])
 
 
 def test_a_burst_joins_a_lone_running_stream_in_one_pass(
-    tiny_target, references, partly_matching
+    tiny_target, streams, partly_matching
 ) -> None:
     """Three newcomers beside one running stream join its next pass: they are at least as many
     as the running streams, so the larger budget applies (their prompts exceed the 2-token
@@ -321,12 +279,12 @@ def test_a_burst_joins_a_lone_running_stream_in_one_pass(
     prefill pass of its own."""
     batch = Batch(tiny_target, BatchSettings(prefill_chunk=2, prefill_chunk_alone=256))
     collectors = [Collector() for _ in range(4)]
-    pairs = list(zip(references[:4], collectors, strict=True))
+    pairs = list(zip(streams[:4], collectors, strict=True))
     (ids, _), collector = pairs[0]
-    batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+    batch.add(start(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW)[1], collector)
     batch.iterate()
     for (ids, _), collector in pairs[1:]:
-        batch.add(generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW), collector)
+        batch.add(start(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW)[1], collector)
     batch.iterate()
     assert batch.stats.passes == 2 and all(len(c.rounds) == 1 for c in collectors[1:])
     assert "prefill" not in batch.stats.seconds

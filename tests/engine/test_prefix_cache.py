@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.batch import Batch, BatchSettings
+from server.engine.admission import BatchSettings
+from server.engine.batch import Batch
 from server.engine.prefix_cache import PrefixCache, _shared_length
 from server.engine.target import TargetModel
-from tests.engine.drafts import generate, reference_greedy
-from tests.engine.test_batch import Collector
+from tests.engine.drafts import Collector, reference_greedy, start
 
 SYSTEM = "You are a helpful assistant. Answer briefly. "
 
@@ -61,11 +61,11 @@ def test_a_batch_reuses_a_shared_system_prompt_and_outputs_are_unchanged(tiny_ta
     expected = [reference_greedy(tiny_target, ids, 12) for ids in prompts]
     batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=1 << 20))
     collectors = [Collector() for _ in prompts]
-    batch.add(generate(tiny_target, None, prompts[0], max_new_tokens=12), collectors[0])
+    batch.add(start(tiny_target, None, prompts[0], max_new_tokens=12)[1], collectors[0])
     batch.iterate()  # the first prompt's pass: stored
     assert batch.stats.reused_tokens == 0
     for ids, collector in zip(prompts[1:], collectors[1:], strict=True):
-        batch.add(generate(tiny_target, None, ids, max_new_tokens=12), collector)
+        batch.add(start(tiny_target, None, ids, max_new_tokens=12)[1], collector)
     batch.run_until_idle()
     shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1], strict=False)) if a != b)
     # The second copies the system prompt; the third, the same prompt as the first, all of it
@@ -81,7 +81,7 @@ def test_no_prefix_cache_when_disabled(tiny_target) -> None:
     prompt = tiny_target.encode_prompt(SYSTEM + "Hello")
     batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=0))
     for _ in range(2):
-        batch.add(generate(tiny_target, None, prompt, max_new_tokens=4), Collector())
+        batch.add(start(tiny_target, None, prompt, max_new_tokens=4)[1], Collector())
         batch.run_until_idle()
     assert batch.prefixes is None and batch.stats.reused_tokens == 0
     assert batch.stats.prefill_tokens == 2 * (len(prompt) - 1)
@@ -92,7 +92,7 @@ def test_a_request_queued_before_the_prompt_was_stored_still_reuses_it(tiny_targ
     batch = Batch(tiny_target, BatchSettings(max_rows=1, prefix_cache_bytes=1 << 20))
     collectors = [Collector() for _ in prompts]
     for ids, collector in zip(prompts, collectors, strict=True):  # both queued at once
-        batch.add(generate(tiny_target, None, ids, max_new_tokens=6), collector)
+        batch.add(start(tiny_target, None, ids, max_new_tokens=6)[1], collector)
     batch.run_until_idle()
     shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
     assert batch.stats.reused_tokens == shared
@@ -106,13 +106,13 @@ def test_a_next_turn_reuses_the_previous_prompt_and_answer(tiny_target) -> None:
     first = tiny_target.encode_prompt(SYSTEM + "Hello")
     batch = Batch(tiny_target, BatchSettings(prefix_cache_bytes=1 << 20))
     collector = Collector()
-    batch.add(generate(tiny_target, None, first, max_new_tokens=10, ignore_eos=True), collector)
+    batch.add(start(tiny_target, None, first, max_new_tokens=10, ignore_eos=True)[1], collector)
     batch.run_until_idle()
     answer = collector.tokens
     assert len(answer) == 10
     second = first + answer + tiny_target.encode_prompt(" and then?")[1:]
     replies = Collector()
-    batch.add(generate(tiny_target, None, second, max_new_tokens=8), replies)
+    batch.add(start(tiny_target, None, second, max_new_tokens=8)[1], replies)
     batch.run_until_idle()
     assert batch.stats.reused_tokens == len(first) + len(answer) - 1
     assert replies.tokens == reference_greedy(tiny_target, second, 8)

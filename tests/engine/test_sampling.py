@@ -140,7 +140,8 @@ def speculative_samples(target, prompt_ids, params, draft, *, rule=None) -> list
             target, draft, prompt_ids, max_new_tokens=2, k=2, sampling=sampling, ignore_eos=True
         )
         if rule is not None:
-            generation._verify = rule  # a deliberately wrong acceptance rule, to show test power
+            # A deliberately wrong acceptance rule, to show the test has power.
+            generation.generation._verify = rule
         list(generation)
         samples.append(tuple(generation.output_ids[:2]))
     return samples
