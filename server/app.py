@@ -94,7 +94,7 @@ class KenspecServer:
     async def load(self) -> None:
         """Load and warm the model off the event loop, then report SERVING."""
         # On the engine thread itself: a second thread running torch kernels leaves a second
-        # OpenMP pool behind, and multi-token passes then ran ~50% slower (measured, AVX2 EPYC).
+        # OpenMP pool behind, which slows every later multi-token pass.
         runtime = await self.scheduler.run(self._loader, self.settings, self.metrics)
         self.metrics.set_draft_breaker(runtime.engine.faults.state)
         self.service.runtime = runtime

@@ -4,8 +4,8 @@ Prompt lookup (transformers' PromptLookupCandidateGenerator, vLLM's NgramPropose
 last n tokens of prompt + output occurred before, propose what followed them then. It is
 strong where the output copies or paraphrases its input (rewriting, summaries, code edits,
 RAG) and where the output repeats itself; a static n-gram is strong on the target's habitual
-phrasing. The combined rule, measured on the default model's greedy answers (see the README's
-Context drafting section): use the context continuation when the longest suffix match is at
+phrasing. The combined rule, chosen by replaying the default model's greedy answers (see
+docs/design.md, "Drafts"): use the context continuation when the longest suffix match is at
 least `min_match` tokens (1 by default: it gave the most tokens per round on every prompt set),
 and let the static draft continue from there; otherwise the static draft alone (llama.cpp's
 ngram-cache combines a context and a static cache the same way).

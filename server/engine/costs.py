@@ -109,8 +109,8 @@ def calibrate(
 def cheapest_widths(costs: dict[int, float], margin: float = 0.05) -> dict[int, int]:
     """For each multi-token width, a wider one that costs at least `margin` less, if any.
 
-    Small GEMMs are not monotonic in M on every CPU (measured on an AVX2 EPYC: 3 tokens cost
-    more than 5), so padding a pass with tokens that are scored and then cropped can be free.
+    Small GEMMs are not monotonic in M on every CPU (3 tokens can cost more than 5), so
+    padding a pass with tokens that are scored and then cropped can be free.
 
     Example: {1: 40, 2: 66, 3: 79, 4: 72, 5: 67} -> {3: 5, 4: 5}
     """

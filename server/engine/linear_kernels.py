@@ -1,16 +1,12 @@
-"""Linear layers for passes of a few tokens: W @ x^T where that is measured faster than x @ W^T.
+"""Linear layers for passes of a few tokens: W @ x^T where that is timed faster than x @ W^T.
 
 A verification pass of one sequence and a handful of drafts, or of a few sequences, feeds
-each linear layer an input of 2-8 rows. On an AVX2 EPYC with MKL, `F.linear` (x @ W^T) at
-2-5 rows cost 1.4-1.7x its single-row GEMV, while the same product computed as (W @ x^T)^T
-cost about one GEMV: the decoder's linear stack of SmolLM2-135M (30 layers) took 32-48 ms
-against 57-77 ms (medians, weights streamed from memory as in a real pass). The win depends
-on the CPU and on the row count, so `measure_skinny_rows` times both on the model's own weights
-at start-up and `use_skinny` switches only the row counts where W @ x^T won. Whole passes of
-2-5 rows: one row x 2 or 4 tokens 81-83 ms against 116-130 ms, where one token cost 77-80 ms;
-4 rows x 1 token 77 ms against 120 ms (interleaved medians). Only 2-5 rows are candidates:
-passes of 8-32 rows also ran 5-18% faster as W @ x^T, but served at 8 streams that bought
-no throughput (the batch chose wider passes instead; tried and reverted, see the README).
+each linear layer an input of 2-5 rows. On some CPUs (AVX2 with MKL among them) `F.linear`
+(x @ W^T) at such row counts costs well over its single-row GEMV, while the same product
+computed as (W @ x^T)^T costs about one GEMV: a verify pass then costs about one decoding
+step. The win depends on the CPU and the row count, so `measure_skinny_rows` times both on the
+model's own weights at start-up and `use_skinny` switches only the row counts where W @ x^T
+won. Only 2-5 rows are candidates; see docs/design.md for the measurements.
 
 Both are the same product in float32, summed in a different order: results differ in the
 last bits, as any two GEMM kernels (or batch sizes) do.

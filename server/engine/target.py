@@ -34,9 +34,9 @@ class LazyLogits:
     matrix of a small model. Row 0 is read by every sequence of a batched pass, so it is
     computed for all of them in one GEMM (one read of the output layer instead of one per
     sequence). A row past 0 is computed with the next BLOCK - 1 rows: a verification that
-    reads row 1 usually reads more, and one product of the output layer with 2-5 rows cost
-    about what a single-row GEMV did (4.7-8.4 ms against 4.7 ms per row; 49k x 576, AVX2
-    EPYC), so a fully accepted 6-token draft reads the layer 3 times instead of 7.
+    reads row 1 usually reads more, and one product of the output layer with a few rows costs
+    about what a single-row GEMV does, so a fully accepted 6-token draft reads the layer 3
+    times instead of 7.
     """
 
     BLOCK = 4
@@ -143,8 +143,8 @@ class TargetModel:
         model.to(resolved_device).eval()
         model.set_attn_implementation(PACKED_ATTENTION)  # transformers' SDPA for its own calls
         head_t = None
-        # float32 only: a bf16 GEMV against the transposed copy ran 4x slower than
-        # transformers' own bf16 head on a CPU without native bf16 (measured; bench/results/bf16).
+        # float32 only: in bf16 a GEMV against a transposed copy can be far slower than
+        # transformers' own head (no native bf16 GEMV kernels on many CPUs).
         plain_head = config.model_type in _PLAIN_HEAD_TYPES and model.lm_head.bias is None
         if plain_head and resolved_dtype == torch.float32:
             head_t = model.lm_head.weight.detach().t().contiguous()
@@ -215,11 +215,8 @@ class TargetModel:
         ]
 
     def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of one position per row: a GEMV for one row, else head @ hidden^T.
-
-        Measured for the 49k x 576 head on an AVX2 EPYC: 2..8 rows as head @ hidden^T took
-        5-11 ms where hidden @ head^T (and F.linear) took 17-29 ms; one row is a 4.9 ms GEMV.
-        """
+        """Logits of one position per row: a GEMV for one row, else head @ hidden^T (for a
+        wide head and a few rows, far cheaper than hidden @ head^T on CPUs; docs/design.md)."""
         if hidden.shape[0] == 1:
             return (hidden @ self.head_t).float()
         return (self.model.lm_head.weight @ hidden.t()).t().float()
