@@ -96,7 +96,7 @@ class KenspecServer:
         # On the engine thread itself: a second thread running torch kernels leaves a second
         # OpenMP pool behind, which slows every later multi-token pass.
         runtime = await self.scheduler.run(self._loader, self.settings, self.metrics)
-        self.metrics.set_draft_breaker(runtime.engine.faults.state)
+        self.metrics.set_draft_breaker(runtime.engine.draft_breaker_state)
         self.service.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

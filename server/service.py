@@ -138,7 +138,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         runtime = await self._ready(context, request)
         info = pb.ModelInfo()
         info.CopyFrom(runtime.info)
-        info.breaker.fault_breaker_state = to_proto(runtime.engine.faults.state)
+        info.breaker.fault_breaker_state = to_proto(runtime.engine.draft_breaker_state)
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kenspec_api.outputs import BreakerState
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
@@ -71,6 +72,11 @@ class SpeculativeEngine:
             on_transition=events.observe_transition,
             clock=clock,
         )
+
+    @property
+    def draft_breaker_state(self) -> BreakerState:
+        """The process-wide draft-fault breaker's state."""
+        return self.faults.state
 
     @property
     def draft(self) -> Draft | None:
