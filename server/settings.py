@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from server.engine.params import MAX_DRAFT_TOKENS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m"
@@ -151,6 +153,11 @@ def parse_settings(
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
+    if not 1 <= namespace.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        parser.error(
+            f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], "
+            f"not {namespace.num_draft_tokens}"
+        )
     if namespace.prefix_cache_mb < 0:
         parser.error(f"--prefix-cache-mb must be 0 or more, not {namespace.prefix_cache_mb}")
     for name in (

@@ -31,3 +31,11 @@ def test_a_negative_prefix_cache_is_refused_and_zero_turns_it_off(capsys) -> Non
         parse_settings(["--prefix-cache-mb", "-1"], env={})
     assert "--prefix-cache-mb must be 0 or more, not -1" in capsys.readouterr().err
     assert parse_settings(["--prefix-cache-mb", "0"], env={}).prefix_cache_mb == 0
+
+
+@pytest.mark.parametrize("value", ["0", "65"])
+def test_draft_tokens_outside_the_one_limit_are_refused(value, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(["--num-draft-tokens", value], env={})
+    assert f"--num-draft-tokens must be in [1, 64], not {value}" in capsys.readouterr().err
+    assert parse_settings(["--num-draft-tokens", "64"], env={}).num_draft_tokens == 64
