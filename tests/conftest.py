@@ -14,6 +14,24 @@ from tests.engine.drafts import reference_greedy
 torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
 
 
+class FakeClock:
+    """A clock for the breakers (`clock=`): time moves only when a test advances it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-byte-model")

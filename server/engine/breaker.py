@@ -4,15 +4,21 @@ Two scopes, both built on pybreaker and driven from the engine's thread (pybreak
 call_async is Tornado-only):
 
 - AcceptanceBreaker, one per request: a sliding window over the request's last N speculative
-  rounds. When the acceptance they imply (the alpha whose E(alpha) is their mean tokens per
-  round, see calibration.implied_acceptance) falls below the threshold the breaker opens
-  and the request decodes autoregressively; after the reset timeout one trial speculative round
-  runs (half-open) and closes it again if that round's acceptance clears the threshold. Per
+  rounds. When the acceptance they imply (the alpha at which the tokens the rounds were
+  expected to emit, each at its own draft length, equal those they did emit; see
+  implied_window_acceptance) falls below the threshold the breaker opens and the request
+  decodes autoregressively; after the reset timeout one trial speculative round runs
+  (half-open) and closes it again if that round's acceptance clears the threshold. Per
   request, because one prompt in a language the n-gram never saw must not switch speculation
   off for everyone else.
 - DraftFaultBreaker, one per process: the draft raising, or taking longer than its latency
   budget, is a fault; after fault_max consecutive faults the breaker opens for every request
   (a broken KenLM model is broken for all) until a trial call after the reset timeout succeeds.
+
+Both read time from an injectable clock (time.monotonic by default): their reset timeouts, and
+the draft's latency against its budget. pybreaker, which judges its reset timeout by wall-clock
+datetime, is given one it never reaches; the breakers move to half-open themselves once their
+clock says the timeout has passed. Only the hang timeout is real time: it abandons a thread.
 """
 
 from __future__ import annotations
@@ -20,16 +26,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from datetime import UTC, datetime
 
 import pybreaker
 import structlog
 
 from kenspec_api.outputs import BreakerState
-from server.engine.costs import implied_acceptance
+from server.engine.costs import expected_tokens_per_round
 from server.engine.draft import DraftSession, Proposal
 
 log = structlog.get_logger("kenspec.breaker")
@@ -58,6 +63,42 @@ class DraftTooSlow(Exception):
 
 
 TransitionHook = Callable[[str, BreakerState], None]  # (scope, new state), e.g. for metrics
+Clock = Callable[[], float]  # seconds, monotonic; only differences are used
+
+# pybreaker's own reset timeout, judged against datetime.now(): a century, so that it never
+# half-opens a breaker by itself and only the breakers' clocks decide (see _ClockedBreaker).
+_PYBREAKER_NEVER_S = 100 * 365 * 24 * 3600.0
+
+
+def implied_window_acceptance(rounds: Sequence[tuple[int, int]]) -> float:
+    """The per-token acceptance alpha that explains a window of (drafted, accepted) rounds.
+
+    The alpha at which the tokens the rounds were expected to emit, sum of E(alpha, drafted)
+    over them, equals the tokens they emitted, sum of accepted + 1: each round is judged at
+    the draft length it verified, so a fully accepted one-draft round counts as acceptance 1,
+    whatever the request's maximum k. 0 when no draft was accepted, 1 when all were. For one
+    round this is costs.implied_acceptance(accepted + 1, drafted).
+    """
+    rounds = [(drafted, accepted) for drafted, accepted in rounds if drafted > 0]
+    if not rounds:
+        return 0.0
+    emitted = sum(accepted + 1 for _, accepted in rounds)
+    if emitted <= len(rounds):
+        return 0.0
+    if emitted >= sum(drafted + 1 for drafted, _ in rounds):
+        return 1.0
+
+    def expected(alpha: float) -> float:
+        return sum(expected_tokens_per_round(alpha, drafted) for drafted, _ in rounds)
+
+    low, high = 0.0, 1.0
+    for _ in range(60):  # the sum is increasing in alpha; bisection as implied_acceptance does
+        middle = (low + high) / 2
+        if expected(middle) < emitted:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 class _TransitionLog(pybreaker.CircuitBreakerListener):
@@ -82,6 +123,52 @@ class _TransitionLog(pybreaker.CircuitBreakerListener):
         )
 
 
+class _ClockedBreaker(pybreaker.CircuitBreakerListener):
+    """A pybreaker.CircuitBreaker whose reset timeout is judged by `clock`.
+
+    Listens to its breaker to note, by the clock, when it opened; `half_open_if_due` moves an
+    open breaker to half-open (notifying the listeners: log, metrics) once reset_timeout_s
+    has passed on the clock. pybreaker's own timeout is one it never reaches.
+    """
+
+    def __init__(
+        self,
+        *,
+        fail_max: int,
+        reset_timeout_s: float,
+        name: str,
+        listeners: Sequence[pybreaker.CircuitBreakerListener],
+        clock: Clock,
+    ) -> None:
+        self.reset_timeout_s = float(reset_timeout_s)
+        self._clock = clock
+        self._opened_at: float | None = None
+        self.breaker = pybreaker.CircuitBreaker(
+            fail_max=fail_max,
+            reset_timeout=_PYBREAKER_NEVER_S,
+            name=name,
+            listeners=[self, *listeners],
+        )
+
+    def state_change(self, cb: pybreaker.CircuitBreaker, old_state, new_state) -> None:  # type: ignore[no-untyped-def]
+        if new_state.name == pybreaker.STATE_OPEN:
+            self._opened_at = self._clock()
+
+    @property
+    def state(self) -> BreakerState:
+        return _STATES[self.breaker.current_state]
+
+    def half_open_if_due(self) -> bool:
+        """True unless the breaker is open and its reset timeout has not passed on the clock."""
+        if self.breaker.current_state != pybreaker.STATE_OPEN:
+            return True
+        opened_at = self._opened_at
+        if opened_at is None or self._clock() - opened_at >= self.reset_timeout_s:
+            self.breaker.half_open()
+            return True
+        return False
+
+
 class AcceptanceBreaker:
     """Per-request breaker on the acceptance rate of the last `window_rounds` speculative rounds."""
 
@@ -91,27 +178,32 @@ class AcceptanceBreaker:
         threshold: float,
         window_rounds: int,
         reset_timeout_s: float,
-        num_draft_tokens: int = 1,
         request_id: str = "",
         on_transition: TransitionHook | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.threshold = threshold
-        self.num_draft_tokens = num_draft_tokens
         self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
         self._request_id = request_id
-        self._breaker = pybreaker.CircuitBreaker(
+        self._clocked = _ClockedBreaker(
             fail_max=1,
-            reset_timeout=reset_timeout_s,
+            reset_timeout_s=reset_timeout_s,
             name=f"acceptance:{request_id}",
             listeners=[
                 _TransitionLog(self._describe, "request", on_transition),
                 _ClearOnClose(self._window),
             ],
+            clock=clock,
         )
+        self._breaker = self._clocked.breaker
 
     @property
     def state(self) -> BreakerState:
-        return _STATES[self._breaker.current_state]
+        return self._clocked.state
+
+    @property
+    def reset_timeout_s(self) -> float:
+        return self._clocked.reset_timeout_s
 
     @property
     def window_acceptance(self) -> float:
@@ -120,24 +212,12 @@ class AcceptanceBreaker:
 
     def allows_speculation(self) -> bool:
         """Closed, or half-open for a trial round once the reset timeout has passed."""
-        if self._breaker.current_state != pybreaker.STATE_OPEN:
-            return True
-        opened_at = self._breaker._state_storage.opened_at  # pybreaker has no public accessor
-        if opened_at is None or _seconds_since(opened_at) >= self._breaker.reset_timeout:
-            self._breaker.half_open()  # notifies the listeners (log, metrics)
-            return True
-        return False
+        return self._clocked.half_open_if_due()
 
     @property
     def window_effective_acceptance(self) -> float:
         """The acceptance implied by the window's tokens per round (what is judged)."""
-        return self._effective(list(self._window))
-
-    def _effective(self, rounds: list[tuple[int, int]]) -> float:
-        if not rounds:
-            return 0.0
-        tokens_per_round = sum(accepted + 1 for _, accepted in rounds) / len(rounds)
-        return implied_acceptance(tokens_per_round, self.num_draft_tokens)
+        return implied_window_acceptance(self._window)
 
     def record(self, drafted: int, accepted: int) -> None:
         """Judge a speculative round; a trial round is judged alone, others by the full window."""
@@ -145,7 +225,7 @@ class AcceptanceBreaker:
             return
         trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
         self._window.append((drafted, accepted))
-        rate = self._effective([(drafted, accepted)] if trial else list(self._window))
+        rate = implied_window_acceptance([(drafted, accepted)] if trial else self._window)
         judged = trial or len(self._window) == self._window.maxlen
         with contextlib.suppress(AcceptanceTooLow, pybreaker.CircuitBreakerError):
             self._breaker.call(_judge, judged and rate < self.threshold)
@@ -189,22 +269,26 @@ class DraftFaultBreaker:
         latency_budget_s: float,
         on_transition: TransitionHook | None = None,
         hang_timeout_s: float | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.latency_budget_s = latency_budget_s
         # A draft that hangs must not hang the engine: proposals run on their own thread and
         # are abandoned after hang_timeout_s (default: 20 latency budgets, at least 1 s).
         self.hang_timeout_s = hang_timeout_s or max(1.0, 20 * latency_budget_s)
+        self._clock = clock
         self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-draft")
-        self._breaker = pybreaker.CircuitBreaker(
+        self._clocked = _ClockedBreaker(
             fail_max=fault_max,
-            reset_timeout=reset_timeout_s,
+            reset_timeout_s=reset_timeout_s,
             name="draft-faults",
             listeners=[_TransitionLog(lambda: {"fault_max": fault_max}, "draft", on_transition)],
+            clock=clock,
         )
+        self._breaker = self._clocked.breaker
 
     @property
     def state(self) -> BreakerState:
-        return _STATES[self._breaker.current_state]
+        return self._clocked.state
 
     @property
     def fault_max(self) -> int:
@@ -212,10 +296,12 @@ class DraftFaultBreaker:
 
     @property
     def reset_timeout_s(self) -> float:
-        return float(self._breaker.reset_timeout)
+        return self._clocked.reset_timeout_s
 
     def propose(self, session: DraftSession, k: int, request_id: str = "") -> Proposal | None:
         """The session's proposal, or None when the breaker is open or the draft failed."""
+        if not self._clocked.half_open_if_due():
+            return None  # open: the draft is not even called
         try:
             return self._breaker.call(self._timed, session, k)
         except pybreaker.CircuitBreakerError as error:
@@ -231,7 +317,7 @@ class DraftFaultBreaker:
             return None
 
     def _timed(self, session: DraftSession, k: int) -> Proposal:
-        started = time.perf_counter()
+        started = self._clock()
         future = self._runner.submit(session.propose, k)
         try:
             proposal = future.result(timeout=self.hang_timeout_s)
@@ -239,11 +325,7 @@ class DraftFaultBreaker:
             self._runner.shutdown(wait=False)  # leave the hung thread behind, start afresh
             self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-draft")
             raise DraftHung(f"draft gave no answer within {self.hang_timeout_s:g} s") from None
-        elapsed = time.perf_counter() - started
+        elapsed = self._clock() - started
         if elapsed > self.latency_budget_s:
             raise DraftTooSlow(elapsed, proposal)
         return proposal
-
-
-def _seconds_since(moment: datetime) -> float:
-    return (datetime.now(UTC) - moment).total_seconds()
