@@ -1,7 +1,7 @@
 """Self-distillation corpus: the target's own greedy answers, as token ids, to train the draft.
 
 The best n-gram draft corpus is what the target itself writes on the workload's prompts
-(docs/design.md, "Drafts"). This runs the target, batched and
+(docs/design.md, "The default draft"). This runs the target, batched and
 greedy, on each prompt rendered as a chat user message, and writes:
 
     corpus.ids    one answer per line, token ids as decimal words ("504 2251 30"): lmplz input
