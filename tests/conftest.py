@@ -1,12 +1,17 @@
-"""Shared fixtures: tiny models saved to a temp dir and loaded through TargetModel.load."""
+"""Shared fixtures: tiny models saved to a temp dir and loaded through TargetModel.load, a fake
+clock for the breakers, `python -m server` processes over the tiny model, and a /metrics scrape."""
 
 from __future__ import annotations
 
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from harness.server_process import ServerProcess
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.engine.drafts import reference_greedy
@@ -61,3 +66,46 @@ def tiny_draft_path(tiny_target, tmp_path_factory) -> Path:
     ]
     path = tmp_path_factory.mktemp("draft") / "tiny.arpa"
     return tiny.train_arpa(path, sentences, range(len(tiny_target.tokenizer)), order=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tiny_draft_path) -> Iterator[Callable[..., ServerProcess]]:
+    """tiny_server(*flags) -> a ready `python -m server` process over the tiny model and draft
+    (greedy threshold 0, one thread). Stop it when done; any still running are stopped at the
+    end of the session."""
+    started: list[ServerProcess] = []
+
+    def start(*extra: str) -> ServerProcess:
+        flags = ["--model", str(tiny_model_dir), "--draft", str(tiny_draft_path)]
+        flags += ["--device", "cpu", "--dtype", "float32", "--breaker-threshold", "0"]
+        process = ServerProcess([*flags, "--threads", "1", *extra], timeout=120)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+class MetricSamples(dict):
+    """One scrape of /metrics: (sample name, sorted labels) -> value."""
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sample's value; 0 for a labelled sample not exported yet."""
+        return self.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _scrape(port: int) -> MetricSamples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return MetricSamples(
+        ((sample.name, tuple(sorted(sample.labels.items()))), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    )
+
+
+@pytest.fixture(scope="session")
+def scrape() -> Callable[[int], MetricSamples]:
+    """scrape(metrics_port) -> MetricSamples, read with `.value(name, **labels)`."""
+    return _scrape

@@ -1,18 +1,52 @@
-"""An in-process kenspec server on an ephemeral port, over the tiny model and a test ARPA draft."""
+"""An in-process kenspec server on an ephemeral port, over the tiny model and a test ARPA draft,
+and what the service tests share: requests, reading a stream, a gate on the target's passes and
+a wait for every stream slot to come free.
+
+No verdict here waits for time to pass: where a test needs a stream that cannot finish (a
+deadline, a full queue, a cancellation mid-stream), its passes wait at the gate until the test
+lets them through, so the machine's speed cannot change the outcome. TIMEOUT only bounds a wait
+that a passing run never reaches.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
+from server.engine.target import TargetModel
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
+
+TIMEOUT = 60.0  # seconds; a bound on waits that a passing run never reaches
+
+
+def serve_loaded(runtime: Runtime | None, gate: threading.Event | None = None) -> Callable:
+    """A KenspecServer loader that hands over `runtime`, already loaded (once `gate` is set,
+    when given). It takes the loader's arguments, (settings) or (settings, events), and
+    ignores them: the runtime reports to whatever it was loaded with."""
+
+    def loader(settings: Settings, events: object = None) -> Runtime | None:
+        if gate is not None:
+            gate.wait()
+        return runtime
+
+    return loader
+
+
+@pytest.fixture(scope="session", name="serve_loaded")
+def serve_loaded_fixture() -> Callable:
+    """serve_loaded(runtime, gate=None) -> a loader for KenspecServer (see serve_loaded)."""
+    return serve_loaded
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +78,7 @@ async def start_server(base_settings, runtime) -> AsyncIterator[Callable]:
     channels: list[grpc.aio.Channel] = []
 
     async def start(load: bool = True, **overrides) -> tuple[KenspecServer, pb_grpc.GeneratorStub]:
-        server = KenspecServer(replace(base_settings, **overrides), loader=lambda _: runtime)
+        server = KenspecServer(replace(base_settings, **overrides), loader=serve_loaded(runtime))
         servers.append(server)
         await server.start()
         if load:
@@ -58,3 +92,106 @@ async def start_server(base_settings, runtime) -> AsyncIterator[Callable]:
         await channel.close()
     for server in servers:
         await server.stop(0)
+
+
+async def _collect(call, timeout: float = TIMEOUT) -> list[pb.GenerateResponse]:
+    async def read():
+        return [response async for response in call]
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+@pytest.fixture(scope="session")
+def collect() -> Callable:
+    """await collect(call) -> every response of a streaming call (its error raised)."""
+    return _collect
+
+
+def _prompt_request(prompt: str = "The quick brown fox", **stopping) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, stopping=pb.StoppingCriteria(**stopping))
+
+
+@pytest.fixture(scope="session")
+def prompt_request() -> Callable[..., pb.GenerateRequest]:
+    """prompt_request(prompt="The quick brown fox", **stopping) -> a GenerateRequest."""
+    return _prompt_request
+
+
+async def _wait_until_idle(server: KenspecServer, timeout: float = TIMEOUT) -> None:
+    """Return once no stream holds a slot of `server`: take every slot (queueing for it as a
+    request would, so this waits on the scheduler itself), then give them all back."""
+    scheduler = server.scheduler
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(scheduler.max_active):
+            slot = await asyncio.wait_for(scheduler.acquire(), timeout)
+            await held.enter_async_context(slot)
+
+
+@pytest.fixture(scope="session")
+def wait_until_idle() -> Callable:
+    """await wait_until_idle(server): every stream slot of the server is free again."""
+    return _wait_until_idle
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """One forward pass the batch asked of the target: a row of tokens per stream in it."""
+
+    rows: list[list[int]]
+    skips: list[int]  # per row, the prompt tokens prefilled in the pass before its own
+
+
+class PassGate:
+    """Holds TargetModel.forward (on the engine thread) until the test lets each pass through,
+    and records every pass that reaches it, in order."""
+
+    def __init__(self, forward: Callable) -> None:
+        self._forward = forward
+        self._condition = threading.Condition()
+        self._allowed = 0  # passes that may go through, from the first
+        self.arrived: list[Pass] = []
+
+    def through(self, target: TargetModel, cache, lengths, token_rows: Sequence, **options):  # type: ignore[no-untyped-def]
+        skips = options.get("skips") or [0] * len(token_rows)
+        with self._condition:
+            index = len(self.arrived)
+            self.arrived.append(Pass([list(row) for row in token_rows], list(skips)))
+            self._condition.notify_all()
+            if not self._condition.wait_for(lambda: index < self._allowed, 5 * TIMEOUT):
+                raise RuntimeError("a pass was held at the gate and never let through")
+        return self._forward(target, cache, lengths, token_rows, **options)
+
+    def allow(self, passes: int = 1) -> None:
+        """Let `passes` more passes through."""
+        with self._condition:
+            self._allowed += passes
+            self._condition.notify_all()
+
+    def open(self) -> None:
+        """Let every pass through from now on."""
+        self.allow(1 << 40)
+
+    async def arrival(self, count: int) -> Pass:
+        """The count-th pass (from 1), once it has reached the gate."""
+
+        def wait() -> Pass:
+            with self._condition:
+                reached = self._condition.wait_for(lambda: len(self.arrived) >= count, TIMEOUT)
+                assert reached, f"pass {count} never reached the gate ({len(self.arrived)} did)"
+                return self.arrived[count - 1]
+
+        return await asyncio.to_thread(wait)
+
+
+@pytest.fixture
+def held_passes(start_server, monkeypatch) -> Iterator[PassGate]:
+    """Every forward pass of the target waits at a gate until the test lets it through. The gate
+    opens at teardown, before the servers stop (so it asks for start_server)."""
+    gate = PassGate(TargetModel.forward)
+
+    def forward(target, *args, **options):  # type: ignore[no-untyped-def]
+        return gate.through(target, *args, **options)
+
+    monkeypatch.setattr(TargetModel, "forward", forward)
+    yield gate
+    gate.open()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -15,7 +16,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from kenspec_api import generator_pb2 as pb
-from tests.service.test_generate import collect, prompt_request
+from kenspec_api import generator_pb2_grpc as pb_grpc
+from server.app import KenspecServer
+from server.settings import Settings
 
 
 def chat(*messages: tuple[str, str]) -> pb.Messages:
@@ -53,7 +56,7 @@ INVALID = [
 
 @pytest.mark.parametrize(("request_", "named"), INVALID)
 async def test_invalid_input_is_invalid_argument_naming_the_field(
-    start_server, request_, named
+    start_server, request_, named, collect, prompt_request
 ) -> None:
     _, stub = await start_server()
     with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -72,7 +75,9 @@ async def test_tokenize_invalid_input(start_server) -> None:
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_unexpected_error_is_internal_with_request_id(start_server, monkeypatch) -> None:
+async def test_unexpected_error_is_internal_with_request_id(
+    start_server, monkeypatch, collect
+) -> None:
     server, stub = await start_server()
 
     def broken_round(self, logits):
@@ -93,54 +98,51 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
 
 
 async def test_health_not_serving_while_loading_then_serving_then_draining(
-    base_settings, runtime
+    base_settings, runtime, serve_loaded
 ) -> None:
-    from server.app import KenspecServer
-
     release = threading.Event()
-
-    def slow_loader(_settings):
-        release.wait(10)
-        return runtime
-
-    server = KenspecServer(base_settings, loader=slow_loader)
+    server = KenspecServer(base_settings, loader=serve_loaded(runtime, gate=release))
     await server.start()
     loading = asyncio.create_task(server.load())
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
-        stub = pb.DESCRIPTOR.services_by_name["Generator"]
-        assert stub.full_name == "kenspec.v1.Generator"
-        from kenspec_api import generator_pb2_grpc as pb_grpc
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = pb.DESCRIPTOR.services_by_name["Generator"]
+            assert stub.full_name == "kenspec.v1.Generator"
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await pb_grpc.GeneratorStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            release.set()
+            await asyncio.wait_for(loading, 30)
+            assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                await health_status(channel, "kenspec.v1.Generator")
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+            await server.health.enter_graceful_shutdown()
+            assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        release.set()  # a failed check must not leave the loader waiting
+        await server.stop(0)
 
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await pb_grpc.GeneratorStub(channel).GetModelInfo(pb.GetModelInfoRequest())
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        release.set()
-        await asyncio.wait_for(loading, 30)
-        assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        assert (
-            await health_status(channel, "kenspec.v1.Generator")
-            == health_pb2.HealthCheckResponse.SERVING
-        )
-        await server.health.enter_graceful_shutdown()
-        assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
-    await server.stop(0)
 
-
-async def test_health_answers_while_generating(start_server) -> None:
+async def test_health_answers_while_generating(start_server, held_passes, prompt_request) -> None:
+    """Health is answered on the event loop, never behind the engine: here the engine is held
+    inside a pass that does not end until the check has been answered."""
     server, stub = await start_server()
     request = prompt_request(max_new_tokens=300)
     request.speculation.mode = pb.SPECULATION_MODE_OFF
+    held_passes.allow(1)
     call = stub.Generate(request)
     await asyncio.wait_for(call.read(), 30)
+    await held_passes.arrival(2)  # the engine thread is in the stream's second pass
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        started = asyncio.get_running_loop().time()
         assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        assert asyncio.get_running_loop().time() - started < 1.0
+    assert len(held_passes.arrived) == 2  # the engine is still inside that pass
     call.cancel()
 
 
-def test_reflection_lists_services_and_resolves_types() -> None:
+def test_reflection_lists_services_and_resolves_types(serve_loaded) -> None:
     """What grpcurl relies on, through grpc_reflection's descriptor-database client (v1alpha)."""
     # The descriptor database is a synchronous client: run the server in its own loop thread.
     loop = asyncio.new_event_loop()
@@ -148,17 +150,12 @@ def test_reflection_lists_services_and_resolves_types() -> None:
     holder = {}
 
     async def serve():
-        from dataclasses import replace
-
-        from server.app import KenspecServer
-        from server.settings import Settings
-
         settings = replace(Settings(), port=0, draft="none", metrics_port=-1)
-        server = KenspecServer(settings, loader=lambda _: None)
+        server = KenspecServer(settings, loader=serve_loaded(None))  # never loaded
+        holder["done"] = asyncio.Event()
         holder["port"] = await server.start()
         ready.set()
-        while not holder.get("done"):
-            await asyncio.sleep(0.05)
+        await holder["done"].wait()
         await server.stop(0)
 
     thread = threading.Thread(target=lambda: loop.run_until_complete(serve()))
@@ -189,7 +186,8 @@ def test_reflection_lists_services_and_resolves_types() -> None:
             names = {s.name for s in answers[0].list_services_response.service}
             assert "kenspec.v1.Generator" in names
     finally:
-        holder["done"] = True
+        if "done" in holder:
+            loop.call_soon_threadsafe(holder["done"].set)
         thread.join(10)
         loop.close()
 
@@ -204,7 +202,9 @@ async def test_container_healthcheck_command(start_server) -> None:
     assert await asyncio.to_thread(healthcheck.check, "127.0.0.1:1", 1.0) is False
 
 
-async def test_chat_without_a_template_is_invalid_argument(start_server, runtime, monkeypatch):
+async def test_chat_without_a_template_is_invalid_argument(
+    start_server, runtime, monkeypatch, collect
+) -> None:
     """Generate and Tokenize share one encoder: a chat to a model without a chat template is
     the caller's error on both."""
     _, stub = await start_server()

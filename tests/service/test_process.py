@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from harness.server_process import ServerProcess, server_command
+from harness.server_process import server_command
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from tests.engine.drafts import reference_greedy
@@ -19,30 +19,14 @@ from tests.engine.drafts import reference_greedy
 REPO = Path(__file__).resolve().parents[2]
 
 
-def tiny_server(model: Path, draft: Path, *extra: str) -> ServerProcess:
-    return ServerProcess(
-        [
-            "--model",
-            str(model),
-            "--draft",
-            str(draft),
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--breaker-threshold",
-            "0",
-            "--threads",
-            "1",
-            *extra,
-        ],
-        timeout=120,
-    )
+STREAM_TIMEOUT = 120  # seconds; bounds a stream that a passing run finishes long before
 
 
 @pytest.fixture
-def server_process(tiny_model_dir, tiny_draft_path):
-    process = tiny_server(tiny_model_dir, tiny_draft_path)
+def server_process(tiny_server):
+    # The drain waits for in-flight streams longer than their clients do: a stream is never
+    # cut by the grace period, however slow the machine; a hang ends at the client's deadline.
+    process = tiny_server("--grace-period-s", str(5 * STREAM_TIMEOUT))
     yield process
     process.stop()
 
@@ -59,7 +43,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server_process, tiny_t
             stopping=pb.StoppingCriteria(max_new_tokens=120),
             speculation=pb.SpeculationParameters(mode=pb.SPECULATION_MODE_OFF),
         )
-        stream = stub.Generate(request, timeout=120)
+        stream = stub.Generate(request, timeout=STREAM_TIMEOUT)
         streams.append((prompt, stream, list(next(stream).token_ids)))
     server_process.process.send_signal(signal.SIGTERM)
     server_process.wait_for("draining")

@@ -30,14 +30,17 @@ VALIDATABLE = {
 }
 
 
+TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
+
+
 class ServerThread:
-    def __init__(self, settings, runtime) -> None:
+    def __init__(self, settings, loader) -> None:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
         async def serve() -> None:
             # grpc.aio binds a server to the loop it is made in: make it in the server's loop.
-            self.server = KenspecServer(settings, loader=lambda _: runtime)
+            self.server = KenspecServer(settings, loader=loader)
             await self.server.start()
             await self.server.load()
             self._stopped = asyncio.Event()
@@ -48,6 +51,10 @@ class ServerThread:
         self.thread.start()
         assert ready.wait(60)
         self.address = f"127.0.0.1:{self.server.port}"
+
+    def run(self, coroutine):  # type: ignore[no-untyped-def]
+        """Run a coroutine in the server's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(TIMEOUT)
 
     def stop(self) -> None:
         async def drain() -> None:
@@ -60,7 +67,7 @@ class ServerThread:
 
 
 @pytest.fixture(scope="module")
-def served(base_settings, runtime):
+def served(base_settings, runtime, serve_loaded):
     settings = replace(
         base_settings,
         max_new_tokens_limit=16,
@@ -68,7 +75,7 @@ def served(base_settings, runtime):
         max_concurrent_streams=8,
         max_queue=200,
     )
-    server = ServerThread(settings, runtime)
+    server = ServerThread(settings, serve_loaded(runtime))
     channel = grpc.insecure_channel(server.address)
     yield server, pb_grpc.GeneratorStub(channel), channel
     channel.close()
@@ -154,7 +161,7 @@ def resident_kib() -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_load_with_cancellations_loses_nothing(served, tiny_target) -> None:
+def test_load_with_cancellations_loses_nothing(served, tiny_target, wait_until_idle) -> None:
     server, stub, _ = served
     prompts = [f"prompt number {i} about foxes" for i in range(32)]
     solo = {p: reference_greedy(tiny_target, tiny_target.encode_prompt(p), 16) for p in prompts}
@@ -183,10 +190,7 @@ def test_load_with_cancellations_loses_nothing(served, tiny_target) -> None:
         assert sum(future.result(timeout=300) for future in cancelled) == 100
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == solo[prompt], prompt  # greedy: identical to its solo run
-    deadline = 50
-    while (server.server.scheduler.active or server.server.scheduler.waiting) and deadline:
-        threading.Event().wait(0.1)
-        deadline -= 1
+    server.run(wait_until_idle(server.server))  # cancelled streams' slots come free
     assert server.server.scheduler.active == 0 and server.server.scheduler.waiting == 0
     gc.collect()
     after = resident_kib()

@@ -3,7 +3,9 @@ and the server's deadline cap."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -16,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, AuthenticationError, ServerUnavailable
 from kenspec_api import generator_pb2 as pb
-from tests.service.test_generate import collect, prompt_request
+from server.app import KenspecServer
+
+TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
 
 
 def _name(common: str) -> x509.Name:
@@ -143,21 +147,35 @@ async def test_bearer_tokens(start_server, tokens_file) -> None:
 
 
 def test_empty_tokens_file_is_refused(tmp_path, base_settings) -> None:
-    from dataclasses import replace
-
-    from server.app import KenspecServer
-
     empty = tmp_path / "tokens"
     empty.write_text("# nobody\n")
     with pytest.raises(ValueError, match="no tokens"):
         KenspecServer(replace(base_settings, auth_tokens_file=str(empty)))
 
 
-async def test_server_caps_the_deadline(start_server) -> None:
-    _, stub = await start_server(max_deadline_s=0.5)
+async def test_server_caps_the_deadline(start_server, held_passes, collect, prompt_request):
+    """No stream runs past --max-deadline-s, whatever deadline its client set (none here): one
+    waiting for a slot is cut in the queue, one generating after the round in flight. The
+    passes are held, so neither could finish first on any machine."""
+    _, stub = await start_server(max_deadline_s=0.5, max_concurrent_streams=1)
     request = prompt_request(max_new_tokens=390)
     request.speculation.mode = pb.SPECULATION_MODE_OFF
+    generating = stub.Generate(request)  # no client deadline at all
+    await held_passes.arrival(1)  # it holds the only slot; its first pass waits at the gate
+    with pytest.raises(grpc.aio.AioRpcError) as queued:
+        await collect(stub.Generate(prompt_request(max_new_tokens=2)))  # waits for that slot
+    assert queued.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "0.5 s" in queued.value.details()
+    # The generating stream started first: its 0.5 s are up too. Its round in flight ends it.
+    held_passes.open()
+    received = []
+
+    async def read() -> None:
+        async for response in generating:
+            received.append(response)
+
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await collect(stub.Generate(request))  # no client deadline at all
+        await asyncio.wait_for(read(), TIMEOUT)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "0.5 s" in error.value.details()
+    assert len(received) <= 1  # the cap is overshot by one round at most
