@@ -1,16 +1,24 @@
 """Real nginx and Prometheus (Debian packages) with the repo's configs, in front of / scraping
-kenspec server processes on loopback. .ci/run installs both."""
+kenspec server processes on loopback. .ci/run installs both.
+
+Nothing here polls: nginx is ready when it logs that it starts its workers (after binding its
+port), a cancellation has reached a replica when that replica logs the request done, and
+Prometheus has scraped when it remote-writes what it scraped to a receiver in the test.
+"""
 
 from __future__ import annotations
 
+import http.server
 import json
+import queue
 import re
 import shutil
 import socket
 import subprocess
-import time
+import threading
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,10 +26,10 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from tests.service.test_metrics import scrape, value
-from tests.service.test_process import tiny_server
 
 REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
+UPSTREAM_HEADER = "x-kenspec-upstream"  # the replica nginx chose, added to the test's config
 
 
 def free_port() -> int:
@@ -30,14 +38,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on {port}")
+class LogLines:
+    """A process's output, read on a thread of its own (a full pipe would block the process),
+    waited on line by line."""
+
+    def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
+        """The next line that contains `text`."""
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} within {timeout} s: {self.lines}") from None
+            if line is None:
+                raise AssertionError(f"the process exited before {text!r}: {self.lines}")
+            self.lines.append(line)
+            if text in line:
+                return line
 
 
 def require(binary: str) -> str:
@@ -47,26 +73,34 @@ def require(binary: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model_dir, tiny_draft_path):
+def replicas(tiny_server):
     metrics = [free_port(), free_port()]
-    processes = [
-        tiny_server(tiny_model_dir, tiny_draft_path, "--metrics-port", str(port))
-        for port in metrics
-    ]
+    processes = [tiny_server("--metrics-port", str(port)) for port in metrics]
     yield list(zip(processes, metrics, strict=True))
     for process in processes:
         process.stop()
 
 
+def substitute(pattern: str, replacement: str, text: str) -> str:
+    """re.sub that insists on exactly one match: the repo's config must still say it."""
+    result, count = re.subn(pattern, replacement, text)
+    assert count == 1, f"{pattern!r} matched {count} times in the config"
+    return result
+
+
 @pytest.fixture(scope="module")
-def nginx(replicas, tmp_path_factory):
+def nginx(replicas, tmp_path_factory) -> Iterator[int]:
     directory = tmp_path_factory.mktemp("nginx")
     port = free_port()
     upstreams = "".join(f"server 127.0.0.1:{p.port};\n        " for p, _ in replicas)
     config = (REPO / "deploy" / "nginx.conf").read_text()
-    config = re.sub(r"server kenspec:\d+;\n\s*", upstreams, config)
-    config = re.sub(r"listen \d+ http2;", f"listen 127.0.0.1:{port} http2;", config)
+    config = substitute(r"server kenspec:\d+;\n\s*", upstreams, config)
+    config = substitute(r"listen \d+ http2;", f"listen 127.0.0.1:{port} http2;", config)
     config = config.replace("/tmp/kenspec-nginx", str(directory / "nginx"))
+    # Notices (nginx logs when it starts its workers, after binding), and which replica served.
+    config = substitute(r"error_log \S+ \w+;", "error_log stderr notice;", config)
+    header = f"add_header {UPSTREAM_HEADER} $upstream_addr;"
+    config = substitute(r"(grpc_pass [^;]+;)", rf"\1\n            {header}", config)
     (directory / "nginx.conf").write_text(config)
     process = subprocess.Popen(
         [
@@ -82,71 +116,100 @@ def nginx(replicas, tmp_path_factory):
         text=True,
     )
     try:
-        wait_for_port(port)
-    except TimeoutError:
-        process.kill()
-        raise AssertionError(f"nginx did not start: {process.communicate()[1]}") from None
-    yield port
-    process.terminate()
-    process.wait(10)
+        LogLines(process.stderr).wait_for("start worker process")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def stub_for(port: int) -> pb_grpc.GeneratorStub:
     return pb_grpc.GeneratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
-def requests_ok(metrics_port: int) -> float:
-    return value(scrape(metrics_port), "kenspec_requests_total", finish_reason="length", code="OK")
+def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx, scrape) -> None:
+    def requests_ok(metrics_port: int) -> float:
+        samples = scrape(metrics_port)
+        return samples.value("kenspec_requests_total", finish_reason="length", code="OK")
 
-
-def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx) -> None:
     before = [requests_ok(metrics) for _, metrics in replicas]
     stub = stub_for(nginx)  # one channel, one HTTP/2 connection to nginx
     for index in range(6):
         request = pb.GenerateRequest(
             prompt=f"Hello world {index}", stopping=pb.StoppingCriteria(max_new_tokens=8)
         )
-        responses = list(stub.Generate(request, timeout=60))
+        responses = list(stub.Generate(request, timeout=TIMEOUT))
         assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(r.token_ids) for r in responses) == 8
+    # Each call's status came after its server had counted it: nothing to wait for.
     served = [requests_ok(metrics) - b for (_, metrics), b in zip(replicas, before, strict=True)]
     assert sum(served) == 6
     assert all(count >= 1 for count in served), served  # balanced per request
 
 
-def test_cancellation_through_nginx_reaches_the_server(replicas, nginx) -> None:
+def test_cancellation_through_nginx_reaches_the_server(replicas, nginx, scrape) -> None:
     stub = stub_for(nginx)
     request = pb.GenerateRequest(
         prompt="The quick brown fox",
         stopping=pb.StoppingCriteria(max_new_tokens=390),
         speculation=pb.SpeculationParameters(mode=pb.SPECULATION_MODE_OFF),
     )
-    call = stub.Generate(request, timeout=60)
-    next(call)
+    call = stub.Generate(request, timeout=TIMEOUT)
+    first = next(call)
+    upstream = dict(call.initial_metadata())[UPSTREAM_HEADER]
     call.cancel()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        samples = [scrape(metrics) for _, metrics in replicas]
-        cancelled = sum(
-            value(s, "kenspec_requests_total", finish_reason="none", code="CANCELLED")
-            for s in samples
-        )
-        active = sum(value(s, "kenspec_active_streams") for s in samples)
-        if cancelled >= 1 and active == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"cancellation did not reach a replica: {cancelled=} {active=}")
+    ((replica, metrics),) = [(p, m) for p, m in replicas if upstream == f"127.0.0.1:{p.port}"]
+    while (done := replica.wait_for("request_done", TIMEOUT)).get("request_id") != first.request_id:
+        pass  # an earlier request's
+    assert done["outcome"] == "cancelled"
+    # A later call on the replica's event loop: the cancelled call's clean-up (its slot, its
+    # count) ran in the loop turn that logged it, before this one was served.
+    pb_grpc.GeneratorStub(grpc.insecure_channel(replica.address)).GetModelInfo(
+        pb.GetModelInfoRequest(), timeout=TIMEOUT
+    )
+    samples = scrape(metrics)
+    assert samples.value("kenspec_requests_total", finish_reason="none", code="CANCELLED") >= 1
+    assert samples.value("kenspec_active_streams") == 0
+
+
+class _RemoteWrites(http.server.BaseHTTPRequestHandler):
+    """Receives Prometheus' remote writes: each means it scraped and stored samples."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(204)
+        self.end_headers()
+        self.server.written.set()  # type: ignore[attr-defined]
+
+    def log_message(self, *args: object) -> None:
+        pass
 
 
 def test_prometheus_scrapes_the_server_with_the_repo_config(replicas, tmp_path) -> None:
     (process, metrics_port) = replicas[0]
+    stub = stub_for(process.port)
+    list(  # counted before Prometheus starts: its first scrape sees it
+        stub.Generate(
+            pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_new_tokens=4)),
+            timeout=TIMEOUT,
+        )
+    )
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RemoteWrites)
+    receiver.written = threading.Event()  # type: ignore[attr-defined]
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
     config = (REPO / "deploy" / "prometheus.yml").read_text()
-    config = re.sub(
+    config = substitute(
         r"dns_sd_configs:\n(\s+- .*\n)(\s+\w+: .*\n)+",
         f"static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n",
         config,
     )
     config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
+    config += (
+        "remote_write:\n"
+        f"  - url: http://127.0.0.1:{receiver.server_address[1]}/write\n"
+        "    queue_config: {batch_send_deadline: 100ms}\n"
+        "    metadata_config: {send: false}\n"
+    )
     (tmp_path / "prometheus.yml").write_text(config)
     port = free_port()
     prometheus = subprocess.Popen(
@@ -157,31 +220,23 @@ def test_prometheus_scrapes_the_server_with_the_repo_config(replicas, tmp_path) 
             f"--web.listen-address=127.0.0.1:{port}",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
-        stub = stub_for(process.port)
-        list(
-            stub.Generate(
-                pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_new_tokens=4)),
-                timeout=60,
-            )
-        )
+        LogLines(prometheus.stderr).wait_for("Server is ready to receive web requests")
+        # The only job is kenspec: a remote write follows its first scrape, stored and queryable.
+        assert receiver.written.wait(TIMEOUT), "Prometheus wrote nothing it scraped"  # type: ignore[attr-defined]
         query = urllib.parse.urlencode({"query": 'kenspec_requests_total{job="kenspec"}'})
-        deadline = time.monotonic() + 60
-        result: list = []
-        while time.monotonic() < deadline and not result:
-            time.sleep(1)
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=5
-                ) as response:
-                    result = json.load(response)["data"]["result"]
-            except OSError:
-                continue
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=TIMEOUT
+        ) as response:
+            result = json.load(response)["data"]["result"]
         assert result, "Prometheus returned no kenspec series"
         assert any(float(r["value"][1]) >= 1 for r in result)
         assert {r["metric"]["instance"] for r in result} == {f"127.0.0.1:{metrics_port}"}
     finally:
         prometheus.terminate()
         prometheus.wait(10)
+        receiver.shutdown()
+        receiver.server_close()
