@@ -39,6 +39,8 @@ class ServerProcess:
         )
         self.events: list[dict] = []
         self._seen = 0  # events before this index were already looked at by wait_for
+        self._arrived = threading.Condition()  # notified on each event and when the log ends
+        self._ended = False
         # The log is read all the time, not only while waiting: a full stderr pipe would block
         # the server mid-round (it logs from the engine thread) and a sweep would measure that.
         self._reader = threading.Thread(target=self._drain, daemon=True)
@@ -53,21 +55,29 @@ class ServerProcess:
             with contextlib.suppress(json.JSONDecodeError):
                 record = json.loads(line)
                 if isinstance(record, dict):
-                    self.events.append(record)
+                    with self._arrived:
+                        self.events.append(record)
+                        self._arrived.notify_all()
+        with self._arrived:
+            self._ended = True
+            self._arrived.notify_all()
 
     def wait_for(self, event: str, timeout: float = 120) -> dict:
         """The next log event named `event` (after those earlier calls returned)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            while self._seen < len(self.events):
-                record = self.events[self._seen]
-                self._seen += 1
-                if record.get("event") == event:
-                    return record
-            if not self._reader.is_alive() and self._seen >= len(self.events):
-                raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
-            time.sleep(0.02)
-        raise TimeoutError(f"no {event!r} from the server within {timeout} s")
+        with self._arrived:
+            while True:
+                while self._seen < len(self.events):
+                    record = self.events[self._seen]
+                    self._seen += 1
+                    if record.get("event") == event:
+                        return record
+                if self._ended:
+                    raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {event!r} from the server within {timeout} s")
+                self._arrived.wait(left)
 
     @property
     def address(self) -> str:

@@ -34,7 +34,7 @@ import pybreaker
 import structlog
 
 from kenspec_api.outputs import BreakerState
-from server.engine.costs import expected_tokens_per_round
+from server.engine.costs import expected_tokens_per_round, solve_acceptance
 from server.engine.draft import DraftSession, Proposal
 
 log = structlog.get_logger("kenspec.breaker")
@@ -82,23 +82,11 @@ def implied_window_acceptance(rounds: Sequence[tuple[int, int]]) -> float:
     rounds = [(drafted, accepted) for drafted, accepted in rounds if drafted > 0]
     if not rounds:
         return 0.0
-    emitted = sum(accepted + 1 for _, accepted in rounds)
-    if emitted <= len(rounds):
-        return 0.0
-    if emitted >= sum(drafted + 1 for drafted, _ in rounds):
-        return 1.0
 
     def expected(alpha: float) -> float:
         return sum(expected_tokens_per_round(alpha, drafted) for drafted, _ in rounds)
 
-    low, high = 0.0, 1.0
-    for _ in range(60):  # the sum is increasing in alpha; bisection as implied_acceptance does
-        middle = (low + high) / 2
-        if expected(middle) < emitted:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
+    return solve_acceptance(expected, sum(accepted + 1 for _, accepted in rounds))
 
 
 class _TransitionLog(pybreaker.CircuitBreakerListener):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.engine.target import TargetModel
@@ -61,14 +61,20 @@ def implied_acceptance(tokens_per_round: float, k: int) -> float:
     because acceptance is far from independent per position: a context match is accepted as a
     whole span or not at all, and a round then yields more than E(accepted / drafted).
     """
-    if tokens_per_round <= 1.0:
+    return solve_acceptance(lambda alpha: expected_tokens_per_round(alpha, k), tokens_per_round)
+
+
+def solve_acceptance(expected: Callable[[float], float], tokens: float) -> float:
+    """The alpha in [0, 1] at which expected(alpha), increasing in alpha, equals tokens: 0 when
+    tokens <= expected(0), 1 when tokens >= expected(1)."""
+    if tokens <= expected(0.0):
         return 0.0
-    if tokens_per_round >= k + 1:
+    if tokens >= expected(1.0):
         return 1.0
     low, high = 0.0, 1.0
-    for _ in range(60):  # E is increasing in alpha; bisection to well below float32 noise
+    for _ in range(60):  # bisection to well below float32 noise
         middle = (low + high) / 2
-        if expected_tokens_per_round(middle, k) < tokens_per_round:
+        if expected(middle) < tokens:
             low = middle
         else:
             high = middle
