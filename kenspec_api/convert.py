@@ -7,6 +7,7 @@ Each enum of `outputs` maps to the proto enum of the same members with a prefix
 
 from __future__ import annotations
 
+from dataclasses import fields
 from enum import StrEnum
 
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
@@ -19,6 +20,10 @@ _PROTO_ENUMS: dict[type[StrEnum], tuple[EnumTypeWrapper, str]] = {
     BreakerState: (pb.BreakerState, "BREAKER_STATE_"),
     FinishReason: (pb.FinishReason, "FINISH_REASON_"),
 }
+
+
+# Usage's fields are pb.Usage's, by name (tests/client checks the two agree).
+_USAGE_FIELDS = tuple(field.name for field in fields(Usage))
 
 
 def to_proto(member: StrEnum) -> int:
@@ -40,22 +45,8 @@ def from_proto(kind: type[StrEnum], value: int) -> StrEnum | str:
 
 
 def usage_to_proto(usage: Usage) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        drafted_tokens=usage.drafted_tokens,
-        accepted_tokens=usage.accepted_tokens,
-        rounds=usage.rounds,
-        seed=usage.seed,
-    )
+    return pb.Usage(**{name: getattr(usage, name) for name in _USAGE_FIELDS})
 
 
 def usage_from_proto(usage: pb.Usage) -> Usage:
-    return Usage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        drafted_tokens=usage.drafted_tokens,
-        accepted_tokens=usage.accepted_tokens,
-        rounds=usage.rounds,
-        seed=usage.seed,
-    )
+    return Usage(**{name: getattr(usage, name) for name in _USAGE_FIELDS})

@@ -39,12 +39,16 @@ def case(tiny_target):
 
 
 class SwitchingDraft:
-    """Wrong (a token the target never emits) for the first `bad_tokens` of output, then oracle."""
+    """Wrong (a token the target never emits) for the first `bad_tokens` of output, then oracle;
+    at most `width` tokens a round (None: k)."""
 
     name = "switching"
 
-    def __init__(self, reference: Sequence[int], wrong: int, bad_tokens: int) -> None:
+    def __init__(
+        self, reference: Sequence[int], wrong: int, bad_tokens: int, width: int | None = None
+    ) -> None:
         self.reference, self.wrong, self.bad_tokens = list(reference), wrong, bad_tokens
+        self.width = width
 
     def start(self, prompt_ids):
         return _SwitchingSession(self)
@@ -55,35 +59,10 @@ class _SwitchingSession:
         self.draft, self.position = draft, 0
 
     def propose(self, k: int) -> Proposal:
+        k = min(k, self.draft.width or k)
         if self.position < self.draft.bad_tokens:
             return Proposal((self.draft.wrong,) * k, (1.0,) * k)
         tokens = tuple(self.draft.reference[self.position : self.position + k])
-        return Proposal(tokens, (1.0,) * len(tokens))
-
-    def extend(self, token_ids) -> None:
-        self.position += len(token_ids)
-
-
-class OneTokenDraft:
-    """Proposes one token a round, whatever k: the reference's next (right) or `wrong`."""
-
-    name = "one-token"
-
-    def __init__(self, reference: Sequence[int], wrong: int | None = None) -> None:
-        self.reference, self.wrong = list(reference), wrong
-
-    def start(self, prompt_ids):
-        return _OneTokenSession(self)
-
-
-class _OneTokenSession:
-    def __init__(self, draft: OneTokenDraft) -> None:
-        self.draft, self.position = draft, 0
-
-    def propose(self, k: int) -> Proposal:
-        if self.draft.wrong is not None:
-            return Proposal((self.draft.wrong,), (1.0,))
-        tokens = tuple(self.draft.reference[self.position : self.position + 1])
         return Proposal(tokens, (1.0,) * len(tokens))
 
     def extend(self, token_ids) -> None:
@@ -326,7 +305,7 @@ def test_fully_accepted_short_rounds_keep_the_breaker_closed_at_a_larger_k(
     ids, reference, _ = case
     generation = generate(
         tiny_target,
-        OneTokenDraft(reference),
+        SwitchingDraft(reference, wrong=-1, bad_tokens=0, width=1),  # always right
         ids,
         max_new_tokens=MAX_NEW,
         k=6,
@@ -344,7 +323,7 @@ def test_rejected_short_rounds_still_open_the_breaker(tiny_target, case, clock) 
     ids, reference, wrong = case
     generation = generate(
         tiny_target,
-        OneTokenDraft(reference, wrong=wrong),
+        SwitchingDraft(reference, wrong, bad_tokens=10**9, width=1),  # always wrong
         ids,
         max_new_tokens=MAX_NEW,
         k=6,
