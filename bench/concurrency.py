@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,9 +97,12 @@ def concurrency_sweep(
     distinct: bool = False,
 ) -> list[dict]:
     """Each level `repeats` times, the levels alternating (1, 8, 1, 8, ...) so that machine
-    drift hits every level alike; per level the median of each figure over the repeats.
+    drift hits every level alike; per level the median of each figure over the repeats, and
+    the server's `calibrated` log event (what its start-up measured a pass to cost).
     distinct: no request repeats an earlier one's prompt (see sweep_level's tag)."""
     server = ServerProcess(server_args)
+    calibrated = next((e for e in server.events if e.get("event") == "calibrated"), None)
+    print(f"server calibrated: {json.dumps(calibrated)}", file=sys.stderr, flush=True)
     try:
         runs: dict[int, list[dict]] = {level: [] for level in levels}
         for repeat in range(repeats):
@@ -110,7 +114,7 @@ def concurrency_sweep(
                     )
                 )
                 runs[level].append(result)
-        return [_median_of(runs[level]) for level in levels]
+        return [{**_median_of(runs[level]), "calibrated": calibrated} for level in levels]
     finally:
         server.stop()
 
