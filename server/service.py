@@ -127,7 +127,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             prompt, messages = parse_input(request)
             ids = await asyncio.to_thread(self._encode, runtime, prompt, messages)
         except InvalidParameter as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await context.abort(*status_of(error, request_id=""))
         target = runtime.engine.target
         tokens = target.tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, token_count=len(ids))
