@@ -10,7 +10,7 @@ live greedy run would give them (in float32), in microseconds per round instead 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from server.engine.draft import Draft
@@ -59,8 +59,10 @@ def replay(
     prompts: Sequence[Sequence[int]],
     answers: Sequence[Sequence[int]],
     params: SpeculationParams,
+    learn: Callable[[Sequence[int]], None] | None = None,
 ) -> ReplayStats:
-    """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair."""
+    """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair, in order;
+    `learn` gets each answer once replayed (a suffix index learning as a server would)."""
     k_max = params.num_draft_tokens
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
@@ -85,6 +87,8 @@ def replay(
             drafted += len(proposal)
             accepted += matched
         tokens += len(answer)
+        if learn is not None:
+            learn(answer)
     return ReplayStats(
         answers=len(answers),
         tokens=tokens,

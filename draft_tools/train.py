@@ -35,6 +35,7 @@ from server.engine.draft import Draft
 from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams
 from server.engine.successors import SuccessorIndex
+from server.engine.suffix_index import SUFFIX_CORPUS, SuffixIndex
 from server.settings import REPO_ROOT
 
 MODEL_FILE = "model.bin"
@@ -168,8 +169,13 @@ def evaluate(
     min_draft_prob: float,
     context: bool = False,
     min_match: int = 3,
+    suffix: bool = False,
+    learn: bool = False,
 ) -> ReplayStats:
-    """Replay held-out answers; draft_path None with context=True is prompt lookup alone."""
+    """Replay held-out answers; draft_path None with context=True is prompt lookup alone.
+
+    suffix: with context, also draft from a suffix index seeded with the draft folder's
+    corpus; learn: the index learns each answer once replayed (requests in sequence)."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     draft: Draft | None = None
     if draft_path is not None:
@@ -180,13 +186,20 @@ def evaluate(
             min_draft_prob=min_draft_prob,
             end_token_id=tokenizer.eos_token_id,
         )
+    index = None
+    if suffix:
+        corpus = draft_path / SUFFIX_CORPUS if draft_path is not None else None
+        has_corpus = corpus is not None and corpus.is_file()
+        index = SuffixIndex.from_corpus(corpus) if has_corpus else SuffixIndex()
     if context:
-        draft = ContextDraft(draft, min_match=min_match, max_match=max(8, min_match))
+        max_match = max(8, min_match)
+        draft = ContextDraft(draft, min_match=min_match, max_match=max_match, suffix=index)
     if draft is None:
         raise ValueError("nothing to evaluate: give a draft, or context=True")
     prompts, replies = load_answers(model, answers)
     params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
-    return replay(draft, prompts, replies, params)
+    learner = index.add if learn and index is not None else None
+    return replay(draft, prompts, replies, params, learn=learner)
 
 
 def report(stats: ReplayStats, label: str = "", costs: Sequence[float] = ()) -> str:
@@ -251,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--min-match", type=int, default=1)
     check.add_argument(
+        "--suffix",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --context, also draft from a suffix index seeded with the draft's corpus",
+    )
+    check.add_argument(
+        "--learn",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the suffix index learns each answer once replayed (requests in sequence)",
+    )
+    check.add_argument(
         "--cost-ms",
         type=float,
         nargs=2,
@@ -304,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_draft_prob=args.min_draft_prob,
             context=args.context,
             min_match=args.min_match,
+            suffix=args.suffix,
+            learn=args.learn,
         )
         print(report(stats, costs=args.cost_ms))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import structlog
 import torch
@@ -22,6 +23,7 @@ from server.engine.params import (
     StoppingParams,
 )
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
+from server.engine.suffix_index import SUFFIX_CORPUS, SuffixIndex
 from server.engine.target import TargetModel
 from server.requests import Defaults, Limits
 from server.settings import Settings
@@ -60,6 +62,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
+        learn_prompts=settings.suffix_learn_prompts,
     )
     batching = BatchSettings(
         max_rows=settings.max_batch_size,
@@ -69,7 +72,14 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         prefix_cache_bytes=settings.prefix_cache_mb << 20,
     )
     engine = SpeculativeEngine(
-        target, draft, breaker, context=context, batching=batching, costs=costs, events=events
+        target,
+        draft,
+        breaker,
+        context=context,
+        batching=batching,
+        costs=costs,
+        events=events,
+        suffix=_load_suffix_index(settings),
     )
     _warm_up(engine)
     limits = Limits(
@@ -97,6 +107,27 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
         min_draft_prob=settings.min_draft_prob,
         end_token_id=eos,
     )
+
+
+def _load_suffix_index(settings: Settings) -> SuffixIndex | None:
+    """The global index of past answers, seeded from the draft folder's corpus if it has one."""
+    if not (settings.suffix_index and settings.draft_context):
+        return None
+    started = time.perf_counter()
+    options = {"max_tokens": settings.suffix_index_tokens, "max_match": settings.suffix_max_match}
+    corpus = Path(settings.draft) / SUFFIX_CORPUS if settings.has_draft else None
+    if corpus is not None and corpus.is_file():
+        index = SuffixIndex.from_corpus(corpus, **options)
+    else:
+        corpus, index = None, SuffixIndex(**options)
+    log.info(
+        "suffix_index",
+        corpus=str(corpus) if corpus else None,
+        tokens=index.tokens,
+        max_tokens=index.max_tokens,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return index
 
 
 def _choose_linear_kernels(target: TargetModel) -> None:

@@ -46,6 +46,10 @@ class Settings:
     draft_context: bool = True
     context_min_match: int = 1
     context_max_match: int = 8
+    suffix_index: bool = True
+    suffix_index_tokens: int = 1_000_000
+    suffix_max_match: int = 32
+    suffix_learn_prompts: bool = False
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -103,6 +107,13 @@ _HELP = {
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
     "context_max_match": "longest suffix match (tokens) the context draft looks for",
+    "suffix_index": "with context drafting, also draft from a global index of past answers "
+    "(seeded from the draft folder's corpus.ids.gz, learning every finished response): the "
+    "longest exact match of the stream's last tokens, most frequent continuation",
+    "suffix_index_tokens": "most token ids the suffix index holds, oldest out (about 150 MB "
+    "per million); 0: keep no answers",
+    "suffix_max_match": "longest match (tokens) the suffix index looks for",
+    "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
     "breaker_window": "speculative rounds in a request's acceptance window",
     "breaker_threshold": "acceptance below which a request falls back to plain decoding "
     "(negative: calibrate the break-even rate from measured verify costs at start-up)",
@@ -158,6 +169,12 @@ def parse_settings(
             f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], "
             f"not {namespace.num_draft_tokens}"
         )
+    if namespace.suffix_index_tokens < 0:
+        parser.error(
+            f"--suffix-index-tokens must be 0 or more, not {namespace.suffix_index_tokens}"
+        )
+    if namespace.suffix_max_match < 2:
+        parser.error(f"--suffix-max-match must be at least 2, not {namespace.suffix_max_match}")
     if namespace.prefix_cache_mb < 0:
         parser.error(f"--prefix-cache-mb must be 0 or more, not {namespace.prefix_cache_mb}")
     for name in (

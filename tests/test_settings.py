@@ -39,3 +39,13 @@ def test_draft_tokens_outside_the_one_limit_are_refused(value, capsys) -> None:
         parse_settings(["--num-draft-tokens", value], env={})
     assert f"--num-draft-tokens must be in [1, 64], not {value}" in capsys.readouterr().err
     assert parse_settings(["--num-draft-tokens", "64"], env={}).num_draft_tokens == 64
+
+
+def test_suffix_index_bounds_are_checked(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(["--suffix-index-tokens", "-1"], env={})
+    assert "--suffix-index-tokens must be 0 or more, not -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(["--suffix-max-match", "1"], env={})
+    assert "--suffix-max-match must be at least 2, not 1" in capsys.readouterr().err
+    assert not parse_settings(["--no-suffix-index"], env={}).suffix_index

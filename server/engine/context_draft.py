@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from server.engine.draft import Draft, DraftSession, Proposal
+from server.engine.suffix_index import SuffixIndex
 
 
 class ContextIndex:
@@ -50,17 +51,28 @@ class ContextIndex:
 
 
 class ContextDraft:
-    """The request's context first, the static draft (if any) to continue or instead."""
+    """The longest match of the stream's last tokens, in the request's own context or in the
+    global index of past answers (`suffix`, if any); the static draft (if any) to continue a
+    short one, or instead when neither matched."""
 
     def __init__(
-        self, static: Draft | None, *, min_match: int = 1, max_match: int = 8, name: str = ""
+        self,
+        static: Draft | None,
+        *,
+        min_match: int = 1,
+        max_match: int = 8,
+        name: str = "",
+        suffix: SuffixIndex | None = None,
     ) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.static = static
         self.min_match = min_match
         self.max_match = max_match
-        self._name = name or (f"context+{static.name}" if static is not None else "context")
+        self.suffix = suffix
+        parts = ["context", *(["suffix"] if suffix is not None else [])]
+        parts += [static.name] if static is not None else []
+        self._name = name or "+".join(parts)
 
     @property
     def name(self) -> str:
@@ -70,21 +82,30 @@ class ContextDraft:
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(index, static)
+        return ContextSession(index, static, self.suffix)
 
 
 class ContextSession:
-    def __init__(self, index: ContextIndex, static: DraftSession | None) -> None:
+    def __init__(
+        self, index: ContextIndex, static: DraftSession | None, suffix: SuffixIndex | None = None
+    ) -> None:
         self._index = index
         self._static = static
+        self._suffix = suffix
 
     def propose(self, k: int) -> Proposal:
         tokens, matched = self._index.continuation(k)
+        source = _source("context", min(matched, 4))
+        if self._suffix is not None:
+            # The longer exact match predicts better; a tie goes to the request's own context.
+            found, length = self._suffix.propose(self._index.tokens, k)
+            if length > matched and found:
+                tokens, matched, source = found, length, _source("suffix", length)
         if matched and self._static is not None and len(tokens) < k:
             # The earlier occurrence runs into the present: continue statically.
             tokens = [*tokens, *self._static_after(tokens, k - len(tokens))]
         if matched or self._static is None:
-            return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=_source(matched))
+            return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=source)
         return self._static.propose(k)
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -100,8 +121,12 @@ class ContextSession:
         return list(propose_after(drafted, k).token_ids)
 
 
-def _source(matched: int) -> str:
-    """The match length, bucketed: it predicts acceptance. Replayed on the default model's
-    greedy answers, per-token acceptance after a 1-token match was 0.29-0.59 (by prompt set),
-    2: 0.56-0.79, 3: 0.65-0.82, 4 or more: 0.94-0.95."""
-    return f"context:{min(matched, 4)}"
+_BUCKETS = (16, 8, 5, 4, 3, 2, 1)
+
+
+def _source(kind: str, matched: int) -> str:
+    """Where a proposal came from and its match length, bucketed (1, 2, 3, 4, 5-7, 8-15, 16+):
+    the length predicts acceptance, so acceptance is tracked per bucket. Replayed on the
+    default model's greedy answers, per-token acceptance of the context draft after a 1-token
+    match was 0.29-0.59 (by prompt set), 2: 0.56-0.79, 3: 0.65-0.82, 4 or more: 0.94-0.95."""
+    return f"{kind}:{next((edge for edge in _BUCKETS if matched >= edge), 0)}"

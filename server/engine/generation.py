@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
@@ -60,6 +60,7 @@ class Generation:
         sampling: SamplingParams,
         stopping: StoppingParams,
         speculator: Speculator,
+        on_finish: Callable[[Sequence[int], Sequence[int]], None] | None = None,
     ) -> None:
         if not prompt_ids:
             raise InvalidParameter("prompt", "must contain at least one token")
@@ -74,6 +75,7 @@ class Generation:
         self._sampling = sampling
         self._stopping = stopping
         self.speculator = speculator
+        self._on_finish = on_finish  # (prompt, output) of a finished generation, e.g. to learn
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
@@ -173,6 +175,8 @@ class Generation:
                 break
         self._pending = kept[-1]
         self.speculator.extend(kept)
+        if self.finish_reason is not None and self._on_finish is not None:
+            self._on_finish(self._prompt, self._output)
         accepted = min(accepted, len(kept))  # drafts come first; a cut drops the rest
         self._rounds += 1
         self._drafted += drafted

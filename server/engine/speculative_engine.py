@@ -17,6 +17,7 @@ from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculator import AcceptanceStats, Speculator
+from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 
 
@@ -35,6 +36,7 @@ class ContextSettings:
     enabled: bool = False  # the default for requests that do not say
     min_match: int = 1
     max_match: int = 8
+    learn_prompts: bool = False  # the suffix index learns prompts too, not only answers
 
 
 class SpeculativeEngine:
@@ -53,13 +55,15 @@ class SpeculativeEngine:
         costs: PassCosts | None = None,
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
+        suffix: SuffixIndex | None = None,
     ) -> None:
         self.target = target
         self.batch = Batch(target, batching, costs=costs, events=events)
         self.static_draft = draft
         self.context = context or ContextSettings()
+        self.suffix = suffix  # past answers, drafted from with the context; learns as it serves
         self.context_draft = ContextDraft(
-            draft, min_match=self.context.min_match, max_match=self.context.max_match
+            draft, min_match=self.context.min_match, max_match=self.context.max_match, suffix=suffix
         )
         self.breaker = breaker or BreakerSettings()
         self._clock = clock  # what the breakers judge their reset timeouts by
@@ -116,5 +120,17 @@ class SpeculativeEngine:
             sampled=not sampling.greedy,
         )
         return Generation(
-            self.target, prompt_ids, sampling=sampling, stopping=stopping, speculator=speculator
+            self.target,
+            prompt_ids,
+            sampling=sampling,
+            stopping=stopping,
+            speculator=speculator,
+            on_finish=self._learn if self.suffix is not None else None,
         )
+
+    def _learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Index a finished answer (and its prompt, if so configured) for later drafts."""
+        assert self.suffix is not None
+        if self.context.learn_prompts:
+            self.suffix.add(prompt_ids)
+        self.suffix.add(output_ids)

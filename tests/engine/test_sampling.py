@@ -237,3 +237,22 @@ def test_context_draft_sampling_follows_target_distribution(word_target) -> None
     assert draft.start(prompt_ids).propose(2).token_ids[0] == word_target.encode_prompt("cat")[0]
     samples = speculative_samples(word_target, prompt_ids, params, draft)
     assert chi_square_pvalue(samples, joint) > 1e-3
+
+
+def test_suffix_index_sampling_follows_target_distribution(word_target) -> None:
+    """The same check with drafts from the global suffix index: an earlier answer held
+    'and the dog sleeps', a 2-token match where the prompt's own context has 1."""
+    from server.engine.context_draft import ContextDraft
+    from server.engine.suffix_index import SuffixIndex
+
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = word_target.encode_prompt("the cat runs and the")
+    index = SuffixIndex()
+    index.add(word_target.encode_prompt("red and the dog sleeps"))
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = ContextDraft(None, min_match=1, max_match=3, suffix=index)
+    proposal = draft.start(prompt_ids).propose(2)
+    assert proposal.source == "suffix:2"
+    assert list(proposal.token_ids) == word_target.encode_prompt("dog sleeps")
+    samples = speculative_samples(word_target, prompt_ids, params, draft)
+    assert chi_square_pvalue(samples, joint) > 1e-3

@@ -1,0 +1,177 @@
+"""A global index over everything the target wrote: drafts from the longest exact match.
+
+SuffixDecoding (Oliaro et al. 2024) and REST (He et al. 2024) draft from earlier outputs: when
+the last tokens of a stream occurred in an earlier answer, what followed them there is a likely
+continuation. The answers of one model to one workload repeat themselves far more than a
+smoothed n-gram can use: a 4-gram forgets a 20-token match, and KenLM never learns from what
+the server serves. This index is seeded with the draft's distilled corpus and grows with every
+finished answer.
+
+Layout (the vLLM suffix speculator's hashed buckets, over segments for eviction):
+- answers are appended, each followed by a separator, to the open segment, a flat array of
+  token ids; a full segment is sealed and a new one opened; past `max_tokens` the oldest
+  segment is dropped whole (oldest out, O(1));
+- each segment maps the hash of every `KEY_LENGTHS`-gram to the most recent `slots` positions
+  that followed it;
+- a lookup gathers the positions that followed the stream's last 4 and last 2 tokens, extends
+  each backwards to its exact match length (up to `max_match`, a binary search over slice
+  comparisons in C), keeps the longest, and builds a chain by majority vote among them: at
+  each step the most frequent next token, the candidates that disagree dropped.
+
+Memory: about 150 MB per million indexed tokens (the default corpus, 186k tokens, took
+28 MB); a lookup costs about 12 µs per drafted token on a 2-core EPYC (`draft_tools.train
+eval` reports it).
+Thread safety: one lock; `add` is called on the engine thread when a stream finishes
+(microseconds per token), lookups on the draft thread.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+SUFFIX_CORPUS = "corpus.ids.gz"  # in a draft folder: the distilled answers the index starts from
+KEY_LENGTHS = (4, 2)  # longest first: a 4-token key finds long matches among common bigrams
+_SEPARATOR = -1  # between answers: no continuation runs from one answer into the next
+
+
+class _Segment:
+    """A flat array of answers and, per key hash, the positions that followed the key."""
+
+    def __init__(self, slots: int) -> None:
+        self.tokens = array("i")
+        self.slots = slots
+        self.buckets: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, answer: Sequence[int]) -> None:
+        tokens, start = self.tokens, len(self.tokens)
+        tokens.extend(answer)
+        tokens.append(_SEPARATOR)
+        for position in range(start + 1, start + len(answer)):
+            for length in KEY_LENGTHS:
+                if position - length < start:
+                    continue
+                key = hash(tuple(tokens[position - length : position]))
+                bucket = self.buckets.setdefault(key, [])
+                bucket.append(position)
+                if len(bucket) > self.slots:
+                    del bucket[0]
+
+    def match_length(self, position: int, context: array, max_match: int) -> int:
+        """How many tokens before `position` equal the context's last ones (up to max_match)."""
+        tokens = self.tokens
+        low, high = 0, min(max_match, position, len(context))
+        end = len(context)
+        while low < high:  # tokens[position - n : position] == context[-n:] holds for n <= low
+            middle = (low + high + 1) // 2
+            if tokens[position - middle : position] == context[end - middle : end]:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+
+class SuffixIndex:
+    """Past answers of the target, for drafting by longest exact match (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        max_tokens: int = 1_000_000,
+        max_match: int = 32,
+        slots: int = 16,
+        segment_tokens: int = 65_536,
+    ) -> None:
+        if max_tokens < segment_tokens:
+            segment_tokens = max(1, max_tokens)
+        self.max_tokens = max_tokens
+        self.max_match = max_match
+        self.slots = slots
+        self.segment_tokens = segment_tokens
+        self._segments: list[_Segment] = [_Segment(slots)]
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        """Token ids held (separators included)."""
+        return sum(len(segment) for segment in self._segments)
+
+    def add(self, answer: Sequence[int]) -> None:
+        """Index one answer (a finished response's tokens); the oldest segment goes when full."""
+        if len(answer) < 2 or self.max_tokens <= 0:
+            return
+        answer = answer[-self.segment_tokens + 1 :]  # one answer never spans two segments
+        with self._lock:
+            if len(self._segments[-1]) + len(answer) + 1 > self.segment_tokens:
+                self._segments.append(_Segment(self.slots))
+            self._segments[-1].append(answer)
+            while len(self._segments) > 1 and self.tokens > self.max_tokens:
+                del self._segments[0]
+
+    def add_all(self, answers: Iterable[Sequence[int]]) -> None:
+        for answer in answers:
+            self.add(answer)
+
+    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the longest earlier exact match of the context's last
+        tokens (majority vote among equally long matches), and that match length (0: none)."""
+        if k <= 0 or len(context) < min(KEY_LENGTHS):
+            return [], 0
+        tail = array("i", context[-self.max_match :])
+        with self._lock:
+            matched, candidates = self._longest(tail)
+            return _vote(candidates, k), matched
+
+    def _longest(self, tail: array) -> tuple[int, list[tuple[array, int]]]:
+        """The longest match length and its candidates (segment tokens, continuation start)."""
+        best, found = 0, []
+        for segment in self._segments:
+            positions: set[int] = set()
+            for length in KEY_LENGTHS:
+                if len(tail) >= length:
+                    positions.update(segment.buckets.get(hash(tuple(tail[-length:])), ()))
+            for position in sorted(positions):  # oldest first: the vote's ties go to the newest
+                matched = segment.match_length(position, tail, self.max_match)
+                if matched > best:
+                    best, found = matched, [(segment.tokens, position)]
+                elif matched == best and matched:
+                    found.append((segment.tokens, position))
+        return best, found
+
+    @classmethod
+    def from_corpus(cls, path: Path, **options: int) -> SuffixIndex:
+        """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped)."""
+        index = cls(**options)
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as lines:
+            index.add_all([int(token) for token in line.split()] for line in lines if line.strip())
+        return index
+
+
+def _vote(candidates: list[tuple[array, int]], k: int) -> list[int]:
+    """A chain by majority: at each step the most frequent next token among the candidates
+    (oldest first) that agree with the chain so far, ties to the newest; it stops at an
+    answer's end."""
+    chain: list[int] = []
+    while candidates and len(chain) < k:
+        step = len(chain)
+        nexts = [
+            (tokens[start + step], tokens, start)
+            for tokens, start in candidates
+            if tokens[start + step] != _SEPARATOR  # every answer ends with one: in range
+        ]
+        if not nexts:
+            break
+        counts = Counter(token for token, _, _ in nexts)
+        newest = {token: order for order, (token, _, _) in enumerate(nexts)}
+        token = max(counts, key=lambda t: (counts[t], newest[t]))
+        chain.append(token)
+        candidates = [(tokens, start) for t, tokens, start in nexts if t == token]
+    return chain

@@ -1,0 +1,137 @@
+"""The global suffix index: longest exact match, majority continuation, answer boundaries,
+bounded memory, learning from finished answers, and exact output with it on."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from kenspec_api.outputs import BreakerState
+from server.engine.context_draft import ContextDraft
+from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
+from server.engine.suffix_index import SuffixIndex
+from tests.engine.drafts import generate
+
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one() -> None:
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6, 7])  # 3 4 5 -> 6 7, after 1 2: a 5-token match below
+    index.add([9, 4, 5, 8, 8])  # 4 5 -> 8 8: shorter (2 tokens), newer
+    assert index.propose([1, 2, 3, 4, 5], 2) == ([6, 7], 5)
+    assert index.propose([0, 0, 4, 5], 2) == ([8, 8], 2)  # only 2 tokens match either: newest
+
+
+def test_equally_long_matches_vote_for_the_most_frequent_continuation() -> None:
+    index = SuffixIndex()
+    for answer in ([5, 6, 7, 1, 1], [5, 6, 7, 1, 2], [5, 6, 7, 2, 3]):
+        index.add(answer)
+    tokens, matched = index.propose([5, 6, 7], 3)
+    assert matched == 3
+    assert tokens == [1, 2]  # 1 twice against 2 once; then a tie 1/2 goes to the newest, 2
+    # The chain stops where the winning answers end: nothing runs into the next answer.
+    assert index.propose([6, 7, 2], 4) == ([3], 3)
+
+
+def test_no_match_below_two_tokens_and_none_for_an_empty_index() -> None:
+    assert SuffixIndex().propose([1, 2, 3], 4) == ([], 0)
+    index = SuffixIndex()
+    index.add([1, 2, 3])
+    assert index.propose([7, 3], 2) == ([], 0)  # [3] alone is too short a key
+    assert index.propose([2], 2) == ([], 0)
+
+
+def test_memory_is_bounded_and_the_oldest_answers_go_first() -> None:
+    index = SuffixIndex(max_tokens=40, segment_tokens=10)
+    index.add([1, 2, 3, 4])
+    for start in range(100, 180, 8):  # ten more 4-token answers, 5 ids each with separators
+        index.add([start, start + 1, start + 2, start + 3])
+    assert index.tokens <= 40
+    assert index.propose([1, 2], 2) == ([], 0)  # the first answer was evicted
+    assert index.propose([172, 173], 1) == ([174], 2)  # the newest is held
+
+
+def test_seeded_from_a_corpus_file(tmp_path) -> None:
+    corpus = tmp_path / "corpus.ids.gz"
+    with gzip.open(corpus, "wt") as file:
+        file.write("10 11 12 13\n\n20 21 22 23\n")
+    index = SuffixIndex.from_corpus(corpus)
+    assert index.tokens == 10  # two answers of four, each with a separator
+    assert index.propose([20, 21], 2) == ([22, 23], 2)
+
+
+def test_the_context_draft_takes_the_longer_of_its_own_and_the_global_match() -> None:
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6])
+    draft = ContextDraft(None, min_match=1, max_match=8, suffix=index)
+    own = draft.start([9, 5, 9, 1, 2, 3, 4, 5])  # own context: [5] -> 9; global: 5 tokens
+    proposal = own.propose(2)
+    assert proposal.token_ids == (6,) and proposal.source == "suffix:5"
+    assert draft.start([7, 3, 4, 8, 3, 4]).propose(1).source == "context:2"  # a tie: own
+
+
+def engine_with_index(tiny_target, index: SuffixIndex, **breaker) -> SpeculativeEngine:
+    context = ContextSettings(enabled=True, min_match=1, max_match=8)
+    return SpeculativeEngine(
+        tiny_target, None, BreakerSettings(**breaker), context=context, suffix=index
+    )
+
+
+def run(engine: SpeculativeEngine, ids: list[int], max_new: int, k: int = 6) -> list:
+    generation = engine.start(
+        ids,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new),
+        speculation=SpeculationParams(num_draft_tokens=k, adaptive=False),
+    )
+    return list(engine.batch.rounds(generation))
+
+
+def test_a_finished_answer_is_learned_and_a_repeat_drafts_all_of_it(
+    tiny_target, references
+) -> None:
+    """The second time a prompt is served, the index holds its answer: every round but the
+    last accepts all k drafts. Both outputs are plain greedy decoding's."""
+    index = SuffixIndex()
+    engine = engine_with_index(tiny_target, index)
+    ids, expected = next(iter(references.values()))
+    first = run(engine, ids, len(expected))
+    assert index.tokens == len(expected) + 1  # learned, with its separator
+    again = run(engine, ids, len(expected))
+    for rounds in (first, again):
+        assert [t for r in rounds for t in r.token_ids] == expected
+    # From the third round on (two answer tokens make the first key) every draft is accepted.
+    assert all(r.drafted == r.accepted > 0 for r in again[2:-1])
+    assert len(again) <= 3 + len(expected) // 7 < len(first)
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_greedy_output_is_exact_with_a_partly_right_index(tiny_target, references, k) -> None:
+    """Seeded with every other reference answer, corrupted after its 6th token: drafts are
+    right, then wrong, then absent; output equals plain greedy decoding every time."""
+    index = SuffixIndex()
+    answers = [expected for _, expected in references.values()]
+    for answer in answers[::2]:
+        index.add([*answer[:6], *((token + 1) % tiny_target.vocab_size for token in answer[6:])])
+    drafted = accepted = 0
+    for ids, expected in references.values():
+        generation = generate(tiny_target, ContextDraft(None, suffix=index), ids, k=k)
+        rounds = list(generation)
+        assert generation.output_ids == expected
+        drafted += sum(r.drafted for r in rounds)
+        accepted += sum(r.accepted for r in rounds)
+    assert 0 < accepted < drafted  # the index was right sometimes and wrong sometimes
+
+
+class BrokenIndex(SuffixIndex):
+    def propose(self, context, k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("corrupt index")
+
+
+def test_an_index_that_raises_trips_the_draft_fault_breaker(tiny_target, references) -> None:
+    engine = engine_with_index(tiny_target, BrokenIndex(), fault_max=2)
+    ids, expected = next(iter(references.values()))
+    rounds = run(engine, ids, len(expected))
+    assert [t for r in rounds for t in r.token_ids] == expected  # decoded plainly instead
+    assert engine.draft_breaker_state is BreakerState.OPEN
