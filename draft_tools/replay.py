@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from server.engine.draft import Draft
 from server.engine.params import SpeculationParams
-from server.engine.speculator import Speculator
+from server.engine.speculator import AcceptanceStats, Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,9 @@ def replay(
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0
+    shared = AcceptanceStats()  # every answer's, per source: the prior, as a server keeps it
     for prompt, answer in zip(prompts, answers, strict=True):
-        speculator = Speculator(draft.start(prompt), params)
+        speculator = Speculator(draft.start(prompt), params, shared=shared)
         position = 0
         while position < len(answer):
             started = time.perf_counter()

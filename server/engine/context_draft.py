@@ -14,6 +14,7 @@ ngram-cache combines a context and a static cache the same way).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from server.engine.draft import Draft, DraftSession, Proposal
 from server.engine.suffix_index import SuffixIndex
@@ -94,19 +95,32 @@ class ContextSession:
         self._suffix = suffix
 
     def propose(self, k: int) -> Proposal:
+        """The chain of the longest match (own context, or the suffix index if longer; a tie
+        goes to the request's own), else the static draft's; the other sources' chains ride
+        along as alternatives, for the speculator to weigh by their measured acceptance."""
+        chains: list[tuple[int, Proposal]] = []  # (match length, chain)
         tokens, matched = self._index.continuation(k)
-        source = _source("context", min(matched, 4))
+        if matched:
+            chains.append((matched, self._chain(tokens, k, _source("context", min(matched, 4)))))
         if self._suffix is not None:
-            # The longer exact match predicts better; a tie goes to the request's own context.
             found, length = self._suffix.propose(self._index.tokens, k)
-            if length > matched and found:
-                tokens, matched, source = found, length, _source("suffix", length)
-        if matched and self._static is not None and len(tokens) < k:
-            # The earlier occurrence runs into the present: continue statically.
+            if found:
+                chains.append((length, self._chain(found, k, _source("suffix", length))))
+        if self._static is not None:
+            chains.append((0, self._static.propose(k)))
+        if not chains:
+            return Proposal(source=_source("context", 0))
+        chains.sort(key=lambda chain: -chain[0])  # stable: the context before an equal suffix
+        first, *others = (chain for _, chain in chains)
+        others = [chain for chain in others if len(chain)]
+        return replace(first, alternatives=tuple(others)) if others else first
+
+    def _chain(self, tokens: list[int], k: int, source: str) -> Proposal:
+        """A matched continuation, which the static draft continues where it runs out (the
+        earlier occurrence runs into the present, or an answer ended)."""
+        if self._static is not None and len(tokens) < k:
             tokens = [*tokens, *self._static_after(tokens, k - len(tokens))]
-        if matched or self._static is None:
-            return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=source)
-        return self._static.propose(k)
+        return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=source)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._index.extend(token_ids)

@@ -26,6 +26,9 @@ class Proposal:
     # Where the proposal came from ("kenlm", "context:3", ...): acceptance is tracked per
     # source, because sources differ far more than rounds of one source do.
     source: str = ""
+    # Other chains from other sources, for the caller to choose among by their sources' measured
+    # acceptance (Speculator.propose); empty for a single-source draft.
+    alternatives: tuple[Proposal, ...] = field(default=(), compare=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)

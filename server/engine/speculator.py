@@ -96,8 +96,18 @@ class Speculator:
         next one (up to PROBE_AFTER_MAX), one that pays resets it."""
         if self._probe_due:
             return 1.0
-        accepted, tried = self._own.counts(self._key)
-        return (accepted + PRIOR_TRIES * self._shared.rate(self._key)) / (tried + PRIOR_TRIES)
+        return self._rate(self._source)
+
+    def _rate(self, source: str) -> float:
+        """This request's acceptance of `source`, shrunk towards the shared rate."""
+        key = (source, self._sampled)
+        accepted, tried = self._own.counts(key)
+        return (accepted + PRIOR_TRIES * self._shared.rate(key)) / (tried + PRIOR_TRIES)
+
+    def _expected_accepted(self, proposal: Proposal) -> float:
+        """Draft tokens a chain is expected to have accepted: the sum of alpha^j, j = 1..n."""
+        alpha = self._rate(proposal.source)
+        return sum(alpha**j for j in range(1, len(proposal) + 1))
 
     @property
     def _key(self) -> tuple[str, bool]:
@@ -125,6 +135,8 @@ class Speculator:
             proposal = self._session.propose(k)
         else:
             proposal = self._faults.propose(self._session, k, self._request_id) or _NOTHING
+        if proposal.alternatives:  # the chain with the most expected accepted tokens
+            proposal = max((proposal, *proposal.alternatives), key=self._expected_accepted)
         self._source = proposal.source
         return proposal
 

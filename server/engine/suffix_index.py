@@ -88,12 +88,14 @@ class SuffixIndex:
         max_match: int = 32,
         slots: int = 16,
         segment_tokens: int = 65_536,
+        min_probability: float = 0.1,
     ) -> None:
         if max_tokens < segment_tokens:
             segment_tokens = max(1, max_tokens)
         self.max_tokens = max_tokens
         self.max_match = max_match
         self.slots = slots
+        self.min_probability = min_probability
         self.segment_tokens = segment_tokens
         self._segments: list[_Segment] = [_Segment(slots)]
         self._lock = threading.Lock()
@@ -127,7 +129,7 @@ class SuffixIndex:
         tail = array("i", context[-self.max_match :])
         with self._lock:
             matched, candidates = self._longest(tail)
-            return _vote(candidates, k), matched
+            return _vote(candidates, k, self.min_probability), matched
 
     def _longest(self, tail: array) -> tuple[int, list[tuple[array, int]]]:
         """The longest match length and its candidates (segment tokens, continuation start)."""
@@ -155,11 +157,13 @@ class SuffixIndex:
         return index
 
 
-def _vote(candidates: list[tuple[array, int]], k: int) -> list[int]:
+def _vote(candidates: list[tuple[array, int]], k: int, min_probability: float) -> list[int]:
     """A chain by majority: at each step the most frequent next token among the candidates
-    (oldest first) that agree with the chain so far, ties to the newest; it stops at an
-    answer's end."""
+    (oldest first) that agree with the chain so far, ties to the newest. The chain's
+    probability is the product of each step's share of the candidates (SuffixDecoding's path
+    probability); it stops below min_probability, and at an answer's end."""
     chain: list[int] = []
+    probability = 1.0
     while candidates and len(chain) < k:
         step = len(chain)
         nexts = [
@@ -172,6 +176,9 @@ def _vote(candidates: list[tuple[array, int]], k: int) -> list[int]:
         counts = Counter(token for token, _, _ in nexts)
         newest = {token: order for order, (token, _, _) in enumerate(nexts)}
         token = max(counts, key=lambda t: (counts[t], newest[t]))
+        probability *= counts[token] / len(candidates)
+        if probability < min_probability:
+            break
         chain.append(token)
         candidates = [(tokens, start) for t, tokens, start in nexts if t == token]
     return chain

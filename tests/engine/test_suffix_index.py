@@ -135,3 +135,13 @@ def test_an_index_that_raises_trips_the_draft_fault_breaker(tiny_target, referen
     rounds = run(engine, ids, len(expected))
     assert [t for r in rounds for t in r.token_ids] == expected  # decoded plainly instead
     assert engine.draft_breaker_state is BreakerState.OPEN
+
+
+def test_a_chain_stops_where_its_path_probability_falls_below_the_minimum() -> None:
+    """Four answers agree on 7 after [5, 6], then split two ways and two ways again: the
+    path probability is 1, then 1/2, then 1/4."""
+    answers = ([5, 6, 7, 1, 3], [5, 6, 7, 1, 4], [5, 6, 7, 2, 3], [5, 6, 7, 2, 4])
+    for minimum, expected in ((0.0, [7, 2, 4]), (0.3, [7, 2]), (0.6, [7])):
+        index = SuffixIndex(min_probability=minimum)
+        index.add_all(answers)
+        assert index.propose([5, 6], 3) == (expected, 2), minimum

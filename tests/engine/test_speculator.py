@@ -1,0 +1,46 @@
+"""The speculator weighs a draft's alternative chains by their sources' measured acceptance."""
+
+from __future__ import annotations
+
+from server.engine.draft import Proposal
+from server.engine.params import SpeculationParams
+from server.engine.speculator import AcceptanceStats, Speculator
+
+
+class TwoSources:
+    """Proposes a chain from source "a", with one from source "b" as its alternative."""
+
+    def propose(self, k: int) -> Proposal:
+        b = Proposal((2,) * k, (1.0,) * k, source="b")
+        return Proposal((1,) * k, (1.0,) * k, source="a", alternatives=(b,))
+
+    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def speculator(shared: AcceptanceStats) -> Speculator:
+    params = SpeculationParams(num_draft_tokens=4, adaptive=False)
+    return Speculator(TwoSources(), params, shared=shared)
+
+
+def test_unmeasured_sources_keep_the_drafts_own_order() -> None:
+    assert speculator(AcceptanceStats()).propose(limit=10).source == "a"
+
+
+def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() -> None:
+    shared = AcceptanceStats()
+    for _ in range(20):
+        shared.observe(("a", False), drafted=4, accepted=0)
+        shared.observe(("b", False), drafted=4, accepted=4)
+    chosen = speculator(shared)
+    proposal = chosen.propose(limit=10)
+    assert proposal.source == "b" and proposal.token_ids == (2, 2, 2, 2)
+    assert chosen.acceptance_estimate() > 0.8  # the estimate is b's, the chosen chain's
+    # A shorter alternative loses to a longer chain of the same measured acceptance.
+    assert (
+        max(
+            (Proposal((1,) * 4, source="b"), Proposal((1,), source="b")),
+            key=chosen._expected_accepted,
+        ).token_ids
+        == (1,) * 4
+    )
