@@ -256,25 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--k", type=int, default=4)
     check.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     check.add_argument("--min-draft-prob", type=float, default=0.0)
-    check.add_argument(
-        "--context",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="combine with the request's own context (as --draft-context)",
-    )
     check.add_argument("--min-match", type=int, default=1)
-    check.add_argument(
-        "--suffix",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with --context, also draft from a suffix index seeded with the draft's corpus",
-    )
-    check.add_argument(
-        "--learn",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="the suffix index learns each answer once replayed (requests in sequence)",
-    )
+    for flag, help_text in (
+        ("--context", "combine with the request's own context (as --draft-context)"),
+        (
+            "--suffix",
+            "with --context, also draft from a suffix index seeded with the draft's corpus",
+        ),
+        ("--learn", "the suffix index learns each answer once replayed (requests in sequence)"),
+    ):
+        check.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=False, help=help_text
+        )
     check.add_argument(
         "--cost-ms",
         type=float,

@@ -106,3 +106,20 @@ def test_missing_tools_say_how_to_build_them(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"build_kenlm_tools\.sh"):
         train_draft.kenlm_tool("lmplz")
+
+
+def test_eval_replays_the_suffix_index_learning_in_sequence(
+    tiny_model_dir, answers, tmp_path
+) -> None:
+    """Answers replayed twice in sequence: with --learn the index holds each answer the
+    second time, so it drafts more of them than without learning, and more than context
+    drafting alone (no draft folder, so the index starts empty)."""
+    corpus = write_distill_corpus(tmp_path / "corpus.ids", answers * 2)
+    options = dict(k=4, adaptive=False, min_draft_prob=0.0, context=True)
+    alone = train_draft.evaluate(tiny_model_dir, None, corpus, **options)
+    index = train_draft.evaluate(tiny_model_dir, None, corpus, **options, suffix=True)
+    learning = train_draft.evaluate(
+        tiny_model_dir, None, corpus, **options, suffix=True, learn=True
+    )
+    assert index.tokens_per_round == alone.tokens_per_round  # an empty index adds nothing
+    assert learning.tokens_per_round > alone.tokens_per_round + 0.5
