@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,6 +40,7 @@ class ServerProcess:
         self.events: list[dict] = []
         self._seen = 0  # events before this index were already looked at by wait_for
         self._arrived = threading.Condition()  # notified on each event and when the log ends
+        self._other: deque[str] = deque(maxlen=5)  # the last lines that were not JSON events
         self._ended = False
         # The log is read all the time, not only while waiting: a full stderr pipe would block
         # the server mid-round (it logs from the engine thread) and a sweep would measure that.
@@ -52,12 +53,15 @@ class ServerProcess:
         """Collect JSON log events; other output (KenLM's progress bars) is skipped."""
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            with contextlib.suppress(json.JSONDecodeError):
+            try:
                 record = json.loads(line)
-                if isinstance(record, dict):
-                    with self._arrived:
-                        self.events.append(record)
-                        self._arrived.notify_all()
+            except json.JSONDecodeError:
+                self._other.append(line.rstrip())  # e.g. an argparse error before logging
+                continue
+            if isinstance(record, dict):
+                with self._arrived:
+                    self.events.append(record)
+                    self._arrived.notify_all()
         with self._arrived:
             self._ended = True
             self._arrived.notify_all()
@@ -73,7 +77,8 @@ class ServerProcess:
                     if record.get("event") == event:
                         return record
                 if self._ended:
-                    raise RuntimeError(f"server exited before {event!r}: {self.events[-5:]}")
+                    last = self.events[-5:] or list(self._other)
+                    raise RuntimeError(f"server exited before {event!r}: {last}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no {event!r} from the server within {timeout} s")
