@@ -121,46 +121,67 @@ class KenLMDraft:
             state, history = step.state, self._trim((*history, step.token_id))
         return Proposal(tuple(tokens), tuple(probs), source="kenlm")
 
+    def n_best(self, context_ids: Sequence[int], n: int) -> list[tuple[int, float]]:
+        """The n most likely next tokens after context_ids and their probabilities, best first
+        (</s> as end_token_id, or left out without one): candidates for a token tree."""
+        state, history = self._state_after(context_ids)
+        steps = self.top_next(state, history, n)
+        return [
+            (
+                self.end_token_id if step.token_id == SENTENCE_END else step.token_id,
+                10**step.logprob,
+            )
+            for step in steps
+            if step.token_id != SENTENCE_END or self.end_token_id is not None
+        ]
+
     def best_next(self, state: kenlm.State, history: tuple[int, ...]) -> _Step | None:
-        """The vocabulary argmax of p(w | history), ties to the smaller id, from the index.
+        """The vocabulary argmax of p(w | history), ties to the smaller id, from the index."""
+        best = self.top_next(state, history, 1)
+        return best[0] if best else None
+
+    def top_next(self, state: kenlm.State, history: tuple[int, ...], n: int) -> list[_Step]:
+        """The n best words of p(w | history), best first (ties: the smaller id), exactly.
 
         A word's probability comes from the longest context it follows explicitly, times the
         backoffs of the longer contexts (Katz backoff as KenLM stores it). So at each context
-        length j, only the best word whose longest explicit context is exactly that one can win;
-        KenLM's ngram_length tells which words those are, and the sorted lists end the walk as
-        soon as no word of this length can beat the best found so far.
+        length j, only words whose longest explicit context is exactly that one are new
+        candidates; KenLM's ngram_length tells which words those are, and the sorted lists end
+        the walk as soon as no word of this length can beat the n-th best found so far.
         """
-        best: _Step | None = None
+        best: list[_Step] = []
         backoff = 0.0
         for length in range(len(history), -1, -1):
             context = history[len(history) - length :]
             span = self._index.spans.get(context)
             if span is not None:
-                best = self._best_at(state, length, span, backoff, best)
+                self._top_at(state, length, span, backoff, best, n)
             backoff += self._index.backoffs.get(context, 0.0)
         return best
 
-    def _best_at(
+    def _top_at(
         self,
         state: kenlm.State,
         length: int,
         span: tuple[int, int],
         backoff: float,
-        best: _Step | None,
-    ) -> _Step | None:
+        best: list[_Step],
+        n: int,
+    ) -> None:
+        """Merge into `best` (kept sorted, at most n) the words whose longest context has
+        `length` words, walking this context's successors best first."""
         words, logprobs = self._index.words, self._index.logprobs
         for position in range(*span):
-            if best is not None and backoff + logprobs[position] < best.logprob - _PRUNE_SLACK:
+            if len(best) == n and backoff + logprobs[position] < best[-1].logprob - _PRUNE_SLACK:
                 break
             word = words[position]
             out = kenlm.State()
             full = self._model.BaseFullScore(state, _word(word), out)
             if full.ngram_length != length + 1:
                 continue  # scored by a longer context: that level already considered it
-            if best is None or (full.log_prob, -word) > (best.logprob, -best.token_id):
-                best = _Step(word, full.log_prob, out)
-            break
-        return best
+            best.append(_Step(word, full.log_prob, out))
+            best.sort(key=lambda step: (-step.logprob, step.token_id))
+            del best[n:]
 
     def _state_after(self, context_ids: Sequence[int]) -> tuple[kenlm.State, tuple[int, ...]]:
         """KenLM state and index history after the sentence so far (only n-1 words matter)."""

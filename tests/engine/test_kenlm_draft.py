@@ -166,3 +166,35 @@ def test_index_round_trips_through_sidecar(arpa_path: Path, tmp_path: Path) -> N
     assert loaded.spans == index.spans and loaded.words == index.words
     assert loaded.backoffs.keys() == index.backoffs.keys()
     assert all(math.isclose(loaded.backoffs[k], v, abs_tol=1e-6) for k, v in index.backoffs.items())
+
+
+def brute_force_top(model: kenlm.Model, state: kenlm.State, n: int) -> list[tuple[int, float]]:
+    """Every word of the vocabulary (and </s>) scored, the n best; ties to the smaller id."""
+    scored = []
+    for token in [*range(VOCAB), SENTENCE_END]:
+        word = "</s>" if token == SENTENCE_END else str(token)
+        scored.append((token, model.BaseScore(state, word, kenlm.State())))
+    return sorted(scored, key=lambda pair: (-pair[1], pair[0]))[:n]
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_n_best_agrees_with_brute_force(draft: KenLMDraft, n: int) -> None:
+    rng = random.Random(13)
+    contexts = [[]] + [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))] for _ in range(150)]
+    for context in contexts:
+        state, history = draft._state_after(context)
+        got = [(step.token_id, step.logprob) for step in draft.top_next(state, history, n)]
+        expected = brute_force_top(draft._model, state, n)
+        assert [token for token, _ in got] == [token for token, _ in expected], context
+        assert [score for _, score in got] == pytest.approx([score for _, score in expected])
+
+
+def test_n_best_reports_probabilities_and_maps_sentence_end(arpa_path: Path) -> None:
+    with_end = KenLMDraft.load(arpa_path, vocab_size=VOCAB, end_token_id=VOCAB - 1)
+    without_end = KenLMDraft.load(arpa_path, vocab_size=VOCAB)
+    context = [3, 1]
+    best = with_end.n_best(context, 61)  # every word and </s>
+    assert len(best) == 61 and 0.9 < sum(p for _, p in best) <= 1.0  # the rest is <unk>'s
+    assert [p for _, p in best] == sorted((p for _, p in best), reverse=True)
+    assert len(without_end.n_best(context, 61)) == 60  # </s> left out without an EOS id
+    assert best[0][0] == with_end.propose(context, 1).token_ids[0]
