@@ -148,7 +148,7 @@ class SuffixIndex:
         return best, found
 
     @classmethod
-    def from_corpus(cls, path: Path, **options: int) -> SuffixIndex:
+    def from_corpus(cls, path: Path, **options: float) -> SuffixIndex:
         """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped)."""
         index = cls(**options)
         opener = gzip.open if path.suffix == ".gz" else open
