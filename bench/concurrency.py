@@ -101,7 +101,7 @@ def concurrency_sweep(
     the server's `calibrated` log event (what its start-up measured a pass to cost).
     distinct: no request repeats an earlier one's prompt (see sweep_level's tag)."""
     server = ServerProcess(server_args)
-    calibrated = next((e for e in server.events if e.get("event") == "calibrated"), None)
+    calibrated = server.logged("calibrated")
     print(f"server calibrated: {json.dumps(calibrated)}", file=sys.stderr, flush=True)
     try:
         runs: dict[int, list[dict]] = {level: [] for level in levels}

@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_args = ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)]
     server = ServerProcess([*server_args, *args.server_args])
     try:
-        calibrated = next((e for e in server.events if e.get("event") == "calibrated"), None)
+        calibrated = server.logged("calibrated")
         print(f"server calibrated: {json.dumps(calibrated)}", file=sys.stderr, flush=True)
         results = asyncio.run(run_workload(server.address, warm, measured, args.max_new_tokens))
     finally:

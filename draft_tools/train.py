@@ -35,7 +35,7 @@ from server.engine.draft import Draft
 from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams
 from server.engine.successors import SuccessorIndex
-from server.engine.suffix_index import SUFFIX_CORPUS, SuffixIndex
+from server.engine.suffix_index import SuffixIndex
 from server.settings import REPO_ROOT
 
 MODEL_FILE = "model.bin"
@@ -186,11 +186,7 @@ def evaluate(
             min_draft_prob=min_draft_prob,
             end_token_id=tokenizer.eos_token_id,
         )
-    index = None
-    if suffix:
-        corpus = draft_path / SUFFIX_CORPUS if draft_path is not None else None
-        has_corpus = corpus is not None and corpus.is_file()
-        index = SuffixIndex.from_corpus(corpus) if has_corpus else SuffixIndex()
+    index = SuffixIndex.for_draft(draft_path)[0] if suffix else None
     if context:
         max_match = max(8, min_match)
         draft = ContextDraft(draft, min_match=min_match, max_match=max_match, suffix=index)

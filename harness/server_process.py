@@ -84,6 +84,11 @@ class ServerProcess:
                     raise TimeoutError(f"no {event!r} from the server within {timeout} s")
                 self._arrived.wait(left)
 
+    def logged(self, event: str) -> dict | None:
+        """The first log event named `event` received so far (e.g. "calibrated"), or None."""
+        with self._arrived:
+            return next((e for e in self.events if e.get("event") == event), None)
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"

@@ -23,7 +23,7 @@ from server.engine.params import (
     StoppingParams,
 )
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import SUFFIX_CORPUS, SuffixIndex
+from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 from server.requests import Defaults, Limits
 from server.settings import Settings
@@ -114,12 +114,11 @@ def _load_suffix_index(settings: Settings) -> SuffixIndex | None:
     if not (settings.suffix_index and settings.draft_context):
         return None
     started = time.perf_counter()
-    options = {"max_tokens": settings.suffix_index_tokens, "max_match": settings.suffix_max_match}
-    corpus = Path(settings.draft) / SUFFIX_CORPUS if settings.has_draft else None
-    if corpus is not None and corpus.is_file():
-        index = SuffixIndex.from_corpus(corpus, **options)
-    else:
-        corpus, index = None, SuffixIndex(**options)
+    index, corpus = SuffixIndex.for_draft(
+        Path(settings.draft) if settings.has_draft else None,
+        max_tokens=settings.suffix_index_tokens,
+        max_match=settings.suffix_max_match,
+    )
     log.info(
         "suffix_index",
         corpus=str(corpus) if corpus else None,

@@ -4,11 +4,13 @@ Prompt lookup (transformers' PromptLookupCandidateGenerator, vLLM's NgramPropose
 last n tokens of prompt + output occurred before, propose what followed them then. It is
 strong where the output copies or paraphrases its input (rewriting, summaries, code edits,
 RAG) and where the output repeats itself; a static n-gram is strong on the target's habitual
-phrasing. The combined rule, chosen by replaying the default model's greedy answers (see
-docs/design.md, "Drafts"): use the context continuation when the longest suffix match is at
-least `min_match` tokens (1 by default: it gave the most tokens per round on every prompt set),
-and let the static draft continue from there; otherwise the static draft alone (llama.cpp's
-ngram-cache combines a context and a static cache the same way).
+phrasing; a global index of past answers (`SuffixIndex`) is strong where answers recur. Each
+round offers a chain per source: the context continuation when the longest suffix match is at
+least `min_match` tokens (1 by default: it gave the most tokens per round on every prompt set,
+replaying the default model's greedy answers; docs/design.md, "Drafts"), the index's, and the
+static draft's; a matched chain that runs out is continued by the static draft (llama.cpp's
+ngram-cache combines a context and a static cache the same way). The longest match leads, the
+others ride along as alternatives that the speculator weighs by measured acceptance.
 """
 
 from __future__ import annotations
@@ -52,9 +54,8 @@ class ContextIndex:
 
 
 class ContextDraft:
-    """The longest match of the stream's last tokens, in the request's own context or in the
-    global index of past answers (`suffix`, if any); the static draft (if any) to continue a
-    short one, or instead when neither matched."""
+    """Chains from the request's own context, the global index of past answers (`suffix`, if
+    any) and the static draft (if any), the longest match first (see module doc)."""
 
     def __init__(
         self,

@@ -148,6 +148,15 @@ class SuffixIndex:
         return best, found
 
     @classmethod
+    def for_draft(cls, draft: Path | None, **options: float) -> tuple[SuffixIndex, Path | None]:
+        """An index seeded with the draft folder's SUFFIX_CORPUS if it has one, else empty;
+        and the corpus it was seeded from (None: none)."""
+        corpus = draft / SUFFIX_CORPUS if draft is not None else None
+        if corpus is not None and corpus.is_file():
+            return cls.from_corpus(corpus, **options), corpus
+        return cls(**options), None
+
+    @classmethod
     def from_corpus(cls, path: Path, **options: float) -> SuffixIndex:
         """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped)."""
         index = cls(**options)

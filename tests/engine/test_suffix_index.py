@@ -59,6 +59,11 @@ def test_seeded_from_a_corpus_file(tmp_path) -> None:
     index = SuffixIndex.from_corpus(corpus)
     assert index.tokens == 10  # two answers of four, each with a separator
     assert index.propose([20, 21], 2) == ([22, 23], 2)
+    seeded, used = SuffixIndex.for_draft(tmp_path)  # a draft folder holding corpus.ids.gz
+    assert (seeded.tokens, used) == (10, corpus)
+    empty, none = SuffixIndex.for_draft(tmp_path / "no-such-draft")
+    assert (empty.tokens, none) == (0, None)
+    assert SuffixIndex.for_draft(None)[0].tokens == 0
 
 
 def test_the_context_draft_takes_the_longer_of_its_own_and_the_global_match() -> None:
