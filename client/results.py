@@ -32,6 +32,7 @@ class Round:
     window_acceptance: float
     finish_reason: FinishReason | str | None  # None before the last round
     usage: Usage | None
+    draft_source: str  # "kenlm", "context:4", "suffix:8", "recycled", ...; "" if none drafted
     response: pb.GenerateResponse = field(repr=False, compare=False)
 
     @classmethod
@@ -50,6 +51,7 @@ class Round:
             window_acceptance=info.window_acceptance,
             finish_reason=from_proto(FinishReason, finish) if finish else None,
             usage=usage_from_proto(response.usage) if response.HasField("usage") else None,
+            draft_source=info.draft_source,
             response=response,
         )
 

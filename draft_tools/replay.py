@@ -60,15 +60,18 @@ def replay(
     answers: Sequence[Sequence[int]],
     params: SpeculationParams,
     learn: Callable[[Sequence[int]], None] | None = None,
+    on_round: Callable[[int, int, int], None] | None = None,
 ) -> ReplayStats:
     """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair, in order;
-    `learn` gets each answer once replayed (a suffix index learning as a server would)."""
+    `learn` gets each answer once replayed (a suffix index learning as a server would);
+    `on_round(answer index, position, emitted)` follows every round (the target's rows a live
+    pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt)."""
     k_max = params.num_draft_tokens
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0
     shared = AcceptanceStats()  # every answer's, per source: the prior, as a server keeps it
-    for prompt, answer in zip(prompts, answers, strict=True):
+    for number, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         speculator = Speculator(draft.start(prompt), params, shared=shared)
         position = 0
         while position < len(answer):
@@ -76,12 +79,17 @@ def replay(
             proposal = speculator.propose(limit=len(answer) - position - 1)
             seconds += time.perf_counter() - started
             matched = _matching_prefix(proposal.token_ids, answer[position:])
+            while len(drafted_at) < len(proposal):  # a long match's chain drafts past k
+                drafted_at.append(0)
+                accepted_at.append(0)
             for j in range(len(proposal)):
                 drafted_at[j] += 1
                 accepted_at[j] += j < matched
             emitted = answer[position : position + matched + 1]
             speculator.record(len(proposal), matched)
             speculator.extend(emitted)
+            if on_round is not None:
+                on_round(number, position, len(emitted))
             position += len(emitted)
             rounds += 1
             speculative += len(proposal) > 0

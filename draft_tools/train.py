@@ -23,17 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draft_tools.replay import ReplayStats, replay
 from server.engine.arpa import read_arpa
-from server.engine.context_draft import ContextDraft
+from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
 from server.engine.draft import Draft
 from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams
+from server.engine.recycled import RecycledPredictions
+from server.engine.speculative_engine import ContextSettings
 from server.engine.successors import SuccessorIndex
 from server.engine.suffix_index import SuffixIndex
 from server.settings import REPO_ROOT
@@ -171,11 +174,16 @@ def evaluate(
     min_match: int = 3,
     suffix: bool = False,
     learn: bool = False,
+    recycled: bool = False,
+    long_draft_tokens: int = LONG_DRAFT_TOKENS,
 ) -> ReplayStats:
     """Replay held-out answers; draft_path None with context=True is prompt lookup alone.
 
     suffix: with context, also draft from a suffix index seeded with the draft folder's
-    corpus; learn: the index learns each answer once replayed (requests in sequence)."""
+    corpus; learn: the index learns each answer once replayed (requests in sequence);
+    recycled: with context, also draft from the target's recycled predictions, recorded from a
+    teacher-forced float32 pass over each prompt + answer (only the rows of accepted tokens:
+    a live pass also records the rows of rejected drafts, so this slightly underestimates)."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     draft: Draft | None = None
     if draft_path is not None:
@@ -187,15 +195,51 @@ def evaluate(
             end_token_id=tokenizer.eos_token_id,
         )
     index = SuffixIndex.for_draft(draft_path)[0] if suffix else None
+    prompts, replies = load_answers(model, answers)
+    table, on_round = _recycler(model, prompts, replies) if recycled else (None, None)
     if context:
-        max_match = max(8, min_match)
-        draft = ContextDraft(draft, min_match=min_match, max_match=max_match, suffix=index)
+        max_match = max(ContextSettings().max_match, min_match)
+        draft = ContextDraft(
+            draft,
+            min_match=min_match,
+            max_match=max_match,
+            suffix=index,
+            recycled=table,
+            long_draft_tokens=long_draft_tokens,
+        )
     if draft is None:
         raise ValueError("nothing to evaluate: give a draft, or context=True")
-    prompts, replies = load_answers(model, answers)
     params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
     learner = index.add if learn and index is not None else None
-    return replay(draft, prompts, replies, params, learn=learner)
+    return replay(draft, prompts, replies, params, learn=learner, on_round=on_round)
+
+
+def _recycler(
+    model: Path, prompts: list[list[int]], replies: list[list[int]]
+) -> tuple[RecycledPredictions, Callable[[int, int, int], None]]:
+    """A recycled-predictions table, and the replay callback that records into it the rows a
+    live round would have read, from one teacher-forced pass per answer (computed on first use)."""
+    target = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    table = RecycledPredictions(target.config.vocab_size)
+    current: dict[int, torch.Tensor] = {}
+
+    def logits_of(number: int) -> torch.Tensor:
+        if number not in current:
+            current.clear()
+            sequence = torch.tensor([prompts[number] + replies[number]])
+            with torch.inference_mode():
+                current[number] = target(sequence).logits[0]
+        return current[number]
+
+    def on_round(number: int, position: int, emitted: int) -> None:
+        sequence = prompts[number] + replies[number]
+        first = len(prompts[number]) + position - 1  # the pending token's index
+        rows = logits_of(number)
+        table.record(
+            sequence[first : first + emitted], [(i, rows[first + i]) for i in range(emitted)]
+        )
+
+    return table, on_round
 
 
 def report(stats: ReplayStats, label: str = "", costs: Sequence[float] = ()) -> str:
@@ -253,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     check.add_argument("--min-draft-prob", type=float, default=0.0)
     check.add_argument("--min-match", type=int, default=1)
+    check.add_argument(
+        "--long-draft-tokens",
+        type=int,
+        default=LONG_DRAFT_TOKENS,
+        help="with --context, how far a chain after a long exact match may draft (as the server)",
+    )
     for flag, help_text in (
         ("--context", "combine with the request's own context (as --draft-context)"),
         (
@@ -260,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with --context, also draft from a suffix index seeded with the draft's corpus",
         ),
         ("--learn", "the suffix index learns each answer once replayed (requests in sequence)"),
+        ("--recycled", "with --context, also draft from the target's recycled predictions"),
     ):
         check.add_argument(
             flag, action=argparse.BooleanOptionalAction, default=False, help=help_text
@@ -320,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_match=args.min_match,
             suffix=args.suffix,
             learn=args.learn,
+            recycled=args.recycled,
+            long_draft_tokens=args.long_draft_tokens,
         )
         print(report(stats, costs=args.cost_ms))
     return 0

@@ -121,20 +121,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParameters, _Mapping]] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("index", "drafted", "accepted", "mode", "breaker_state", "window_acceptance")
+    __slots__ = ("index", "drafted", "accepted", "mode", "breaker_state", "window_acceptance", "draft_source")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BREAKER_STATE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     index: int
     drafted: int
     accepted: int
     mode: RoundMode
     breaker_state: BreakerState
     window_acceptance: float
-    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., breaker_state: _Optional[_Union[BreakerState, str]] = ..., window_acceptance: _Optional[float] = ...) -> None: ...
+    draft_source: str
+    def __init__(self, index: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., breaker_state: _Optional[_Union[BreakerState, str]] = ..., window_acceptance: _Optional[float] = ..., draft_source: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "rounds", "seed")

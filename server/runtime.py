@@ -22,6 +22,7 @@ from server.engine.params import (
     SpeculationParams,
     StoppingParams,
 )
+from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
@@ -62,6 +63,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
+        long_draft_tokens=settings.long_draft_tokens,
         learn_prompts=settings.suffix_learn_prompts,
     )
     batching = BatchSettings(
@@ -80,6 +82,11 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         costs=costs,
         events=events,
         suffix=_load_suffix_index(settings),
+        recycled=(
+            RecycledPredictions(target.vocab_size)
+            if settings.recycled_predictions and settings.draft_context
+            else None
+        ),
     )
     _warm_up(engine)
     limits = Limits(
@@ -157,7 +164,12 @@ def _breaker_and_pass_costs(
     speculates = settings.has_draft or settings.draft_context
     if not speculates:
         return breaker, None
-    result = calibrate(target, settings.num_draft_tokens, rows=settings.max_batch_size)
+    result = calibrate(
+        target,
+        settings.num_draft_tokens,
+        rows=settings.max_batch_size,
+        long_draft_tokens=settings.long_draft_tokens if settings.draft_context else 0,
+    )
     log.info(
         "calibrated",
         k=result.num_draft_tokens,

@@ -291,6 +291,7 @@ def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
             mode=to_proto(round_.mode),
             breaker_state=to_proto(round_.breaker_state),
             window_acceptance=round_.window_acceptance,
+            draft_source=round_.source,
         ),
     )
     if round_.finish_reason is not None:

@@ -45,11 +45,13 @@ class Settings:
     skinny_gemm: bool = True
     draft_context: bool = True
     context_min_match: int = 1
-    context_max_match: int = 8
+    context_max_match: int = 16
+    long_draft_tokens: int = 16
     suffix_index: bool = True
     suffix_index_tokens: int = 1_000_000
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
+    recycled_predictions: bool = False
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -107,6 +109,8 @@ _HELP = {
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
     "context_max_match": "longest suffix match (tokens) the context draft looks for",
+    "long_draft_tokens": "how far a chain after a long exact match (context or suffix index) "
+    "may draft: as many tokens as the match is long, up to this (at least k)",
     "suffix_index": "with context drafting, also draft from a global index of past answers "
     "(seeded from the draft folder's corpus.ids.gz, learning every finished response): the "
     "longest exact match of the stream's last tokens, most frequent continuation",
@@ -114,6 +118,8 @@ _HELP = {
     "per million); 0: keep no answers",
     "suffix_max_match": "longest match (tokens) the suffix index looks for",
     "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
+    "recycled_predictions": "with context drafting, also draft from the target's own recent "
+    "predictions: the top next tokens every pass computed after each token, kept per token",
     "breaker_window": "speculative rounds in a request's acceptance window",
     "breaker_threshold": "acceptance below which a request falls back to plain decoding "
     "(negative: calibrate the break-even rate from measured verify costs at start-up)",
@@ -168,6 +174,11 @@ def parse_settings(
         parser.error(
             f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], "
             f"not {namespace.num_draft_tokens}"
+        )
+    if not 0 <= namespace.long_draft_tokens <= MAX_DRAFT_TOKENS:
+        parser.error(
+            f"--long-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}], "
+            f"not {namespace.long_draft_tokens}"
         )
     if namespace.suffix_index_tokens < 0:
         parser.error(

@@ -19,7 +19,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from server.engine.draft import Draft, DraftSession, Proposal
+from server.engine.recycled import RecycledPredictions
 from server.engine.suffix_index import SuffixIndex
+
+RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
+LONG_DRAFT_TOKENS = 16  # the most a chain after a long exact match drafts (see propose)
 
 
 class ContextIndex:
@@ -62,9 +66,12 @@ class ContextDraft:
         static: Draft | None,
         *,
         min_match: int = 1,
-        max_match: int = 8,
+        max_match: int = 16,
         name: str = "",
         suffix: SuffixIndex | None = None,
+        recycled: RecycledPredictions | None = None,
+        recycled_min_prob: float = RECYCLED_MIN_PROB,
+        long_draft_tokens: int = LONG_DRAFT_TOKENS,
     ) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
@@ -72,7 +79,11 @@ class ContextDraft:
         self.min_match = min_match
         self.max_match = max_match
         self.suffix = suffix
+        self.recycled = recycled
+        self.recycled_min_prob = recycled_min_prob
+        self.long_draft_tokens = long_draft_tokens
         parts = ["context", *(["suffix"] if suffix is not None else [])]
+        parts += ["recycled"] if recycled is not None else []
         parts += [static.name] if static is not None else []
         self._name = name or "+".join(parts)
 
@@ -84,37 +95,72 @@ class ContextDraft:
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(index, static, self.suffix)
+        return ContextSession(
+            index,
+            static,
+            self.suffix,
+            self.recycled,
+            self.recycled_min_prob,
+            self.long_draft_tokens,
+        )
 
 
 class ContextSession:
     def __init__(
-        self, index: ContextIndex, static: DraftSession | None, suffix: SuffixIndex | None = None
+        self,
+        index: ContextIndex,
+        static: DraftSession | None,
+        suffix: SuffixIndex | None = None,
+        recycled: RecycledPredictions | None = None,
+        recycled_min_prob: float = 0.0,
+        long_draft_tokens: int = 0,
     ) -> None:
         self._index = index
         self._static = static
         self._suffix = suffix
+        self._recycled = recycled
+        self._recycled_min_prob = recycled_min_prob
+        self._long = long_draft_tokens
 
     def propose(self, k: int) -> Proposal:
         """The chain of the longest match (own context, or the suffix index if longer; a tie
         goes to the request's own), else the static draft's; the other sources' chains ride
-        along as alternatives, for the speculator to weigh by their measured acceptance."""
+        along as alternatives, for the speculator to weigh by their measured acceptance.
+
+        A matched chain drafts as far as its match is long, up to `long_draft_tokens` (at
+        least k): after 12 tokens that matched exactly, the next 12 are likely to as well
+        (SuffixDecoding's match-proportional speculation; the caller cuts chains to its limit)."""
         chains: list[tuple[int, Proposal]] = []  # (match length, chain)
-        tokens, matched = self._index.continuation(k)
+        longest = max(k, self._long)
+        tokens, matched = self._index.continuation(longest)
         if matched:
-            chains.append((matched, self._chain(tokens, k, _source("context", min(matched, 4)))))
+            reach = self._reach(k, matched)
+            chain = self._chain(tokens[:reach], reach, _source("context", matched))
+            chains.append((matched, chain))
         if self._suffix is not None:
-            found, length = self._suffix.propose(self._index.tokens, k)
+            found, length = self._suffix.propose(self._index.tokens, longest)
             if found:
-                chains.append((length, self._chain(found, k, _source("suffix", length))))
+                reach = self._reach(k, length)
+                chains.append(
+                    (length, self._chain(found[:reach], reach, _source("suffix", length)))
+                )
         if self._static is not None:
             chains.append((0, self._static.propose(k)))
+        if self._recycled is not None:
+            found, probs = self._recycled.chain(self._index.tokens[-1], k, self._recycled_min_prob)
+            if found:
+                chains.append((0, Proposal(tuple(found), tuple(probs), source="recycled")))
         if not chains:
             return Proposal(source=_source("context", 0))
         chains.sort(key=lambda chain: -chain[0])  # stable: the context before an equal suffix
         first, *others = (chain for _, chain in chains)
         others = [chain for chain in others if len(chain)]
         return replace(first, alternatives=tuple(others)) if others else first
+
+    def _reach(self, k: int, matched: int) -> int:
+        """How far a chain after a `matched`-token exact match drafts: k, or further when the
+        match is longer, up to the long-draft cap."""
+        return max(k, min(matched, self._long))
 
     def _chain(self, tokens: list[int], k: int, source: str) -> Proposal:
         """A matched continuation, which the static draft continues where it runs out (the

@@ -82,17 +82,27 @@ def solve_acceptance(expected: Callable[[float], float], tokens: float) -> float
 
 
 def calibrate(
-    target: TargetModel, k: int, *, context_tokens: int = 128, repeats: int = 7, rows: int = 1
+    target: TargetModel,
+    k: int,
+    *,
+    context_tokens: int = 128,
+    repeats: int = 7,
+    rows: int = 1,
+    long_draft_tokens: int = 0,
 ) -> Calibration:
     """Time passes of 1..k+1 tokens after a context_tokens prefill (medians of repeats), for
     one row and, when rows > 1, for batches of 2, 4 and `rows` (fewer repeats: those passes
-    are longer).
+    are longer); with long_draft_tokens > k, also one row's passes of that many drafts and of
+    half-way (chains after long exact matches draft that far; widths between interpolate).
     """
     widths = list(range(1, k + 2))
+    measured = list(widths)
+    if long_draft_tokens > k:
+        measured += sorted({(k + long_draft_tokens) // 2 + 1, long_draft_tokens + 1})
     costs = dict(
-        zip(widths, measure_pass_seconds(target, widths, context_tokens, repeats), strict=True)
+        zip(measured, measure_pass_seconds(target, measured, context_tokens, repeats), strict=True)
     )
-    padded = cheapest_widths(costs)
+    padded = cheapest_widths({width: costs[width] for width in widths})
     verify = costs[padded.get(k + 1, k + 1)]
     batch_costs = {(1, width): seconds for width, seconds in costs.items()}
     # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
+from server.engine.recycled import RecycledPredictions, computed_rows
 from server.engine.sampling import (
     LogitRows,
     PositionalGenerator,
@@ -37,6 +38,7 @@ class Round:
     window_acceptance: float
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    source: str = ""  # where the drafts came from ("kenlm", "suffix:8", ...); "" if none
 
 
 class Generation:
@@ -61,6 +63,7 @@ class Generation:
         stopping: StoppingParams,
         speculator: Speculator,
         on_finish: Callable[[Sequence[int], Sequence[int]], None] | None = None,
+        recycled: RecycledPredictions | None = None,
     ) -> None:
         if not prompt_ids:
             raise InvalidParameter("prompt", "must contain at least one token")
@@ -76,6 +79,7 @@ class Generation:
         self._stopping = stopping
         self.speculator = speculator
         self._on_finish = on_finish  # (prompt, output) of a finished generation, e.g. to learn
+        self._recycled = recycled  # where the pass's computed logit rows are kept as drafts
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
@@ -150,6 +154,9 @@ class Generation:
         """Accept against the pass's logits for [pending, *drafts]; emit the round."""
         drafts = self._drafts
         emitted = self._verify(drafts, logits)
+        if self._recycled is not None:
+            scored = [self._pending, *drafts]
+            self._recycled.record(scored, computed_rows(logits, len(scored)))
         self._prefilled += self.prefill_remaining  # the pass wrote the rest of the prompt
         accepted = len(emitted) - 1
         self.speculator.record(len(drafts), accepted)
@@ -192,6 +199,7 @@ class Generation:
             window_acceptance=self.speculator.window_acceptance,
             finish_reason=self.finish_reason,
             usage=self._usage() if self.finished else None,
+            source=self.speculator.source if drafted else "",
         )
 
     def _append_text(self, token_id: int) -> FinishReason | None:

@@ -10,12 +10,13 @@ from kenspec_api.outputs import BreakerState
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
-from server.engine.context_draft import ContextDraft
+from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
 from server.engine.costs import PassCosts
 from server.engine.draft import Draft
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.recycled import RecycledPredictions
 from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
@@ -35,7 +36,8 @@ class BreakerSettings:
 class ContextSettings:
     enabled: bool = False  # the default for requests that do not say
     min_match: int = 1
-    max_match: int = 8
+    max_match: int = 16
+    long_draft_tokens: int = LONG_DRAFT_TOKENS  # how far a chain after a long match drafts
     learn_prompts: bool = False  # the suffix index learns prompts too, not only answers
 
 
@@ -56,14 +58,21 @@ class SpeculativeEngine:
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
         suffix: SuffixIndex | None = None,
+        recycled: RecycledPredictions | None = None,
     ) -> None:
         self.target = target
         self.batch = Batch(target, batching, costs=costs, events=events)
         self.static_draft = draft
         self.context = context or ContextSettings()
         self.suffix = suffix  # past answers, drafted from with the context; learns as it serves
+        self.recycled = recycled  # the target's recent predictions per token; learns every pass
         self.context_draft = ContextDraft(
-            draft, min_match=self.context.min_match, max_match=self.context.max_match, suffix=suffix
+            draft,
+            min_match=self.context.min_match,
+            max_match=self.context.max_match,
+            long_draft_tokens=self.context.long_draft_tokens,
+            suffix=suffix,
+            recycled=recycled,
         )
         self.breaker = breaker or BreakerSettings()
         self._clock = clock  # what the breakers judge their reset timeouts by
@@ -126,6 +135,7 @@ class SpeculativeEngine:
             stopping=stopping,
             speculator=speculator,
             on_finish=self._learn if self.suffix is not None else None,
+            recycled=self.recycled,
         )
 
     def _learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:

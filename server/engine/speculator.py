@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kenspec_api.outputs import BreakerState
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
@@ -14,6 +15,17 @@ PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each
 PROBE_AFTER_MAX = 256
 PRIOR_TRIES = 2.0  # weight of the shared prior in a request's estimate, in draft tokens tried
 _OWN_DECAY = 0.8  # a request's own counts: the last few rounds of a source dominate
+
+
+def _cut(proposal: Proposal, count: int) -> Proposal:
+    distributions = proposal.distributions
+    return replace(
+        proposal,
+        token_ids=proposal.token_ids[:count],
+        probs=proposal.probs[:count],
+        distributions=distributions[:count] if distributions is not None else None,
+        alternatives=(),
+    )
 
 
 class AcceptanceStats:
@@ -82,6 +94,11 @@ class Speculator:
         return self._acceptance.state if self._acceptance else BreakerState.CLOSED
 
     @property
+    def source(self) -> str:
+        """Where this round's proposal came from (see Proposal.source)."""
+        return self._source
+
+    @property
     def window_acceptance(self) -> float:
         return self._acceptance.window_acceptance if self._acceptance else 0.0
 
@@ -137,6 +154,8 @@ class Speculator:
             proposal = self._faults.propose(self._session, k, self._request_id) or _NOTHING
         if proposal.alternatives:  # the chain with the most expected accepted tokens
             proposal = max((proposal, *proposal.alternatives), key=self._expected_accepted)
+        if len(proposal) > limit:  # a long match's chain may draft past k, never past limit
+            proposal = _cut(proposal, limit)
         self._source = proposal.source
         return proposal
 

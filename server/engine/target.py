@@ -56,6 +56,10 @@ class LazyLogits:
     def __len__(self) -> int:
         return int(self._hidden.shape[0])
 
+    def computed(self) -> dict[int, torch.Tensor]:
+        """The rows computed so far (for recycling the target's predictions)."""
+        return dict(self._rows)
+
     def __getitem__(self, index: int) -> torch.Tensor:
         row = self._rows.get(index)
         if row is None:

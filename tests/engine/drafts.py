@@ -13,6 +13,7 @@ from server.engine.draft import Proposal
 from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
 from server.engine.target import TargetModel
 from tests import tiny
@@ -119,9 +120,12 @@ def start(
     breaker: BreakerSettings | None = None,
     clock: Callable[[], float] = time.monotonic,
     costs: PassCosts | None = None,
+    recycled: RecycledPredictions | None = None,
 ) -> tuple[SpeculativeEngine, Generation]:
-    """A new engine (batch of its own) and a generation started on it, not yet run."""
-    engine = SpeculativeEngine(target, draft, breaker, clock=clock, costs=costs)
+    """A new engine (batch of its own) and a generation started on it, not yet run;
+    `recycled`: the table its passes record into (the one a ContextDraft given as `draft`
+    drafts from)."""
+    engine = SpeculativeEngine(target, draft, breaker, clock=clock, costs=costs, recycled=recycled)
     generation = engine.start(
         prompt_ids,
         sampling=sampling or SamplingParams(),

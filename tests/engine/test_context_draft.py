@@ -35,7 +35,7 @@ def test_index_agrees_with_brute_force_as_tokens_arrive() -> None:
 
 
 def test_context_alone_copies_what_followed_the_match() -> None:
-    draft = ContextDraft(None, min_match=2, max_match=4)
+    draft = ContextDraft(None, min_match=2, max_match=4, long_draft_tokens=0)
     session = draft.start([10, 11, 12, 13, 14, 99, 10, 11])
     assert session.propose(3).token_ids == (12, 13, 14)
     session.extend([12, 13])
@@ -61,7 +61,21 @@ def test_proposals_say_where_they_came_from_by_match_length() -> None:
     assert draft.start([1, 2, 9, 2]).propose(2).source == "context:1"
     assert draft.start([1, 2, 9, 1, 2]).propose(2).source == "context:2"
     assert draft.start([4, 1, 2, 3, 9, 4, 1, 2, 3]).propose(2).source == "context:4"
-    assert draft.start([5, 4, 1, 2, 3, 9, 5, 4, 1, 2, 3]).propose(2).source == "context:4"
+    assert draft.start([5, 4, 1, 2, 3, 9, 5, 4, 1, 2, 3]).propose(2).source == "context:5"
+
+
+def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
+    """k tokens after a short match; as many as the match is long after a longer one, up to
+    long_draft_tokens; the static draft does not stretch."""
+    text = [*range(1, 13), 0, *range(1, 13), 0]
+    draft = ContextDraft(FixedDraft([7] * 12), min_match=1, max_match=16, long_draft_tokens=6)
+    assert draft.start([1, 2, 0, 1]).propose(2).token_ids == (2, 0)  # 1-token match: k = 2
+    session = draft.start(text[:17])  # 1..12 0 1 2 3 4: the last 4 tokens matched
+    assert session.propose(2).token_ids == (5, 6, 7, 8)  # reach 4
+    assert draft.start(text[:22]).propose(2).token_ids == (10, 11, 12, 0, 1, 2)  # cap 6
+    assert draft.start([3, 4]).propose(2).token_ids == (7, 7)  # no match: the static draft, k
+    never = ContextDraft(None, min_match=1, max_match=16, long_draft_tokens=0)
+    assert never.start(text[:22]).propose(2).token_ids == (10, 11)
 
 
 def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:

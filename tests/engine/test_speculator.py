@@ -44,3 +44,21 @@ def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() 
         ).token_ids
         == (1,) * 4
     )
+
+
+class LongMatch:
+    """A chain longer than k, as a long exact match drafts."""
+
+    def propose(self, k: int) -> Proposal:
+        return Proposal(tuple(range(10, 10 + 3 * k)), (1.0,) * (3 * k), source="suffix:16")
+
+    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_a_chain_past_k_is_kept_up_to_the_limit_and_never_past_it() -> None:
+    params = SpeculationParams(num_draft_tokens=4, adaptive=False)
+    chosen = Speculator(LongMatch(), params)
+    assert chosen.propose(limit=10).token_ids == tuple(range(10, 20))  # 12 proposed, 10 left
+    assert chosen.propose(limit=30).token_ids == tuple(range(10, 22))
+    assert chosen.propose(limit=3).token_ids == (10, 11, 12)

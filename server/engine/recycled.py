@@ -1,0 +1,103 @@
+"""Recycled target predictions: the target's own top next tokens after each token, reused as drafts.
+
+Token Recycling (Luo et al. 2024): every verification pass computes next-token logits for the
+pending token and for the drafts it reads; those rows are the target's predictions after each
+of those tokens, and they are thrown away once the round has accepted. Kept instead in a
+table keyed by the token they follow (vocabulary x `width` ids and probabilities, shared by
+every request, the newest row for a token overwriting the older), they give a draft for free:
+from the stream's last token, follow the table's best next token, then the best after that.
+
+Keyed by one token, a row forgets the context it was computed in, so the chain is a bigram of
+the target's recent predictions: it knows the target's current phrasing, which the static
+draft never saw, but not what came two tokens back. The speculator weighs it by its measured
+acceptance like any other source.
+
+Memory: vocabulary x width x 8 bytes (49k x 8 x 8 = 3 MB for the default model). Recording
+costs one top-k over the rows a pass already computed; a lookup reads two lists per drafted
+token.
+Thread safety: `record` runs on the engine thread, `chain` on the draft thread; a chain that
+reads a row while it is overwritten gets either row's ids, each a valid draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+WIDTH = 8  # next tokens kept per token, as in Token Recycling's adjacency matrix
+
+
+class RecycledPredictions:
+    """The target's top-`width` next tokens (and their probabilities) after each token id."""
+
+    def __init__(self, vocab_size: int, width: int = WIDTH) -> None:
+        if vocab_size < 1 or width < 1:
+            raise ValueError(f"need vocab_size and width >= 1, got {vocab_size}, {width}")
+        self.vocab_size = vocab_size
+        self.width = width
+        self._ids = torch.full((vocab_size, width), -1, dtype=torch.int32)  # -1: never seen
+        self._probs = torch.zeros((vocab_size, width), dtype=torch.float32)
+        # The best next token per token again, as Python lists: a chain reads them per token.
+        self._best = [-1] * vocab_size
+        self._best_prob = [0.0] * vocab_size
+        self.recorded = 0  # rows recorded, for tests and metrics
+
+    @property
+    def nbytes(self) -> int:
+        return self._ids.nbytes + self._probs.nbytes
+
+    def record(self, token_ids: Sequence[int], rows: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Keep the top next tokens of logit rows: (i, logits) is the target's prediction after
+        token_ids[i]. Rows after a token outside the table's vocabulary are ignored."""
+        pairs = [(i, row) for i, row in rows if 0 <= token_ids[i] < self.vocab_size]
+        if not pairs:
+            return
+        logits = torch.stack([row for _, row in pairs]).float()  # [rows, vocab]
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(probs, min(self.width, probs.shape[-1]), dim=-1)
+        keys = torch.tensor([token_ids[i] for i, _ in pairs], dtype=torch.long)
+        width = top.indices.shape[-1]
+        self._ids[keys, :width] = top.indices.to(torch.int32)
+        self._probs[keys, :width] = top.values
+        for key, best, prob in zip(
+            keys.tolist(), top.indices[:, 0].tolist(), top.values[:, 0].tolist(), strict=True
+        ):
+            self._best[key], self._best_prob[key] = best, prob
+        self.recorded += len(pairs)
+
+    def next_tokens(self, token_id: int) -> list[tuple[int, float]]:
+        """The recorded (next token, probability) pairs after token_id, best first."""
+        if not 0 <= token_id < self.vocab_size:
+            return []
+        ids, probs = self._ids[token_id].tolist(), self._probs[token_id].tolist()
+        return [(t, p) for t, p in zip(ids, probs, strict=True) if t >= 0]
+
+    def chain(
+        self, last_token: int, k: int, min_prob: float = 0.0
+    ) -> tuple[list[int], list[float]]:
+        """Up to k tokens following the best recorded next token from last_token, stopping at a
+        token never recorded or a path probability below min_prob."""
+        tokens: list[int] = []
+        probs: list[float] = []
+        token, path = last_token, 1.0
+        while len(tokens) < k and 0 <= token < self.vocab_size:
+            following = self._best[token]
+            path *= self._best_prob[token]
+            if following < 0 or path < min_prob:
+                break
+            tokens.append(following)
+            probs.append(path)
+            token = following
+        return tokens, probs
+
+
+def computed_rows(logits: object, count: int) -> list[tuple[int, torch.Tensor]]:
+    """The logit rows among the first `count` that a pass has already computed: all of them for
+    a tensor, the ones a verification read (and their block) for LazyLogits."""
+    if isinstance(logits, torch.Tensor):
+        return [(i, logits[i]) for i in range(min(count, logits.shape[0]))]
+    rows = getattr(logits, "computed", None)
+    if rows is None:
+        return []
+    return [(i, row) for i, row in sorted(rows().items()) if i < count]

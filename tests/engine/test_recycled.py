@@ -1,0 +1,125 @@
+"""Recycled target predictions: the table keeps each pass's computed rows, drafts follow it,
+and output stays plain greedy decoding's with it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kenspec_api.outputs import BreakerState
+from server.engine.context_draft import ContextDraft
+from server.engine.recycled import RecycledPredictions, computed_rows
+from server.engine.speculative_engine import BreakerSettings
+from server.engine.target import LazyLogits
+from tests.engine.drafts import generate
+
+
+def row(vocab: int, scores: dict[int, float]) -> torch.Tensor:
+    logits = torch.full((vocab,), -30.0)
+    for token, score in scores.items():
+        logits[token] = score
+    return logits
+
+
+def test_a_row_is_kept_under_the_token_it_follows_best_first_with_probabilities() -> None:
+    table = RecycledPredictions(vocab_size=10, width=3)
+    logits = row(10, {4: 2.0, 7: 1.0, 2: 0.0})
+    table.record([5], [(0, logits)])
+    expected = torch.softmax(logits, dim=-1)
+    kept = table.next_tokens(5)
+    assert [token for token, _ in kept] == [4, 7, 2]
+    assert [p for _, p in kept] == pytest.approx([float(expected[t]) for t in (4, 7, 2)])
+    assert table.next_tokens(6) == []  # never recorded
+    assert table.next_tokens(99) == []  # outside the vocabulary
+
+
+def test_a_newer_row_for_the_same_token_replaces_the_older() -> None:
+    table = RecycledPredictions(vocab_size=10, width=2)
+    table.record([5, 5], [(0, row(10, {4: 3.0})), (1, row(10, {8: 3.0}))])
+    assert table.next_tokens(5)[0][0] == 8
+    table.record([5], [(0, row(10, {1: 3.0}))])
+    assert table.next_tokens(5)[0][0] == 1
+
+
+def test_a_chain_follows_the_best_next_token_until_unseen_or_improbable() -> None:
+    table = RecycledPredictions(vocab_size=10)
+    confident, unsure = {2: 10.0}, {3: 1.0, 9: 0.8}  # p ~ 1, then p = 0.55
+    table.record([1, 2], [(0, row(10, confident)), (1, row(10, unsure))])
+    tokens, probs = table.chain(1, 5)
+    assert tokens == [2, 3]  # then 3 has no recorded row
+    assert probs == pytest.approx([1.0, 0.55], abs=1e-2)
+    assert table.chain(1, 5, min_prob=0.6) == ([2], pytest.approx([1.0], abs=1e-3))
+    assert table.chain(1, 1)[0] == [2]
+    assert table.chain(7, 5) == ([], [])
+
+
+def test_only_rows_a_pass_computed_are_recycled() -> None:
+    hidden = torch.randn(5, 4)
+    head = torch.randn(6, 4)
+    logits = LazyLogits(hidden, head.t(), hidden[0] @ head.t(), head)
+    assert [i for i, _ in computed_rows(logits, 5)] == [0]
+    logits[1]  # computes rows 1..4 in one block (LazyLogits.BLOCK)
+    rows = computed_rows(logits, 3)
+    assert [i for i, _ in rows] == [0, 1, 2]
+    assert torch.allclose(rows[2][1], hidden[2] @ head.t(), atol=1e-5)
+    assert len(computed_rows(torch.zeros(3, 6), 2)) == 2
+
+
+def test_serving_fills_the_table_with_the_targets_own_greedy_choices(
+    tiny_target, references
+) -> None:
+    """After a greedy answer, the row kept for its last token is the target's prediction after
+    it, and the top entry for every token that occurred once is the token that followed it."""
+    table = RecycledPredictions(tiny_target.vocab_size)
+    ids, expected = next(iter(references.values()))
+    generation = generate(tiny_target, None, ids, max_new_tokens=len(expected), recycled=table)
+    list(generation)
+    assert generation.output_ids == expected
+    sequence = [ids[-1], *expected]
+    once = [i for i, t in enumerate(sequence[:-1]) if sequence.count(t) == 1]
+    assert once, "the reference should hold tokens that occur once"
+    assert all(table.next_tokens(sequence[i])[0][0] == sequence[i + 1] for i in once)
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_greedy_output_is_exact_drafting_from_recycled_predictions(
+    tiny_target, references, k
+) -> None:
+    """A shared table, warmed by the earlier prompts: drafts from it are accepted sometimes
+    and rejected sometimes, and every output is plain greedy decoding's."""
+    table = RecycledPredictions(tiny_target.vocab_size)
+    # No context chains (an 8-token match is rare here), no probability cut (the tiny model's
+    # distributions are flat): rounds draft from the table.
+    draft = ContextDraft(None, min_match=8, max_match=8, recycled=table, recycled_min_prob=0.0)
+    counts = {"drafted": 0, "accepted": 0, "recycled": 0}
+    for ids, expected in references.values():
+        generation = generate(
+            tiny_target, draft, ids, max_new_tokens=len(expected), k=k, recycled=table
+        )
+        rounds = list(generation)
+        assert generation.output_ids == expected
+        counts["drafted"] += sum(r.drafted for r in rounds)
+        counts["accepted"] += sum(r.accepted for r in rounds)
+        counts["recycled"] += sum(r.source == "recycled" for r in rounds)
+    assert 0 < counts["accepted"] < counts["drafted"]
+    assert counts["recycled"] > 0  # rounds really drafted from the table
+
+
+class BrokenTable(RecycledPredictions):
+    def chain(self, last_token, k, min_prob=0.0):  # type: ignore[no-untyped-def]
+        raise RuntimeError("corrupt table")
+
+
+def test_a_table_that_raises_trips_the_draft_fault_breaker(tiny_target, references) -> None:
+    table = BrokenTable(tiny_target.vocab_size)
+    ids, expected = next(iter(references.values()))
+    generation = generate(
+        tiny_target,
+        ContextDraft(None, recycled=table, recycled_min_prob=0.0),
+        ids,
+        max_new_tokens=len(expected),
+        breaker=BreakerSettings(fault_max=2),
+        recycled=table,
+    )
+    assert [t for r in generation for t in r.token_ids] == expected  # decoded plainly instead
+    assert generation.engine.draft_breaker_state is BreakerState.OPEN
