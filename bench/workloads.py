@@ -10,6 +10,17 @@ answers, the suffix index, learn as they would in service):
 Each measured prompt is sent with speculation on (server defaults) and then off, greedy, so
 both give the same answer; the figures are per prompt (tokens/s, tokens per round) and their
 medians, with the ratio on/off per prompt. Extra arguments after `--` go to the server.
+
+Rounds are also split by the draft source the server names for each (`kenlm`, `context`,
+`suffix`, `recycled`, `none` when nothing was drafted): per prompt the rounds, tokens, drafted,
+accepted and seconds (wall time since the previous round, the first from the request's start)
+of each source; in the summary each source's share of rounds, tokens per round, acceptance and
+tokens/s over all measured prompts (speculation on).
+
+Then, with the server stopped (`--no-prompt-lookup` skips it), the same model through
+transformers as shipped, at the dtype and on the device the server logged: each measured prompt,
+rendered with the chat template as the server renders it, through greedy `generate` with
+`prompt_lookup_num_tokens` (transformers' n-gram speculation) and without (plain).
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.machine import machine
@@ -28,20 +39,40 @@ from bench.suite import read_prompts
 from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
 
+_SOURCE_FIELDS = ("rounds", "tokens", "drafted", "accepted", "seconds")
+
+
+def source_family(draft_source: str) -> str:
+    """A round's draft source without its match-length bucket ("context:8" -> "context");
+    "" (nothing drafted) -> "none"."""
+    return draft_source.split(":", 1)[0] or "none"
+
 
 async def _one(client: AsyncClient, prompt: str, max_new_tokens: int, speculation: str) -> dict:
     started = time.perf_counter()
+    previous = started
     rounds = tokens = drafted = accepted = 0
+    sources: dict[str, dict] = {}
     async for round_ in client.generate(
         messages=[("user", prompt)],
         max_new_tokens=max_new_tokens,
         speculation=speculation,
         timeout=600,
     ):
+        now = time.perf_counter()
         rounds += 1
         tokens += len(round_.token_ids)
         drafted += round_.drafted
         accepted += round_.accepted
+        family = sources.setdefault(
+            source_family(round_.draft_source), dict.fromkeys(_SOURCE_FIELDS, 0)
+        )
+        family["rounds"] += 1
+        family["tokens"] += len(round_.token_ids)
+        family["drafted"] += round_.drafted
+        family["accepted"] += round_.accepted
+        family["seconds"] += now - previous  # the first round's: since the request started
+        previous = now
     seconds = time.perf_counter() - started
     return {
         "tokens": tokens,
@@ -51,6 +82,7 @@ async def _one(client: AsyncClient, prompt: str, max_new_tokens: int, speculatio
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "tokens_per_round": tokens / rounds if rounds else 0.0,
+        "sources": sources,
     }
 
 
@@ -71,7 +103,7 @@ async def run_workload(
 
 def summarize(results: list[dict]) -> dict:
     ratios = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in results]
-    return {
+    summary = {
         "prompts": len(results),
         "tokens_per_round_median": statistics.median(r["on"]["tokens_per_round"] for r in results),
         "on_tokens_per_s_median": statistics.median(r["on"]["tokens_per_s"] for r in results),
@@ -79,7 +111,110 @@ def summarize(results: list[dict]) -> dict:
         "speedup_median": statistics.median(ratios),
         "below_1_2x": sum(ratio < 1.2 for ratio in ratios) / len(ratios),
         "same_tokens": all(r["on"]["tokens"] == r["off"]["tokens"] for r in results),
+        "sources": summarize_sources([r["on"].get("sources", {}) for r in results]),
     }
+    lookup = [r for r in results if "prompt_lookup" in r and "hf_plain" in r]
+    if lookup:
+        summary["prompt_lookup_tokens_per_s_median"] = statistics.median(
+            r["prompt_lookup"]["tokens_per_s"] for r in lookup
+        )
+        summary["hf_plain_tokens_per_s_median"] = statistics.median(
+            r["hf_plain"]["tokens_per_s"] for r in lookup
+        )
+        summary["prompt_lookup_speedup_median"] = statistics.median(
+            r["prompt_lookup"]["tokens_per_s"] / r["hf_plain"]["tokens_per_s"] for r in lookup
+        )
+    return summary
+
+
+def summarize_sources(per_prompt: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """Per draft-source family, over all prompts: its share of all rounds, tokens per round,
+    acceptance (accepted / drafted; None if it drafted nothing) and tokens/s (its tokens over
+    the wall time of its rounds)."""
+    totals: dict[str, dict] = {}
+    for sources in per_prompt:
+        for family, counts in sources.items():
+            total = totals.setdefault(family, dict.fromkeys(_SOURCE_FIELDS, 0))
+            for name in _SOURCE_FIELDS:
+                total[name] += counts[name]
+    all_rounds = sum(total["rounds"] for total in totals.values())
+    return {
+        family: {
+            "share_of_rounds": total["rounds"] / all_rounds if all_rounds else 0.0,
+            "tokens_per_round": total["tokens"] / total["rounds"] if total["rounds"] else 0.0,
+            "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else None,
+            "tokens_per_s": total["tokens"] / total["seconds"] if total["seconds"] else None,
+        }
+        for family, total in sorted(totals.items())
+    }
+
+
+def run_prompt_lookup(
+    model: str,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    threads: int = 0,
+    lookup_tokens: int = 10,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Per prompt, greedy transformers `generate` with prompt lookup and plain: {"prompt_lookup":
+    {tokens, seconds, tokens_per_s}, "hf_plain": {...}}. The model as shipped (stock layers and
+    attention), the prompts rendered with its chat template as the server renders a chat. One
+    unmeasured short call of each first; the order of the two alternates per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads > 0:  # as the server does with --threads
+        torch.set_num_threads(threads)
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    hf_model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = tokenizer.eos_token_id  # what generate falls back to, without its warning
+
+    def encode(prompt: str) -> torch.Tensor:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor([ids], device=device)
+
+    def generate(input_ids: torch.Tensor, new_tokens: int, lookup: bool) -> dict:
+        extra = {"prompt_lookup_num_tokens": lookup_tokens} if lookup else {}
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = hf_model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+                **extra,
+            )
+        seconds = time.perf_counter() - started
+        tokens = int(output.shape[1] - input_ids.shape[1])
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    encoded = [encode(prompt) for prompt in prompts]
+    if encoded:  # warm-up: first-call overheads measured in neither column
+        for lookup in (True, False):
+            generate(encoded[0], min(8, max_new_tokens), lookup)
+    results = []
+    for index, input_ids in enumerate(encoded):
+        runs = {}
+        for lookup in (True, False) if index % 2 == 0 else (False, True):
+            runs["prompt_lookup" if lookup else "hf_plain"] = generate(
+                input_ids, max_new_tokens, lookup
+            )
+        results.append({"prompt_lookup": runs["prompt_lookup"], "hf_plain": runs["hf_plain"]})
+        if progress is not None:
+            progress(f"prompt lookup {index + 1}/{len(encoded)}")
+    return results
 
 
 def plan(workload: str, prompts: list[str], warm: int) -> tuple[list[str], list[str]]:
@@ -92,7 +227,7 @@ def plan(workload: str, prompts: list[str], warm: int) -> tuple[list[str], list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
+    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
     parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__)
     parser.add_argument("--workload", choices=["sequence", "repeat", "templated"], required=True)
@@ -102,6 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--label", default="kenspec")
     parser.add_argument("--out", type=Path, help="append the result as one JSON line here")
+    parser.add_argument(
+        "--prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the server: transformers generate with prompt lookup and plain, per prompt",
+    )
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
     parser.add_argument("server_args", nargs="*", help="after --: arguments for the server")
     args = parser.parse_args(argv)
     default = "templated.txt" if args.workload == "templated" else "dev.txt"
@@ -111,10 +253,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = ServerProcess([*server_args, *args.server_args])
     try:
         calibrated = server.logged("calibrated")
+        loaded = server.logged("model_loaded") or {}
         print(f"server calibrated: {json.dumps(calibrated)}", file=sys.stderr, flush=True)
         results = asyncio.run(run_workload(server.address, warm, measured, args.max_new_tokens))
     finally:
         server.stop()
+    lookup_setup = None
+    if args.prompt_lookup:
+        settings = parse_settings([*server_args, *args.server_args])
+        lookup_setup = {
+            "model": loaded.get("model", settings.model),
+            "device": loaded.get("device", "cpu"),
+            "dtype": loaded.get("dtype", "auto"),  # "auto": the server did not log its dtype
+            "threads": settings.threads,
+            "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
+        }
+        print(f"prompt lookup: {json.dumps(lookup_setup)}", file=sys.stderr, flush=True)
+        columns = run_prompt_lookup(
+            lookup_setup["model"],
+            measured,
+            args.max_new_tokens,
+            device=lookup_setup["device"],
+            dtype=lookup_setup["dtype"],
+            threads=lookup_setup["threads"],
+            lookup_tokens=args.prompt_lookup_tokens,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        for result, column in zip(results, columns, strict=True):
+            result.update(column)
     summary = summarize(results)
     print(
         f"{args.label} {args.workload}: " + json.dumps({k: _round(v) for k, v in summary.items()})
@@ -126,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine(),
             "server_args": [*server_args, *args.server_args],
             "calibrated": calibrated,
+            "prompt_lookup_setup": lookup_setup,
             "summary": summary,
             "results": results,
         }
@@ -135,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _round(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: _round(item) for key, item in value.items()}
     return round(value, 3) if isinstance(value, float) else value
 
 
