@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from server.engine.draft import Draft
 from server.engine.params import SpeculationParams
+from server.engine.sampling import chain_parents, walk
 from server.engine.speculator import AcceptanceStats, Speculator
+from server.engine.token_tree import depths
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,32 +63,37 @@ def replay(
     params: SpeculationParams,
     learn: Callable[[Sequence[int]], None] | None = None,
     on_round: Callable[[int, int, int], None] | None = None,
+    tree_budget: int = 1,
 ) -> ReplayStats:
     """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair, in order;
     `learn` gets each answer once replayed (a suffix index learning as a server would);
     `on_round(answer index, position, emitted)` follows every round (the target's rows a live
-    pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt)."""
+    pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt);
+    tree_budget > 1 drafts token trees of that many nodes (the walk follows the answer, as a
+    greedy target would; every node is verified, no cost model cuts any)."""
     k_max = params.num_draft_tokens
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0
     shared = AcceptanceStats()  # every answer's, per source: the prior, as a server keeps it
     for number, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        speculator = Speculator(draft.start(prompt), params, shared=shared)
+        speculator = Speculator(draft.start(prompt), params, shared=shared, tree_budget=tree_budget)
         position = 0
         while position < len(answer):
             started = time.perf_counter()
             proposal = speculator.propose(limit=len(answer) - position - 1)
             seconds += time.perf_counter() - started
-            matched = _matching_prefix(proposal.token_ids, answer[position:])
-            while len(drafted_at) < len(proposal):  # a long match's chain drafts past k
+            parents = proposal.parents or chain_parents(len(proposal))
+            emitted, path = walk(proposal.token_ids, parents, _NoRows(), _Follow(answer, position))
+            node_depths = depths(parents)
+            while len(drafted_at) < max(node_depths, default=0):  # long chains, deep trees
                 drafted_at.append(0)
                 accepted_at.append(0)
-            for j in range(len(proposal)):
-                drafted_at[j] += 1
-                accepted_at[j] += j < matched
-            emitted = answer[position : position + matched + 1]
-            speculator.record(len(proposal), matched)
+            on_path = set(path)
+            for node, depth in enumerate(node_depths):  # per depth (a chain: per position)
+                drafted_at[depth - 1] += 1
+                accepted_at[depth - 1] += node in on_path
+            speculator.record(len(proposal), len(path), path)
             speculator.extend(emitted)
             if on_round is not None:
                 on_round(number, position, len(emitted))
@@ -94,7 +101,7 @@ def replay(
             rounds += 1
             speculative += len(proposal) > 0
             drafted += len(proposal)
-            accepted += matched
+            accepted += len(path)
         tokens += len(answer)
         if learn is not None:
             learn(answer)
@@ -111,10 +118,19 @@ def replay(
     )
 
 
-def _matching_prefix(proposed: Sequence[int], actual: Sequence[int]) -> int:
-    matched = 0
-    while (
-        matched < len(proposed) and matched < len(actual) and proposed[matched] == actual[matched]
-    ):
-        matched += 1
-    return matched
+class _Follow:
+    """A replayed walk's choice at each depth: the answer's token there, as greedy chose."""
+
+    def __init__(self, answer: Sequence[int], position: int) -> None:
+        self._answer = answer
+        self._position = position
+
+    def __call__(self, _row: object, depth: int) -> int:
+        return self._answer[self._position + depth]
+
+
+class _NoRows:
+    """Logit rows for a replayed walk: the answer decides, the rows are never looked at."""
+
+    def __getitem__(self, index: int) -> None:
+        return None

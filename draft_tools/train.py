@@ -176,6 +176,7 @@ def evaluate(
     learn: bool = False,
     recycled: bool = False,
     long_draft_tokens: int = LONG_DRAFT_TOKENS,
+    tree_budget: int = 1,
 ) -> ReplayStats:
     """Replay held-out answers; draft_path None with context=True is prompt lookup alone.
 
@@ -206,12 +207,21 @@ def evaluate(
             suffix=index,
             recycled=table,
             long_draft_tokens=long_draft_tokens,
+            branches=ContextSettings().branches if tree_budget > 1 else 0,
         )
     if draft is None:
         raise ValueError("nothing to evaluate: give a draft, or context=True")
     params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
     learner = index.add if learn and index is not None else None
-    return replay(draft, prompts, replies, params, learn=learner, on_round=on_round)
+    return replay(
+        draft,
+        prompts,
+        replies,
+        params,
+        learn=learner,
+        on_round=on_round,
+        tree_budget=tree_budget,
+    )
 
 
 def _recycler(
@@ -298,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--min-draft-prob", type=float, default=0.0)
     check.add_argument("--min-match", type=int, default=1)
     check.add_argument(
+        "--tree-budget",
+        type=int,
+        default=1,
+        help="with --context, draft token trees of this many nodes (1: chains)",
+    )
+    check.add_argument(
         "--long-draft-tokens",
         type=int,
         default=LONG_DRAFT_TOKENS,
@@ -373,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             learn=args.learn,
             recycled=args.recycled,
             long_draft_tokens=args.long_draft_tokens,
+            tree_budget=args.tree_budget,
         )
         print(report(stats, costs=args.cost_ms))
     return 0

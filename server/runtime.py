@@ -64,6 +64,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
         long_draft_tokens=settings.long_draft_tokens,
+        tree_budget=settings.tree_budget,
         learn_prompts=settings.suffix_learn_prompts,
     )
     batching = BatchSettings(
@@ -168,7 +169,9 @@ def _breaker_and_pass_costs(
         target,
         settings.num_draft_tokens,
         rows=settings.max_batch_size,
-        long_draft_tokens=settings.long_draft_tokens if settings.draft_context else 0,
+        long_draft_tokens=(
+            max(settings.long_draft_tokens, settings.tree_budget) if settings.draft_context else 0
+        ),
     )
     log.info(
         "calibrated",
@@ -178,6 +181,12 @@ def _breaker_and_pass_costs(
         cost_ratio=round(result.cost_ratio, 3),
         break_even_acceptance=round(result.threshold, 3),
         padded_widths=result.widths,
+        # Passes wider than k + 1 (long chains, token trees), in steps: {tokens: cost ratio}.
+        wide_steps={
+            tokens: round(seconds / result.step_seconds, 2)
+            for (rows, tokens), seconds in sorted(result.pass_seconds.items())
+            if rows == 1 and tokens > result.num_draft_tokens + 1
+        },
         batch_rows=settings.max_batch_size,
         batch_step_ms=round(
             result.pass_seconds[settings.max_batch_size, settings.max_batch_size] * 1000, 2

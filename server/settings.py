@@ -47,11 +47,12 @@ class Settings:
     context_min_match: int = 1
     context_max_match: int = 16
     long_draft_tokens: int = 16
+    tree_budget: int = 16
     suffix_index: bool = True
     suffix_index_tokens: int = 1_000_000
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
-    recycled_predictions: bool = False
+    recycled_predictions: bool = True
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -109,6 +110,10 @@ _HELP = {
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
     "context_max_match": "longest suffix match (tokens) the context draft looks for",
+    "tree_budget": "with context drafting, verify a token tree of up to this many draft nodes "
+    "merging every source's candidates (KenLM n-best, context and suffix-index matches, "
+    "recycled predictions), best path probability first; the batch keeps the nodes worth "
+    "their cost; 1: one chain per round",
     "long_draft_tokens": "how far a chain after a long exact match (context or suffix index) "
     "may draft: as many tokens as the match is long, up to this (at least k)",
     "suffix_index": "with context drafting, also draft from a global index of past answers "
@@ -174,6 +179,10 @@ def parse_settings(
         parser.error(
             f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], "
             f"not {namespace.num_draft_tokens}"
+        )
+    if not 1 <= namespace.tree_budget <= MAX_DRAFT_TOKENS:
+        parser.error(
+            f"--tree-budget must be in [1, {MAX_DRAFT_TOKENS}], not {namespace.tree_budget}"
         )
     if not 0 <= namespace.long_draft_tokens <= MAX_DRAFT_TOKENS:
         parser.error(

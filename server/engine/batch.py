@@ -156,17 +156,16 @@ class Batch:
 
     def _verify(self) -> None:
         started = time.perf_counter()
-        planned: dict[int, list[int]] = {}
         for entry in list(self._decoding):
             try:
-                planned[id(entry)] = entry.generation.plan()
+                entry.generation.plan()
             except Exception as error:
                 log.exception("plan_failed")
                 self._finish_row(entry, error)  # rows move: the pass is laid out after this
         if not self._decoding:
             return
         entries = list(self._decoding)  # entries[i] is in cache row i
-        rows = self._cut_drafts(entries, [planned[id(entry)] for entry in entries])
+        rows = self._cut_drafts(entries)
         started = self.stats.timed("plan", started)
         try:
             logits = self._forward(0, entries, rows)
@@ -205,6 +204,7 @@ class Batch:
             first_row=first_row,
             min_tokens=self._pass_tokens(generations[0], rows),
             skips=[generation.prefill_remaining for generation in generations],  # prompt tails
+            parents=[generation.feed_parents() for generation in generations],  # token trees
         )
         self._count_pass(rows)
         return logits
@@ -218,6 +218,8 @@ class Batch:
                 continue
             try:
                 round_ = entry.generation.complete(logits)
+                if entry.generation.kv_moves:  # a tree's accepted path, made contiguous
+                    self._cache.relocate(self._decoding.index(entry), entry.generation.kv_moves)
             except Exception as error:
                 log.exception("complete_failed")
                 finished.append((entry, error))
@@ -242,12 +244,12 @@ class Batch:
             if entry.generation.prefill_remaining:
                 self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
 
-    def _cut_drafts(self, entries: list[Entry], planned: list[list[int]]) -> list[list[int]]:
+    def _cut_drafts(self, entries: list[Entry]) -> list[list[int]]:
+        """Each row's feed, its drafts cut to those worth their share of the pass."""
         generations = [entry.generation for entry in entries]
         skips = [generation.prefill_remaining for generation in generations]
-        proposed = [len(tokens) - 1 - skip for tokens, skip in zip(planned, skips, strict=True)]
-        acceptance = [generation.acceptance_estimate() for generation in generations]
-        counts = choose_drafts(proposed, acceptance, self.costs, len(entries) + sum(skips))
+        gains = [generation.draft_gains() for generation in generations]
+        counts = choose_drafts(gains, self.costs, len(entries) + sum(skips))
         return [
             generation.truncate_drafts(count)
             for generation, count in zip(generations, counts, strict=True)

@@ -72,6 +72,7 @@ class ContextDraft:
         recycled: RecycledPredictions | None = None,
         recycled_min_prob: float = RECYCLED_MIN_PROB,
         long_draft_tokens: int = LONG_DRAFT_TOKENS,
+        branches: int = 0,
     ) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
@@ -82,6 +83,7 @@ class ContextDraft:
         self.recycled = recycled
         self.recycled_min_prob = recycled_min_prob
         self.long_draft_tokens = long_draft_tokens
+        self.branches = branches  # n-best alternatives at the root, for token trees (0: none)
         parts = ["context", *(["suffix"] if suffix is not None else [])]
         parts += ["recycled"] if recycled is not None else []
         parts += [static.name] if static is not None else []
@@ -102,6 +104,7 @@ class ContextDraft:
             self.recycled,
             self.recycled_min_prob,
             self.long_draft_tokens,
+            self.branches,
         )
 
 
@@ -114,6 +117,7 @@ class ContextSession:
         recycled: RecycledPredictions | None = None,
         recycled_min_prob: float = 0.0,
         long_draft_tokens: int = 0,
+        branches: int = 0,
     ) -> None:
         self._index = index
         self._static = static
@@ -121,6 +125,7 @@ class ContextSession:
         self._recycled = recycled
         self._recycled_min_prob = recycled_min_prob
         self._long = long_draft_tokens
+        self._branches = branches
 
     def propose(self, k: int) -> Proposal:
         """The chain of the longest match (own context, or the suffix index if longer; a tie
@@ -150,12 +155,41 @@ class ContextSession:
             found, probs = self._recycled.chain(self._index.tokens[-1], k, self._recycled_min_prob)
             if found:
                 chains.append((0, Proposal(tuple(found), tuple(probs), source="recycled")))
+        chains += [(0, chain) for chain in self._alternatives_at_root()]
         if not chains:
             return Proposal(source=_source("context", 0))
         chains.sort(key=lambda chain: -chain[0])  # stable: the context before an equal suffix
         first, *others = (chain for _, chain in chains)
         others = [chain for chain in others if len(chain)]
         return replace(first, alternatives=tuple(others)) if others else first
+
+    @property
+    def last_token(self) -> int:
+        """The stream's last token (the pending one): a token tree's root."""
+        return self._index.tokens[-1]
+
+    def expand(self, token: int) -> list[tuple[int, str]]:
+        """Candidate children of a tree node whose token is `token`: the target's recycled top
+        next tokens after it, each labelled by its probability's decile (acceptance is learned
+        per decile: the table's probabilities were the target's in another context)."""
+        if self._recycled is None:
+            return []
+        return [
+            (following, f"recycled:{_decile(probability)}")
+            for following, probability in self._recycled.next_tokens(token)
+            if probability >= self._recycled_min_prob
+        ]
+
+    def _alternatives_at_root(self) -> list[Proposal]:
+        """The static draft's next best tokens after its first, one-token chains labelled by
+        probability decile, for a token tree to branch on."""
+        n_best = getattr(self._static, "n_best", None)
+        if not self._branches or n_best is None:
+            return []
+        return [
+            Proposal((token,), (probability,), source=f"ngram:{_decile(probability)}")
+            for token, probability in n_best(self._branches + 1)[1:]
+        ]
 
     def _reach(self, k: int, matched: int) -> int:
         """How far a chain after a `matched`-token exact match drafts: k, or further when the
@@ -183,6 +217,10 @@ class ContextSession:
 
 
 _BUCKETS = (16, 8, 5, 4, 3, 2, 1)
+
+
+def _decile(probability: float) -> int:
+    return min(9, max(0, int(probability * 10)))
 
 
 def _source(kind: str, matched: int) -> str:

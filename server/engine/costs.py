@@ -196,40 +196,51 @@ class PassCosts:
 
 
 def choose_drafts(
-    proposed: Sequence[int],
-    acceptance: Sequence[float],
+    gains: Sequence[Sequence[float]],
     costs: PassCosts | None,
     base_tokens: int | None = None,
 ) -> list[int]:
     """How many of its proposed drafts each row verifies, to maximise the pass's expected
     tokens per second.
 
-    A packed pass costs cost(rows, tokens), every row paying only for its own tokens. Row r's
-    j-th draft adds a_r^j expected tokens (E(a, j) - E(a, j - 1), Leviathan et al. 2023,
-    eq. 1), so for any token budget the best drafts are the budget's highest gains over all
-    rows; the budget chosen is the one with the best (rows + gains) / cost. base_tokens: the
-    pass's tokens without drafts (one per row, plus prompt tails prefilled in it).
+    gains[r][i]: the expected accepted tokens draft i of row r adds (for a chain with per-token
+    acceptance a, a^(i+1): E(a, i + 1) - E(a, i), Leviathan et al. 2023, eq. 1; for a token
+    tree, node i's path probability); non-increasing within a row, so that a row's first n
+    drafts are a chain's prefix or a tree's best n nodes, parents first. A packed pass costs
+    cost(rows, tokens), every row paying only for its own tokens, so for any token budget the
+    best drafts are the budget's highest gains over all rows; the budget chosen is the one
+    with the best (rows + gains) / cost. base_tokens: the pass's tokens without drafts (one
+    per row, plus prompt tails prefilled in it).
 
     Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
     per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
     drafts, the others' none.
     """
-    rows = len(proposed)
-    if costs is None or not any(proposed):
-        return list(proposed)
+    rows = len(gains)
+    if costs is None or not any(gains):
+        return [len(row) for row in gains]
     base = rows if base_tokens is None else base_tokens
-    # Gains in order, a row's j-th draft before its (j + 1)-th (equal gains when a = 1).
-    pairs = enumerate(zip(proposed, acceptance, strict=True))
-    gains = sorted(
-        ((alpha**j, -j, row) for row, (k, alpha) in pairs for j in range(1, k + 1)), reverse=True
+    # Gains in order, a row's i-th draft before its (i + 1)-th (equal gains included).
+    ranked = sorted(
+        (
+            (gain, -i, row)
+            for row, row_gains in enumerate(gains)
+            for i, gain in enumerate(row_gains)
+        ),
+        reverse=True,
     )
     best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
-    for taken, (gain, _, _) in enumerate(gains, start=1):
+    for taken, (gain, _, _) in enumerate(ranked, start=1):
         expected += gain
         rate = expected / costs.cost(rows, base + taken)
         if rate > best_rate:
             best, best_rate = taken, rate
     counts = [0] * rows
-    for _, _, row in gains[:best]:
+    for _, _, row in ranked[:best]:
         counts[row] += 1
     return counts
+
+
+def chain_gains(length: int, acceptance: float) -> list[float]:
+    """The gains of a chain's drafts at per-token acceptance a: a, a^2, ..., a^length."""
+    return [acceptance**j for j in range(1, length + 1)]

@@ -29,6 +29,11 @@ class Proposal:
     # Other chains from other sources, for the caller to choose among by their sources' measured
     # acceptance (Speculator.propose); empty for a single-source draft.
     alternatives: tuple[Proposal, ...] = field(default=(), compare=False)
+    # A token tree (engine.token_tree): node i is a child of node parents[i] (-1: of the
+    # pending token), parents before children; probs are then each node's path probability and
+    # node_sources who proposed it. Empty for a chain, where each token follows the one before.
+    parents: tuple[int, ...] = ()
+    node_sources: tuple[str, ...] = field(default=(), compare=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -13,8 +13,9 @@ from server.engine.recycled import RecycledPredictions, computed_rows
 from server.engine.sampling import (
     LogitRows,
     PositionalGenerator,
-    accept_greedy,
-    accept_sampled,
+    chain_parents,
+    sampler,
+    walk,
 )
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
@@ -85,6 +86,8 @@ class Generation:
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
         self._pending = prompt_ids[-1]
         self._drafts: list[int] = []
+        self._parents: list[int] = []  # this round's token tree ([] for a chain)
+        self.kv_moves: list[tuple[int, int]] = []  # cache positions the last round moved
         self._detokenizer = IncrementalDetokenizer(target.tokenizer)
         self._stops = StopMatcher(stopping.stop)
         self._output: list[int] = []
@@ -134,14 +137,30 @@ class Generation:
             raise RuntimeError("plan() needs an unfinished generation")
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
-        self._drafts = list(self.speculator.propose(limit=remaining - 1).token_ids)
+        proposal = self.speculator.propose(limit=remaining - 1)
+        self._drafts = list(proposal.token_ids)
+        self._parents = list(proposal.parents)
         return self._feed()
 
+    def draft_gains(self) -> list[float]:
+        """Expected accepted tokens each of this round's drafts adds (see choose_drafts)."""
+        return self.speculator.gains()
+
     def truncate_drafts(self, count: int) -> list[int]:
-        """Keep only the first `count` drafts of this round (a batch found more not worth it)."""
+        """Keep only the first `count` drafts of this round (a batch found more not worth it;
+        a tree's first nodes are a tree)."""
         self.speculator.cut(len(self._drafts), min(count, len(self._drafts)))
         del self._drafts[count:]
+        del self._parents[count:]
         return self._feed()
+
+    def feed_parents(self) -> list[int] | None:
+        """The token tree over what the pass scores (see plan), or None for a sequence: the
+        prompt tail and the pending token each follow the one before, a draft its parent."""
+        if not self._parents:
+            return None
+        pending = self.prefill_remaining  # the pending token's index in the feed
+        return [*range(-1, pending), *(pending + 1 + parent for parent in self._parents)]
 
     def _feed(self) -> list[int]:
         return [
@@ -153,22 +172,31 @@ class Generation:
     def complete(self, logits: LogitRows) -> Round:
         """Accept against the pass's logits for [pending, *drafts]; emit the round."""
         drafts = self._drafts
-        emitted = self._verify(drafts, logits)
+        emitted, path = self._verify(drafts, logits)
         if self._recycled is not None:
             scored = [self._pending, *drafts]
             self._recycled.record(scored, computed_rows(logits, len(scored)))
+        pending_at = self.cache_length + self.prefill_remaining  # the pending token's position
         self._prefilled += self.prefill_remaining  # the pass wrote the rest of the prompt
+        # A tree's accepted nodes were written at pending + 1 + node; they belong at
+        # pending + 1 + depth (their rotary positions already are): the batch moves them.
+        self.kv_moves = [
+            (pending_at + 1 + node, pending_at + 1 + depth)
+            for depth, node in enumerate(path)
+            if node != depth
+        ]
         accepted = len(emitted) - 1
-        self.speculator.record(len(drafts), accepted)
+        self.speculator.record(len(drafts), accepted, path)
         return self._emit(emitted, drafted=len(drafts), accepted=accepted)
 
-    def _verify(self, drafts: list[int], logits: LogitRows) -> list[int]:
+    def _verify(self, drafts: list[int], logits: LogitRows) -> tuple[list[int], list[int]]:
+        """The walk over this round's drafts (a chain or a tree): (emitted, accepted nodes)."""
+        parents = self._parents or chain_parents(len(drafts))
         if self._sampling.greedy:
-            return accept_greedy(drafts, logits)
+            return walk(drafts, parents, logits, lambda row, _: int(row.argmax()))
         position = len(self._output)
-        return accept_sampled(
-            drafts, logits, self._sampling, lambda i: self._draws.at(position + i)
-        )
+        choose = sampler(self._sampling, lambda i: self._draws.at(position + i))
+        return walk(drafts, parents, logits, choose)
 
     def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""

@@ -219,6 +219,12 @@ class KenLMSession:
     def extend(self, token_ids: Sequence[int]) -> None:
         self._generated.extend(token_ids)
 
+    def n_best(self, n: int) -> list[tuple[int, float]]:
+        """The n most likely next tokens now and their n-gram probabilities, best first."""
+        window = self._draft.order - 1
+        recent = self._generated[len(self._generated) - window :] if window else []
+        return self._draft.n_best(recent, n)
+
     def propose_after(self, drafted: Sequence[int], k: int) -> Proposal:
         """The proposal as if `drafted` were already accepted (the session is not changed)."""
         window = self._draft.order - 1

@@ -13,7 +13,7 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -53,17 +53,51 @@ class LogitRows(Protocol):
     def __getitem__(self, index: int) -> torch.Tensor: ...
 
 
-def accept_greedy(draft_ids: list[int], logits: LogitRows) -> list[int]:
-    """Tokens a greedy round emits: the matching draft prefix plus the target's own next token.
+def chain_parents(count: int) -> tuple[int, ...]:
+    """The parents of a chain of `count` drafts: each follows the one before (-1: the root)."""
+    return tuple(range(-1, count - 1))
 
-    logits[i] scores the position of draft_ids[i] (logits[len(draft_ids)] the bonus position);
-    rows past the first mismatch are never read.
+
+def walk(
+    draft_ids: Sequence[int],
+    parents: Sequence[int],
+    logits: LogitRows,
+    choose: Callable[[torch.Tensor, int], int],
+) -> tuple[list[int], list[int]]:
+    """The lossless acceptance walk over a token tree; (emitted tokens, accepted node indices).
+
+    Node i is draft_ids[i], a child of node parents[i] (-1: of the root, the pending token);
+    logits[i + 1] scores what follows node i, logits[0] what follows the root. From the root:
+    y = choose(row, depth) (the argmax when greedy, a draw from p when sampling); if a child
+    of the current node is y, move to it and repeat; else emit y and stop. At a leaf y is the
+    bonus token. The emitted tokens are y_0, y_1, ..., each drawn from the target's
+    distribution given the tokens before it, exactly as plain decoding draws them; which
+    children exist only decides how many draws one pass can check. A chain is the tree whose
+    every node has one child. Rows off the accepted path are never read.
     """
-    for position, draft in enumerate(draft_ids):
-        target = int(logits[position].argmax())
-        if target != draft:
-            return [*draft_ids[:position], target]
-    return [*draft_ids, int(logits[len(draft_ids)].argmax())]
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, node)
+    node, path = -1, []
+    while True:
+        chosen = choose(logits[node + 1], len(path))
+        child = children.get(node, {}).get(chosen)
+        if child is None:
+            return [*(draft_ids[i] for i in path), chosen], path
+        path.append(child)
+        node = child
+
+
+def accept_greedy(
+    draft_ids: list[int], logits: LogitRows, parents: Sequence[int] | None = None
+) -> list[int]:
+    """Tokens a greedy round emits: the matching draft path plus the target's own next token.
+
+    logits[i] scores the position of draft_ids[i] (logits[len(draft_ids)] the bonus position
+    of a chain); rows past the first mismatch are never read.
+    """
+    tree = chain_parents(len(draft_ids)) if parents is None else parents
+    return walk(draft_ids, tree, logits, lambda row, _: int(row.argmax()))[0]
 
 
 def accept_sampled(
@@ -71,18 +105,23 @@ def accept_sampled(
     logits: LogitRows,
     params: SamplingParams,
     generator_at: Callable[[int], torch.Generator],
+    parents: Sequence[int] | None = None,
 ) -> list[int]:
-    """Tokens a sampled round emits: y_i ~ p_i (warped), accepted while y_i equals the draft.
+    """Tokens a sampled round emits: y_i ~ p_i (warped), accepted while y_i is a draft.
 
     Each y_i is drawn from the target's conditional distribution given the accepted prefix, so
     the emitted tokens are distributed exactly as plain sampling; nothing past the first
     mismatch is computed or drawn. y_i is drawn with generator_at(i).
     """
-    for position, draft in enumerate(draft_ids):
-        target = _sample(logits[position], params, generator_at(position))
-        if target != draft:
-            return [*draft_ids[:position], target]
-    return [*draft_ids, _sample(logits[len(draft_ids)], params, generator_at(len(draft_ids)))]
+    tree = chain_parents(len(draft_ids)) if parents is None else parents
+    return walk(draft_ids, tree, logits, sampler(params, generator_at))[0]
+
+
+def sampler(
+    params: SamplingParams, generator_at: Callable[[int], torch.Generator]
+) -> Callable[[torch.Tensor, int], int]:
+    """A walk's choice when sampling: y ~ p (warped) drawn with the generator of its depth."""
+    return lambda row, depth: _sample(row, params, generator_at(depth))
 
 
 class PositionalGenerator:

@@ -62,7 +62,8 @@ class SlotCache:
             )
         self._reserve(self._kv_length)
         self._first, self._stop = first_row, first_row + rows
-        self._positions = packed.positions[0]
+        cache_positions = packed.cache_positions
+        self._positions = packed.positions[0] if cache_positions is None else cache_positions
         self._batch_index = packed.token_rows + first_row
 
     def update(
@@ -87,6 +88,18 @@ class SlotCache:
             return
         for tensor in (*self._keys, *self._values):
             tensor[destination, :, :length] = tensor[source, :, :length]
+
+    @torch.inference_mode()
+    def relocate(self, row: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy positions of row `row`: (source, destination) pairs, all read before any is
+        written (a token tree's accepted path, made contiguous)."""
+        if not moves:
+            return
+        device = self._keys[0].device if self._keys else None
+        sources = torch.tensor([source for source, _ in moves], device=device)
+        destinations = torch.tensor([destination for _, destination in moves], device=device)
+        for tensor in (*self._keys, *self._values):
+            tensor[row, :, destinations] = tensor[row, :, sources]
 
     @property
     def bytes_per_position(self) -> int:
@@ -137,13 +150,29 @@ class SlotCache:
         self.capacity = capacity
 
 
-def attention_mask(positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(
+    positions: torch.Tensor,
+    kv_length: int,
+    dtype: torch.dtype,
+    trees: Sequence[tuple[int, int, Sequence[int]]] = (),
+) -> torch.Tensor:
     """Additive 4D mask [n, 1, width, kv_length]: query at position p sees keys 0..p.
+
+    trees: (row, length, parents) for rows holding a token tree: that row's query w sees the
+    row's first `length` keys and, of its new tokens, only its ancestors and itself
+    (parents[w]: the index of w's parent among the row's new tokens, -1 for none).
 
     Example: positions [[3, 4]] -> row 0 sees keys 0..3 at offset 0 and 0..4 at offset 1.
     """
     keys = torch.arange(kv_length, device=positions.device)
     visible = keys[None, None, :] <= positions[:, :, None]
+    for row, length, parents in trees:
+        visible[row, :, length:] = False
+        for query in range(len(parents)):
+            node = query
+            while node >= 0:  # itself, then its ancestors
+                visible[row, query, length + node] = True
+                node = parents[node]
     mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
@@ -162,11 +191,14 @@ class PackedPass:
     """The inputs of one packed pass: every row's new tokens, one after another."""
 
     input_ids: torch.Tensor  # [1, tokens]
-    positions: torch.Tensor  # [1, tokens]: each token's position in its row
+    positions: torch.Tensor  # [1, tokens]: each token's position in its row (rotary position)
     token_rows: torch.Tensor  # [tokens]: each token's row, counted from the pass's first row
     starts: list[int]  # where each row's tokens begin in the packed sequence
     kv_length: int
     packing: Packing
+    # [tokens]: where each token's keys/values go in its row: its position, except in a tree,
+    # where siblings share a position but not a slot (length + index among the row's tokens).
+    cache_positions: torch.Tensor | None = None
 
 
 def pack(
@@ -175,25 +207,42 @@ def pack(
     dtype: torch.dtype,
     device: torch.device,
     pad_to: int = 0,
+    parents: Sequence[Sequence[int] | None] | None = None,
 ) -> PackedPass:
     """Row i's tokens follow row i-1's; row i's first goes to position lengths[i] of its row.
 
     pad_to: pad the pass to at least this many tokens by repeating the last row's last token
     (scored, never read, overwritten by that row's next pass), for widths measured cheaper.
+    parents: per row, None for a sequence, or a token tree over its tokens (parents[w]: the
+    index of token w's parent in the row, -1 for the first): token w then takes position
+    length + depth(w) and cache slot length + w, and attends to its ancestors only.
 
     Example: lengths [5, 9], rows [[a], [b, c]] -> input [[a, b, c]], positions [[5, 9, 10]],
     slots [[0, 0], [1, 2]] (row 0's padding repeats its token).
     """
     rows = [list(row) for row in token_rows]
+    trees = [list(tree) if tree is not None else None for tree in (parents or [None] * len(rows))]
     if pad_to > sum(len(row) for row in rows):
-        rows[-1] += [rows[-1][-1]] * (pad_to - sum(len(row) for row in rows))
+        extra = pad_to - sum(len(row) for row in rows)
+        if trees[-1] is not None:  # the padding follows the row's last token, as a sequence
+            trees[-1] += range(len(rows[-1]) - 1, len(rows[-1]) - 1 + extra)
+        rows[-1] += [rows[-1][-1]] * extra
     width = max(len(row) for row in rows)
-    starts, ids, positions, owners, slots, flat = [], [], [], [], [], []
-    for index, (length, row) in enumerate(zip(lengths, rows, strict=True)):
+    starts, ids, positions, slots_in_row, owners, slots, flat = [], [], [], [], [], [], []
+    tree_rows: list[tuple[int, int, Sequence[int]]] = []
+    for index, (length, row, tree) in enumerate(zip(lengths, rows, trees, strict=True)):
         start = len(ids)
         starts.append(start)
         ids += row
-        positions += range(length, length + len(row))
+        slots_in_row += range(length, length + len(row))
+        if tree is None:
+            positions += range(length, length + len(row))
+        else:
+            depth: list[int] = []
+            for parent in tree:
+                depth.append(0 if parent < 0 else depth[parent] + 1)
+            positions += [length + d for d in depth]
+            tree_rows.append((index, length, tree))
         owners += [index] * len(row)
         slots.append([start + min(w, len(row) - 1) for w in range(width)])
         flat += range(index * width, index * width + len(row))
@@ -205,7 +254,7 @@ def pack(
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    mask = attention_mask(grid, kv_length, dtype)
+    mask = attention_mask(grid, kv_length, dtype, tree_rows)
     packing = Packing(tensor(slots).view(len(rows), width), tensor(flat), mask)
     return PackedPass(
         input_ids=tensor(ids)[None],
@@ -214,6 +263,7 @@ def pack(
         starts=starts,
         kv_length=kv_length,
         packing=packing,
+        cache_positions=tensor(slots_in_row) if tree_rows else None,
     )
 
 

@@ -38,6 +38,8 @@ class ContextSettings:
     min_match: int = 1
     max_match: int = 16
     long_draft_tokens: int = LONG_DRAFT_TOKENS  # how far a chain after a long match drafts
+    tree_budget: int = 1  # nodes of a token tree over every source's candidates (1: chains)
+    branches: int = 3  # KenLM n-best alternatives at a tree's root
     learn_prompts: bool = False  # the suffix index learns prompts too, not only answers
 
 
@@ -71,6 +73,7 @@ class SpeculativeEngine:
             min_match=self.context.min_match,
             max_match=self.context.max_match,
             long_draft_tokens=self.context.long_draft_tokens,
+            branches=self.context.branches if self.context.tree_budget > 1 else 0,
             suffix=suffix,
             recycled=recycled,
         )
@@ -127,6 +130,7 @@ class SpeculativeEngine:
             request_id=request_id,
             shared=self.acceptance_stats,
             sampled=not sampling.greedy,
+            tree_budget=self.context.tree_budget,
         )
         return Generation(
             self.target,

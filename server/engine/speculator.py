@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kenspec_api.outputs import BreakerState
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from server.engine.costs import chain_gains
 from server.engine.draft import DraftSession, Proposal
 from server.engine.params import SpeculationParams
+from server.engine.token_tree import build_tree, depths, reached
 
 _NOTHING = Proposal()
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
@@ -25,7 +27,42 @@ def _cut(proposal: Proposal, count: int) -> Proposal:
         probs=proposal.probs[:count],
         distributions=distributions[:count] if distributions is not None else None,
         alternatives=(),
+        parents=proposal.parents[:count],
+        node_sources=proposal.node_sources[:count],
     )
+
+
+class _TreeSession:
+    """A session whose proposal is a token tree over the wrapped session's chains (its
+    proposal and alternatives) and, where it offers them, its branches (`expand`): built
+    inside the draft-fault breaker, so a source that raises or stalls while the tree grows
+    trips it like any draft."""
+
+    def __init__(
+        self, session: DraftSession, rate: Callable[[str], float], budget: int, limit: int
+    ) -> None:
+        self._session = session
+        self._rate = rate
+        self._budget = budget
+        self._limit = limit
+
+    def propose(self, k: int) -> Proposal:
+        proposal = self._session.propose(k)
+        expand = getattr(self._session, "expand", None)
+        if not proposal.alternatives and expand is None:
+            return proposal  # one chain: nothing to branch on
+        chains = [chain for chain in (proposal, *proposal.alternatives) if len(chain)]
+        return build_tree(
+            chains,
+            self._rate,
+            budget=self._budget,
+            max_depth=self._limit,
+            root_token=getattr(self._session, "last_token", -1),
+            expand=expand,
+        )
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._session.extend(token_ids)
 
 
 class AcceptanceStats:
@@ -74,8 +111,12 @@ class Speculator:
         request_id: str = "",
         shared: AcceptanceStats | None = None,
         sampled: bool = False,
+        tree_budget: int = 1,
     ) -> None:
         self._session = session if params.enabled else None
+        # Up to this many nodes per round in a token tree over all sources' candidates, where
+        # the session offers more than one chain or a way to branch (1: the best chain).
+        self._tree_budget = tree_budget
         self._params = params
         self._acceptance = acceptance
         self._faults = faults
@@ -88,6 +129,7 @@ class Speculator:
         self._own = AcceptanceStats(decay=_OWN_DECAY)
         self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
         self._source = ""  # of this round's proposal
+        self._proposal = _NOTHING  # this round's, as the batch cut it
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -115,6 +157,16 @@ class Speculator:
             return 1.0
         return self._rate(self._source)
 
+    def gains(self) -> list[float]:
+        """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
+        a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
+        proposal = self._proposal
+        if self._probe_due:
+            return [1.0] * len(proposal)
+        if proposal.parents:
+            return list(proposal.probs)
+        return chain_gains(len(proposal), self._rate(proposal.source))
+
     def _rate(self, source: str) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""
         key = (source, self._sampled)
@@ -140,26 +192,37 @@ class Speculator:
         if kept and self._probe_due:
             self._probing = True
         self._starved = self._starved + 1 if proposed and not kept else 0
+        if kept < len(self._proposal):
+            self._proposal = _cut(self._proposal, kept)
 
     def propose(self, limit: int) -> Proposal:
-        """At most min(k, limit) draft tokens; none when speculation is off or not paying."""
+        """At most min(k, limit) draft tokens (a long match's chain, or a tree, may hold more,
+        never past limit); none when speculation is off or not paying."""
+        self._proposal = _NOTHING
         if self._session is None or limit <= 0:
             return _NOTHING
         if self._acceptance is not None and not self._acceptance.allows_speculation():
             return _NOTHING
         k = min(self.k, limit)
+        source: DraftSession = self._session
+        if self._tree_budget > 1:
+            source = _TreeSession(self._session, self._rate, self._tree_budget, limit)
         if self._faults is None:
-            proposal = self._session.propose(k)
+            proposal = source.propose(k)
         else:
-            proposal = self._faults.propose(self._session, k, self._request_id) or _NOTHING
+            proposal = self._faults.propose(source, k, self._request_id) or _NOTHING
         if proposal.alternatives:  # the chain with the most expected accepted tokens
             proposal = max((proposal, *proposal.alternatives), key=self._expected_accepted)
-        if len(proposal) > limit:  # a long match's chain may draft past k, never past limit
+        if len(proposal) > limit and not proposal.parents:  # a long match's chain may draft
+            # past k, never past limit (a tree is never deeper than limit)
             proposal = _cut(proposal, limit)
         self._source = proposal.source
+        self._proposal = proposal
         return proposal
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, path: Sequence[int] = ()) -> None:
+        """A round verified `drafted` drafts and accepted `accepted` (for a tree: the accepted
+        nodes, `path`); acceptance is learned per source (per node's sources in a tree)."""
         if drafted == 0:
             return
         if self._probing:  # a probe pays when at least half its drafts were accepted
@@ -168,12 +231,23 @@ class Speculator:
             self._probe_every = (
                 min(2 * self._probe_every, PROBE_AFTER_MAX) if failed else PROBE_AFTER
             )
-        self._own.observe(self._key, drafted, accepted)
-        self._shared.observe(self._key, drafted, accepted)
+        proposal = self._proposal
+        if proposal.parents:
+            accepted_nodes = set(path)
+            for node in reached(proposal.parents[:drafted], path):
+                for source in proposal.node_sources[node].split("+"):
+                    key = (source, self._sampled)
+                    self._own.observe(key, 1, node in accepted_nodes)
+                    self._shared.observe(key, 1, node in accepted_nodes)
+            full = accepted == max(depths(proposal.parents[:drafted]))
+        else:
+            self._own.observe(self._key, drafted, accepted)
+            self._shared.observe(self._key, drafted, accepted)
+            full = accepted == drafted
         if self._acceptance is not None:
             self._acceptance.record(drafted, accepted)
         if self._params.adaptive:
-            grown = self.k + 2 if accepted == drafted else self.k - 1
+            grown = self.k + 2 if full else self.k - 1
             self.k = max(1, min(self._params.num_draft_tokens, grown))
 
     def extend(self, token_ids: Sequence[int]) -> None:

@@ -193,6 +193,7 @@ class TargetModel:
         first_row: int = 0,
         min_tokens: int = 0,
         skips: Sequence[int] | None = None,
+        parents: Sequence[Sequence[int] | None] | None = None,
     ) -> list[LazyLogits] | list[torch.Tensor]:
         """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
 
@@ -201,10 +202,17 @@ class TargetModel:
         next-token logits in fp32 of its tokens after the first skips[i] (0 by default; e.g.
         prompt tokens prefilled in the same pass): a LazyLogits where the architecture allows
         it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both are indexed the same way.
+        parents[i]: None, or a token tree over row i's tokens (see slot_cache.pack).
         """
         skips = list(skips) if skips is not None else [0] * len(token_rows)
         hidden, starts = self._run(
-            cache, lengths, token_rows, first_row, min_tokens, logits=self.head_t is None
+            cache,
+            lengths,
+            token_rows,
+            first_row,
+            min_tokens,
+            logits=self.head_t is None,
+            parents=parents,
         )
         spans = [
             (start + skip, start + len(row))
@@ -240,10 +248,13 @@ class TargetModel:
         min_tokens: int,
         *,
         logits: bool,
+        parents: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """One packed pass: hidden states [tokens, hidden] (or logits [tokens, vocab]) and
         where each row's tokens start among them."""
-        packed = pack(lengths, token_rows, self.dtype, self.device, pad_to=min_tokens)
+        packed = pack(
+            lengths, token_rows, self.dtype, self.device, pad_to=min_tokens, parents=parents
+        )
         cache.bind(first_row, packed)
         inputs = {
             "input_ids": packed.input_ids,

@@ -14,7 +14,7 @@ from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
+from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
 from tests import tiny
 
@@ -121,11 +121,20 @@ def start(
     clock: Callable[[], float] = time.monotonic,
     costs: PassCosts | None = None,
     recycled: RecycledPredictions | None = None,
+    tree_budget: int = 1,
 ) -> tuple[SpeculativeEngine, Generation]:
     """A new engine (batch of its own) and a generation started on it, not yet run;
     `recycled`: the table its passes record into (the one a ContextDraft given as `draft`
     drafts from)."""
-    engine = SpeculativeEngine(target, draft, breaker, clock=clock, costs=costs, recycled=recycled)
+    engine = SpeculativeEngine(
+        target,
+        draft,
+        breaker,
+        clock=clock,
+        costs=costs,
+        recycled=recycled,
+        context=ContextSettings(tree_budget=tree_budget),
+    )
     generation = engine.start(
         prompt_ids,
         sampling=sampling or SamplingParams(),

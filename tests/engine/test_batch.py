@@ -8,7 +8,7 @@ from kenspec_api.outputs import Mode
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
-from server.engine.costs import PassCosts, choose_drafts
+from server.engine.costs import PassCosts, chain_gains, choose_drafts
 from server.engine.generation import Generation
 from server.engine.params import SamplingParams
 from tests.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
@@ -171,22 +171,35 @@ COSTS = PassCosts({(1, 1): 1.0, (1, 4): 1.6, (1, 7): 2.0, (8, 8): 2.4, (8, 32): 
     ],
 )
 def test_choose_drafts(proposed, acceptance, costs, drafts) -> None:
-    assert choose_drafts(proposed, acceptance, costs) == drafts
+    assert choose_drafts(gains(proposed, acceptance), costs) == drafts
+
+
+def gains(proposed: list[int], acceptance: list[float]) -> list[list[float]]:
+    return [chain_gains(k, a) for k, a in zip(proposed, acceptance, strict=True)]
+
+
+def test_a_tree_keeps_its_best_nodes_and_a_wide_one_beats_a_poor_chain() -> None:
+    """Node gains are path probabilities: a tree whose root has two likely children (0.5,
+    0.4) is worth more than the chain of its first (0.5, 0.25): more of it is taken."""
+    tree = [0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    chain = chain_gains(6, 0.5)
+    assert choose_drafts([tree], COSTS)[0] > choose_drafts([chain], COSTS)[0]
+    assert choose_drafts([[0.05] * 6], COSTS) == [0]  # unlikely nodes: not worth the pass
 
 
 def test_one_good_speculator_among_eight_drafts_alone() -> None:
     """A packed pass charges a row only for its own tokens: the others need not speculate
     for one row's drafts to pay (a padded pass of 8 x 7 tokens would cost 5.0 for 8 + 3)."""
-    drafts = choose_drafts([6, 0, 0, 0, 0, 0, 0, 0], [0.8] + [1.0] * 7, COSTS)
+    drafts = choose_drafts(gains([6, 0, 0, 0, 0, 0, 0, 0], [0.8] + [1.0] * 7), COSTS)
     assert drafts[0] >= 4 and drafts[1:] == [0] * 7
 
 
 def test_better_acceptance_gets_more_drafts_and_prompt_tokens_count_in_the_cost() -> None:
-    good, poor = choose_drafts([6, 6], [0.9, 0.3], COSTS)
+    good, poor = choose_drafts(gains([6, 6], [0.9, 0.3]), COSTS)
     assert good > poor
     # The same rows in a pass that also prefills 40 prompt tokens, paid for either way: a
     # draft adds a smaller share to the pass's cost, so no row drafts less.
-    with_prompt = choose_drafts([6, 6], [0.9, 0.3], COSTS, base_tokens=42)
+    with_prompt = choose_drafts(gains([6, 6], [0.9, 0.3]), COSTS, base_tokens=42)
     assert with_prompt[0] >= good and with_prompt[1] >= poor and with_prompt != [good, poor]
 
 

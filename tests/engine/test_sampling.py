@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from server.engine.draft import Proposal
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
 from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
 from server.engine.target import TargetModel
@@ -132,12 +133,21 @@ def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
     return target.forward(target.new_cache(), [0], [ids])[0][len(ids) - 1][None]
 
 
-def speculative_samples(target, prompt_ids, params, draft, *, rule=None) -> list[tuple[int, int]]:
+def speculative_samples(
+    target, prompt_ids, params, draft, *, rule=None, tree_budget: int = 1
+) -> list[tuple[int, int]]:
     samples = []
     for seed in range(SAMPLES):
         sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
         generation = generate(
-            target, draft, prompt_ids, max_new_tokens=2, k=2, sampling=sampling, ignore_eos=True
+            target,
+            draft,
+            prompt_ids,
+            max_new_tokens=2,
+            k=2,
+            sampling=sampling,
+            ignore_eos=True,
+            tree_budget=tree_budget,
         )
         if rule is not None:
             # A deliberately wrong acceptance rule, to show the test has power.
@@ -201,7 +211,7 @@ def test_distribution_check_rejects_an_always_accept_rule(word_target) -> None:
 
     def always_accept(drafts, logits):
         bonus = torch.multinomial(warp_logits(logits[len(drafts)][None], params), 1).item()
-        return [*drafts, bonus]
+        return [*drafts, bonus], list(range(len(drafts)))
 
     samples = speculative_samples(word_target, prompt_ids, params, draft, rule=always_accept)
     assert chi_square_pvalue(samples, joint) < 1e-6
@@ -256,3 +266,65 @@ def test_suffix_index_sampling_follows_target_distribution(word_target) -> None:
     assert list(proposal.token_ids) == word_target.encode_prompt("dog sleeps")
     samples = speculative_samples(word_target, prompt_ids, params, draft)
     assert chi_square_pvalue(samples, joint) > 1e-3
+
+
+class TwoChains:
+    """Two chains from the root: the most likely first token and the second most likely one,
+    each followed by its most likely next token (a 2-token answer keeps only the root's two
+    children: a tree is never deeper than the tokens left to emit, minus one)."""
+
+    name = "two-chains"
+
+    def __init__(self, first: tuple[int, int], second: tuple[int, int]) -> None:
+        self.first, self.second = first, second
+
+    def start(self, prompt_ids):  # type: ignore[no-untyped-def]
+        return self
+
+    def propose(self, k: int) -> Proposal:
+        other = Proposal(self.second[:k], (1.0,) * k, source="b")
+        return Proposal(self.first[:k], (1.0,) * k, source="a", alternatives=(other,))
+
+    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def two_chains(target: TargetModel, prompt_ids: list[int], params: SamplingParams) -> TwoChains:
+    first = warp_logits(_last_logits(target, prompt_ids), params)[0]
+    y1, z1 = (int(t) for t in torch.topk(first, 2).indices)
+    follow = [
+        int(warp_logits(_last_logits(target, [*prompt_ids, y]), params)[0].argmax())
+        for y in (y1, z1)
+    ]
+    return TwoChains((y1, follow[0]), (z1, follow[1]))
+
+
+def test_token_tree_sampling_follows_target_distribution(word_target) -> None:
+    """Sampling over a token tree (two branches at the root) gives the target's joint
+    distribution, and both branches are taken."""
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = word_target.encode_prompt(PROMPT)
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = two_chains(word_target, prompt_ids, params)
+    samples = speculative_samples(word_target, prompt_ids, params, draft, tree_budget=4)
+    firsts = [s[0] for s in samples]
+    assert firsts.count(draft.first[0]) > 0.05 * SAMPLES
+    assert firsts.count(draft.second[0]) > 0.05 * SAMPLES
+    assert chi_square_pvalue(samples, joint) > 1e-3
+
+
+def test_distribution_check_rejects_taking_the_best_child_whatever_was_drawn(word_target) -> None:
+    """A wrong tree rule, moving to the best-scored child without drawing y, must fail."""
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = word_target.encode_prompt(PROMPT)
+    joint = exact_joint(word_target, prompt_ids, params)
+    draft = two_chains(word_target, prompt_ids, params)
+
+    def best_child(drafts, logits):
+        bonus = torch.multinomial(warp_logits(logits[1][None], params), 1).item()
+        return [drafts[0], bonus], [0]
+
+    samples = speculative_samples(
+        word_target, prompt_ids, params, draft, rule=best_child, tree_budget=4
+    )
+    assert chi_square_pvalue(samples, joint) < 1e-6

@@ -1,0 +1,135 @@
+"""Token trees: every source's candidates merged into one prefix tree, expanded best-first.
+
+A chain spends a pass on one guess per position; a tree verifies several where the first
+guess is uncertain (SpecInfer, Medusa, REST, SuffixDecoding, Token Recycling). The candidates
+here:
+- the sources' chains (the request's own context, the suffix index, KenLM, recycled
+  predictions), inserted into one trie, identical prefixes shared;
+- KenLM's n-best at the root (single-token chains from the session);
+- the target's recycled predictions below any node (`expand`: the top next tokens recorded
+  after that node's token).
+
+Each candidate has a conditional probability, the learned acceptance of its source (per
+source and match length or confidence bucket, as the speculator measures it: accepted
+/ reached, decayed): the chance it is accepted once its parent was. Proposed by several
+sources, a token's chance is 1 - prod(1 - p_s); siblings' chances are scaled to sum to at most
+1. A node's path probability, the product along its path, is the expected number of times it
+is accepted, so the tree with the most expected accepted tokens for a budget of n nodes is the
+n best nodes by path probability (a child is never better than its parent, so it comes after
+it): SuffixDecoding's best-first expansion with a heap, stopped at the budget or a minimum
+path probability.
+
+Nodes are numbered in the order they were taken, so the first n of a tree are a tree too: a
+batch that can afford only n of them keeps a prefix (`costs.choose_drafts`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from server.engine.draft import Proposal
+
+MIN_PATH_PROBABILITY = 0.02  # nodes less likely than this are not worth a slot of the pass
+
+
+@dataclass(slots=True)
+class _Candidate:
+    token: int
+    depth: int  # 1 for a child of the root
+    misses: float = 1.0  # prod(1 - p_s) over the sources proposing it
+    sources: list[str] = field(default_factory=list)
+    children: dict[int, _Candidate] = field(default_factory=dict)
+    expanded: bool = False  # recycled children added
+
+    @property
+    def chance(self) -> float:
+        return 1.0 - self.misses
+
+
+def build_tree(
+    chains: Sequence[Proposal],
+    rate: Callable[[str], float],
+    *,
+    budget: int,
+    max_depth: int,
+    root_token: int,
+    expand: Callable[[int], list[tuple[int, str]]] | None = None,
+    min_path_probability: float = MIN_PATH_PROBABILITY,
+) -> Proposal:
+    """The best `budget` nodes over the candidates (see module doc), as a Proposal whose
+    `parents` give the tree, `probs` each node's path probability and `node_sources` the
+    sources that proposed it (joined by "+"). `expand(token)`: candidate children (token,
+    source) of a node whose token is `token`, best first; `rate(source)`: that source's
+    conditional acceptance. Depth is at most max_depth."""
+    root = _Candidate(root_token, 0)
+    for chain in chains:
+        node = root
+        for token in chain.token_ids[:max_depth]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Candidate(token, node.depth + 1)
+            if chain.source not in child.sources:
+                child.misses *= 1.0 - rate(chain.source)
+                child.sources.append(chain.source)
+            node = child
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths: list[float] = []
+    sources: list[str] = []
+    heap: list[tuple[float, int, int, _Candidate]] = []  # (-path, order, parent index, node)
+    order = 0
+
+    def push_children(node: _Candidate, index: int, path: float) -> None:
+        nonlocal order
+        if node.depth >= max_depth:
+            return
+        if expand is not None and not node.expanded:
+            node.expanded = True
+            for token, source in expand(node.token):
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Candidate(token, node.depth + 1)
+                if source not in child.sources:
+                    child.misses *= 1.0 - rate(source)
+                    child.sources.append(source)
+        total = sum(child.chance for child in node.children.values())
+        scale = 1.0 / total if total > 1.0 else 1.0
+        for child in node.children.values():
+            probability = path * child.chance * scale
+            if probability >= min_path_probability:
+                heapq.heappush(heap, (-probability, order, index, child))
+                order += 1
+
+    push_children(root, -1, 1.0)
+    while heap and len(tokens) < budget:
+        negative, _, parent, node = heapq.heappop(heap)
+        index = len(tokens)
+        tokens.append(node.token)
+        parents.append(parent)
+        paths.append(-negative)
+        sources.append("+".join(node.sources))
+        push_children(node, index, -negative)
+    return Proposal(
+        tuple(tokens),
+        tuple(paths),
+        source="tree",
+        parents=tuple(parents),
+        node_sources=tuple(sources),
+    )
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1: a child of the root); parents come before their children."""
+    result: list[int] = []
+    for parent in parents:
+        result.append(1 if parent < 0 else result[parent] + 1)
+    return result
+
+
+def reached(parents: Sequence[int], path: Sequence[int]) -> list[int]:
+    """The nodes a walk that accepted `path` tried: the children of the root and of every
+    accepted node (each was accepted or rejected; the others were never looked at)."""
+    on_path = {-1, *path}
+    return [node for node, parent in enumerate(parents) if parent in on_path]

@@ -1,0 +1,246 @@
+"""Token trees: best-first construction, tree attention in packed passes, the acceptance walk,
+the accepted path's keys and values made contiguous, and exact output with trees on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kenspec_api.outputs import BreakerState
+from server.engine.draft import Proposal
+from server.engine.params import SamplingParams
+from server.engine.sampling import chain_parents, walk
+from server.engine.speculative_engine import BreakerSettings
+from server.engine.token_tree import build_tree, depths, reached
+from tests.engine.drafts import generate
+
+# -- construction ------------------------------------------------------------------------
+
+
+def chain(tokens: Sequence[int], source: str) -> Proposal:
+    return Proposal(tuple(tokens), (1.0,) * len(tokens), source=source)
+
+
+RATES = {"a": 0.8, "b": 0.5, "c": 0.3}
+
+
+def test_chains_merge_into_one_trie_best_path_first() -> None:
+    """a: 1 2 3, b: 1 4, c: 5. Node 1 is proposed by a and b: 1 - 0.2 * 0.5 = 0.9; its
+    siblings 5 (0.3) share the root, scaled to sum to 1 (0.9 + 0.3 = 1.2)."""
+    tree = build_tree(
+        [chain([1, 2, 3], "a"), chain([1, 4], "b"), chain([5], "c")],
+        RATES.__getitem__,
+        budget=10,
+        max_depth=10,
+        root_token=0,
+        min_path_probability=0.0,
+    )
+    # Path probabilities: 1 -> 0.9 / 1.2 = 0.75; below it 2 and 4 (0.8 + 0.5 > 1, scaled by
+    # 1 / 1.3) -> 0.46, 0.29; 3 -> 0.46 * 0.8 = 0.37; 5 -> 0.3 / 1.2 = 0.25.
+    assert tree.token_ids == (1, 2, 3, 4, 5)
+    assert tree.parents == (-1, 0, 1, 0, -1)
+    first = 0.9 / 1.2
+    assert tree.probs == pytest.approx(
+        [first, first * 0.8 / 1.3, first * 0.8 / 1.3 * 0.8, first * 0.5 / 1.3, 0.3 / 1.2]
+    )
+    assert tree.node_sources == ("a+b", "a", "a", "b", "c")
+    assert list(tree.probs) == sorted(tree.probs, reverse=True)  # a prefix is the best subtree
+    assert all(parent < node for node, parent in enumerate(tree.parents))
+
+
+def test_budget_depth_and_minimum_probability_bound_the_tree() -> None:
+    chains = [chain([1, 2, 3, 4], "a"), chain([5, 6], "c")]
+    small = build_tree(chains, RATES.__getitem__, budget=2, max_depth=10, root_token=0)
+    assert small.token_ids == (1, 2)
+    shallow = build_tree(chains, RATES.__getitem__, budget=10, max_depth=1, root_token=0)
+    assert sorted(shallow.token_ids) == [1, 5] and max(depths(shallow.parents)) == 1
+    likely = build_tree(
+        chains, RATES.__getitem__, budget=10, max_depth=10, root_token=0, min_path_probability=0.25
+    )
+    # The root's children 0.8 + 0.3 > 1 are scaled by 1 / 1.1: 1 -> 0.73, 5 -> 0.27; then
+    # 2, 3, 4 -> 0.58, 0.47, 0.37, and 6 -> 0.27 * 0.3 = 0.08, below the minimum.
+    assert likely.token_ids == (1, 2, 3, 4, 5)
+
+
+def test_expansion_adds_branches_below_any_node() -> None:
+    """expand(token) gives a node's children: here, recycled predictions after each token."""
+    table = {0: [(7, "r")], 7: [(8, "r")], 1: [(9, "r")]}
+    tree = build_tree(
+        [chain([1], "a")],
+        {"a": 0.8, "r": 0.5}.__getitem__,
+        budget=5,
+        max_depth=3,
+        root_token=0,
+        expand=lambda token: table.get(token, []),
+        min_path_probability=0.0,
+    )
+    nodes = dict(
+        zip(tree.token_ids, zip(tree.parents, tree.node_sources, strict=True), strict=True)
+    )
+    assert nodes[1] == (-1, "a") and nodes[7] == (
+        -1,
+        "r",
+    )  # the root's children: 0.8 / 1.3, 0.5 / 1.3
+    assert tree.token_ids[nodes[9][0]] == 1 and tree.token_ids[nodes[8][0]] == 7
+    assert reached(tree.parents, [tree.token_ids.index(1)]) == [
+        i for i, p in enumerate(tree.parents) if p in (-1, tree.token_ids.index(1))
+    ]
+
+
+# -- the walk ----------------------------------------------------------------------------
+
+
+def one_hot_rows(argmaxes: list[int], vocab: int = 16) -> torch.Tensor:
+    rows = torch.zeros(len(argmaxes), vocab)
+    rows[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 1.0
+    return rows
+
+
+def test_the_walk_follows_the_child_the_target_chose_and_emits_its_own_token() -> None:
+    # Tree: root -> 5 (node 0), root -> 6 (node 1), 6 -> 7 (node 2), 5 -> 9 (node 3).
+    tokens, parents = [5, 6, 7, 9], [-1, -1, 1, 0]
+    greedy = lambda row, _: int(row.argmax())  # noqa: E731
+    # Rows: after root, after node 0, 1, 2, 3. The target chooses 6, then 7, then 11 (bonus).
+    logits = one_hot_rows([6, 9, 7, 11, 3])
+    assert walk(tokens, parents, logits, greedy) == ([6, 7, 11], [1, 2])
+    assert walk(tokens, parents, one_hot_rows([4, 0, 0, 0, 0]), greedy) == ([4], [])
+    assert walk(tokens, parents, one_hot_rows([5, 9, 0, 0, 2]), greedy) == ([5, 9, 2], [0, 3])
+    assert chain_parents(3) == (-1, 0, 1)
+
+
+# -- tree attention ----------------------------------------------------------------------
+
+
+def test_a_tree_pass_scores_every_node_as_if_its_path_were_decoded_alone(tiny_target) -> None:
+    """Each node attends to the cache and its own ancestors only, at depth positions: its
+    logits equal a plain pass over prompt + the node's path. Packed beside a sequence row."""
+    prompt = tiny_target.encode_prompt("the quick brown fox")
+    other = tiny_target.encode_prompt("a second row of the same pass")
+    tokens, parents = [11, 12, 13, 14, 15], [-1, -1, 0, 1, 2]  # two branches, one deeper
+    cache = tiny_target.new_cache(2)
+    tiny_target.prefill(cache, 0, 0, other[:-1])
+    tiny_target.prefill(cache, 1, 0, prompt[:-1])
+    feed = [prompt[-1], *tokens]
+    feed_parents = [-1, *(1 + p for p in parents)]
+    logits = tiny_target.forward(
+        cache,
+        [len(other) - 1, len(prompt) - 1],
+        [other[-1:], feed],
+        parents=[None, feed_parents],
+    )
+    for node in range(-1, len(tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tokens[at])
+            at = parents[at]
+        alone = tiny_target.forward(tiny_target.new_cache(), [0], [prompt + path])[0]
+        expected = alone[len(prompt) + len(path) - 1]
+        assert torch.allclose(logits[1][node + 1], expected, atol=1e-4), node
+    alone_other = tiny_target.forward(tiny_target.new_cache(), [0], [other])[0]
+    assert torch.allclose(logits[0][0], alone_other[len(other) - 1], atol=1e-4)
+
+
+# -- end to end --------------------------------------------------------------------------
+
+
+class Branching:
+    """Two chains each round: `wrong` (the reference's next tokens, the first one changed) and
+    the reference's own, as an alternative; optionally a raising expand."""
+
+    name = "branching"
+
+    def __init__(self, reference: Sequence[int], vocab: int, *, fail: bool = False) -> None:
+        self.reference = list(reference)
+        self.vocab = vocab
+        self.fail = fail
+
+    def start(self, prompt_ids: Sequence[int]) -> _BranchingSession:
+        return _BranchingSession(self)
+
+
+class _BranchingSession:
+    def __init__(self, draft: Branching) -> None:
+        self._draft = draft
+        self._position = 0
+
+    def propose(self, k: int) -> Proposal:
+        right = self._draft.reference[self._position : self._position + k]
+        if not right:
+            return Proposal()
+        wrong = [(right[0] + 1) % self._draft.vocab, *right[1:]]
+        return Proposal(
+            tuple(wrong),
+            (1.0,) * len(wrong),
+            source="wrong",
+            alternatives=(Proposal(tuple(right), (1.0,) * len(right), source="right"),),
+        )
+
+    def expand(self, token: int) -> list[tuple[int, str]]:
+        if self._draft.fail:
+            raise RuntimeError("corrupt branch table")
+        return []
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._position += len(token_ids)
+
+
+@pytest.mark.parametrize("budget", [2, 5, 12])
+def test_greedy_output_is_exact_when_the_accepted_path_is_not_the_first_branch(
+    tiny_target, references, budget
+) -> None:
+    """The tree's first branch is wrong at its root, the second right: every round accepts
+    nodes stored out of place, which are moved to their contiguous positions before the next
+    pass reads them. Output equals plain greedy decoding."""
+    moved = 0
+    for ids, expected in list(references.values())[:6]:
+        draft = Branching(expected, tiny_target.vocab_size)
+        generation = generate(
+            tiny_target, draft, ids, max_new_tokens=len(expected), k=4, tree_budget=budget
+        )
+        rounds = []
+        for round_ in generation:
+            rounds.append(round_)
+            moved += bool(generation.generation.kv_moves)
+        assert generation.output_ids == expected
+        assert all(r.source == "tree" for r in rounds if r.drafted)
+        assert sum(r.accepted for r in rounds) > len(rounds)  # the right branch was followed
+    assert moved > 0
+
+
+def test_a_branch_source_that_raises_trips_the_draft_fault_breaker(tiny_target, references) -> None:
+    ids, expected = next(iter(references.values()))
+    draft = Branching(expected, tiny_target.vocab_size, fail=True)
+    generation = generate(
+        tiny_target,
+        draft,
+        ids,
+        max_new_tokens=len(expected),
+        tree_budget=8,
+        breaker=BreakerSettings(fault_max=2),
+    )
+    assert [t for r in generation for t in r.token_ids] == expected
+    assert generation.engine.draft_breaker_state is BreakerState.OPEN
+
+
+def test_seeded_sampling_gives_the_same_text_with_trees_and_chains(tiny_target, references) -> None:
+    """Draws are keyed by output position, so a seeded request's text does not depend on the
+    drafts, trees included."""
+    ids, expected = next(iter(references.values()))
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    outputs = []
+    for budget in (1, 6):
+        generation = generate(
+            tiny_target,
+            Branching(expected, tiny_target.vocab_size),
+            ids,
+            max_new_tokens=16,
+            sampling=sampling,
+            tree_budget=budget,
+        )
+        list(generation)
+        outputs.append(generation.output_ids)
+    plain = generate(tiny_target, None, ids, max_new_tokens=16, sampling=sampling)
+    list(plain)
+    assert outputs[0] == outputs[1] == plain.output_ids
