@@ -23,6 +23,7 @@ from server.engine.recycled import RecycledPredictions
 from server.engine.suffix_index import SuffixIndex
 
 RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
+TREE_MIN_DRAFT_PROB = 0.05  # the static chain's gate in a token tree (see _static_chain)
 LONG_DRAFT_TOKENS = 16  # the most a chain after a long exact match drafts (see propose)
 
 
@@ -150,7 +151,7 @@ class ContextSession:
                     (length, self._chain(found[:reach], reach, _source("suffix", length)))
                 )
         if self._static is not None:
-            chains.append((0, self._static.propose(k)))
+            chains.append((0, self._labelled(self._static_chain(k))))
         if self._recycled is not None:
             found, probs = self._recycled.chain(self._index.tokens[-1], k, self._recycled_min_prob)
             if found:
@@ -179,6 +180,22 @@ class ContextSession:
             for following, probability in self._recycled.next_tokens(token)
             if probability >= self._recycled_min_prob
         ]
+
+    def _static_chain(self, k: int) -> Proposal:
+        """The static draft's chain; for a token tree gated at TREE_MIN_DRAFT_PROB only, not
+        at the draft's own min_draft_prob (tuned for chains): the tree's path probability,
+        learned per n-gram probability decile, decides how far it is worth verifying."""
+        gated = getattr(self._static, "propose_gated", None)
+        if self._branches and gated is not None:
+            return gated(k, TREE_MIN_DRAFT_PROB)
+        return self._static.propose(k)
+
+    def _labelled(self, chain: Proposal) -> Proposal:
+        """For a token tree, the static chain's tokens each labelled by their n-gram
+        probability's decile, like its n-best alternatives: acceptance is learned per decile."""
+        if not self._branches or not chain.probs:
+            return chain
+        return replace(chain, node_sources=tuple(f"ngram:{_decile(p)}" for p in chain.probs))
 
     def _alternatives_at_root(self) -> list[Proposal]:
         """The static draft's next best tokens after its first, one-token chains labelled by

@@ -96,18 +96,22 @@ class KenLMDraft:
     def start(self, prompt_ids: Sequence[int]) -> KenLMSession:
         return KenLMSession(self)
 
-    def propose(self, context_ids: Sequence[int], k: int) -> Proposal:
+    def propose(
+        self, context_ids: Sequence[int], k: int, min_prob: float | None = None
+    ) -> Proposal:
         """Up to k greedy n-gram tokens after context_ids (the tokens generated so far).
 
         Stops early at </s> (proposed as end_token_id when set) and at the first step whose
-        best candidate has probability below min_draft_prob (confidence gating).
+        best candidate has probability below min_prob (confidence gating; min_draft_prob
+        unless given).
         """
+        gate = self.min_draft_prob if min_prob is None else min_prob
         state, history = self._state_after(context_ids)
         tokens: list[int] = []
         probs: list[float] = []
         while len(tokens) < k:
             step = self.best_next(state, history)
-            if step is None or 10.0**step.logprob < self.min_draft_prob:
+            if step is None or 10.0**step.logprob < gate:
                 break
             if step.token_id == SENTENCE_END:
                 if self.end_token_id is not None:
@@ -215,6 +219,10 @@ class KenLMSession:
 
     def propose(self, k: int) -> Proposal:
         return self._draft.propose(self._generated, k)
+
+    def propose_gated(self, k: int, min_prob: float) -> Proposal:
+        """The proposal with another confidence gate than the draft's min_draft_prob."""
+        return self._draft.propose(self._generated, k, min_prob=min_prob)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._generated.extend(token_ids)

@@ -21,6 +21,8 @@ from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 
+TREE_WINDOW_FACTOR = 4
+
 
 @dataclass(frozen=True, slots=True)
 class BreakerSettings:
@@ -114,9 +116,12 @@ class SpeculativeEngine:
     ) -> Generation:
         draft = self.draft_for(speculation.draft_context)
         session = draft.start(prompt_ids) if draft is not None and speculation.enabled else None
+        trees = self.context.tree_budget > 1
         acceptance = AcceptanceBreaker(
             threshold=self.breaker.threshold,
-            window_rounds=self.breaker.window_rounds,
+            # A tree round is judged hit or miss (Speculator.record): less evidence per round
+            # than a chain's, so the window holds TREE_WINDOW_FACTOR times as many rounds.
+            window_rounds=self.breaker.window_rounds * (TREE_WINDOW_FACTOR if trees else 1),
             reset_timeout_s=self.breaker.reset_timeout_s,
             request_id=request_id,
             on_transition=self._events.observe_transition,

@@ -240,12 +240,19 @@ class Speculator:
                     self._own.observe(key, 1, node in accepted_nodes)
                     self._shared.observe(key, 1, node in accepted_nodes)
             full = accepted == max(depths(proposal.parents[:drafted]))
+            # The breaker judges a tree as one draft that paid when any node was accepted: a
+            # deep tree's misses are mostly branches it never needed, and judged as a chain of
+            # its depth, a few rounds that accepted nothing open the breaker (which costs the
+            # request every draft until its reset timeout); the batch already keeps only the
+            # nodes worth their cost.
+            judged = (1, min(accepted, 1))
         else:
             self._own.observe(self._key, drafted, accepted)
             self._shared.observe(self._key, drafted, accepted)
             full = accepted == drafted
+            judged = (drafted, accepted)
         if self._acceptance is not None:
-            self._acceptance.record(drafted, accepted)
+            self._acceptance.record(*judged)
         if self._params.adaptive:
             grown = self.k + 2 if full else self.k - 1
             self.k = max(1, min(self._params.num_draft_tokens, grown))

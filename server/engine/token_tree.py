@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from server.engine.draft import Proposal
 
-MIN_PATH_PROBABILITY = 0.02  # nodes less likely than this are not worth a slot of the pass
+MIN_PATH_PROBABILITY = 0.01  # nodes less likely than this are not worth a slot of the pass
 
 
 @dataclass(slots=True)
@@ -66,13 +66,14 @@ def build_tree(
     root = _Candidate(root_token, 0)
     for chain in chains:
         node = root
-        for token in chain.token_ids[:max_depth]:
+        labels = chain.node_sources or (chain.source,) * len(chain)
+        for token, source in zip(chain.token_ids[:max_depth], labels, strict=False):
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Candidate(token, node.depth + 1)
-            if chain.source not in child.sources:
-                child.misses *= 1.0 - rate(chain.source)
-                child.sources.append(chain.source)
+            if source not in child.sources:
+                child.misses *= 1.0 - rate(source)
+                child.sources.append(source)
             node = child
     tokens: list[int] = []
     parents: list[int] = []

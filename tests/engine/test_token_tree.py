@@ -244,3 +244,31 @@ def test_seeded_sampling_gives_the_same_text_with_trees_and_chains(tiny_target, 
     plain = generate(tiny_target, None, ids, max_new_tokens=16, sampling=sampling)
     list(plain)
     assert outputs[0] == outputs[1] == plain.output_ids
+
+
+class NeverRight(Branching):
+    """Both branches wrong at the root: every tree round accepts nothing."""
+
+    def start(self, prompt_ids: Sequence[int]) -> _BranchingSession:
+        wrong = [(token + 2) % self.vocab for token in self.reference]
+        return _BranchingSession(Branching(wrong, self.vocab))
+
+
+def test_trees_that_never_match_open_the_acceptance_breaker(tiny_target, references) -> None:
+    """Judged hit or miss over a window 4 times the chain's, a tree that never hits opens
+    the request's breaker, and the request goes on decoding plainly."""
+    ids, expected = next(iter(references.values()))
+    generation = generate(
+        tiny_target,
+        NeverRight(expected, tiny_target.vocab_size),
+        ids,
+        max_new_tokens=len(expected),
+        tree_budget=6,
+        breaker=BreakerSettings(window_rounds=2, threshold=0.3, reset_timeout_s=60.0),
+    )
+    rounds = list(generation)
+    assert generation.output_ids == expected
+    assert all(r.accepted == 0 for r in rounds)
+    speculative = [r for r in rounds if r.drafted]
+    assert len(speculative) == 8  # 2 x 4 rounds fill the window, then the breaker opens
+    assert rounds[-1].breaker_state is BreakerState.OPEN
