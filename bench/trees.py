@@ -12,6 +12,11 @@
     for n in 1 2 4 8 16; do python -m bench.workloads --workload sequence --limit 12 \\
         --label budget=$n --out workloads.jsonl -- --tree-budget $n; done
     python -m bench.trees plot --replay trees.jsonl --served workloads.jsonl --png trees.png
+    python -m bench.trees exact --prompts prompts/dev.txt prompts/ood.txt --limit 12
+
+- `exact`: the default server's engine in float32 (default flags otherwise: trees, every
+  source) against transformers' own greedy `generate`, prompt by prompt: the token ids must be
+  identical; prints each set's count and exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def replay_budgets(
     return rows
 
 
-def plot(replayed: list[dict], served: list[dict], png: Path) -> None:
+def plot(replayed: list[dict], served: list[dict], png: Path, default_budget: int = 16) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,10 +79,13 @@ def plot(replayed: list[dict], served: list[dict], png: Path) -> None:
     left.set_title("replayed (greedy, exact)")
     left.legend()
     by_budget = {}
-    for record in served:
+    for record in served:  # dev runs labelled budget=N, and the first "default" sequence (dev)
         label = record.get("label", "")
-        if label.startswith("budget="):
-            by_budget[int(label.split("=", 1)[1])] = record["summary"]
+        sequence = record.get("workload") == "sequence"
+        if label.startswith("budget=") and label[7:].isdigit():
+            by_budget[int(label[7:])] = record["summary"]
+        elif label == "default" and sequence and default_budget not in by_budget:
+            by_budget[default_budget] = record["summary"]
     if by_budget:
         budgets = sorted(by_budget)
         on = [by_budget[b]["on_tokens_per_s_median"] for b in budgets]
@@ -95,6 +103,55 @@ def plot(replayed: list[dict], served: list[dict], png: Path) -> None:
     figure.savefig(png, dpi=110)
 
 
+def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -> dict:
+    """Engine (float32, default flags) against transformers' greedy generate, per prompt."""
+    import torch
+
+    from bench.suite import read_prompts
+    from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+    from server.runtime import load_runtime
+    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
+
+    settings = parse_settings(
+        ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT), "--dtype", "float32"]
+    )
+    engine = load_runtime(settings).engine
+    model = engine.target.model
+    result: dict[str, dict] = {}
+    for path in prompt_files:
+        same = drafted = accepted = rounds = 0
+        prompts = read_prompts(path, limit)
+        for prompt in prompts:
+            ids = engine.target.encode_chat([{"role": "user", "content": prompt}])
+            generation = engine.start(
+                ids,
+                sampling=SamplingParams(),
+                stopping=StoppingParams(max_new_tokens=max_new_tokens),
+                speculation=SpeculationParams(num_draft_tokens=settings.num_draft_tokens),
+            )
+            served = list(engine.batch.rounds(generation))
+            with torch.inference_mode():
+                plain = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                )[0, len(ids) :].tolist()
+            same += generation.output_ids == plain
+            drafted += sum(r.drafted for r in served)
+            accepted += sum(r.accepted for r in served)
+            rounds += len(served)
+        result[path.stem] = {
+            "prompts": len(prompts),
+            "identical": same,
+            "rounds": rounds,
+            "drafted": drafted,
+            "accepted": accepted,
+        }
+        print(json.dumps({path.stem: result[path.stem]}), flush=True)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
 
@@ -110,7 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     draw.add_argument("--replay", type=Path, required=True)
     draw.add_argument("--served", type=Path)
     draw.add_argument("--png", type=Path, required=True)
+    exact = commands.add_parser("exact", help="float32 greedy output against transformers")
+    exact.add_argument("--prompts", type=Path, nargs="+", required=True)
+    exact.add_argument("--limit", type=int, default=12)
+    exact.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
+    if args.command == "exact":
+        checked = check_exact(args.prompts, args.limit, args.max_new_tokens)
+        return 0 if all(c["identical"] == c["prompts"] for c in checked.values()) else 1
     if args.command == "replay":
         answers = dict(item.split("=", 1) for item in args.answers)
         paths = {name: Path(path) for name, path in answers.items()}

@@ -101,7 +101,8 @@ _HELP = {
     "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
-    "min_draft_prob": "stop drafting at the first n-gram step below this probability",
+    "min_draft_prob": "stop a KenLM chain at the first n-gram step below this probability (in "
+    "a token tree, 0.05: the tree's learned path probability decides)",
     "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
     "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-5 tokens "

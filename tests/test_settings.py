@@ -49,3 +49,19 @@ def test_suffix_index_bounds_are_checked(capsys) -> None:
         parse_settings(["--suffix-max-match", "1"], env={})
     assert "--suffix-max-match must be at least 2, not 1" in capsys.readouterr().err
     assert not parse_settings(["--no-suffix-index"], env={}).suffix_index
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--tree-budget", "0", "--tree-budget must be in [1, 64], not 0"),
+        ("--tree-budget", "65", "--tree-budget must be in [1, 64], not 65"),
+        ("--long-draft-tokens", "-1", "--long-draft-tokens must be in [0, 64], not -1"),
+    ],
+)
+def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings([flag, value], env={})
+    assert message in capsys.readouterr().err
+    settings = parse_settings(["--tree-budget", "1", "--no-recycled-predictions"], env={})
+    assert (settings.tree_budget, settings.recycled_predictions) == (1, False)

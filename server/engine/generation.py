@@ -117,10 +117,6 @@ class Generation:
         """The tokens whose keys/values the cache row holds, in order."""
         return (self._prompt + self._output)[: self.cache_length]
 
-    def acceptance_estimate(self) -> float:
-        """Per-token acceptance to expect of this round's drafts (see Speculator)."""
-        return self.speculator.acceptance_estimate()
-
     def next_prefill(self, limit: int) -> tuple[int, list[int]]:
         """The next at most `limit` prompt tokens to prefill, and the position they start at."""
         start = self._prefilled

@@ -161,11 +161,9 @@ class Speculator:
         """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
         a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
         proposal = self._proposal
-        if self._probe_due:
-            return [1.0] * len(proposal)
-        if proposal.parents:
+        if proposal.parents and not self._probe_due:
             return list(proposal.probs)
-        return chain_gains(len(proposal), self._rate(proposal.source))
+        return chain_gains(len(proposal), self.acceptance_estimate())
 
     def _rate(self, source: str) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""

@@ -90,3 +90,26 @@ def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
     proposal = session.propose(4)
     assert proposal.token_ids[:2] == (3, 5)
     assert len(proposal.token_ids) == 4  # KenLM continued after the copied tokens
+
+
+def test_for_trees_kenlm_offers_its_next_best_tokens_and_labels_tokens_by_decile(
+    tmp_path,
+) -> None:
+    """With branches (token trees), KenLM's chain is gated at the tree's floor, not at its
+    min_draft_prob, its tokens are labelled by probability decile, and its next best tokens at
+    the root ride along as one-token chains."""
+    from server.engine.kenlm_draft import KenLMDraft
+    from tests import tiny
+
+    path = tiny.unigram_arpa(tmp_path / "u.arpa", {3: 0.3, 4: 0.25, 5: 0.2}, range(12))
+    kenlm = KenLMDraft.load(path, vocab_size=12, min_draft_prob=0.5)
+    assert ContextDraft(kenlm).start([9]).propose(2).token_ids == ()  # 0.3 < 0.5: no chain
+    draft = ContextDraft(kenlm, branches=2)
+    proposal = draft.start([9]).propose(2)
+    chains = [proposal, *proposal.alternatives]
+    by_source = {chain.source: chain for chain in chains}
+    assert by_source["kenlm"].token_ids == (3, 3)
+    assert by_source["kenlm"].node_sources == ("ngram:2", "ngram:2")
+    alternatives = [chain for chain in chains if chain.source.startswith("ngram:")]
+    assert [c.token_ids for c in alternatives] == [(4,), (5,)]
+    assert [c.source for c in alternatives] == ["ngram:2", "ngram:1"]
