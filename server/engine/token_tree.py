@@ -12,9 +12,11 @@ here:
 Each candidate has a conditional probability, the learned acceptance of its source (per
 source and match length or confidence bucket, as the speculator measures it: accepted
 / reached, decayed): the chance it is accepted once its parent was. Proposed by several
-sources, a token's chance is 1 - prod(1 - p_s); siblings' chances are scaled to sum to at most
-1. A node's path probability, the product along its path, is the expected number of times it
-is accepted, so the tree with the most expected accepted tokens for a budget of n nodes is the
+sources, a token's chance is 1 - prod(1 - p_s). Siblings exclude each other: in order of
+chance, each keeps at most what the likelier ones left of 1 (a 0.95 match beside a 0.5 n-gram
+guess keeps 0.95; scaling both to sum to 1 made a repeated answer's chain look half as sure).
+A node's path probability, the product along its path, is the expected number of times it is
+accepted, so the tree with the most expected accepted tokens for a budget of n nodes is the
 n best nodes by path probability (a child is never better than its parent, so it comes after
 it): SuffixDecoding's best-first expansion with a heap, stopped at the budget or a minimum
 path probability.
@@ -95,10 +97,11 @@ def build_tree(
                 if source not in child.sources:
                     child.misses *= 1.0 - rate(source)
                     child.sources.append(source)
-        total = sum(child.chance for child in node.children.values())
-        scale = 1.0 / total if total > 1.0 else 1.0
-        for child in node.children.values():
-            probability = path * child.chance * scale
+        left = 1.0  # siblings are exclusive: the likeliest claims its chance first
+        for child in sorted(node.children.values(), key=lambda c: -c.chance):
+            chance = min(child.chance, left)
+            left -= chance
+            probability = path * chance
             if probability >= min_path_probability:
                 heapq.heappush(heap, (-probability, order, index, child))
                 order += 1

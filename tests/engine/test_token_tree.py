@@ -27,8 +27,8 @@ RATES = {"a": 0.8, "b": 0.5, "c": 0.3}
 
 
 def test_chains_merge_into_one_trie_best_path_first() -> None:
-    """a: 1 2 3, b: 1 4, c: 5. Node 1 is proposed by a and b: 1 - 0.2 * 0.5 = 0.9; its
-    siblings 5 (0.3) share the root, scaled to sum to 1 (0.9 + 0.3 = 1.2)."""
+    """a: 1 2 3, b: 1 4, c: 5. Node 1 is proposed by a and b: 1 - 0.2 * 0.5 = 0.9; siblings
+    exclude each other, the likelier first: 5 keeps min(0.3, 1 - 0.9) = 0.1."""
     tree = build_tree(
         [chain([1, 2, 3], "a"), chain([1, 4], "b"), chain([5], "c")],
         RATES.__getitem__,
@@ -37,14 +37,11 @@ def test_chains_merge_into_one_trie_best_path_first() -> None:
         root_token=0,
         min_path_probability=0.0,
     )
-    # Path probabilities: 1 -> 0.9 / 1.2 = 0.75; below it 2 and 4 (0.8 + 0.5 > 1, scaled by
-    # 1 / 1.3) -> 0.46, 0.29; 3 -> 0.46 * 0.8 = 0.37; 5 -> 0.3 / 1.2 = 0.25.
+    # Path probabilities: 1 -> 0.9; below it 2 -> 0.9 * 0.8 and 4 -> 0.9 * min(0.5, 0.2);
+    # 3 -> 0.72 * 0.8; 5 -> 0.1.
     assert tree.token_ids == (1, 2, 3, 4, 5)
     assert tree.parents == (-1, 0, 1, 0, -1)
-    first = 0.9 / 1.2
-    assert tree.probs == pytest.approx(
-        [first, first * 0.8 / 1.3, first * 0.8 / 1.3 * 0.8, first * 0.5 / 1.3, 0.3 / 1.2]
-    )
+    assert tree.probs == pytest.approx([0.9, 0.72, 0.576, 0.18, 0.1])
     assert tree.node_sources == ("a+b", "a", "a", "b", "c")
     assert list(tree.probs) == sorted(tree.probs, reverse=True)  # a prefix is the best subtree
     assert all(parent < node for node, parent in enumerate(tree.parents))
@@ -59,9 +56,9 @@ def test_budget_depth_and_minimum_probability_bound_the_tree() -> None:
     likely = build_tree(
         chains, RATES.__getitem__, budget=10, max_depth=10, root_token=0, min_path_probability=0.25
     )
-    # The root's children 0.8 + 0.3 > 1 are scaled by 1 / 1.1: 1 -> 0.73, 5 -> 0.27; then
-    # 2, 3, 4 -> 0.58, 0.47, 0.37, and 6 -> 0.27 * 0.3 = 0.08, below the minimum.
-    assert likely.token_ids == (1, 2, 3, 4, 5)
+    # The root's children: 1 -> 0.8, 5 -> min(0.3, 1 - 0.8) = 0.2 (below the minimum); then
+    # 2, 3, 4 -> 0.64, 0.51, 0.41.
+    assert likely.token_ids == (1, 2, 3, 4)
 
 
 def test_expansion_adds_branches_below_any_node() -> None:
