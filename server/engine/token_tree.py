@@ -49,6 +49,16 @@ class _Candidate:
     def chance(self) -> float:
         return 1.0 - self.misses
 
+    def propose(self, token: int, source: str, rate: float) -> _Candidate:
+        """The child `token`, proposed (once more) by `source` with chance `rate`."""
+        child = self.children.get(token)
+        if child is None:
+            child = self.children[token] = _Candidate(token, self.depth + 1)
+        if source not in child.sources:
+            child.misses *= 1.0 - rate
+            child.sources.append(source)
+        return child
+
 
 def build_tree(
     chains: Sequence[Proposal],
@@ -70,13 +80,7 @@ def build_tree(
         node = root
         labels = chain.node_sources or (chain.source,) * len(chain)
         for token, source in zip(chain.token_ids[:max_depth], labels, strict=False):
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = _Candidate(token, node.depth + 1)
-            if source not in child.sources:
-                child.misses *= 1.0 - rate(source)
-                child.sources.append(source)
-            node = child
+            node = node.propose(token, source, rate(source))
     tokens: list[int] = []
     parents: list[int] = []
     paths: list[float] = []
@@ -91,12 +95,7 @@ def build_tree(
         if expand is not None and not node.expanded:
             node.expanded = True
             for token, source in expand(node.token):
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Candidate(token, node.depth + 1)
-                if source not in child.sources:
-                    child.misses *= 1.0 - rate(source)
-                    child.sources.append(source)
+                node.propose(token, source, rate(source))
         left = 1.0  # siblings are exclusive: the likeliest claims its chance first
         for child in sorted(node.children.values(), key=lambda c: -c.chance):
             chance = min(child.chance, left)
