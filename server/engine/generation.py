@@ -14,7 +14,7 @@ from server.engine.sampling import (
     LogitRows,
     PositionalGenerator,
     chain_parents,
-    sampler,
+    chooser,
     walk,
 )
 from server.engine.speculator import Speculator
@@ -188,10 +188,8 @@ class Generation:
     def _verify(self, drafts: list[int], logits: LogitRows) -> tuple[list[int], list[int]]:
         """The walk over this round's drafts (a chain or a tree): (emitted, accepted nodes)."""
         parents = self._parents or chain_parents(len(drafts))
-        if self._sampling.greedy:
-            return walk(drafts, parents, logits, lambda row, _: int(row.argmax()))
         position = len(self._output)
-        choose = sampler(self._sampling, lambda i: self._draws.at(position + i))
+        choose = chooser(self._sampling, lambda i: self._draws.at(position + i))
         return walk(drafts, parents, logits, choose)
 
     def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:

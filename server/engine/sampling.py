@@ -97,7 +97,7 @@ def accept_greedy(
     of a chain); rows past the first mismatch are never read.
     """
     tree = chain_parents(len(draft_ids)) if parents is None else parents
-    return walk(draft_ids, tree, logits, lambda row, _: int(row.argmax()))[0]
+    return walk(draft_ids, tree, logits, greedy_choice)[0]
 
 
 def accept_sampled(
@@ -114,13 +114,21 @@ def accept_sampled(
     mismatch is computed or drawn. y_i is drawn with generator_at(i).
     """
     tree = chain_parents(len(draft_ids)) if parents is None else parents
-    return walk(draft_ids, tree, logits, sampler(params, generator_at))[0]
+    return walk(draft_ids, tree, logits, chooser(params, generator_at))[0]
 
 
-def sampler(
+def greedy_choice(row: torch.Tensor, _depth: int) -> int:
+    """A walk's choice at temperature 0: the argmax."""
+    return int(row.argmax())
+
+
+def chooser(
     params: SamplingParams, generator_at: Callable[[int], torch.Generator]
 ) -> Callable[[torch.Tensor, int], int]:
-    """A walk's choice when sampling: y ~ p (warped) drawn with the generator of its depth."""
+    """A walk's choice: the argmax when greedy, else y ~ p (warped) drawn with the generator
+    of its depth."""
+    if params.greedy:
+        return greedy_choice
     return lambda row, depth: _sample(row, params, generator_at(depth))
 
 

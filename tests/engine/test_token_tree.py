@@ -11,7 +11,7 @@ import torch
 from kenspec_api.outputs import BreakerState
 from server.engine.draft import Proposal
 from server.engine.params import SamplingParams
-from server.engine.sampling import chain_parents, walk
+from server.engine.sampling import chain_parents, greedy_choice, walk
 from server.engine.speculative_engine import BreakerSettings
 from server.engine.token_tree import build_tree, depths, reached
 from tests.engine.drafts import generate
@@ -98,12 +98,14 @@ def one_hot_rows(argmaxes: list[int], vocab: int = 16) -> torch.Tensor:
 def test_the_walk_follows_the_child_the_target_chose_and_emits_its_own_token() -> None:
     # Tree: root -> 5 (node 0), root -> 6 (node 1), 6 -> 7 (node 2), 5 -> 9 (node 3).
     tokens, parents = [5, 6, 7, 9], [-1, -1, 1, 0]
-    greedy = lambda row, _: int(row.argmax())  # noqa: E731
     # Rows: after root, after node 0, 1, 2, 3. The target chooses 6, then 7, then 11 (bonus).
     logits = one_hot_rows([6, 9, 7, 11, 3])
-    assert walk(tokens, parents, logits, greedy) == ([6, 7, 11], [1, 2])
-    assert walk(tokens, parents, one_hot_rows([4, 0, 0, 0, 0]), greedy) == ([4], [])
-    assert walk(tokens, parents, one_hot_rows([5, 9, 0, 0, 2]), greedy) == ([5, 9, 2], [0, 3])
+    assert walk(tokens, parents, logits, greedy_choice) == ([6, 7, 11], [1, 2])
+    assert walk(tokens, parents, one_hot_rows([4, 0, 0, 0, 0]), greedy_choice) == ([4], [])
+    assert walk(tokens, parents, one_hot_rows([5, 9, 0, 0, 2]), greedy_choice) == (
+        [5, 9, 2],
+        [0, 3],
+    )
     assert chain_parents(3) == (-1, 0, 1)
 
 
