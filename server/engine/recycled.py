@@ -41,11 +41,6 @@ class RecycledPredictions:
         # The best next token per token again, as Python lists: a chain reads them per token.
         self._best = [-1] * vocab_size
         self._best_prob = [0.0] * vocab_size
-        self.recorded = 0  # rows recorded, for tests and metrics
-
-    @property
-    def nbytes(self) -> int:
-        return self._ids.nbytes + self._probs.nbytes
 
     def record(self, token_ids: Sequence[int], rows: Iterable[tuple[int, torch.Tensor]]) -> None:
         """Keep the top next tokens of logit rows: (i, logits) is the target's prediction after
@@ -54,17 +49,17 @@ class RecycledPredictions:
         if not pairs:
             return
         logits = torch.stack([row for _, row in pairs]).float()  # [rows, vocab]
-        probs = torch.softmax(logits, dim=-1)
-        top = torch.topk(probs, min(self.width, probs.shape[-1]), dim=-1)
+        # The top logits are the top probabilities: softmax only those (no [rows, vocab] copy).
+        top = torch.topk(logits, min(self.width, logits.shape[-1]), dim=-1)
+        probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
         keys = torch.tensor([token_ids[i] for i, _ in pairs], dtype=torch.long)
         width = top.indices.shape[-1]
         self._ids[keys, :width] = top.indices.to(torch.int32)
-        self._probs[keys, :width] = top.values
+        self._probs[keys, :width] = probs
         for key, best, prob in zip(
-            keys.tolist(), top.indices[:, 0].tolist(), top.values[:, 0].tolist(), strict=True
+            keys.tolist(), top.indices[:, 0].tolist(), probs[:, 0].tolist(), strict=True
         ):
             self._best[key], self._best_prob[key] = best, prob
-        self.recorded += len(pairs)
 
     def next_tokens(self, token_id: int) -> list[tuple[int, float]]:
         """The recorded (next token, probability) pairs after token_id, best first."""
