@@ -16,6 +16,7 @@ per-position acceptance.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draft_tools.replay import ReplayStats, replay
 from server.engine.arpa import read_arpa
@@ -224,12 +225,18 @@ def evaluate(
     )
 
 
+@functools.cache
+def _float32_model(model: Path) -> PreTrainedModel:
+    """The target in float32, loaded once per process (replays by budget reuse it)."""
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
 def _recycler(
     model: Path, prompts: list[list[int]], replies: list[list[int]]
 ) -> tuple[RecycledPredictions, Callable[[int, int, int], None]]:
     """A recycled-predictions table, and the replay callback that records into it the rows a
     live round would have read, from one teacher-forced pass per answer (computed on first use)."""
-    target = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    target = _float32_model(model)
     table = RecycledPredictions(target.config.vocab_size)
     current: dict[int, torch.Tensor] = {}
 

@@ -98,35 +98,22 @@ class ContextDraft:
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(
-            index,
-            static,
-            self.suffix,
-            self.recycled,
-            self.recycled_min_prob,
-            self.long_draft_tokens,
-            self.branches,
-        )
+        return ContextSession(self, index, static)
 
 
 class ContextSession:
+    """One generation's context index and static session; the rest is its draft's."""
+
     def __init__(
-        self,
-        index: ContextIndex,
-        static: DraftSession | None,
-        suffix: SuffixIndex | None = None,
-        recycled: RecycledPredictions | None = None,
-        recycled_min_prob: float = 0.0,
-        long_draft_tokens: int = 0,
-        branches: int = 0,
+        self, draft: ContextDraft, index: ContextIndex, static: DraftSession | None
     ) -> None:
         self._index = index
         self._static = static
-        self._suffix = suffix
-        self._recycled = recycled
-        self._recycled_min_prob = recycled_min_prob
-        self._long = long_draft_tokens
-        self._branches = branches
+        self._suffix = draft.suffix
+        self._recycled = draft.recycled
+        self._recycled_min_prob = draft.recycled_min_prob
+        self._long = draft.long_draft_tokens
+        self._branches = draft.branches
 
     def propose(self, k: int) -> Proposal:
         """The chain of the longest match (own context, or the suffix index if longer; a tie
