@@ -45,7 +45,10 @@ class DeadlineExceeded(KenspecError):
 
 
 class ServerBusy(KenspecError):
-    """The server is at capacity (RESOURCE_EXHAUSTED); retry later."""
+    """The server is at capacity (RESOURCE_EXHAUSTED); retry after `retry_after_s` (the
+    server's gRPC pushback trailer; None when it sent none, e.g. out of memory)."""
+
+    retry_after_s: float | None = None
 
 
 class ProtocolError(KenspecError):
@@ -71,4 +74,19 @@ def from_rpc_error(error: grpc.RpcError, address: str) -> KenspecError:
     kind = _BY_CODE.get(code, KenspecError)
     if kind is ServerUnavailable:
         details = f"cannot reach the kenspec server at {address}: {details or 'no details'}"
-    return kind(code, details or "no details from the server", address)
+    result = kind(code, details or "no details from the server", address)
+    if isinstance(result, ServerBusy):
+        result.retry_after_s = _pushback_s(error)
+    return result
+
+
+def _pushback_s(error: grpc.RpcError) -> float | None:
+    """The server's `grpc-retry-pushback-ms` trailer, in seconds (gRFC A6), if it sent one."""
+    trailers = getattr(error, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailers:
+        if key == "grpc-retry-pushback-ms":
+            try:
+                return max(0.0, int(value) / 1000.0)
+            except ValueError:
+                return None
+    return None

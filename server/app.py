@@ -45,7 +45,12 @@ class KenspecServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        self.service = GeneratorService(self.scheduler, self.metrics, settings.max_deadline_s)
+        self.service = GeneratorService(
+            self.scheduler,
+            self.metrics,
+            settings.max_deadline_s,
+            stall_timeout_s=settings.stream_stall_timeout_s,
+        )
         self.health = health_aio.HealthServicer()
         self.port = 0
         interceptors = []

@@ -29,6 +29,11 @@ class Metrics:
             ["finish_reason", "code"],
             registry=r,
         )
+        self.stalled_streams = Counter(
+            "kenspec_stalled_streams_total",
+            "Streams cancelled because their client read nothing for --stream-stall-timeout-s.",
+            registry=r,
+        )
         self.active_streams = Gauge("kenspec_active_streams", "Streams generating now.", registry=r)
         self.queue_depth = Gauge(
             "kenspec_queue_depth", "Streams waiting for a generation slot.", registry=r

@@ -9,6 +9,7 @@ from kenspec_api import generator_pb2 as pb
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID = 128  # characters; the id is echoed in every streamed message and logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,21 @@ def parse_input(
                 f"messages[{index}].role", f"{message.role!r} is not one of {', '.join(ROLES)}"
             )
     return None, tuple({"role": m.role, "content": m.content} for m in messages)
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id: at most MAX_REQUEST_ID printable ASCII characters (it is echoed in
+    every streamed message and written to every log line of the request)."""
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidParameter(
+            "request_id", f"{len(request_id)} characters; the limit is {MAX_REQUEST_ID}"
+        )
+    for position, character in enumerate(request_id):
+        if not " " <= character <= "~":
+            raise InvalidParameter(
+                "request_id",
+                f"character {position} is {character!r}: only printable ASCII is allowed",
+            )
 
 
 def parse_generate(

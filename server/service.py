@@ -21,19 +21,29 @@ from server.engine.batch import Batch
 from server.engine.generation import Generation, Round
 from server.engine.params import InvalidParameter
 from server.metrics import Metrics
-from server.requests import check_prompt_length, parse_generate, parse_input
+from server.requests import check_prompt_length, check_request_id, parse_generate, parse_input
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 
 log = structlog.get_logger("kenspec.service")
 
+# A call refused for load carries this trailer: when to retry (gRFC A6's server pushback, which
+# gRPC's built-in retries honour; the bundled client reads it into ServerBusy.retry_after_s).
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+RETRY_AFTER_MS = 1000
+
 
 class GeneratorService(pb_grpc.GeneratorServicer):
     def __init__(
-        self, scheduler: Scheduler, metrics: Metrics | None = None, max_deadline_s: float = 600.0
+        self,
+        scheduler: Scheduler,
+        metrics: Metrics | None = None,
+        max_deadline_s: float = 600.0,
+        stall_timeout_s: float = 30.0,
     ) -> None:
         self.scheduler = scheduler
         self.max_deadline_s = max_deadline_s
+        self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics or Metrics()
         self.metrics.active_streams.set_function(lambda: scheduler.active)
         self.metrics.queue_depth.set_function(lambda: scheduler.waiting)
@@ -42,8 +52,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         runtime = await self._ready(context, request)
+        try:
+            check_request_id(request.request_id)
+        except InvalidParameter as error:
+            await context.abort(*status_of(error, request_id=""))
         request_id = request.request_id or uuid.uuid4().hex[:16]
         record = RequestRecord(self.metrics)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -52,21 +66,31 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     self._generate(runtime, request, request_id, record)
                 ) as responses:
                     async for response in responses:
-                        yield response
+                        await self._send(context, response)
                 record.code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
                 raise
-            except (asyncio.CancelledError, GeneratorExit):
-                # Cancelled while awaiting a round (CancelledError) or while gRPC was sending
-                # and closed this generator instead (GeneratorExit): either way, the client left.
-                record.code = grpc.StatusCode.CANCELLED
+            except asyncio.CancelledError:
+                record.code = grpc.StatusCode.CANCELLED  # the client left
                 raise
             except Exception as error:
                 code, message = status_of(error, request_id)
                 record.code = code
+                if isinstance(error, Overloaded):  # gRPC retry policies honour the pushback
+                    context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(RETRY_AFTER_MS)),))
                 await context.abort(code, message)
             finally:
                 record.close()
+
+    async def _send(self, context: grpc.aio.ServicerContext, response: pb.GenerateResponse) -> None:
+        """Write one message; a client that reads nothing for stall_timeout_s loses its stream
+        (gRPC's flow control holds a write once the client's window is full: without a limit,
+        a client that stops reading would hold its slot, and its rounds, forever)."""
+        try:
+            await asyncio.wait_for(context.write(response), self.stall_timeout_s)
+        except TimeoutError:
+            self.metrics.stalled_streams.inc()
+            raise StreamStalled(self.stall_timeout_s) from None
 
     async def _generate(
         self, runtime: Runtime, request: pb.GenerateRequest, request_id: str, record: RequestRecord
@@ -110,7 +134,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
                         raise DeadlineCapExceeded(self.max_deadline_s)
             outcome = "finished"
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except Exception:
@@ -169,6 +193,16 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             raise InvalidParameter("messages", str(error)) from error
 
 
+class StreamStalled(Exception):
+    """The client read nothing for the server's --stream-stall-timeout-s."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the client read nothing for {timeout_s:g} s (the server's stream stall timeout); "
+            "the stream was cancelled"
+        )
+
+
 class DeadlineCapExceeded(Exception):
     """The request ran past the server's --max-deadline-s."""
 
@@ -180,6 +214,7 @@ class DeadlineCapExceeded(Exception):
 # (None) or a template. Anything else is a bug: INTERNAL, with a request id to report.
 _STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
     (DeadlineCapExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, None),
+    (StreamStalled, grpc.StatusCode.DEADLINE_EXCEEDED, None),
     (InvalidParameter, grpc.StatusCode.INVALID_ARGUMENT, None),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     (

@@ -36,6 +36,7 @@ class Settings:
     tls_client_ca: str = ""
     auth_tokens_file: str = ""
     max_deadline_s: float = 600.0
+    stream_stall_timeout_s: float = 30.0
     metrics_port: int = 9400
     # speculation
     num_draft_tokens: int = 6
@@ -98,6 +99,8 @@ _HELP = {
     "auth_tokens_file": "file of allowed bearer tokens, one a line: every call but health "
     "needs 'authorization: Bearer <token>' (empty: no authentication)",
     "max_deadline_s": "longest a Generate call may run, whatever deadline the client set",
+    "stream_stall_timeout_s": "cancel a stream whose client reads nothing for this long (its "
+    "window full, a message waits): it no longer holds a slot or its unsent rounds",
     "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
@@ -196,6 +199,10 @@ def parse_settings(
         )
     if namespace.suffix_max_match < 2:
         parser.error(f"--suffix-max-match must be at least 2, not {namespace.suffix_max_match}")
+    if namespace.stream_stall_timeout_s <= 0:
+        parser.error(
+            f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"
+        )
     if namespace.prefix_cache_mb < 0:
         parser.error(f"--prefix-cache-mb must be 0 or more, not {namespace.prefix_cache_mb}")
     for name in (

@@ -46,6 +46,10 @@ INVALID = [
         "num_draft_tokens",
     ),
     (pb.GenerateRequest(prompt="x", speculation=pb.SpeculationParameters(mode=7)), "mode"),
+    (pb.GenerateRequest(prompt="x", request_id="r" * 100_000), "request_id"),
+    (pb.GenerateRequest(prompt="x", request_id="r" * 129), "request_id"),
+    (pb.GenerateRequest(prompt="x", request_id="two\nlines"), "request_id"),
+    (pb.GenerateRequest(prompt="x", request_id="caf\u00e9"), "request_id"),
     (pb.GenerateRequest(prompt="word " * 600), "prompt"),  # longer than the 512-token context
     (
         pb.GenerateRequest(prompt="word " * 200, stopping=pb.StoppingCriteria(max_new_tokens=390)),
