@@ -113,7 +113,10 @@ def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -
     from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
     settings = parse_settings(
-        ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT), "--dtype", "float32"]
+        [
+            *("--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)),
+            *("--dtype", "float32", "--calibration-cache", "none"),
+        ]
     )
     engine = load_runtime(settings).engine
     model = engine.target.model

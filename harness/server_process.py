@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def server_command(args: Sequence[str]) -> list[str]:
-    """`python -m server` on a free port, JSON logs, no metrics port, then `args`."""
+    """`python -m server` on a free port, JSON logs, no metrics port, pass costs measured at
+    start-up (not read from a cache an earlier run left), then `args`."""
     return [
         sys.executable,
         "-m",
@@ -26,6 +27,8 @@ def server_command(args: Sequence[str]) -> list[str]:
         "json",
         "--metrics-port",
         "-1",
+        "--calibration-cache",
+        "none",
         *args,
     ]
 

@@ -113,6 +113,8 @@ class KenspecServer:
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await asyncio.to_thread(self.scheduler.shutdown)
+        if self.service.runtime is not None:  # the engine thread is done: its costs are still
+            await asyncio.to_thread(self.service.runtime.save_costs)
         self.metrics.close()
         log.info("stopped")
 

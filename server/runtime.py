@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
 import torch
 
 from kenspec_api import generator_pb2 as pb
-from server import __version__
+from server import __version__, calibration_cache
 from server.engine.admission import BatchSettings
-from server.engine.costs import PassCosts, calibrate
+from server.engine.costs import Calibration, PassCosts, calibrate
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
+from server.engine.live_costs import LiveCosts
 from server.engine.params import (
     MAX_DRAFT_TOKENS,
     SamplingParams,
@@ -38,6 +40,7 @@ class Runtime:
     limits: Limits
     defaults: Defaults
     info: pb.ModelInfo
+    save_costs: Callable[[], None] = field(default=lambda: None)  # at shutdown
 
 
 def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtime:
@@ -56,9 +59,8 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
-    if settings.skinny_gemm:
-        _choose_linear_kernels(target)
-    breaker, costs = _breaker_and_pass_costs(settings, target)
+    skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
+    breaker, costs, save_costs = _breaker_and_pass_costs(settings, target, sorted(skinny_rows))
     context = ContextSettings(
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
@@ -101,7 +103,9 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     defaults = Defaults(num_draft_tokens=settings.num_draft_tokens, adaptive=settings.adaptive)
     info = _model_info(settings, engine, limits, calibrated=settings.breaker_threshold < 0)
     log.info("ready", seconds=round(time.perf_counter() - started, 2))
-    return Runtime(engine=engine, limits=limits, defaults=defaults, info=info)
+    return Runtime(
+        engine=engine, limits=limits, defaults=defaults, info=info, save_costs=save_costs
+    )
 
 
 def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
@@ -137,10 +141,11 @@ def _load_suffix_index(settings: Settings) -> SuffixIndex | None:
     return index
 
 
-def _choose_linear_kernels(target: TargetModel) -> None:
-    """Small passes on a CPU in float32: W @ x^T where timed faster (engine.linear_kernels)."""
+def _choose_linear_kernels(target: TargetModel) -> set[int]:
+    """Small passes on a CPU in float32: W @ x^T where timed faster (engine.linear_kernels);
+    the row counts chosen."""
     if target.device.type != "cpu" or target.dtype != torch.float32:
-        return
+        return set()
     rows, timings = measure_skinny_rows(target.model)
     use_skinny(target.model, rows)
     log.info(
@@ -148,12 +153,14 @@ def _choose_linear_kernels(target: TargetModel) -> None:
         skinny_rows=sorted(rows),
         ms={r: [round(p * 1000, 1), round(s * 1000, 1)] for r, (p, s) in timings.items()},
     )
+    return set(rows)
 
 
 def _breaker_and_pass_costs(
-    settings: Settings, target: TargetModel
-) -> tuple[BreakerSettings, PassCosts | None]:
-    """The breaker, calibrated when asked, and the measured pass costs batches choose widths by."""
+    settings: Settings, target: TargetModel, skinny_rows: Sequence[int]
+) -> tuple[BreakerSettings, LiveCosts | PassCosts | None, Callable[[], None]]:
+    """The breaker, the pass costs batches choose widths by (measured, or read from the
+    calibration cache; live unless --no-live-costs), and what saves them at shutdown."""
     breaker = BreakerSettings(
         window_rounds=settings.breaker_window,
         threshold=max(0.0, settings.breaker_threshold),
@@ -164,18 +171,58 @@ def _breaker_and_pass_costs(
     )
     speculates = settings.has_draft or settings.draft_context
     if not speculates:
-        return breaker, None
-    result = calibrate(
-        target,
-        settings.num_draft_tokens,
-        rows=settings.max_batch_size,
-        long_draft_tokens=(
-            max(settings.long_draft_tokens, settings.tree_budget) if settings.draft_context else 0
-        ),
+        return breaker, None, _nothing
+    k, rows = settings.num_draft_tokens, settings.max_batch_size
+    long_draft_tokens = (
+        max(settings.long_draft_tokens, settings.tree_budget) if settings.draft_context else 0
     )
+    key = calibration_cache.cache_key(
+        settings.model,
+        dtype=str(target.dtype),
+        device=str(target.device),
+        skinny_rows=sorted(skinny_rows),
+        k=k,
+        rows=rows,
+        long_draft_tokens=long_draft_tokens,
+    )
+    started = time.perf_counter()
+    cached = calibration_cache.load(settings.calibration_cache, key)
+    if cached is not None:
+        result = Calibration.from_pass_seconds(k, cached)
+    else:
+        result = calibrate(target, k, rows=rows, long_draft_tokens=long_draft_tokens)
+        calibration_cache.store(
+            settings.calibration_cache, key, result.pass_seconds, source="start-up"
+        )
+    _log_calibration(result, rows, cached=cached is not None, seconds=time.perf_counter() - started)
+    fixed = settings.breaker_threshold if settings.breaker_threshold >= 0 else None
+    breaker = replace(breaker, threshold=result.threshold if fixed is None else fixed)
+    if not settings.live_costs:
+        return breaker, result.pass_costs, _nothing
+    live = LiveCosts(result.pass_seconds, fixed_threshold=fixed)
+
+    def save() -> None:  # on the engine thread's last call, or after it stopped
+        if live.passes >= SAVE_AFTER_PASSES:
+            calibration_cache.store(
+                settings.calibration_cache, key, dict(live.table.seconds), source="live"
+            )
+
+    return breaker, live, save
+
+
+# Live costs replace the cached start-up numbers once they have seen this many passes.
+SAVE_AFTER_PASSES = 256
+
+
+def _nothing() -> None:
+    pass
+
+
+def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: float) -> None:
+    k = result.num_draft_tokens
     log.info(
         "calibrated",
-        k=result.num_draft_tokens,
+        k=k,
         step_ms=round(result.step_seconds * 1000, 2),
         verify_ms=round(result.verify_seconds * 1000, 2),
         cost_ratio=round(result.cost_ratio, 3),
@@ -184,26 +231,15 @@ def _breaker_and_pass_costs(
         # Passes wider than k + 1 (long chains, token trees), in steps: {tokens: cost ratio}.
         wide_steps={
             tokens: round(seconds / result.step_seconds, 2)
-            for (rows, tokens), seconds in sorted(result.pass_seconds.items())
-            if rows == 1 and tokens > result.num_draft_tokens + 1
+            for (rows_, tokens), seconds in sorted(result.pass_seconds.items())
+            if rows_ == 1 and tokens > k + 1
         },
-        batch_rows=settings.max_batch_size,
-        batch_step_ms=round(
-            result.pass_seconds[settings.max_batch_size, settings.max_batch_size] * 1000, 2
-        ),
-        batch_verify_ms=round(
-            result.pass_seconds[
-                settings.max_batch_size,
-                settings.max_batch_size * (settings.num_draft_tokens + 1),
-            ]
-            * 1000,
-            2,
-        ),
+        batch_rows=rows,
+        batch_step_ms=round(result.pass_seconds[rows, rows] * 1000, 2),
+        batch_verify_ms=round(result.pass_seconds[rows, rows * (k + 1)] * 1000, 2),
+        cached=cached,  # read from --calibration-cache instead of measured
+        seconds=round(seconds, 2),
     )
-    costs = result.pass_costs
-    if settings.breaker_threshold >= 0:
-        return breaker, costs
-    return replace(breaker, threshold=result.threshold), costs
 
 
 def _warm_up(engine: SpeculativeEngine) -> None:

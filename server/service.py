@@ -163,6 +163,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         info = pb.ModelInfo()
         info.CopyFrom(runtime.info)
         info.breaker.fault_breaker_state = to_proto(runtime.engine.draft_breaker_state)
+        if info.breaker.threshold_calibrated:  # it follows the live pass costs
+            info.breaker.threshold = runtime.engine.breaker_threshold()
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:

@@ -54,6 +54,8 @@ class Settings:
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
     recycled_predictions: bool = True
+    live_costs: bool = True
+    calibration_cache: str = "~/.cache/kenspec/calibration"
     # circuit breaker
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -129,6 +131,12 @@ _HELP = {
     "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
     "recycled_predictions": "with context drafting, also draft from the target's own recent "
     "predictions: the top next tokens every pass computed after each token, kept per token",
+    "live_costs": "update the measured pass costs (and the calibrated breaker threshold) from "
+    "the timing of every verify pass, measuring widths the draft choice avoids now and then; "
+    "off: start-up's numbers for the process's life",
+    "calibration_cache": "folder that keeps start-up pass costs per model, dtype, device and "
+    "CPU (the live ones at shutdown), so a restart does not measure again; 'none': always "
+    "measure",
     "breaker_window": "speculative rounds in a request's acceptance window",
     "breaker_threshold": "acceptance below which a request falls back to plain decoding "
     "(negative: calibrate the break-even rate from measured verify costs at start-up)",

@@ -25,6 +25,7 @@ from server.engine.admission import Admission, BatchSettings, BatchStats, Delive
 from server.engine.costs import PassCosts, choose_drafts
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation, Round
+from server.engine.live_costs import LiveCosts
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sampling import LogitRows
 from server.engine.target import TargetModel
@@ -40,12 +41,17 @@ class Batch:
         target: TargetModel,
         settings: BatchSettings | None = None,
         *,
-        costs: PassCosts | None = None,
+        costs: PassCosts | LiveCosts | None = None,
         events: EngineEvents = NO_EVENTS,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.settings = settings or BatchSettings()
         self.target = target
         self.costs = costs
+        self._live = costs if isinstance(costs, LiveCosts) else None
+        self._timer = timer  # times the passes live costs learn from
+        self._explore: int | None = None  # this pass's tokens, when live costs asked for them
+        self._logged_costs: dict[str, object] = {}
         self.stats = BatchStats()
         self._events = events
         self._cache = target.new_cache(self.settings.max_rows)
@@ -186,6 +192,7 @@ class Batch:
         self.stats.timed("accept", started)
 
     def _verify_alone(self, entries: list[Entry], rows: list[list[int]]) -> None:
+        self._explore = None
         done: list[tuple[Entry, LogitRows | Exception]] = []
         for index, (entry, row) in enumerate(zip(entries, rows, strict=True)):
             try:
@@ -197,17 +204,38 @@ class Batch:
 
     def _forward(self, first_row: int, entries: list[Entry], rows: list[list[int]]) -> list:
         generations = [entry.generation for entry in entries]
+        skips = [generation.prefill_remaining for generation in generations]  # prompt tails
+        pass_tokens = max(sum(len(row) for row in rows), self._pass_tokens(generations, rows))
+        started = self._timer()
         logits = self.target.forward(
             self._cache,
             [generation.cache_length for generation in generations],
             rows,
             first_row=first_row,
-            min_tokens=self._pass_tokens(generations[0], rows),
-            skips=[generation.prefill_remaining for generation in generations],  # prompt tails
+            min_tokens=pass_tokens,
+            skips=skips,
             parents=[generation.feed_parents() for generation in generations],  # token trees
         )
+        if self._live is not None and first_row == 0 and not any(skips):
+            # Only passes of drafts and pending tokens: prompt chunks are not the shapes priced.
+            self._live.observe(len(rows), pass_tokens, self._timer() - started)
+            self._log_costs()
         self._count_pass(rows)
         return logits
+
+    def _log_costs(self) -> None:
+        """Log the live costs when the threshold or a step has moved noticeably since last time."""
+        assert self._live is not None
+        if self._live.passes % 64:
+            return
+        now, last = self._live.summary(), self._logged_costs
+        if last and (
+            abs(now["threshold"] - last["threshold"]) < 0.02  # type: ignore[operator]
+            and abs(now["step_ms"] / last["step_ms"] - 1) < 0.1  # type: ignore[operator]
+        ):
+            return
+        self._logged_costs = now
+        log.info("pass_costs", **now)
 
     def _complete(self, results: list[tuple[Entry, LogitRows | Exception]]) -> None:
         """Accept each row on its logits (or fail it), deliver, then free finished rows."""
@@ -245,24 +273,31 @@ class Batch:
                 self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
 
     def _cut_drafts(self, entries: list[Entry]) -> list[list[int]]:
-        """Each row's feed, its drafts cut to those worth their share of the pass."""
+        """Each row's feed, its drafts cut to those worth their share of the pass (or, when
+        live costs ask to measure a stale shape, to that many tokens)."""
         generations = [entry.generation for entry in entries]
         skips = [generation.prefill_remaining for generation in generations]
         gains = [generation.draft_gains() for generation in generations]
-        counts = choose_drafts(gains, self.costs, len(entries) + sum(skips))
+        base = len(entries) + sum(skips)
+        self._explore = None
+        if self._live is not None and not any(skips):
+            self._explore = self._live.explore(len(entries))
+        counts = choose_drafts(gains, self.costs, base, tokens=self._explore)
         return [
             generation.truncate_drafts(count)
             for generation, count in zip(generations, counts, strict=True)
         ]
 
-    def _pass_tokens(self, generation: Generation, rows: list[list[int]]) -> int:
-        """Pad a one-row pass to more tokens where that was measured cheaper (0: no padding)."""
-        if len(rows) > 1 or len(rows[0]) == 1 or self.costs is None:
+    def _pass_tokens(self, generations: list[Generation], rows: list[list[int]]) -> int:
+        """The tokens to pad the pass to (0: none): a stale shape live costs asked for, or a
+        one-row pass's width measured cheaper. The padding goes after the last row."""
+        room = self.target.max_context - generations[-1].cache_length - len(rows[-1])
+        tokens = sum(len(row) for row in rows)
+        if self._explore is not None:
+            return min(self._explore, tokens + room)
+        if len(rows) > 1 or tokens == 1 or self.costs is None or not self.settings.pad_passes:
             return 0
-        if not self.settings.pad_passes:
-            return 0
-        room = self.target.max_context - generation.cache_length
-        return self.costs.pass_tokens(len(rows[0]), limit=max(len(rows[0]), room))
+        return self.costs.pass_tokens(tokens, limit=tokens + room)
 
     def _count_pass(self, rows: list[list[int]]) -> None:
         stats, width = self.stats, max(len(row) for row in rows)

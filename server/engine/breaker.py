@@ -163,14 +163,15 @@ class AcceptanceBreaker:
     def __init__(
         self,
         *,
-        threshold: float,
+        threshold: float | Callable[[], float],
         window_rounds: int,
         reset_timeout_s: float,
         request_id: str = "",
         on_transition: TransitionHook | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.threshold = threshold
+        # A callable follows the live pass costs (engine.live_costs): read at every judgement.
+        self._threshold = threshold if callable(threshold) else lambda: threshold
         self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
         self._request_id = request_id
         self._clocked = _ClockedBreaker(
@@ -188,6 +189,10 @@ class AcceptanceBreaker:
     @property
     def state(self) -> BreakerState:
         return self._clocked.state
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold()
 
     @property
     def reset_timeout_s(self) -> float:

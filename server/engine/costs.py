@@ -17,8 +17,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.engine.target import TargetModel
+
+if TYPE_CHECKING:
+    from server.engine.live_costs import LiveCosts
 
 # A wider pass is never taken to cost less than this many steps: on a busy CPU a 2-token pass
 # can time below a 1-token one, which would set the threshold to 0 and never open a breaker.
@@ -33,6 +37,20 @@ class Calibration:
     threshold: float
     widths: dict[int, int] = field(default_factory=dict)  # pass width -> cheaper padded width
     pass_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens)
+
+    @classmethod
+    def from_pass_seconds(cls, k: int, pass_seconds: dict[tuple[int, int], float]) -> Calibration:
+        """The calibration a table of (rows, tokens) -> seconds implies (e.g. one from disk)."""
+        one_row = {t: s for (r, t), s in pass_seconds.items() if r == 1 and t <= k + 1}
+        padded = cheapest_widths(one_row)
+        return cls(
+            k,
+            one_row[1],
+            one_row[padded.get(k + 1, k + 1)],
+            lowest_break_even(one_row),
+            padded,
+            dict(pass_seconds),
+        )
 
     @property
     def cost_ratio(self) -> float:
@@ -102,8 +120,6 @@ def calibrate(
     costs = dict(
         zip(measured, measure_pass_seconds(target, measured, context_tokens, repeats), strict=True)
     )
-    padded = cheapest_widths({width: costs[width] for width in widths})
-    verify = costs[padded.get(k + 1, k + 1)]
     batch_costs = {(1, width): seconds for width, seconds in costs.items()}
     # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see
     # engine.linear_kernels), so a few row counts are measured and PassCosts interpolates.
@@ -112,14 +128,23 @@ def calibrate(
             target, widths, context_tokens, max(2, repeats // 2), rows=count
         )
         batch_costs.update({(count, count * w): s for w, s in zip(widths, batched, strict=True)})
-    # The breaker guards against speculation that cannot pay at any length the batch may choose:
-    # the lowest break-even over draft lengths (with W @ x^T kernels a 2-token pass can cost
-    # about one step, so one draft pays at nearly any acceptance; see engine.linear_kernels).
-    threshold = min(
-        break_even_acceptance(max(costs[padded.get(w, w)] / costs[1], _MIN_RATIO), w - 1)
-        for w in widths[1:]
+    return Calibration.from_pass_seconds(k, batch_costs)
+
+
+def lowest_break_even(one_row: dict[int, float]) -> float:
+    """The breaker's threshold from one row's pass seconds by width (1 .. k + 1).
+
+    The breaker guards against speculation that cannot pay at any length the batch may choose:
+    the lowest break-even over draft lengths, each width at its cheapest padding (with W @ x^T
+    kernels a 2-token pass can cost about one step, so one draft pays at nearly any acceptance;
+    see engine.linear_kernels).
+    """
+    padded = cheapest_widths(one_row)
+    return min(
+        break_even_acceptance(max(one_row[padded.get(w, w)] / one_row[1], _MIN_RATIO), w - 1)
+        for w in sorted(one_row)
+        if w > 1
     )
-    return Calibration(k, costs[1], verify, threshold, padded, batch_costs)
 
 
 def cheapest_widths(costs: dict[int, float], margin: float = 0.05) -> dict[int, int]:
@@ -197,8 +222,10 @@ class PassCosts:
 
 def choose_drafts(
     gains: Sequence[Sequence[float]],
-    costs: PassCosts | None,
+    costs: PassCosts | LiveCosts | None,
     base_tokens: int | None = None,
+    *,
+    tokens: int | None = None,
 ) -> list[int]:
     """How many of its proposed drafts each row verifies, to maximise the pass's expected
     tokens per second.
@@ -214,10 +241,11 @@ def choose_drafts(
 
     Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
     per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
-    drafts, the others' none.
+    drafts, the others' none. tokens: the pass's size asked for (live costs measuring a
+    stale shape): the best drafts up to that many tokens, whatever they are worth.
     """
     rows = len(gains)
-    if costs is None or not any(gains):
+    if (costs is None and tokens is None) or not any(gains):
         return [len(row) for row in gains]
     base = rows if base_tokens is None else base_tokens
     # Gains in order, a row's i-th draft before its (i + 1)-th (equal gains included).
@@ -229,12 +257,16 @@ def choose_drafts(
         ),
         reverse=True,
     )
-    best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
-    for taken, (gain, _, _) in enumerate(ranked, start=1):
-        expected += gain
-        rate = expected / costs.cost(rows, base + taken)
-        if rate > best_rate:
-            best, best_rate = taken, rate
+    if tokens is not None:
+        best = max(0, min(len(ranked), tokens - base))
+    else:
+        assert costs is not None
+        best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
+        for taken, (gain, _, _) in enumerate(ranked, start=1):
+            expected += gain
+            rate = expected / costs.cost(rows, base + taken)
+            if rate > best_rate:
+                best, best_rate = taken, rate
     counts = [0] * rows
     for _, _, row in ranked[:best]:
         counts[row] += 1

@@ -15,6 +15,7 @@ from server.engine.costs import PassCosts
 from server.engine.draft import Draft
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
+from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculator import AcceptanceStats, Speculator
@@ -58,14 +59,15 @@ class SpeculativeEngine:
         *,
         context: ContextSettings | None = None,
         batching: BatchSettings | None = None,
-        costs: PassCosts | None = None,
+        costs: PassCosts | LiveCosts | None = None,
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
         suffix: SuffixIndex | None = None,
         recycled: RecycledPredictions | None = None,
     ) -> None:
         self.target = target
-        self.batch = Batch(target, batching, costs=costs, events=events)
+        self.batch = Batch(target, batching, costs=costs, events=events, timer=timer)
         self.static_draft = draft
         self.context = context or ContextSettings()
         self.suffix = suffix  # past answers, drafted from with the context; learns as it serves
@@ -90,6 +92,12 @@ class SpeculativeEngine:
             on_transition=events.observe_transition,
             clock=clock,
         )
+
+    def breaker_threshold(self) -> float:
+        """The acceptance below which a request's breaker opens: the live costs' (which follow
+        what passes cost now) when the batch tracks them, else the settings'."""
+        live = self.batch.costs
+        return live.threshold() if isinstance(live, LiveCosts) else self.breaker.threshold
 
     @property
     def draft_breaker_state(self) -> BreakerState:
@@ -118,7 +126,7 @@ class SpeculativeEngine:
         session = draft.start(prompt_ids) if draft is not None and speculation.enabled else None
         trees = self.context.tree_budget > 1
         acceptance = AcceptanceBreaker(
-            threshold=self.breaker.threshold,
+            threshold=self.breaker_threshold,
             # A tree round is judged hit or miss (Speculator.record): less evidence per round
             # than a chain's, so the window holds TREE_WINDOW_FACTOR times as many rounds.
             window_rounds=self.breaker.window_rounds * (TREE_WINDOW_FACTOR if trees else 1),

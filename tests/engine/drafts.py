@@ -12,6 +12,7 @@ from server.engine.costs import PassCosts
 from server.engine.draft import Proposal
 from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
+from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
@@ -119,7 +120,8 @@ def start(
     ignore_eos: bool = False,
     breaker: BreakerSettings | None = None,
     clock: Callable[[], float] = time.monotonic,
-    costs: PassCosts | None = None,
+    costs: PassCosts | LiveCosts | None = None,
+    timer: Callable[[], float] = time.perf_counter,
     recycled: RecycledPredictions | None = None,
     tree_budget: int = 1,
 ) -> tuple[SpeculativeEngine, Generation]:
@@ -132,6 +134,7 @@ def start(
         breaker,
         clock=clock,
         costs=costs,
+        timer=timer,
         recycled=recycled,
         context=ContextSettings(tree_budget=tree_budget),
     )

@@ -63,6 +63,7 @@ def base_settings(tiny_model_dir: Path, tiny_draft_path: Path) -> Settings:
         max_new_tokens_limit=400,
         default_max_new_tokens=32,
         grace_period_s=5.0,
+        calibration_cache="none",
     )
 
 

@@ -1,0 +1,158 @@
+"""Pass costs that follow the machine: start-up's table, corrected by the timing of every pass.
+
+Start-up calibration (`costs.calibrate`) is a first estimate. Taken while another process was
+busy, it measured a step 6x too slow and a 7-token pass 2.4 steps instead of 1.1; kept for the
+process's life, those numbers set the breaker's threshold to 0.45 and cut almost every draft.
+Here every verify pass updates the bucket it falls in:
+
+- Bucket: one of the calibrated (rows, tokens) shapes. A pass of other tokens counts for the
+  nearest measured token count of its row count, scaled by the table's own ratio between the
+  two; passes with rows the table has no entry for, or with prompt tokens in them, are not used.
+- Update: a decayed average in log space of the median of the bucket's last three samples,
+  est *= clamp(median / est, 1/DAMP, DAMP) ** DECAY. One outlier (a page fault, a neighbour's
+  burst) does not move the median; a lasting change moves it from the second sample on, and
+  a change of 6x is followed within about five passes of that shape.
+- Exploration: widths the draft choice avoids are never measured, so a bucket priced too high
+  would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count (not
+  seen for STALE_PASSES passes, or for EXPLORE_EVERY while its last sample disagreed with it by
+  more than UNSETTLED) is asked for: the batch pads the pass to that many tokens (padding is
+  scored, never read) or verifies only as many drafts. Its price is a wider pass now and then.
+- The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
+  costs, so requests judge acceptance against what a pass costs now.
+
+Driven from the engine thread only (the batch's), like the batch itself.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+
+from server.engine.costs import PassCosts, lowest_break_even
+
+DECAY = 0.5  # weight of a new sample, in log space
+DAMP = 4.0  # a sample counts as at most this many times above or below the estimate
+RECENT = 3  # samples per bucket the median is taken over
+EXPLORE_EVERY = 8  # passes between two explorations, at most
+STALE_PASSES = 512  # a bucket not seen for this many passes is measured again
+UNSETTLED = 1.25  # a bucket whose last sample was off by more than this is re-measured soon
+
+
+class LiveCosts:
+    """PassCosts whose seconds follow the timings of real passes (see the module docstring)."""
+
+    def __init__(
+        self,
+        seconds: Mapping[tuple[int, int], float],
+        *,
+        fixed_threshold: float | None = None,
+        explore: bool = True,
+    ) -> None:
+        self.table = PassCosts(dict(seconds))
+        self.passes = 0  # passes observed (explorations included)
+        self.explorations = 0
+        self._explore = explore
+        self._fixed_threshold = fixed_threshold
+        self._seen = dict.fromkeys(self.table.seconds, 0)  # bucket -> pass count when last seen
+        self._recent: dict[tuple[int, int], deque[float]] = {
+            bucket: deque([s] * (RECENT - 1), maxlen=RECENT) for bucket, s in seconds.items()
+        }
+        self._unsettled: set[tuple[int, int]] = set()
+        self._threshold: float | None = None
+        self._tokens_by_rows: dict[int, list[int]] = {}
+        for rows, tokens in self.table.seconds:
+            self._tokens_by_rows.setdefault(rows, []).append(tokens)
+        for counts in self._tokens_by_rows.values():
+            counts.sort()
+
+    # -- PassCosts' interface, for the batch's draft choice --------------------------------
+
+    def cost(self, rows: int, tokens: int) -> float:
+        return self.table.cost(rows, tokens)
+
+    def pass_tokens(self, tokens: int, limit: int) -> int:
+        return self.table.pass_tokens(tokens, limit)
+
+    # -- learning ------------------------------------------------------------------------
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verify pass of `rows` rows and `tokens` tokens in all took `seconds`."""
+        self.passes += 1
+        bucket = self._bucket(rows, tokens)
+        if bucket is None or not math.isfinite(seconds) or seconds <= 0:
+            return
+        # The sample, moved to the bucket's shape by the table's own ratio between the two.
+        sample = seconds * self.table.cost(*bucket) / self.table.cost(rows, tokens)
+        recent = self._recent[bucket]
+        recent.append(sample)
+        estimate = self.table.seconds[bucket]
+        ratio = min(max(statistics.median(recent) / estimate, 1 / DAMP), DAMP)
+        self.table.seconds[bucket] = estimate * ratio**DECAY
+        self._seen[bucket] = self.passes
+        # A sample that disagrees (an outlier, or the first of a change) is checked again soon.
+        if max(sample / estimate, estimate / sample) > UNSETTLED:
+            self._unsettled.add(bucket)
+        else:
+            self._unsettled.discard(bucket)
+        if bucket[0] == 1:
+            self._threshold = None  # one row's costs set the breaker's threshold
+
+    def explore(self, rows: int) -> int | None:
+        """Tokens this pass of `rows` rows should have, to measure a stale bucket; None: as
+        the draft choice decides. Asked once per pass, before the drafts are cut."""
+        if not self._explore or self.passes % EXPLORE_EVERY or rows not in self._tokens_by_rows:
+            return None
+        age = {
+            (rows, tokens): self.passes - self._seen[rows, tokens]
+            for tokens in self._tokens_by_rows[rows]
+        }
+        due = [
+            bucket
+            for bucket, passes in age.items()
+            if passes >= STALE_PASSES or (bucket in self._unsettled and passes >= EXPLORE_EVERY)
+        ]
+        if not due:
+            return None
+        self.explorations += 1
+        return max(due, key=lambda bucket: (age[bucket], -bucket[1]))[1]
+
+    def threshold(self) -> float:
+        """The breaker's threshold: fixed if the operator set one, else the lowest break-even
+        acceptance over one row's draft lengths at today's costs."""
+        if self._fixed_threshold is not None:
+            return self._fixed_threshold
+        if self._threshold is None:
+            one_row = {t: s for (r, t), s in self.table.seconds.items() if r == 1}
+            self._threshold = lowest_break_even(
+                {t: one_row[t] for t in sorted(one_row) if t <= _calibrated_width(one_row)}
+            )
+        return self._threshold
+
+    def summary(self) -> dict[str, object]:
+        """For the log: one step's cost, every one-row width in steps, the threshold."""
+        step = self.table.seconds.get((1, 1))
+        one_row = sorted((t, s) for (r, t), s in self.table.seconds.items() if r == 1)
+        return {
+            "passes": self.passes,
+            "explorations": self.explorations,
+            "step_ms": round(step * 1000, 2) if step else None,
+            "steps": {t: round(s / step, 2) for t, s in one_row} if step else {},
+            "threshold": round(self.threshold(), 3),
+        }
+
+    def _bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        counts = self._tokens_by_rows.get(rows)
+        if not counts:
+            return None
+        return rows, min(counts, key=lambda t: (abs(t - tokens), t))
+
+
+def _calibrated_width(one_row: Mapping[int, float]) -> int:
+    """The widest of the contiguous widths 1, 2, ..., k + 1 (those the threshold is judged
+    over; wider measured widths, for long chains and trees, are not contiguous)."""
+    width = 1
+    while width + 1 in one_row:
+        width += 1
+    return width

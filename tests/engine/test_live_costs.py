@@ -1,0 +1,126 @@
+"""Pass costs that follow the machine: buckets updated by real passes, outliers damped, stale
+shapes measured again, the breaker's threshold and the batch's draft choice following them."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine import live_costs
+from server.engine.costs import Calibration, lowest_break_even
+from server.engine.live_costs import LiveCosts
+from server.engine.target import TargetModel
+from tests.engine.drafts import OracleDraft, Solo, reference_greedy, start
+
+# One row's passes of 1..7 tokens and of 12 and 17; two rows' of 2..14.
+QUIET = {(1, t): 0.020 * (1 + 0.02 * (t - 1)) for t in (*range(1, 8), 12, 17)}
+QUIET |= {(2, 2 * t): 0.024 * (1 + 0.02 * (t - 1)) for t in range(1, 8)}
+
+
+def loaded(factor: float, wide: float) -> dict[tuple[int, int], float]:
+    """QUIET with every pass `factor` slower and each token past the first `wide` times more."""
+    return {(r, t): s * factor * (1 + (wide - 1) * (t - r) / t) for (r, t), s in QUIET.items()}
+
+
+def test_a_pass_moves_its_bucket_by_a_decayed_step_and_an_outlier_does_not() -> None:
+    costs = LiveCosts(QUIET, explore=False)
+    costs.observe(1, 4, 100.0)  # a page fault, a neighbour's burst: not the median of three
+    assert costs.table.seconds[1, 4] == QUIET[1, 4]
+    costs.observe(1, 4, QUIET[1, 4] / 2)
+    costs.observe(1, 4, QUIET[1, 4] / 2)  # the median of (100, 1/2, 1/2): half the estimate
+    assert costs.table.seconds[1, 4] == pytest.approx(QUIET[1, 4] * 0.5**live_costs.DECAY)
+    costs = LiveCosts(QUIET, explore=False)
+    for _ in range(2):
+        costs.observe(1, 4, 100.0)  # lasting: a step of at most DAMP ** DECAY per pass
+    assert costs.table.seconds[1, 4] == pytest.approx(
+        QUIET[1, 4] * live_costs.DAMP**live_costs.DECAY
+    )
+    assert costs.table.seconds[1, 1] == QUIET[1, 1]  # other buckets untouched
+    before = dict(costs.table.seconds)
+    costs.observe(1, 4, float("nan"))
+    costs.observe(3, 3, 1.0)  # no bucket has three rows: not used
+    assert costs.table.seconds == before
+
+
+def test_a_lasting_change_is_followed_and_unmeasured_shapes_map_to_the_nearest() -> None:
+    costs = LiveCosts(QUIET, explore=False)
+    for _ in range(40):
+        costs.observe(1, 10, 0.2)  # 10 tokens: counted at 12, scaled by the table's ratio
+    assert costs.cost(1, 10) == pytest.approx(0.2, rel=0.01)  # the table now predicts it
+    assert costs.table.seconds[1, 7] == QUIET[1, 7]  # and only 12 moved
+    assert costs.table.seconds[1, 12] > 0.2
+
+
+def test_the_threshold_follows_one_rows_costs() -> None:
+    """Calibrated under load (wide passes 2.4 steps), then quiet: the threshold comes down."""
+    start = loaded(6.0, 2.4)
+    costs = LiveCosts(start, explore=False)
+    high = costs.threshold()
+    assert high == pytest.approx(Calibration.from_pass_seconds(6, start).threshold)
+    assert high > 0.3
+    for _ in range(40):
+        for tokens in range(1, 8):
+            costs.observe(1, tokens, QUIET[1, tokens])
+    assert costs.threshold() == pytest.approx(
+        lowest_break_even({t: QUIET[1, t] for t in range(1, 8)}), abs=0.01
+    )
+    assert costs.threshold() < 0.1
+    assert LiveCosts(start, fixed_threshold=0.25).threshold() == 0.25
+
+
+def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
+    costs = LiveCosts(QUIET)
+    asked = []
+    for _ in range(live_costs.STALE_PASSES + 4 * live_costs.EXPLORE_EVERY):
+        tokens = costs.explore(1)
+        asked.append(tokens)
+        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])  # otherwise one-token steps
+    explored = [t for t in asked if t is not None]
+    # Nothing before a bucket goes stale; then the stalest, narrowest first, one per
+    # EXPLORE_EVERY passes (one-token steps are never stale here: every other pass is one).
+    assert asked.index(explored[0]) >= live_costs.STALE_PASSES - live_costs.EXPLORE_EVERY
+    assert explored[:4] == [2, 3, 4, 5]
+    # A bucket whose sample disagreed is asked for again after EXPLORE_EVERY passes.
+    costs = LiveCosts(QUIET)
+    costs.observe(1, 7, QUIET[1, 7] * 3)
+    for _ in range(2 * live_costs.EXPLORE_EVERY - 1):
+        assert costs.explore(1) is None
+        costs.observe(1, 1, QUIET[1, 1])
+    assert costs.explore(1) == 7
+
+
+def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeypatch) -> None:
+    """An always-right draft, passes timed by a fake timer: while wide passes cost about one
+    step the batch verifies drafts; once they cost far more, it decodes one token a pass."""
+    prompt = tiny_target.encode_prompt("The quick brown fox")
+    expected = reference_greedy(tiny_target, prompt, 300)
+    clock = {"now": 0.0, "per_token": 0.0}
+    live = LiveCosts(QUIET, explore=False)
+    engine, generation = start(
+        tiny_target,
+        OracleDraft(expected),
+        prompt,
+        max_new_tokens=300,
+        k=6,
+        costs=live,
+        timer=lambda: clock["now"],
+    )
+    forward = TargetModel.forward
+
+    def timed_forward(self, cache, lengths, rows, **options):
+        tokens = max(sum(len(row) for row in rows), options.get("min_tokens", 0))
+        clock["now"] += 0.020 + clock["per_token"] * (tokens - 1)
+        return forward(self, cache, lengths, rows, **options)
+
+    monkeypatch.setattr(TargetModel, "forward", timed_forward)
+    widths, tokens = [], []
+    for round_ in Solo(engine, generation):
+        widths.append(round_.drafted)
+        tokens += round_.token_ids
+        if len(tokens) >= 24 and clock["per_token"] == 0:
+            switched = len(widths)
+            clock["per_token"] = 0.2  # a 7-token pass now costs 61 steps
+    assert tokens == expected  # exact whatever the choice
+    before, after = widths[:switched], widths[switched:]
+    assert min(before[1:]) >= 5  # drafts nearly free: the oracle's are verified
+    assert after[-50:] == [0] * 50  # wide passes priced at today's cost: none
+    assert live.threshold() > 0.9
