@@ -228,6 +228,12 @@ def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: f
         cost_ratio=round(result.cost_ratio, 3),
         break_even_acceptance=round(result.threshold, 3),
         padded_widths=result.widths,
+        # One row's passes of 1 .. k + 1 tokens, in steps (as the live pass_costs lines).
+        steps={
+            tokens: round(seconds / result.step_seconds, 2)
+            for (rows_, tokens), seconds in sorted(result.pass_seconds.items())
+            if rows_ == 1 and tokens <= k + 1
+        },
         # Passes wider than k + 1 (long chains, token trees), in steps: {tokens: cost ratio}.
         wide_steps={
             tokens: round(seconds / result.step_seconds, 2)
