@@ -84,7 +84,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         batching=batching,
         costs=costs,
         events=events,
-        suffix=_load_suffix_index(settings),
+        suffix=_load_suffix_index(settings, target.vocab_size),
         recycled=(
             RecycledPredictions(target.vocab_size)
             if settings.recycled_predictions and settings.draft_context
@@ -121,13 +121,14 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
     )
 
 
-def _load_suffix_index(settings: Settings) -> SuffixIndex | None:
+def _load_suffix_index(settings: Settings, vocab_size: int) -> SuffixIndex | None:
     """The global index of past answers, seeded from the draft folder's corpus if it has one."""
     if not (settings.suffix_index and settings.draft_context):
         return None
     started = time.perf_counter()
     index, corpus = SuffixIndex.for_draft(
         Path(settings.draft) if settings.has_draft else None,
+        vocab_size,
         max_tokens=settings.suffix_index_tokens,
         max_match=settings.suffix_max_match,
     )

@@ -148,22 +148,54 @@ class SuffixIndex:
         return best, found
 
     @classmethod
-    def for_draft(cls, draft: Path | None, **options: float) -> tuple[SuffixIndex, Path | None]:
+    def for_draft(
+        cls, draft: Path | None, vocab_size: int | None = None, **options: float
+    ) -> tuple[SuffixIndex, Path | None]:
         """An index seeded with the draft folder's SUFFIX_CORPUS if it has one, else empty;
         and the corpus it was seeded from (None: none)."""
         corpus = draft / SUFFIX_CORPUS if draft is not None else None
         if corpus is not None and corpus.is_file():
-            return cls.from_corpus(corpus, **options), corpus
+            return cls.from_corpus(corpus, vocab_size, **options), corpus
         return cls(**options), None
 
     @classmethod
-    def from_corpus(cls, path: Path, **options: float) -> SuffixIndex:
-        """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped)."""
+    def from_corpus(
+        cls, path: Path, vocab_size: int | None = None, **options: float
+    ) -> SuffixIndex:
+        """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped).
+
+        Raises CorpusError, naming the file and line, for a file that is not such a corpus
+        (damaged, truncated, not gzip) or holds ids outside [0, vocab_size): a corpus of
+        another tokenizer, whose drafts would all be wrong.
+        """
         index = cls(**options)
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as lines:
-            index.add_all([int(token) for token in line.split()] for line in lines if line.strip())
+        number = 0
+        try:
+            with opener(path, "rt", encoding="ascii") as lines:
+                for line in lines:
+                    number += 1
+                    if line.strip():
+                        index.add(_corpus_line(line, vocab_size))
+        except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:
+            where = f"line {number}: " if number else ""
+            raise CorpusError(
+                f"suffix-index corpus {path} is unusable ({where}{error}); rebuild it with "
+                "draft_tools, remove it, or start with --no-suffix-index"
+            ) from error
         return index
+
+
+class CorpusError(ValueError):
+    """A suffix-index corpus that cannot be used (the message names the file)."""
+
+
+def _corpus_line(line: str, vocab_size: int | None) -> list[int]:
+    ids = [int(token) for token in line.split()]
+    if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise ValueError(f"token id {bad} is outside the target's vocabulary of {vocab_size}")
+    return ids
 
 
 def _vote(candidates: list[tuple[array, int]], k: int, min_probability: float) -> list[int]:

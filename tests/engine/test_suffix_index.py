@@ -8,10 +8,12 @@ import gzip
 import pytest
 
 from kenspec_api.outputs import BreakerState
+from server import runtime
 from server.engine.context_draft import ContextDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import SuffixIndex
+from server.engine.suffix_index import CorpusError, SuffixIndex
+from server.settings import Settings
 from tests.engine.drafts import generate
 
 
@@ -150,3 +152,25 @@ def test_a_chain_stops_where_its_path_probability_falls_below_the_minimum() -> N
         index = SuffixIndex(min_probability=minimum)
         index.add_all(answers)
         assert index.propose([5, 6], 3) == (expected, 2), minimum
+
+
+@pytest.mark.parametrize(
+    ("content", "names"),
+    [
+        (b"10 11 12\n", "Not a gzipped file"),  # a plain file named .gz
+        (gzip.compress(b"10 11 12 13\n20 21 22 23\n")[:-12], "line"),  # truncated
+        (gzip.compress(b"10 11 12 13\n20 x 22\n"), "line 2"),
+        (gzip.compress(b"10 11 12 13\n20 21 99999\n"), "line 2: token id 99999 is outside"),
+        (gzip.compress(b"10 -3 12\n"), "token id -3"),
+    ],
+)
+def test_an_unusable_corpus_is_refused_naming_the_file(tmp_path, content, names) -> None:
+    corpus = tmp_path / "corpus.ids.gz"
+    corpus.write_bytes(content)
+    with pytest.raises(CorpusError) as error:
+        SuffixIndex.from_corpus(corpus, vocab_size=1000)
+    assert str(corpus) in str(error.value) and names in str(error.value)
+    # The server refuses to start with it, with the same message (python -m server exits 1).
+    settings = Settings(draft=str(tmp_path), draft_context=True, suffix_index=True)
+    with pytest.raises(CorpusError, match=r"corpus\.ids\.gz"):
+        runtime._load_suffix_index(settings, vocab_size=1000)
