@@ -325,8 +325,14 @@ def judge(result: SoakResult, options: SoakOptions) -> tuple[list[str], list[str
     if exhausted:
         hinted = sum(c.retry_hint is not None for c in exhausted)
         findings.append(f"RESOURCE_EXHAUSTED with retry metadata: {hinted} of {len(exhausted)}")
-    for event, count in sorted(result.server.get("log_problems", {}).items()):
-        findings.append(f"server log: {count} x {event}")
+    # The server's own view (when the soak holds its log): an error it logged is a failure even
+    # where the client saw an allowed code (e.g. INTERNAL logged for a call the client cancelled).
+    for level, events in sorted(result.server.get("log_problems", {}).items()):
+        for event, count in sorted(events.items()):
+            line = f"server log: {count} x {level} {event}"
+            (findings if level == "warning" else failures).append(line)
+    if result.server.get("returncode") not in (None, 0):
+        failures.append(f"the server exited {result.server['returncode']} after SIGTERM, not 0")
     return failures, findings
 
 
@@ -405,6 +411,13 @@ def summary_markdown(result: SoakResult) -> str:
     for title, items in (("Failures", result.failures), ("Findings", result.findings)):
         if items:
             lines += ["", f"## {title}", "", *(f"- {item}" for item in items)]
+    problems = server.get("log_problem_events") or []
+    if problems:
+        lines += ["", "## Server log, warnings and errors (the first 5)", ""]
+        for event in problems[:5]:
+            exception = str(event.get("exception", "")).strip().splitlines()
+            tail = f": {exception[-1]}" if exception else ""
+            lines.append(f"- {event.get('level')} {event.get('event')}{tail}")
     return "\n".join(lines) + "\n"
 
 
@@ -457,15 +470,18 @@ def _flag(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def _read_proc(pid: int) -> tuple[float, int] | None:
-    """(VmRSS in MB, open descriptors) of a process; None once it is gone."""
+def _read_proc(pid: int) -> tuple[float, int, float] | None:
+    """(VmRSS in MB, open descriptors, CPU seconds used) of a process; None once it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
-    return rss_kb / 1024, fds
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return rss_kb / 1024, fds, cpu_s
 
 
 class Soak:
@@ -725,6 +741,8 @@ class Soak:
                 "mix_s": None if mix_s is None else round(mix_s, 3),
                 "rss_mb": round(reading[0], 2),
                 "fds": reading[1],
+                "cpu_s": round(reading[2], 2),  # the server's CPU time: against load1, contention
+                "load1": os.getloadavg()[0],
             }
         )
 
@@ -832,28 +850,26 @@ def build_pool(options: SoakOptions) -> list[Item]:
     ]
 
 
-def _log_problems(events: Sequence[dict]) -> dict[str, int]:
-    return dict(
-        Counter(
-            str(e.get("event"))
-            for e in events
-            if e.get("level") in ("warning", "error", "critical", "exception")
-        )
-    )
+def _log_problems(events: Sequence[dict]) -> list[dict]:
+    """The server's log events at warning level and above."""
+    return [e for e in events if e.get("level") in ("warning", "error", "critical", "exception")]
 
 
-def run(options: SoakOptions) -> SoakResult:
-    """The whole soak: start or attach to a server, references, the mix; judged."""
+def run(options: SoakOptions, process: ServerProcess | None = None) -> SoakResult:
+    """The whole soak: start a server (or use `process`, which the caller stops, or attach to
+    options.address), references, the mix; judged. The server's log is judged too when the soak
+    holds it (a server it started, or `process`)."""
     if set(options.weights) - set(DEFAULT_WEIGHTS):
         raise ValueError(f"unknown kinds in weights: {set(options.weights) - set(DEFAULT_WEIGHTS)}")
     if options.speculation not in ("auto", "off"):
         raise ValueError("speculation must be auto or off")
     server_args = list(options.server_args)
-    process: ServerProcess | None = None
-    if options.address is None:
+    owned = process is None and options.address is None
+    if owned:
         if _flag(server_args, "--dtype") is None:
             server_args += ["--dtype", "float32"]
         process = ServerProcess(server_args)
+    if process is not None:
         address, pid = process.address, process.process.pid
     else:
         address, pid = options.address, options.pid
@@ -874,13 +890,13 @@ def run(options: SoakOptions) -> SoakResult:
     try:
         asyncio.run(soak.run())
     finally:
-        if process is not None:
+        if owned:
             process.stop()
     info = soak.info
     server = {
         "address": address,
         "pid": pid,
-        "args": server_args if process is not None else None,
+        "args": server_args if owned else None,
         "model": info.model,
         "draft": info.draft,
         "dtype": info.dtype,
@@ -892,9 +908,18 @@ def run(options: SoakOptions) -> SoakResult:
         "pool": len(soak.pool),
         "exited": soak.exited,
     }
-    if process is not None:
+    if owned:
         server["returncode"] = process.process.returncode
-        server["log_problems"] = _log_problems(process.events)
+    if process is not None:
+        problems = _log_problems(process.events)
+        by_level: dict[str, Counter] = defaultdict(Counter)
+        for event in problems:
+            by_level[str(event.get("level"))][str(event.get("event"))] += 1
+        server["log_problems"] = {level: dict(events) for level, events in by_level.items()}
+        server["log_problem_events"] = [
+            {k: v[-3000:] if isinstance(v, str) else v for k, v in e.items()}
+            for e in problems[:100]
+        ]
     latency = [1000 * s for s in soak.health_latency]
     result = SoakResult(
         options={**asdict(options), "prompts": str(options.prompts), "warmup_s": warmup},

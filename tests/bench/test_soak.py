@@ -105,6 +105,11 @@ def test_judge_fails_on_a_status_a_kind_must_never_get() -> None:
     mismatch = [{"kind": "normal", "prompt": 0, "text": "x", "position": 3}]
     assert soak.judge(_result(good, mismatches=mismatch), options)[0]
     assert soak.judge(_result(good, bursts=[{"resource_exhausted": 0}]), options)[0]
+    # The server's log, when the soak holds it: its errors fail the run, warnings are findings.
+    logged = {"log_problems": {"error": {"generate_failed": 2}, "warning": {"draft_slow": 1}}}
+    failures, findings = soak.judge(_result(good, server=logged), options)
+    assert failures == ["server log: 2 x error generate_failed"]
+    assert "server log: 1 x warning draft_slow" in findings
 
 
 def test_first_difference_of_finished_and_cut_streams() -> None:
