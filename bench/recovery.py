@@ -1,7 +1,8 @@
 """`python -m bench.recovery`: a server started under load, then left quiet, finds its way back.
 
 1. Quiet: a server starts on an idle machine; its `calibrated` line is the reference, and it
-   serves the prompts once (greedy, speculation on): tokens per round and tokens/s per prompt.
+   serves the prompts --passes times over (greedy, speculation on): tokens per round and
+   tokens/s per prompt; its live costs at shutdown are the reference.
 2. Loaded: --burners busy processes spin on the CPU while a second server starts (its
    calibration measures a loaded machine), then they stop, and the server serves the prompts
    --passes times over. Its `pass_costs` log lines (engine.live_costs: the live one-row costs
@@ -63,6 +64,15 @@ def recovered_at(
     return found
 
 
+def serve_passes(address: str, prompts: Sequence[str], args: argparse.Namespace) -> list[dict]:
+    """The prompts, --passes times over (the suffix index learns them: both servers alike)."""
+    passes = []
+    for _ in range(args.passes):
+        runs = asyncio.run(serve_prompts(address, prompts, args.max_new_tokens))
+        passes.append({"runs": runs, **_summary(runs)})
+    return passes
+
+
 def _summary(runs: Sequence[dict]) -> dict:
     return {
         "tokens_per_round_median": round(statistics.median(r["tokens_per_round"] for r in runs), 3),
@@ -92,21 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = ServerProcess(args.server_args)
     try:
         result["quiet_calibrated"] = server.logged("calibrated")
-        quiet_runs = asyncio.run(serve_prompts(server.address, prompts, args.max_new_tokens))
-        quiet_lines = [e for e in server.events if e.get("event") == "pass_costs"]
+        quiet_passes = serve_passes(server.address, prompts, args)
     finally:
         server.stop()
-    # The quiet reference: its live costs after serving (start-up's, corrected by its passes).
-    calibrated = result["quiet_calibrated"]
-    quiet = (
-        quiet_lines[-1]
-        if quiet_lines
-        else {
-            "threshold": calibrated["break_even_acceptance"],
-            "steps": calibrated["steps"],
-        }
-    )
-    result["quiet"] = {"runs": quiet_runs, **_summary(quiet_runs), "pass_costs": quiet_lines}
+    quiet_lines = [e for e in server.events if e.get("event") == "pass_costs"]
+    quiet = quiet_lines[-1]  # its live costs at shutdown: start-up's, corrected by its passes
+    result["quiet"] = {"passes": quiet_passes, "pass_costs": quiet_lines}
 
     burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(args.burners)]
     started = time.monotonic()
@@ -120,13 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_from = time.time()
     try:
         result["loaded_calibrated"] = server.logged("calibrated")
-        passes = []
-        for _ in range(args.passes):
-            runs = asyncio.run(serve_prompts(server.address, prompts, args.max_new_tokens))
-            passes.append({"runs": runs, **_summary(runs)})
-        lines = [e for e in server.events if e.get("event") == "pass_costs"]
+        passes = serve_passes(server.address, prompts, args)
     finally:
         server.stop()
+    lines = [e for e in server.events if e.get("event") == "pass_costs"]
     back = recovered_at(lines, quiet, args.threshold_tolerance, args.steps_tolerance)
     result["loaded"] = {
         "ready_s": round(ready_s, 1),
@@ -137,22 +135,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(
-        json.dumps(
-            {
-                "quiet_calibrated": _brief(result["quiet_calibrated"]),
-                "loaded_calibrated": _brief(result["loaded_calibrated"]),
-                "quiet_live": quiet,
-                "quiet": _summary(quiet_runs),
-                "loaded_passes": [_summary(p["runs"]) for p in passes],
-                "recovered_at_pass": back["passes"] if back else None,
-                "recovered_after_s": result["loaded"]["recovered_after_s"],
-                "loaded_ready_s": result["loaded"]["ready_s"],
-            },
-            indent=1,
-        )
-    )
+    brief = {
+        "quiet_calibrated": _brief(result["quiet_calibrated"]),
+        "loaded_calibrated": _brief(result["loaded_calibrated"]),
+        "loaded_ready_s": result["loaded"]["ready_s"],
+        "quiet_live_at_shutdown": _live(quiet),
+        "loaded_live_at_shutdown": _live(lines[-1]),
+        "quiet_passes": [_summary(p["runs"]) for p in quiet_passes],
+        "loaded_passes": [_summary(p["runs"]) for p in passes],
+        "recovered_at_pass": back["passes"] if back else None,
+        "recovered_after_s": result["loaded"]["recovered_after_s"],
+        "loaded_lines": [_live(line) for line in lines],
+    }
+    print(json.dumps(brief, indent=1))
     return 0
+
+
+def _live(line: dict) -> dict:
+    keys = ("passes", "explorations", "step_ms", "steps", "threshold")
+    return {key: line.get(key) for key in keys}
 
 
 def _brief(calibrated: dict | None) -> dict | None:

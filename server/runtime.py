@@ -203,6 +203,7 @@ def _breaker_and_pass_costs(
     live = LiveCosts(result.pass_seconds, fixed_threshold=fixed)
 
     def save() -> None:  # on the engine thread's last call, or after it stopped
+        log.info("pass_costs", final=True, **live.summary())
         if live.passes >= SAVE_AFTER_PASSES:
             calibration_cache.store(
                 settings.calibration_cache, key, dict(live.table.seconds), source="live"

@@ -73,6 +73,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             except asyncio.CancelledError:
                 record.code = grpc.StatusCode.CANCELLED  # the client left
                 raise
+            except ClientGone:
+                record.code = grpc.StatusCode.CANCELLED  # left while a message was being sent
             except Exception as error:
                 code, message = status_of(error, request_id)
                 record.code = code
@@ -91,6 +93,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         except TimeoutError:
             self.metrics.stalled_streams.inc()
             raise StreamStalled(self.stall_timeout_s) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            # gRPC fails a write to a call that ended while it was being sent: the client
+            # cancelled, or its deadline passed. Nobody is left to tell; not a server fault.
+            # (Logged as a warning if the call does not say it ended: then it is unexplained.)
+            ended = context.cancelled() or context.done()
+            (log.debug if ended else log.warning)("write_failed", error=repr(error))
+            raise ClientGone from error
 
     async def _generate(
         self, runtime: Runtime, request: pb.GenerateRequest, request_id: str, record: RequestRecord
@@ -193,6 +204,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             return target.encode_chat(messages or ())
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
+
+
+class ClientGone(Exception):
+    """A message could not be written: the call ended on the client's side."""
 
 
 class StreamStalled(Exception):

@@ -224,18 +224,14 @@ class Batch:
         return logits
 
     def _log_costs(self) -> None:
-        """Log the live costs when the threshold or a step has moved noticeably since last time."""
+        """Log the live costs (every 64 passes at most) when they moved since the last line."""
         assert self._live is not None
-        if self._live.passes % 64:
-            return
-        now, last = self._live.summary(), self._logged_costs
-        if last and (
-            abs(now["threshold"] - last["threshold"]) < 0.02  # type: ignore[operator]
-            and abs(now["step_ms"] / last["step_ms"] - 1) < 0.1  # type: ignore[operator]
+        if self._live.passes % 64 or (
+            self._logged_costs and not self._live.moved(self._logged_costs)
         ):
             return
-        self._logged_costs = now
-        log.info("pass_costs", **now)
+        self._logged_costs = self._live.summary()
+        log.info("pass_costs", **self._logged_costs)
 
     def _complete(self, results: list[tuple[Entry, LogitRows | Exception]]) -> None:
         """Accept each row on its logits (or fail it), deliver, then free finished rows."""

@@ -13,9 +13,10 @@ Here every verify pass updates the bucket it falls in:
   burst) does not move the median; a lasting change moves it from the second sample on, and
   a change of 6x is followed within about five passes of that shape.
 - Exploration: widths the draft choice avoids are never measured, so a bucket priced too high
-  would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count (not
-  seen for STALE_PASSES passes, or for EXPLORE_EVERY while its last sample disagreed with it by
-  more than UNSETTLED) is asked for: the batch pads the pass to that many tokens (padding is
+  would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count is
+  asked for if it was not seen for STALE_PASSES passes, or for EXPLORE_EVERY while unsettled
+  (since any bucket's sample disagreed with its estimate by more than UNSETTLED, until its own
+  next sample agrees): the batch pads the pass to that many tokens (padding is
   scored, never read) or verifies only as many drafts. Its price is a wider pass now and then.
 - The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
   costs, so requests judge acceptance against what a pass costs now.
@@ -91,9 +92,12 @@ class LiveCosts:
         ratio = min(max(statistics.median(recent) / estimate, 1 / DAMP), DAMP)
         self.table.seconds[bucket] = estimate * ratio**DECAY
         self._seen[bucket] = self.passes
-        # A sample that disagrees (an outlier, or the first of a change) is checked again soon.
+        # A sample that disagrees (an outlier, or the first of a change) is checked again soon,
+        # and so is every other bucket: what changed one shape's cost (a neighbour's load
+        # coming or going) has likely changed all of them, and the widths the draft choice
+        # avoids would otherwise wait STALE_PASSES to be seen.
         if max(sample / estimate, estimate / sample) > UNSETTLED:
-            self._unsettled.add(bucket)
+            self._unsettled.update(self.table.seconds)
         else:
             self._unsettled.discard(bucket)
         if bucket[0] == 1:
@@ -129,6 +133,16 @@ class LiveCosts:
                 {t: one_row[t] for t in sorted(one_row) if t <= _calibrated_width(one_row)}
             )
         return self._threshold
+
+    def moved(self, before: Mapping[str, object]) -> bool:
+        """Whether the threshold moved by 0.02 or a one-row width's cost in steps by 10% since
+        `before` (an earlier summary): what the `pass_costs` log line reports."""
+        now = self.summary()
+        if abs(now["threshold"] - before["threshold"]) >= 0.02:  # type: ignore[operator]
+            return True
+        old_steps: Mapping[int, float] = before["steps"]  # type: ignore[assignment]
+        new_steps: Mapping[int, float] = now["steps"]  # type: ignore[assignment]
+        return any(abs(new_steps[t] / old_steps[t] - 1) >= 0.1 for t in old_steps if t in new_steps)
 
     def summary(self) -> dict[str, object]:
         """For the log: one step's cost, every one-row width in steps, the threshold."""

@@ -79,13 +79,17 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
     # EXPLORE_EVERY passes (one-token steps are never stale here: every other pass is one).
     assert asked.index(explored[0]) >= live_costs.STALE_PASSES - live_costs.EXPLORE_EVERY
     assert explored[:4] == [2, 3, 4, 5]
-    # A bucket whose sample disagreed is asked for again after EXPLORE_EVERY passes.
+    # A sample that disagrees (here one outlier at 7 tokens) unsettles every bucket: each is
+    # measured once more, one per EXPLORE_EVERY passes, and settles when its sample agrees.
     costs = LiveCosts(QUIET)
     costs.observe(1, 7, QUIET[1, 7] * 3)
-    for _ in range(2 * live_costs.EXPLORE_EVERY - 1):
-        assert costs.explore(1) is None
-        costs.observe(1, 1, QUIET[1, 1])
-    assert costs.explore(1) == 7
+    asked = []
+    for _ in range(20 * live_costs.EXPLORE_EVERY):
+        tokens = costs.explore(1)
+        asked.append(tokens)
+        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    assert sorted(t for t in asked if t is not None) == [2, 3, 4, 5, 6, 7, 12, 17]
+    assert asked[-8 * live_costs.EXPLORE_EVERY :] == [None] * 8 * live_costs.EXPLORE_EVERY
 
 
 def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeypatch) -> None:
