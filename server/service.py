@@ -97,10 +97,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             raise
         except Exception as error:
             # gRPC fails a write to a call that ended while it was being sent: the client
-            # cancelled, or its deadline passed. Nobody is left to tell; not a server fault.
-            # (Logged as a warning if the call does not say it ended: then it is unexplained.)
-            ended = context.cancelled() or context.done()
-            (log.debug if ended else log.warning)("write_failed", error=repr(error))
+            # cancelled, or its deadline passed (context.cancelled() does not say so yet at
+            # that point). Nobody is left to tell; not a server fault.
+            log.debug("write_failed", error=repr(error))
             raise ClientGone from error
 
     async def _generate(

@@ -33,7 +33,7 @@ def test_a_short_soak_against_the_tiny_server(tiny_server, tmp_path) -> None:
         strict_request_id=True,
     )
     try:
-        result = soak.run(options)
+        result = soak.run(options, server)  # its log is judged too: errors fail
     finally:
         server.stop()
     soak.write(result, tmp_path)
