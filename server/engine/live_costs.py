@@ -15,9 +15,10 @@ Here every verify pass updates the bucket it falls in:
 - Exploration: widths the draft choice avoids are never measured, so a bucket priced too high
   would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count is
   asked for if it was not seen for STALE_PASSES passes, or for EXPLORE_EVERY while unsettled
-  (since any bucket's sample disagreed with its estimate by more than UNSETTLED, until its own
-  next sample agrees): the batch pads the pass to that many tokens (padding is
-  scored, never read) or verifies only as many drafts. Its price is a wider pass now and then.
+  (since its own last sample was off its estimate by more than UNSETTLED, or any bucket's by
+  more than SHIFTED; until its own next sample agrees): the batch pads the pass to that many
+  tokens (padding is scored, never read) or verifies only as many drafts. Its price is a wider
+  pass now and then.
 - The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
   costs, so requests judge acceptance against what a pass costs now.
 
@@ -39,6 +40,7 @@ RECENT = 3  # samples per bucket the median is taken over
 EXPLORE_EVERY = 8  # passes between two explorations, at most
 STALE_PASSES = 512  # a bucket not seen for this many passes is measured again
 UNSETTLED = 1.25  # a bucket whose last sample was off by more than this is re-measured soon
+SHIFTED = 1.6  # a sample off by more than this has every bucket re-measured soon
 
 
 class LiveCosts:
@@ -92,12 +94,15 @@ class LiveCosts:
         ratio = min(max(statistics.median(recent) / estimate, 1 / DAMP), DAMP)
         self.table.seconds[bucket] = estimate * ratio**DECAY
         self._seen[bucket] = self.passes
-        # A sample that disagrees (an outlier, or the first of a change) is checked again soon,
-        # and so is every other bucket: what changed one shape's cost (a neighbour's load
+        # A sample that disagrees (an outlier, or the first of a change) is checked again soon;
+        # one far off unsettles every bucket: what changed one shape's cost (a neighbour's load
         # coming or going) has likely changed all of them, and the widths the draft choice
         # avoids would otherwise wait STALE_PASSES to be seen.
-        if max(sample / estimate, estimate / sample) > UNSETTLED:
+        off = max(sample / estimate, estimate / sample)
+        if off > SHIFTED:
             self._unsettled.update(self.table.seconds)
+        elif off > UNSETTLED:
+            self._unsettled.add(bucket)
         else:
             self._unsettled.discard(bucket)
         if bucket[0] == 1:

@@ -90,6 +90,14 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
         costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
     assert sorted(t for t in asked if t is not None) == [2, 3, 4, 5, 6, 7, 12, 17]
     assert asked[-8 * live_costs.EXPLORE_EVERY :] == [None] * 8 * live_costs.EXPLORE_EVERY
+    # One somewhat off (noise more than a change of machine) has only itself measured again.
+    costs.observe(1, 7, QUIET[1, 7] * 1.4)
+    asked = []
+    for _ in range(10 * live_costs.EXPLORE_EVERY):
+        tokens = costs.explore(1)
+        asked.append(tokens)
+        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    assert [t for t in asked if t is not None] == [7]
 
 
 def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeypatch) -> None:
