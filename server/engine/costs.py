@@ -104,7 +104,7 @@ def calibrate(
     k: int,
     *,
     context_tokens: int = 128,
-    repeats: int = 7,
+    repeats: int = 5,
     rows: int = 1,
     long_draft_tokens: int = 0,
 ) -> Calibration:
