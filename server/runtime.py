@@ -25,6 +25,7 @@ from server.engine.params import (
     StoppingParams,
 )
 from server.engine.recycled import RecycledPredictions
+from server.engine.slot_cache import measure_grouped, use_grouped
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
@@ -60,6 +61,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         seconds=round(time.perf_counter() - started, 2),
     )
     skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
+    _choose_attention_kernels(target)
     breaker, costs, save_costs = _breaker_and_pass_costs(settings, target, sorted(skinny_rows))
     context = ContextSettings(
         enabled=settings.draft_context,
@@ -155,6 +157,31 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
         ms={r: [round(p * 1000, 1), round(s * 1000, 1)] for r, (p, s) in timings.items()},
     )
     return set(rows)
+
+
+def _choose_attention_kernels(target: TargetModel) -> None:
+    """Passes of a few queries per row through grouped products instead of SDPA, by width and
+    from the context length where timed faster (engine.slot_cache)."""
+    config = target.model.config
+    heads = config.num_attention_heads
+    lengths = [n for n in (128, 512, 2048) if n <= target.max_context] or [target.max_context]
+    chosen, timings = measure_grouped(
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        getattr(config, "head_dim", None) or config.hidden_size // heads,
+        target.dtype,
+        target.device,
+        kv_lengths=lengths,
+    )
+    use_grouped(chosen)
+    log.info(
+        "attention_kernels",
+        grouped={str(width): length for width, length in chosen.items()},
+        ms={
+            f"{w}x{n}": [round(a * 1000, 3), round(b * 1000, 3)]
+            for (w, n), (a, b) in timings.items()
+        },
+    )
 
 
 def _breaker_and_pass_costs(

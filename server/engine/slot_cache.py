@@ -18,7 +18,10 @@ bounded by rows x max_length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -270,6 +273,156 @@ def pack(
 PACKED_ATTENTION = "kenspec_packed"
 
 
+@dataclass(slots=True)
+class AttentionKernels:
+    """Which kernel a packed pass's attention takes (set at start-up: use_grouped)."""
+
+    # (width, min_length), by width: a pass whose rows carry at most `width` queries (the
+    # narrowest such entry) over at least `min_length` positions takes grouped_attention;
+    # others, and passes wider than the widest entry (prefill chunks), take SDPA.
+    grouped: tuple[tuple[int, int], ...] = ((16, 0),)
+    # bf16/fp16 caches in grouped_attention: True, keys and values converted into float32
+    # buffers and everything in float32; False, the products in the cache's dtype, in place.
+    upcast: bool = True
+
+    def takes_grouped(self, width: int, kv_length: int) -> bool:
+        for max_width, min_length in self.grouped:
+            if width <= max_width:
+                return kv_length >= min_length
+        return False
+
+
+KERNELS = AttentionKernels()
+
+
+def use_grouped(min_lengths: Mapping[int, int]) -> None:
+    """{width: min_length}: passes of at most `width` queries per row (the narrowest such
+    entry) over at least `min_length` positions take grouped_attention, the others SDPA.
+    {16: 0}: grouped up to 16 queries per row at any length; {}: SDPA always."""
+    KERNELS.grouped = tuple(sorted((w, max(0, n)) for w, n in min_lengths.items() if w > 0))
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None = None,
+    *,
+    upcast: bool | None = None,
+) -> torch.Tensor:
+    """Attention of a few queries per row over long caches, as plain products over the cache.
+
+    query [rows, heads, width, dim]; key/value [rows, kv_heads, kv_length, dim] (the bound
+    rows' cache, views of [rows, kv_heads, capacity, dim] as SlotCache.update gives them),
+    never expanded to `heads`; mask [rows, 1, width, kv_length], additive. Returns [rows,
+    heads, width, dim] in the query's dtype, as SDPA would.
+
+    Head h uses kv head h // group (transformers' layout), so a kv head's `group` query heads
+    are consecutive: one product per (row, kv head) scores all of them, [group * width, dim] @
+    [dim, kv_length]. Scores, mask and softmax are float32.
+
+    float32 (BLAS): one batched product over (row, kv head) reads the cache in place (BLAS
+    takes strided batches), and all is float32 math.
+
+    bf16/fp16 (`upcast`, default KERNELS.upcast): the keys and values are first converted into
+    float32 buffers kept from pass to pass (the conversion is a fifth to a quarter of this
+    function's time on a CPU; new buffers would add page faults), then all is float32: exact
+    float32 scores and sums, closer to a float64 reference than SDPA's CPU kernel, which
+    rounds its probabilities to bf16. Without it, the products run on the cache in place in
+    its dtype (oneDNN on CPUs: dense operands only, so one product per (row, kv head), each
+    call costing some 20 us), and round their output: the scores to bf16 (8 bits: a score of
+    10 is off by up to 0.02, its weight by 2%; about 4x SDPA's error), the probabilities too.
+    That is faster past about 2,000 positions (twice at 4,000), slower below 1,000. No CPU
+    product in torch takes bf16 in and gives float32 out; a compensated pair of bf16 products
+    (the rounding error as a second, fused product) reads in place too, but costs as much as
+    the conversion, for less precision.
+
+    Queries are padded to 4 rows per product and the values to 384 keys (_MIN_BLOCK,
+    _MIN_KEYS): zeros, which change no result but make each query's bits independent of what
+    shares its pass.
+    """
+    dtype = query.dtype
+    if dtype in _REDUCED and (KERNELS.upcast if upcast is None else upcast):
+        query = query.float()
+        key, value = _in_float32(key, value)
+    rows, heads, width, dim = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    batch, block = rows * kv_heads, heads // kv_heads * width  # block: a kv head's queries
+    q = _at_least(query.reshape(batch, block, dim), _MIN_BLOCK)  # a small copy
+    k_t = key.reshape(batch, kv_length, dim).transpose(1, 2)  # a view of SlotCache's rows
+    v = value.reshape(batch, kv_length, dim)
+    scores = _products(q, k_t)[:, :block].float()
+    scores = scores.reshape(rows, kv_heads, -1, width, kv_length)  # [.., group, width, ..]
+    scores.mul_(dim**-0.5 if scaling is None else scaling).add_(mask[:, :, None])
+    probs = torch.softmax(scores, dim=-1).view(batch, block, kv_length).to(v.dtype)
+    if kv_length < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
+        v = F.pad(v, (0, 0, 0, _MIN_KEYS - kv_length))
+    probs = _at_least(probs, _MIN_BLOCK, _MIN_KEYS)
+    out = _products(probs, v)[:, :block]
+    return out.reshape(rows, heads, width, dim).to(dtype)
+
+
+# Batch invariance (as far as MKL's float32 products give it): a product of at least 4 rows
+# gives each row the same result whatever their number (1 to 3 take other kernels), and one
+# summing over at least 384 keys (MKL's block on AVX-512) gives the same sums whatever the
+# number of zero-weighted keys after a row's own. So queries are padded to 4 rows per
+# product and the values to 384 keys: a query's output does not depend on how many queries
+# or rows share its pass, nor on their lengths (tests/engine/test_grouped_attention).
+_MIN_BLOCK = 4
+_MIN_KEYS = 384
+
+
+def _at_least(tensor: torch.Tensor, rows: int, columns: int = 0) -> torch.Tensor:
+    """tensor [batch, n, m] with zeros appended up to `rows` rows and `columns` columns."""
+    more_rows, more_columns = rows - tensor.shape[1], columns - tensor.shape[2]
+    if more_rows <= 0 and more_columns <= 0:
+        return tensor
+    return F.pad(tensor, (0, max(0, more_columns), 0, max(0, more_rows)))
+
+
+_SCRATCH = threading.local()  # .buffers: float32 tensors that _in_float32 reuses
+
+
+def _in_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Float32 copies of `tensors`, in buffers this thread reuses: each is good until the next
+    call. A buffer grows (at least doubling) to the largest copy asked for and stays."""
+    buffers: list[torch.Tensor] = getattr(_SCRATCH, "buffers", [])
+    _SCRATCH.buffers = buffers
+    copies = []
+    for index, tensor in enumerate(tensors):
+        size = tensor.numel()
+        if index == len(buffers):
+            buffers.append(torch.empty(size, dtype=torch.float32, device=tensor.device))
+        elif buffers[index].numel() < size or buffers[index].device != tensor.device:
+            size = max(size, 2 * buffers[index].numel())
+            buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
+        copies.append(buffers[index][: tensor.numel()].view(tensor.shape).copy_(tensor))
+    return copies
+
+
+def _products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left[b] @ right[b] for each b: one batched product where the kernel reads strided
+    batches in place (BLAS for float32 and float64, CUDA), or `right` is dense. oneDNN, which
+    runs bf16/fp16 products on CPUs, copies an operand that is not dense, and a batch of cache
+    rows is not (each head's capacity lies between two heads' keys), so there each b is a
+    product of its own, over its dense [kv_length, dim] keys."""
+    if (
+        left.device.type != "cpu"
+        or left.dtype in (torch.float32, torch.float64)
+        or right.is_contiguous()
+        or right.transpose(1, 2).is_contiguous()
+    ):
+        return torch.bmm(left, right)
+    out = left.new_empty(left.shape[0], left.shape[1], right.shape[2])
+    for a, b, c in zip(left.unbind(), right.unbind(), out.unbind(), strict=True):
+        torch.mm(a, b, out=c)
+    return out
+
+
 def packed_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -282,25 +435,117 @@ def packed_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention for a packed pass: query [1, heads, tokens, dim] against the bound
-    rows' keys/values [rows, kv_heads, kv_length, dim] (SlotCache.update). Without a packing
-    (transformers' own generate on the same model) this is transformers' SDPA attention."""
+    rows' keys/values [rows, kv_heads, kv_length, dim] (SlotCache.update): grouped_attention
+    for passes KERNELS chooses it for (a few queries per row), SDPA for the others. Without a
+    packing (transformers' own generate on the same model) this is transformers' SDPA
+    attention."""
     if packing is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     rows, width = packing.slots.shape
     laid_out = query[0][:, packing.slots].transpose(0, 1)  # [rows, heads, width, dim]
-    out = F.scaled_dot_product_attention(
-        laid_out,
-        key,
-        value,
-        attn_mask=packing.mask,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    grouped = KERNELS.takes_grouped(width, key.shape[2])
+    kernel = grouped_attention if grouped else sdpa_attention
+    out = kernel(laid_out, key, value, packing.mask, scaling)
     heads, dim = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(rows * width, heads, dim)
     return out[packing.tokens][None], None  # [1, tokens, heads, dim]
+
+
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """The SDPA path of a packed pass, with grouped_attention's arguments and result."""
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+
+
+@torch.inference_mode()
+def measure_grouped(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    widths: Sequence[int] = (1, 4, 8, 16, 32),
+    kv_lengths: Sequence[int] = (128, 512, 2048),
+    repeats: int = 5,
+    calls: int = 4,
+) -> tuple[dict[int, int], dict[tuple[int, int], tuple[float, float]]]:
+    """Where grouped_attention ran no slower than SDPA: ({width: min_length} for use_grouped,
+    {(width, length): (SDPA seconds, grouped seconds)}).
+
+    One row of each width over a cache of each length (random keys and values, views of a
+    cache twice as long, as SlotCache gives them), causal mask; each sample times `calls`
+    calls, the kernels alternating; medians of `repeats` after a warm-up. See choose_grouped.
+    """
+    device = torch.device(device)
+    kernels = (sdpa_attention, grouped_attention)
+    timings: dict[tuple[int, int], tuple[float, float]] = {}
+    for width in widths:
+        for kv_length in kv_lengths:
+            shape = (1, kv_heads, 2 * kv_length, head_dim)
+            inputs = (
+                torch.randn(1, heads, width, head_dim, dtype=dtype, device=device),
+                torch.randn(shape, dtype=dtype, device=device)[:, :, :kv_length],
+                torch.randn(shape, dtype=dtype, device=device)[:, :, :kv_length],
+                attention_mask(
+                    torch.arange(kv_length - width, kv_length, device=device)[None],
+                    kv_length,
+                    dtype,
+                ),
+            )
+            samples: list[list[float]] = [[], []]
+            for repeat in range(repeats + 1):  # the first of each warms up and is dropped
+                for index in (0, 1) if repeat % 2 else (1, 0):
+                    started = time.perf_counter()
+                    for _ in range(calls):
+                        kernels[index](*inputs)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    samples[index].append((time.perf_counter() - started) / calls)
+            timings[width, kv_length] = (
+                statistics.median(samples[0][1:]),
+                statistics.median(samples[1][1:]),
+            )
+    return choose_grouped(timings), timings
+
+
+def choose_grouped(timings: Mapping[tuple[int, int], tuple[float, float]]) -> dict[int, int]:
+    """{width: min_length} (use_grouped) from {(width, length): (SDPA s, grouped s)}: the
+    widths, from the narrowest, where grouped wins at the longest length measured, each from
+    the shortest length at which it wins at that and every longer length. A width between two
+    measured takes the wider one's length; one past the last winner takes SDPA."""
+
+    def wins(width: int, length: int) -> bool:
+        sdpa_s, grouped_s = timings[width, length]
+        return grouped_s <= sdpa_s
+
+    widths = sorted({width for width, _ in timings})
+    lengths = sorted({length for _, length in timings})
+    chosen: dict[int, int] = {}
+    for width in widths:
+        if not wins(width, lengths[-1]):
+            break
+        min_length = lengths[-1]
+        for length in reversed(lengths[:-1]):
+            if not wins(width, length):
+                break
+            min_length = length
+        chosen[width] = min_length
+    return chosen
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
