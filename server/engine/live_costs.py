@@ -9,9 +9,11 @@ Here every verify pass updates the bucket it falls in:
   nearest measured token count of its row count, scaled by the table's own ratio between the
   two; passes with rows the table has no entry for, or with prompt tokens in them, are not used.
 - Update: a decayed average in log space of the median of the bucket's last three samples,
-  est *= clamp(median / est, 1/DAMP, DAMP) ** DECAY. One outlier (a page fault, a neighbour's
-  burst) does not move the median; a lasting change moves it from the second sample on, and
-  a change of 6x is followed within about five passes of that shape.
+  est *= clamp(median / est, 1/DAMP, DAMP) ** decay, decay DECAY when the median is off by more
+  than UNSETTLED, else SETTLED_DECAY. One outlier (a page fault, a neighbour's burst) does not
+  move the median; a lasting change moves it from the second sample on, and a change of 6x is
+  followed within about five passes of that shape; the noise of real passes (10-20%) is
+  averaged over about ten.
 - Exploration: widths the draft choice avoids are never measured, so a bucket priced too high
   would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count is
   asked for if it was not seen for STALE_PASSES passes, or for EXPLORE_EVERY while unsettled
@@ -34,7 +36,9 @@ from collections.abc import Mapping
 
 from server.engine.costs import PassCosts, lowest_break_even
 
-DECAY = 0.5  # weight of a new sample, in log space
+DECAY = 0.5  # weight of a new sample, in log space, when the median is off by UNSETTLED
+SETTLED_DECAY = 0.1  # and when it is nearer: real passes vary by 10-20% (the event loop,
+# the allocator), and the threshold rests on ratios of two buckets
 DAMP = 4.0  # a sample counts as at most this many times above or below the estimate
 RECENT = 3  # samples per bucket the median is taken over
 EXPLORE_EVERY = 8  # passes between two explorations, at most
@@ -92,7 +96,9 @@ class LiveCosts:
         recent.append(sample)
         estimate = self.table.seconds[bucket]
         ratio = min(max(statistics.median(recent) / estimate, 1 / DAMP), DAMP)
-        self.table.seconds[bucket] = estimate * ratio**DECAY
+        # A median near the estimate is noise to average out; one far off, a change to follow.
+        decay = DECAY if max(ratio, 1 / ratio) > UNSETTLED else SETTLED_DECAY
+        self.table.seconds[bucket] = estimate * ratio**decay
         self._seen[bucket] = self.passes
         # A sample that disagrees (an outlier, or the first of a change) is checked again soon;
         # one far off unsettles every bucket: what changed one shape's cost (a neighbour's load

@@ -35,6 +35,9 @@ def test_a_pass_moves_its_bucket_by_a_decayed_step_and_an_outlier_does_not() -> 
         QUIET[1, 4] * live_costs.DAMP**live_costs.DECAY
     )
     assert costs.table.seconds[1, 1] == QUIET[1, 1]  # other buckets untouched
+    for _ in range(2):
+        costs.observe(1, 1, QUIET[1, 1] * 1.1)  # near the estimate: noise, averaged slowly
+    assert costs.table.seconds[1, 1] == pytest.approx(QUIET[1, 1] * 1.1**live_costs.SETTLED_DECAY)
     before = dict(costs.table.seconds)
     costs.observe(1, 4, float("nan"))
     costs.observe(3, 3, 1.0)  # no bucket has three rows: not used
