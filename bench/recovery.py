@@ -8,11 +8,12 @@
    --passes times over. Its `pass_costs` log lines (engine.live_costs: the live one-row costs
    in steps and the breaker threshold, logged as they move) show when it is back.
 
-Recovered: the first `pass_costs` line from which on the live threshold is within
---threshold-tolerance of the quiet server's and every one-row width's cost in steps within
---steps-tolerance of it (relative). The report gives that line's pass count and time, and the
-loaded server's tokens per round and tokens/s on each pass over the prompts beside the quiet
-server's. Extra arguments after `--` go to both servers.
+Recovered: the first `pass_costs` line from which on the live step is within
+--steps-tolerance of the quiet server's, the threshold within --threshold-tolerance, and the
+one-row widths' costs in steps within --steps-tolerance in the median over widths. The
+report gives that line's pass count and time, and the loaded server's tokens per round and
+tokens/s on each pass over the prompts beside the quiet server's. Extra arguments after `--`
+go to both servers.
 """
 
 from __future__ import annotations
@@ -46,17 +47,22 @@ def recovered_at(
     lines: Sequence[dict], quiet: dict, threshold_tolerance: float, steps_tolerance: float
 ) -> dict | None:
     """The first pass_costs line from which on every line agrees with `quiet` (a pass_costs-
-    shaped dict: threshold, steps), or None."""
+    shaped dict): a step within steps_tolerance of its step, the threshold within
+    threshold_tolerance, and the one-row widths in steps off by at most steps_tolerance in
+    the median over widths (single buckets of either table are noisy: 10-20%)."""
 
     def agrees(line: dict) -> bool:
         if abs(line["threshold"] - quiet["threshold"]) > threshold_tolerance:
             return False
+        if abs(line["step_ms"] / quiet["step_ms"] - 1) > steps_tolerance:
+            return False
         steps, reference = line["steps"], quiet["steps"]
-        return all(
-            abs(float(steps[width]) / float(value) - 1) <= steps_tolerance
+        off = [
+            abs(float(steps[width]) / float(value) - 1)
             for width, value in reference.items()
             if width in steps and int(width) > 1
-        )
+        ]
+        return statistics.median(off) <= steps_tolerance
 
     found = None
     for line in lines:
@@ -131,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "passes": passes,
         "pass_costs": lines,
         "recovered": back,
+        "quiet_from": datetime.fromtimestamp(quiet_from).astimezone().isoformat(),
         "recovered_after_s": round(_seconds(back) - quiet_from, 1) if back else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
