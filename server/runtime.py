@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -76,7 +77,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         prefill_chunk=settings.prefill_chunk,
         prefill_chunk_alone=settings.prefill_chunk_alone,
         pad_passes=settings.pad_verify,
-        prefix_cache_bytes=settings.prefix_cache_mb << 20,
+        prefix_cache_bytes=_prefix_cache_bytes(settings.prefix_cache_mb, target),
     )
     engine = SpeculativeEngine(
         target,
@@ -142,6 +143,39 @@ def _load_suffix_index(settings: Settings, vocab_size: int) -> SuffixIndex | Non
         seconds=round(time.perf_counter() - started, 2),
     )
     return index
+
+
+# --prefix-cache-mb -1: room for this many full contexts, within this share of free memory.
+PREFIX_CACHE_CONTEXTS = 4
+PREFIX_CACHE_MEMORY_SHARE = 0.1
+
+
+def _prefix_cache_bytes(megabytes: int, target: TargetModel) -> int:
+    """The prefix cache's budget: as set, or (-1) room for PREFIX_CACHE_CONTEXTS contexts of
+    the model (a long document or system prompt must fit whole to be reused), at most a
+    PREFIX_CACHE_MEMORY_SHARE of the memory available now."""
+    if megabytes >= 0:
+        return megabytes << 20
+    wanted = PREFIX_CACHE_CONTEXTS * target.max_context * target.kv_bytes_per_position
+    budget = min(wanted, int(PREFIX_CACHE_MEMORY_SHARE * _available_memory_bytes()))
+    log.info(
+        "prefix_cache",
+        mb=budget >> 20,
+        positions=budget // target.kv_bytes_per_position,
+        kb_per_position=round(target.kv_bytes_per_position / 1024, 1),
+    )
+    return budget
+
+
+def _available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory's free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _choose_linear_kernels(target: TargetModel) -> set[int]:

@@ -68,7 +68,7 @@ class Settings:
     max_batch_size: int = 8
     prefill_chunk: int = 64
     prefill_chunk_alone: int = 512
-    prefix_cache_mb: int = 128
+    prefix_cache_mb: int = -1  # -1: sized from the model and the free memory at start-up
     max_queue: int = 32
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
@@ -154,8 +154,9 @@ _HELP = {
     "prompts are at least as many as the running streams: a lone request or a burst that fits "
     "starts in one pass; a lone longer prompt is chunked in this size",
     "prefix_cache_mb": "memory for the keys/values of recent prompts, reused by later prompts "
-    "that begin the same way (a shared system prompt, earlier turns of a conversation); 0 "
-    "disables",
+    "that begin the same way (a shared system prompt, a document, earlier turns of a "
+    "conversation); -1: room for four full contexts of the model, at most a tenth of the "
+    "memory available at start-up; 0 disables",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
@@ -211,8 +212,10 @@ def parse_settings(
         parser.error(
             f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"
         )
-    if namespace.prefix_cache_mb < 0:
-        parser.error(f"--prefix-cache-mb must be 0 or more, not {namespace.prefix_cache_mb}")
+    if namespace.prefix_cache_mb < -1:
+        parser.error(
+            f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"
+        )
     for name in (
         "max_batch_size",
         "prefill_chunk",

@@ -87,3 +87,19 @@ def test_a_restart_reads_the_costs_and_shutdown_keeps_the_live_ones(
     assert dict(((r, t), s) for r, t, s in saved["pass_seconds"])[1, 1] > measured[1, 1]
     with pytest.raises(AssertionError, match="measured again"):
         load_runtime(replace(settings, num_draft_tokens=3))  # another key: measured
+
+
+def test_the_automatic_prefix_cache_holds_four_contexts_within_a_tenth_of_memory(
+    tiny_target, monkeypatch
+) -> None:
+    per_position = tiny_target.kv_bytes_per_position
+    config = tiny_target.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert per_position == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert runtime._prefix_cache_bytes(3, tiny_target) == 3 << 20  # as set
+    monkeypatch.setattr(runtime, "_available_memory_bytes", lambda: 1 << 40)
+    assert (
+        runtime._prefix_cache_bytes(-1, tiny_target) == 4 * tiny_target.max_context * per_position
+    )
+    monkeypatch.setattr(runtime, "_available_memory_bytes", lambda: 10 * per_position)
+    assert runtime._prefix_cache_bytes(-1, tiny_target) == per_position  # a tenth of it

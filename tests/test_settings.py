@@ -28,9 +28,10 @@ def test_counts_below_one_are_refused_with_the_flag_named(flag, capsys) -> None:
 
 def test_a_negative_prefix_cache_is_refused_and_zero_turns_it_off(capsys) -> None:
     with pytest.raises(SystemExit):
-        parse_settings(["--prefix-cache-mb", "-1"], env={})
-    assert "--prefix-cache-mb must be 0 or more, not -1" in capsys.readouterr().err
+        parse_settings(["--prefix-cache-mb", "-2"], env={})
+    assert "--prefix-cache-mb must be -1 (auto), 0 (off) or more, not -2" in capsys.readouterr().err
     assert parse_settings(["--prefix-cache-mb", "0"], env={}).prefix_cache_mb == 0
+    assert parse_settings([], env={}).prefix_cache_mb == -1  # sized at start-up
 
 
 @pytest.mark.parametrize("value", ["0", "65"])

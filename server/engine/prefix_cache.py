@@ -15,7 +15,9 @@ Stored: each prompt whose first pass ran in a batch, and each finished stream's 
 answer (what its row holds: all but the last token), which replaces the prompt's entry; a
 stored sequence that begins a newer one is dropped for it. Least recently used first out, up
 to `max_bytes` of keys and values in all (layers x 2 x kv_heads x head_dim x dtype bytes a
-position: 46 KB for SmolLM2-135M in float32, so 128 MB hold about 2,900 positions).
+position: 46 KB for SmolLM2-135M in float32, 23 KB in bfloat16; the server's default budget
+holds four of the model's full contexts, so that a long document or system prompt is reused
+whole).
 """
 
 from __future__ import annotations

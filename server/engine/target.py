@@ -164,6 +164,16 @@ class TargetModel:
         )
 
     @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of keys and values one position holds in a cache (all layers)."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the output layer (may exceed the tokenizer's size)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
