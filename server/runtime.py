@@ -157,7 +157,11 @@ def _prefix_cache_bytes(megabytes: int, target: TargetModel) -> int:
     if megabytes >= 0:
         return megabytes << 20
     wanted = PREFIX_CACHE_CONTEXTS * target.max_context * target.kv_bytes_per_position
-    budget = min(wanted, int(PREFIX_CACHE_MEMORY_SHARE * _available_memory_bytes()))
+    if target.device.type == "cuda":  # the cache lives where the model does
+        available = torch.cuda.mem_get_info(target.device)[0]
+    else:
+        available = _available_memory_bytes()
+    budget = min(wanted, int(PREFIX_CACHE_MEMORY_SHARE * available))
     log.info(
         "prefix_cache",
         mb=budget >> 20,
