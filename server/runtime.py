@@ -62,7 +62,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         seconds=round(time.perf_counter() - started, 2),
     )
     skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
-    _choose_attention_kernels(target)
+    _choose_attention_kernels(target, settings.attention)
     breaker, costs, save_costs = _breaker_and_pass_costs(settings, target, sorted(skinny_rows))
     context = ContextSettings(
         enabled=settings.draft_context,
@@ -197,9 +197,14 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
     return set(rows)
 
 
-def _choose_attention_kernels(target: TargetModel) -> None:
+def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
     """Passes of a few queries per row through grouped products instead of SDPA, by width and
-    from the context length where timed faster (engine.slot_cache)."""
+    from the context length where timed faster (engine.slot_cache); or (--attention) SDPA
+    always, or grouped up to 16 queries per row at any length."""
+    if mode != "auto":
+        use_grouped({} if mode == "sdpa" else {16: 0})
+        log.info("attention_kernels", mode=mode)
+        return
     config = target.model.config
     heads = config.num_attention_heads
     lengths = [n for n in (128, 512, 2048) if n <= target.max_context] or [target.max_context]

@@ -44,6 +44,7 @@ class Settings:
     min_draft_prob: float = 0.4
     pad_verify: bool = True
     skinny_gemm: bool = True
+    attention: str = "auto"
     draft_context: bool = True
     context_min_match: int = 1
     context_max_match: int = 16
@@ -112,6 +113,10 @@ _HELP = {
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
     "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-5 tokens "
     "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
+    "attention": "attention of passes with a few queries per row: auto (grouped products over "
+    "the cache where timed faster than SDPA at start-up, by queries per row and context "
+    "length), sdpa (torch's scaled_dot_product_attention always) or grouped (always, up to "
+    "16 queries per row)",
     "draft_context": "also draft from the request's own prompt and output (longest earlier "
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
@@ -208,6 +213,8 @@ def parse_settings(
         )
     if namespace.suffix_max_match < 2:
         parser.error(f"--suffix-max-match must be at least 2, not {namespace.suffix_max_match}")
+    if namespace.attention not in ("auto", "sdpa", "grouped"):
+        parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
         parser.error(
             f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"

@@ -59,6 +59,7 @@ def test_suffix_index_bounds_are_checked(capsys) -> None:
         ("--tree-budget", "65", "--tree-budget must be in [1, 64], not 65"),
         ("--long-draft-tokens", "-1", "--long-draft-tokens must be in [0, 64], not -1"),
         ("--stream-stall-timeout-s", "0", "--stream-stall-timeout-s must be above 0, not 0.0"),
+        ("--attention", "fast", "--attention must be auto, sdpa or grouped, not 'fast'"),
     ],
 )
 def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) -> None:

@@ -439,3 +439,16 @@ def test_token_trees_are_exact(
         assert sum(r.accepted for r in rounds) > len(rounds)  # the second branch was followed
     # Tree passes went through the kernel: budget + 1 tokens, or more than a 4-token chain's 5.
     assert max(width for _, width, _ in grouped_calls) >= {2: 3, 8: 6}[budget]
+
+
+@pytest.mark.parametrize(("mode", "grouped"), [("sdpa", ()), ("grouped", ((16, 0),))])
+def test_the_attention_flag_fixes_the_choice(tiny_target, mode, grouped) -> None:
+    from server import runtime
+    from server.engine import slot_cache
+
+    before = slot_cache.KERNELS.grouped
+    try:
+        runtime._choose_attention_kernels(tiny_target, mode)
+        assert slot_cache.KERNELS.grouped == grouped
+    finally:
+        slot_cache.KERNELS.grouped = before
