@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 from collections.abc import Mapping
@@ -64,8 +65,10 @@ def load(directory: str, key: Mapping[str, object]) -> dict[tuple[int, int], flo
         if entry.get("key") != json.loads(json.dumps(key)):
             raise ValueError("its key does not match (a hash collision or an edited file)")
         seconds = {(int(r), int(t)): float(s) for r, t, s in entry["pass_seconds"]}
-        if not seconds or (1, 1) not in seconds or min(seconds.values()) <= 0:
+        if not seconds or (1, 1) not in seconds:
             raise ValueError("no usable pass costs in it")
+        if not all(0 < value < math.inf for value in seconds.values()):
+            raise ValueError("a pass cost in it is not a positive finite number")
     except (OSError, ValueError, KeyError, TypeError) as error:
         log.warning("calibration_cache_ignored", path=str(path), error=str(error))
         return None

@@ -26,7 +26,7 @@ from server.engine.params import (
     StoppingParams,
 )
 from server.engine.recycled import RecycledPredictions
-from server.engine.slot_cache import measure_grouped, use_grouped
+from server.engine.slot_cache import KERNELS, measure_grouped, use_grouped
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
@@ -252,12 +252,18 @@ def _breaker_and_pass_costs(
         dtype=str(target.dtype),
         device=str(target.device),
         skinny_rows=sorted(skinny_rows),
+        attention=[list(entry) for entry in KERNELS.grouped],
+        gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         k=k,
         rows=rows,
         long_draft_tokens=long_draft_tokens,
     )
     started = time.perf_counter()
     cached = calibration_cache.load(settings.calibration_cache, key)
+    needed = {(1, w) for w in range(1, k + 2)} | {(rows, rows), (rows, rows * (k + 1))}
+    if cached is not None and not needed <= cached.keys():
+        log.warning("calibration_cache_ignored", error="it lacks passes calibration measures")
+        cached = None
     if cached is not None:
         result = Calibration.from_pass_seconds(k, cached)
     else:
@@ -270,7 +276,7 @@ def _breaker_and_pass_costs(
     breaker = replace(breaker, threshold=result.threshold if fixed is None else fixed)
     if not settings.live_costs:
         return breaker, result.pass_costs, _nothing
-    live = LiveCosts(result.pass_seconds, fixed_threshold=fixed)
+    live = LiveCosts(result.pass_seconds, k=k, fixed_threshold=fixed)
 
     def save() -> None:  # on the engine thread's last call, or after it stopped
         log.info("pass_costs", final=True, **live.summary())

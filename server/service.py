@@ -139,8 +139,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 async for last in rounds:
                     record.observe(last)
                     yield to_response(last, request_id)
-                    # Checked between rounds (never across a yield, where a cancellation would
-                    # hit gRPC's own send): the cap is overshot by at most one round.
+                    # Checked between rounds: the cap is overshot by at most one round.
                     if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
                         raise DeadlineCapExceeded(self.max_deadline_s)
             outcome = "finished"

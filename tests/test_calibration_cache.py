@@ -32,6 +32,7 @@ def test_an_entry_is_read_back_only_under_its_own_key(tiny_model_dir, tmp_path) 
         lambda entry: "{not json",
         lambda entry: json.dumps({**entry, "pass_seconds": []}),
         lambda entry: json.dumps({**entry, "pass_seconds": [[1, 1, -1.0]]}),
+        lambda entry: json.dumps({**entry, "pass_seconds": [[1, 1, 0.02], [1, 2, 1e999]]}),
         lambda entry: json.dumps({**entry, "key": {**entry["key"], "k": 99}}),
     ],
 )
@@ -87,6 +88,10 @@ def test_a_restart_reads_the_costs_and_shutdown_keeps_the_live_ones(
     assert dict(((r, t), s) for r, t, s in saved["pass_seconds"])[1, 1] > measured[1, 1]
     with pytest.raises(AssertionError, match="measured again"):
         load_runtime(replace(settings, num_draft_tokens=3))  # another key: measured
+    # An entry under the right key that lacks a width calibration measures is not trusted.
+    entry.write_text(json.dumps({**saved, "pass_seconds": [[1, 1, 0.02], [1, 2, 0.02]]}))
+    with pytest.raises(AssertionError, match="measured again"):
+        load_runtime(settings)
 
 
 def test_the_automatic_prefix_cache_holds_four_contexts_within_a_tenth_of_memory(

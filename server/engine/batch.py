@@ -218,6 +218,7 @@ class Batch:
         )
         if self._live is not None and first_row == 0 and not any(skips):
             # Only passes of drafts and pending tokens: prompt chunks are not the shapes priced.
+            self.target.synchronize()  # CUDA: the pass, not its launch
             self._live.observe(len(rows), pass_tokens, self._timer() - started)
             self._log_costs()
         self._count_pass(rows)
@@ -277,7 +278,11 @@ class Batch:
         base = len(entries) + sum(skips)
         self._explore = None
         if self._live is not None and not any(skips):
-            self._explore = self._live.explore(len(entries))
+            # A stale shape is reached by verifying fewer drafts, or, in a one-row pass where
+            # padding is on, by padding (padding several rows' pass would lay it out wider).
+            can_pad = len(entries) == 1 and self.settings.pad_passes
+            most = None if can_pad else base + sum(len(g) for g in gains)
+            self._explore = self._live.explore(len(entries), most_tokens=most)
         counts = choose_drafts(gains, self.costs, base, tokens=self._explore)
         return [
             generation.truncate_drafts(count)
@@ -289,7 +294,7 @@ class Batch:
         one-row pass's width measured cheaper. The padding goes after the last row."""
         room = self.target.max_context - generations[-1].cache_length - len(rows[-1])
         tokens = sum(len(row) for row in rows)
-        if self._explore is not None:
+        if self._explore is not None and len(rows) == 1:
             return min(self._explore, tokens + room)
         if len(rows) > 1 or tokens == 1 or self.costs is None or not self.settings.pad_passes:
             return 0

@@ -179,6 +179,7 @@ def measure_pass_seconds(
             started = time.perf_counter()
             # A pass reads at least one row of logits per sequence; the cache length stays.
             target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
+            target.synchronize()
             samples[width].append(time.perf_counter() - started)
     return [statistics.median(samples[width][1:]) for width in widths]
 

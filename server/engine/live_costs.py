@@ -54,10 +54,12 @@ class LiveCosts:
         self,
         seconds: Mapping[tuple[int, int], float],
         *,
+        k: int | None = None,
         fixed_threshold: float | None = None,
         explore: bool = True,
     ) -> None:
         self.table = PassCosts(dict(seconds))
+        self.k = k  # the threshold is judged over one row's widths 1 .. k + 1, as calibrated
         self.passes = 0  # passes observed (explorations included)
         self.explorations = 0
         self._explore = explore
@@ -114,14 +116,16 @@ class LiveCosts:
         if bucket[0] == 1:
             self._threshold = None  # one row's costs set the breaker's threshold
 
-    def explore(self, rows: int) -> int | None:
+    def explore(self, rows: int, most_tokens: int | None = None) -> int | None:
         """Tokens this pass of `rows` rows should have, to measure a stale bucket; None: as
-        the draft choice decides. Asked once per pass, before the drafts are cut."""
+        the draft choice decides. Asked once per pass, before the drafts are cut; most_tokens:
+        the widest the pass can be without padding (None: it can be padded)."""
         if not self._explore or self.passes % EXPLORE_EVERY or rows not in self._tokens_by_rows:
             return None
         age = {
             (rows, tokens): self.passes - self._seen[rows, tokens]
             for tokens in self._tokens_by_rows[rows]
+            if most_tokens is None or tokens <= most_tokens
         }
         due = [
             bucket
@@ -140,9 +144,8 @@ class LiveCosts:
             return self._fixed_threshold
         if self._threshold is None:
             one_row = {t: s for (r, t), s in self.table.seconds.items() if r == 1}
-            self._threshold = lowest_break_even(
-                {t: one_row[t] for t in sorted(one_row) if t <= _calibrated_width(one_row)}
-            )
+            widest = _calibrated_width(one_row) if self.k is None else self.k + 1
+            self._threshold = lowest_break_even({t: s for t, s in one_row.items() if t <= widest})
         return self._threshold
 
     def moved(self, before: Mapping[str, object]) -> bool:

@@ -163,6 +163,12 @@ class TargetModel:
             head_t=head_t,
         )
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued kernels (CUDA), so that a timer read after a pass
+        measures the pass, not its launch; nothing on a CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def kv_bytes_per_position(self) -> int:
         """Bytes of keys and values one position holds in a cache (all layers)."""

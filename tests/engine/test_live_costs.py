@@ -93,7 +93,18 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
         costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
     assert sorted(t for t in asked if t is not None) == [2, 3, 4, 5, 6, 7, 12, 17]
     assert asked[-8 * live_costs.EXPLORE_EVERY :] == [None] * 8 * live_costs.EXPLORE_EVERY
+    # A pass that cannot be padded (several rows, or --no-pad-verify) is asked only for
+    # shapes it reaches by verifying fewer drafts.
+    costs = LiveCosts(QUIET)
+    costs.observe(1, 12, QUIET[1, 12] * 3)
+    reachable = []
+    for _ in range(20 * live_costs.EXPLORE_EVERY):
+        tokens = costs.explore(1, most_tokens=5)
+        reachable.append(tokens)
+        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    assert sorted(t for t in reachable if t is not None) == [2, 3, 4, 5]
     # One somewhat off (noise more than a change of machine) has only itself measured again.
+    costs = LiveCosts(QUIET)
     costs.observe(1, 7, QUIET[1, 7] * 1.4)
     asked = []
     for _ in range(10 * live_costs.EXPLORE_EVERY):
