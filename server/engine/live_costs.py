@@ -18,9 +18,9 @@ Here every verify pass updates the bucket it falls in:
   would stay so. Every EXPLORE_EVERY passes, the stalest bucket of the pass's row count is
   asked for if it was not seen for STALE_PASSES passes, or for EXPLORE_EVERY while unsettled
   (since its own last sample was off its estimate by more than UNSETTLED, or any bucket's by
-  more than SHIFTED; until its own next sample agrees): the batch pads the pass to that many
-  tokens (padding is scored, never read) or verifies only as many drafts. Its price is a wider
-  pass now and then.
+  more than SHIFTED; until its own next sample agrees): the batch verifies only as many drafts
+  or, in a one-row pass, pads it to that many tokens (padding is scored, never read). Its price
+  is a wider or narrower pass now and then.
 - The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
   costs, so requests judge acceptance against what a pass costs now.
 
