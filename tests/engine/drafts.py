@@ -187,3 +187,44 @@ def fail_passes_fed(monkeypatch, poison: int) -> None:
         return original(self, cache, lengths, token_rows, **options)
 
     monkeypatch.setattr(TargetModel, "forward", failing_forward)
+
+
+class Branching:
+    """Two chains each round: `wrong` (the reference's next tokens, the first one changed) and
+    the reference's own, as an alternative; optionally a raising expand."""
+
+    name = "branching"
+
+    def __init__(self, reference: Sequence[int], vocab: int, *, fail: bool = False) -> None:
+        self.reference = list(reference)
+        self.vocab = vocab
+        self.fail = fail
+
+    def start(self, prompt_ids: Sequence[int]) -> _BranchingSession:
+        return _BranchingSession(self)
+
+
+class _BranchingSession:
+    def __init__(self, draft: Branching) -> None:
+        self._draft = draft
+        self._position = 0
+
+    def propose(self, k: int) -> Proposal:
+        right = self._draft.reference[self._position : self._position + k]
+        if not right:
+            return Proposal()
+        wrong = [(right[0] + 1) % self._draft.vocab, *right[1:]]
+        return Proposal(
+            tuple(wrong),
+            (1.0,) * len(wrong),
+            source="wrong",
+            alternatives=(Proposal(tuple(right), (1.0,) * len(right), source="right"),),
+        )
+
+    def expand(self, token: int) -> list[tuple[int, str]]:
+        if self._draft.fail:
+            raise RuntimeError("corrupt branch table")
+        return []
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._position += len(token_ids)

@@ -16,7 +16,6 @@ from torch.profiler import profile
 from server.engine import slot_cache
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
-from server.engine.draft import Proposal
 from server.engine.slot_cache import (
     KERNELS,
     choose_grouped,
@@ -27,7 +26,7 @@ from server.engine.slot_cache import (
     use_grouped,
 )
 from tests import tiny
-from tests.engine.drafts import Collector, generate, reference_greedy, start
+from tests.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
 
 @pytest.fixture(autouse=True)
@@ -390,39 +389,6 @@ def test_a_batch_of_streams_is_exact(
     assert max(rows for rows, _, _ in grouped_calls) >= 4  # several rows in one grouped call
 
 
-class TwoBranches:
-    """Each round, two chains: the reference's next tokens with the first one changed, and
-    the reference's own as an alternative: the accepted path is the tree's second branch."""
-
-    name = "two-branches"
-
-    def __init__(self, reference: Sequence[int], vocab: int) -> None:
-        self.reference = list(reference)
-        self.vocab = vocab
-
-    def start(self, prompt_ids: Sequence[int]) -> _TwoBranchesSession:
-        return _TwoBranchesSession(self)
-
-
-class _TwoBranchesSession:
-    def __init__(self, draft: TwoBranches) -> None:
-        self._draft = draft
-        self._position = 0
-
-    def propose(self, k: int) -> Proposal:
-        right = self._draft.reference[self._position : self._position + k]
-        if not right:
-            return Proposal()
-        wrong = [(right[0] + 1) % self._draft.vocab, *right[1:]]
-        alternative = Proposal(tuple(right), (1.0,) * len(right), source="right")
-        return Proposal(
-            tuple(wrong), (1.0,) * len(wrong), source="wrong", alternatives=(alternative,)
-        )
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        self._position += len(token_ids)
-
-
 @pytest.mark.parametrize("budget", [2, 8])
 def test_token_trees_are_exact(
     tiny_target, references, long_prompts, long_references, grouped_calls, budget: int
@@ -430,7 +396,7 @@ def test_token_trees_are_exact(
     streams = [*zip(long_prompts[1:], long_references[1:], strict=True)]
     streams += list(references.values())[:3]
     for ids, expected in streams:
-        draft = TwoBranches(expected, tiny_target.vocab_size)
+        draft = Branching(expected, tiny_target.vocab_size)
         generation = generate(
             tiny_target, draft, ids, max_new_tokens=len(expected), k=4, tree_budget=budget
         )

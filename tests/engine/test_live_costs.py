@@ -70,13 +70,19 @@ def test_the_threshold_follows_one_rows_costs() -> None:
     assert LiveCosts(start, fixed_threshold=0.25).threshold() == 0.25
 
 
-def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
-    costs = LiveCosts(QUIET)
+def serve(costs: LiveCosts, passes: int, most_tokens: int | None = None) -> list[int | None]:
+    """`passes` one-row passes at QUIET's costs: each at the width exploration asks for, else
+    one token; the widths asked for (None: none)."""
     asked = []
-    for _ in range(live_costs.STALE_PASSES + 4 * live_costs.EXPLORE_EVERY):
-        tokens = costs.explore(1)
+    for _ in range(passes):
+        tokens = costs.explore(1, most_tokens=most_tokens)
         asked.append(tokens)
-        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])  # otherwise one-token steps
+        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    return asked
+
+
+def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
+    asked = serve(LiveCosts(QUIET), live_costs.STALE_PASSES + 4 * live_costs.EXPLORE_EVERY)
     explored = [t for t in asked if t is not None]
     # Nothing before a bucket goes stale; then the stalest, narrowest first, one per
     # EXPLORE_EVERY passes (one-token steps are never stale here: every other pass is one).
@@ -86,31 +92,19 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
     # measured once more, one per EXPLORE_EVERY passes, and settles when its sample agrees.
     costs = LiveCosts(QUIET)
     costs.observe(1, 7, QUIET[1, 7] * 3)
-    asked = []
-    for _ in range(20 * live_costs.EXPLORE_EVERY):
-        tokens = costs.explore(1)
-        asked.append(tokens)
-        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    asked = serve(costs, 20 * live_costs.EXPLORE_EVERY)
     assert sorted(t for t in asked if t is not None) == [2, 3, 4, 5, 6, 7, 12, 17]
     assert asked[-8 * live_costs.EXPLORE_EVERY :] == [None] * 8 * live_costs.EXPLORE_EVERY
     # A pass that cannot be padded (several rows, or --no-pad-verify) is asked only for
     # shapes it reaches by verifying fewer drafts.
     costs = LiveCosts(QUIET)
     costs.observe(1, 12, QUIET[1, 12] * 3)
-    reachable = []
-    for _ in range(20 * live_costs.EXPLORE_EVERY):
-        tokens = costs.explore(1, most_tokens=5)
-        reachable.append(tokens)
-        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    reachable = serve(costs, 20 * live_costs.EXPLORE_EVERY, most_tokens=5)
     assert sorted(t for t in reachable if t is not None) == [2, 3, 4, 5]
     # One somewhat off (noise more than a change of machine) has only itself measured again.
     costs = LiveCosts(QUIET)
     costs.observe(1, 7, QUIET[1, 7] * 1.4)
-    asked = []
-    for _ in range(10 * live_costs.EXPLORE_EVERY):
-        tokens = costs.explore(1)
-        asked.append(tokens)
-        costs.observe(1, tokens or 1, QUIET[1, tokens or 1])
+    asked = serve(costs, 10 * live_costs.EXPLORE_EVERY)
     assert [t for t in asked if t is not None] == [7]
 
 

@@ -14,7 +14,7 @@ from server.engine.params import SamplingParams
 from server.engine.sampling import chain_parents, greedy_choice, walk
 from server.engine.speculative_engine import BreakerSettings
 from server.engine.token_tree import build_tree, depths, reached
-from tests.engine.drafts import generate
+from tests.engine.drafts import Branching, generate
 
 # -- construction ------------------------------------------------------------------------
 
@@ -144,47 +144,6 @@ def test_a_tree_pass_scores_every_node_as_if_its_path_were_decoded_alone(tiny_ta
 # -- end to end --------------------------------------------------------------------------
 
 
-class Branching:
-    """Two chains each round: `wrong` (the reference's next tokens, the first one changed) and
-    the reference's own, as an alternative; optionally a raising expand."""
-
-    name = "branching"
-
-    def __init__(self, reference: Sequence[int], vocab: int, *, fail: bool = False) -> None:
-        self.reference = list(reference)
-        self.vocab = vocab
-        self.fail = fail
-
-    def start(self, prompt_ids: Sequence[int]) -> _BranchingSession:
-        return _BranchingSession(self)
-
-
-class _BranchingSession:
-    def __init__(self, draft: Branching) -> None:
-        self._draft = draft
-        self._position = 0
-
-    def propose(self, k: int) -> Proposal:
-        right = self._draft.reference[self._position : self._position + k]
-        if not right:
-            return Proposal()
-        wrong = [(right[0] + 1) % self._draft.vocab, *right[1:]]
-        return Proposal(
-            tuple(wrong),
-            (1.0,) * len(wrong),
-            source="wrong",
-            alternatives=(Proposal(tuple(right), (1.0,) * len(right), source="right"),),
-        )
-
-    def expand(self, token: int) -> list[tuple[int, str]]:
-        if self._draft.fail:
-            raise RuntimeError("corrupt branch table")
-        return []
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        self._position += len(token_ids)
-
-
 @pytest.mark.parametrize("budget", [2, 5, 12])
 def test_greedy_output_is_exact_when_the_accepted_path_is_not_the_first_branch(
     tiny_target, references, budget
@@ -248,9 +207,9 @@ def test_seeded_sampling_gives_the_same_text_with_trees_and_chains(tiny_target, 
 class NeverRight(Branching):
     """Both branches wrong at the root: every tree round accepts nothing."""
 
-    def start(self, prompt_ids: Sequence[int]) -> _BranchingSession:
+    def start(self, prompt_ids: Sequence[int]):  # type: ignore[no-untyped-def]
         wrong = [(token + 2) % self.vocab for token in self.reference]
-        return _BranchingSession(Branching(wrong, self.vocab))
+        return Branching(wrong, self.vocab).start(prompt_ids)
 
 
 def test_trees_that_never_match_open_the_acceptance_breaker(tiny_target, references) -> None:
