@@ -205,16 +205,9 @@ def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
         use_grouped({} if mode == "sdpa" else {16: 0})
         log.info("attention_kernels", mode=mode)
         return
-    config = target.model.config
-    heads = config.num_attention_heads
     lengths = [n for n in (128, 512, 2048) if n <= target.max_context] or [target.max_context]
     chosen, timings = measure_grouped(
-        heads,
-        getattr(config, "num_key_value_heads", None) or heads,
-        getattr(config, "head_dim", None) or config.hidden_size // heads,
-        target.dtype,
-        target.device,
-        kv_lengths=lengths,
+        *target.attention_shape, target.dtype, target.device, kv_lengths=lengths
     )
     use_grouped(chosen)
     log.info(

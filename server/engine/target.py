@@ -170,14 +170,19 @@ class TargetModel:
             torch.cuda.synchronize(self.device)
 
     @property
-    def kv_bytes_per_position(self) -> int:
-        """Bytes of keys and values one position holds in a cache (all layers)."""
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head dim) of every attention layer."""
         config = self.model.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of keys and values one position holds in a cache (all layers)."""
+        _, kv_heads, head_dim = self.attention_shape
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+        return 2 * self.model.config.num_hidden_layers * kv_heads * head_dim * element
 
     @property
     def vocab_size(self) -> int:
