@@ -14,7 +14,7 @@ import torch
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
 from server.engine.admission import BatchSettings
-from server.engine.costs import Calibration, PassCosts, calibrate
+from server.engine.costs import Calibration, PassCosts, calibrate, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
@@ -290,7 +290,7 @@ def _nothing() -> None:
 
 
 def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: float) -> None:
-    k = result.num_draft_tokens
+    k, steps = result.num_draft_tokens, one_row_steps(result.pass_seconds)
     log.info(
         "calibrated",
         k=k,
@@ -299,18 +299,10 @@ def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: f
         cost_ratio=round(result.cost_ratio, 3),
         break_even_acceptance=round(result.threshold, 3),
         padded_widths=result.widths,
-        # One row's passes of 1 .. k + 1 tokens, in steps (as the live pass_costs lines).
-        steps={
-            tokens: round(seconds / result.step_seconds, 2)
-            for (rows_, tokens), seconds in sorted(result.pass_seconds.items())
-            if rows_ == 1 and tokens <= k + 1
-        },
-        # Passes wider than k + 1 (long chains, token trees), in steps: {tokens: cost ratio}.
-        wide_steps={
-            tokens: round(seconds / result.step_seconds, 2)
-            for (rows_, tokens), seconds in sorted(result.pass_seconds.items())
-            if rows_ == 1 and tokens > k + 1
-        },
+        # One row's passes of 1 .. k + 1 tokens, in steps (as the live pass_costs lines), and
+        # those wider (long chains, token trees).
+        steps={t: ratio for t, ratio in steps.items() if t <= k + 1},
+        wide_steps={t: ratio for t, ratio in steps.items() if t > k + 1},
         batch_rows=rows,
         batch_step_ms=round(result.pass_seconds[rows, rows] * 1000, 2),
         batch_verify_ms=round(result.pass_seconds[rows, rows * (k + 1)] * 1000, 2),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -129,6 +129,15 @@ def calibrate(
         )
         batch_costs.update({(count, count * w): s for w, s in zip(widths, batched, strict=True)})
     return Calibration.from_pass_seconds(k, batch_costs)
+
+
+def one_row_steps(pass_seconds: Mapping[tuple[int, int], float]) -> dict[int, float]:
+    """One row's measured passes in steps (their seconds over one token's), by width, rounded
+    for logs: {1: 1.0, 2: 0.98, ..., 17: 1.38}; {} without a one-token pass."""
+    step = pass_seconds.get((1, 1))
+    if not step:
+        return {}
+    return {t: round(s / step, 2) for (r, t), s in sorted(pass_seconds.items()) if r == 1}
 
 
 def lowest_break_even(one_row: dict[int, float]) -> float:

@@ -34,7 +34,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 
-from server.engine.costs import PassCosts, lowest_break_even
+from server.engine.costs import PassCosts, lowest_break_even, one_row_steps
 
 DECAY = 0.5  # weight of a new sample, in log space, when the median is off by UNSETTLED
 SETTLED_DECAY = 0.1  # and when it is nearer: real passes vary by 10-20% (the event loop,
@@ -54,7 +54,7 @@ class LiveCosts:
         self,
         seconds: Mapping[tuple[int, int], float],
         *,
-        k: int | None = None,
+        k: int,
         fixed_threshold: float | None = None,
         explore: bool = True,
     ) -> None:
@@ -143,9 +143,9 @@ class LiveCosts:
         if self._fixed_threshold is not None:
             return self._fixed_threshold
         if self._threshold is None:
-            one_row = {t: s for (r, t), s in self.table.seconds.items() if r == 1}
-            widest = _calibrated_width(one_row) if self.k is None else self.k + 1
-            self._threshold = lowest_break_even({t: s for t, s in one_row.items() if t <= widest})
+            self._threshold = lowest_break_even(
+                {t: s for (r, t), s in self.table.seconds.items() if r == 1 and t <= self.k + 1}
+            )
         return self._threshold
 
     def moved(self, before: Mapping[str, object]) -> bool:
@@ -161,12 +161,11 @@ class LiveCosts:
     def summary(self) -> dict[str, object]:
         """For the log: one step's cost, every one-row width in steps, the threshold."""
         step = self.table.seconds.get((1, 1))
-        one_row = sorted((t, s) for (r, t), s in self.table.seconds.items() if r == 1)
         return {
             "passes": self.passes,
             "explorations": self.explorations,
             "step_ms": round(step * 1000, 2) if step else None,
-            "steps": {t: round(s / step, 2) for t, s in one_row} if step else {},
+            "steps": one_row_steps(self.table.seconds),
             "threshold": round(self.threshold(), 3),
         }
 
@@ -175,12 +174,3 @@ class LiveCosts:
         if not counts:
             return None
         return rows, min(counts, key=lambda t: (abs(t - tokens), t))
-
-
-def _calibrated_width(one_row: Mapping[int, float]) -> int:
-    """The widest of the contiguous widths 1, 2, ..., k + 1 (those the threshold is judged
-    over; wider measured widths, for long chains and trees, are not contiguous)."""
-    width = 1
-    while width + 1 in one_row:
-        width += 1
-    return width

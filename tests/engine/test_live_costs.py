@@ -22,13 +22,13 @@ def loaded(factor: float, wide: float) -> dict[tuple[int, int], float]:
 
 
 def test_a_pass_moves_its_bucket_by_a_decayed_step_and_an_outlier_does_not() -> None:
-    costs = LiveCosts(QUIET, explore=False)
+    costs = LiveCosts(QUIET, k=6, explore=False)
     costs.observe(1, 4, 100.0)  # a page fault, a neighbour's burst: not the median of three
     assert costs.table.seconds[1, 4] == QUIET[1, 4]
     costs.observe(1, 4, QUIET[1, 4] / 2)
     costs.observe(1, 4, QUIET[1, 4] / 2)  # the median of (100, 1/2, 1/2): half the estimate
     assert costs.table.seconds[1, 4] == pytest.approx(QUIET[1, 4] * 0.5**live_costs.DECAY)
-    costs = LiveCosts(QUIET, explore=False)
+    costs = LiveCosts(QUIET, k=6, explore=False)
     for _ in range(2):
         costs.observe(1, 4, 100.0)  # lasting: a step of at most DAMP ** DECAY per pass
     assert costs.table.seconds[1, 4] == pytest.approx(
@@ -45,7 +45,7 @@ def test_a_pass_moves_its_bucket_by_a_decayed_step_and_an_outlier_does_not() -> 
 
 
 def test_a_lasting_change_is_followed_and_unmeasured_shapes_map_to_the_nearest() -> None:
-    costs = LiveCosts(QUIET, explore=False)
+    costs = LiveCosts(QUIET, k=6, explore=False)
     for _ in range(40):
         costs.observe(1, 10, 0.2)  # 10 tokens: counted at 12, scaled by the table's ratio
     assert costs.cost(1, 10) == pytest.approx(0.2, rel=0.01)  # the table now predicts it
@@ -56,7 +56,7 @@ def test_a_lasting_change_is_followed_and_unmeasured_shapes_map_to_the_nearest()
 def test_the_threshold_follows_one_rows_costs() -> None:
     """Calibrated under load (wide passes 2.4 steps), then quiet: the threshold comes down."""
     start = loaded(6.0, 2.4)
-    costs = LiveCosts(start, explore=False)
+    costs = LiveCosts(start, k=6, explore=False)
     high = costs.threshold()
     assert high == pytest.approx(Calibration.from_pass_seconds(6, start).threshold)
     assert high > 0.3
@@ -67,7 +67,7 @@ def test_the_threshold_follows_one_rows_costs() -> None:
         lowest_break_even({t: QUIET[1, t] for t in range(1, 8)}), abs=0.01
     )
     assert costs.threshold() < 0.1
-    assert LiveCosts(start, fixed_threshold=0.25).threshold() == 0.25
+    assert LiveCosts(start, k=6, fixed_threshold=0.25).threshold() == 0.25
 
 
 def serve(costs: LiveCosts, passes: int, most_tokens: int | None = None) -> list[int | None]:
@@ -82,7 +82,7 @@ def serve(costs: LiveCosts, passes: int, most_tokens: int | None = None) -> list
 
 
 def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
-    asked = serve(LiveCosts(QUIET), live_costs.STALE_PASSES + 4 * live_costs.EXPLORE_EVERY)
+    asked = serve(LiveCosts(QUIET, k=6), live_costs.STALE_PASSES + 4 * live_costs.EXPLORE_EVERY)
     explored = [t for t in asked if t is not None]
     # Nothing before a bucket goes stale; then the stalest, narrowest first, one per
     # EXPLORE_EVERY passes (one-token steps are never stale here: every other pass is one).
@@ -90,19 +90,19 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
     assert explored[:4] == [2, 3, 4, 5]
     # A sample that disagrees (here one outlier at 7 tokens) unsettles every bucket: each is
     # measured once more, one per EXPLORE_EVERY passes, and settles when its sample agrees.
-    costs = LiveCosts(QUIET)
+    costs = LiveCosts(QUIET, k=6)
     costs.observe(1, 7, QUIET[1, 7] * 3)
     asked = serve(costs, 20 * live_costs.EXPLORE_EVERY)
     assert sorted(t for t in asked if t is not None) == [2, 3, 4, 5, 6, 7, 12, 17]
     assert asked[-8 * live_costs.EXPLORE_EVERY :] == [None] * 8 * live_costs.EXPLORE_EVERY
     # A pass that cannot be padded (several rows, or --no-pad-verify) is asked only for
     # shapes it reaches by verifying fewer drafts.
-    costs = LiveCosts(QUIET)
+    costs = LiveCosts(QUIET, k=6)
     costs.observe(1, 12, QUIET[1, 12] * 3)
     reachable = serve(costs, 20 * live_costs.EXPLORE_EVERY, most_tokens=5)
     assert sorted(t for t in reachable if t is not None) == [2, 3, 4, 5]
     # One somewhat off (noise more than a change of machine) has only itself measured again.
-    costs = LiveCosts(QUIET)
+    costs = LiveCosts(QUIET, k=6)
     costs.observe(1, 7, QUIET[1, 7] * 1.4)
     asked = serve(costs, 10 * live_costs.EXPLORE_EVERY)
     assert [t for t in asked if t is not None] == [7]
@@ -114,7 +114,7 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeyp
     prompt = tiny_target.encode_prompt("The quick brown fox")
     expected = reference_greedy(tiny_target, prompt, 300)
     clock = {"now": 0.0, "per_token": 0.0}
-    live = LiveCosts(QUIET, explore=False)
+    live = LiveCosts(QUIET, k=6, explore=False)
     engine, generation = start(
         tiny_target,
         OracleDraft(expected),
