@@ -3,6 +3,7 @@
     kenspec "Once upon a time" -n 64
     echo "Tell me a joke" | kenspec --chat --temperature 0.7
     kenspec --info
+    kenspec chat --system "Answer briefly."
 
 Text goes to stdout as it arrives; one statistics line goes to stderr at the end. Errors print
 ``error: <CODE>: <message>`` and exit 2 (bad usage) or 1 (server or connection failure).
@@ -22,6 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from .channel import DEFAULT_ADDRESS, TOKEN_ENV
+from .chat import COMMANDS, ChatSession
 from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
 from .stats import StreamStats
@@ -46,15 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kenspec",
         description="Generate text with a kenspec speculative-decoding server.",
-        epilog=f"Environment: {ADDRESS_ENV} (default --address), {TOKEN_ENV} (default --token).",
+        epilog="`kenspec chat` starts an interactive chat (see `kenspec chat --help`). "
+        f"Environment: {ADDRESS_ENV} (default --address), {TOKEN_ENV} (default --token).",
     )
     parser.add_argument(
         "prompt",
         nargs="?",
-        help="the prompt; '-' or absent reads it from stdin (one trailing newline dropped)",
+        help="the prompt; '-' or absent reads it from stdin (one trailing newline dropped); "
+        "to send the word chat itself, write `-- chat`",
     )
     _add_connection_flags(parser)
     _add_input_flags(parser)
+    _add_sampling_flags(parser)
+    _add_speculation_flags(parser)
+    return parser
+
+
+def build_chat_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kenspec chat",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Chat with a kenspec server: multi-turn, streamed, with a live status line "
+        "(mode, tokens/s, accepted/drafted). With stdin piped, each line is one question.",
+        epilog=f"Commands inside the chat:\n{COMMANDS}",
+    )
+    parser.add_argument("--system", default="", metavar="TEXT", help="initial system prompt")
+    parser.set_defaults(request_id="")  # each answer is its own request; the server names it
+    _add_connection_flags(parser)
     _add_sampling_flags(parser)
     _add_speculation_flags(parser)
     return parser
@@ -148,12 +168,15 @@ def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chat = argv[:1] == ["chat"]
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_chat_parser() if chat else build_parser()
+        args = parser.parse_args(argv[1:] if chat else argv)
     except SystemExit as exit_:  # --help, or a usage error already printed
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
-        return _run(args, sys.stdout, sys.stderr)
+        return _chat(args) if chat else _run(args, sys.stdout, sys.stderr)
     except BrokenPipeError:
         # The reader left (`kenspec ... | head`): stop quietly, and keep Python from
         # complaining again when it flushes stdout at exit.
@@ -181,6 +204,19 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             _print_json(tokens, out, indent=2)
             return 0
         return _generate(client, prompt, messages, args, out, err)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        session = ChatSession(
+            client,
+            _generate_options(args),
+            system=args.system,
+            stdin=sys.stdin,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+        return session.run()
 
 
 def _client(args: argparse.Namespace) -> Client:

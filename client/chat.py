@@ -1,0 +1,289 @@
+"""`kenspec chat`: a multi-turn chat with a kenspec server in the terminal.
+
+Each answer is one Generate call that carries the whole conversation as chat messages (system
+prompt, earlier turns, the new question), so the server's prefix cache reuses the earlier turns
+instead of prefilling them again. The answer streams as the verification rounds arrive; on a
+terminal a status line under it shows the speed, the acceptance so far and the decoding mode,
+and stays as a summary line once the answer ends.
+
+Ctrl-C during an answer cancels that call only: its question and partial answer are dropped
+from the conversation, so the history holds only complete exchanges. Ctrl-C at an empty prompt,
+Ctrl-D or /quit leave. With stdin not a terminal (piped), each line is one question (commands
+work too), answers go to stdout one after another, each ended by a newline, and the summary
+lines go to stderr without any redraw; a failed call then ends the session with exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from kenspec_api.outputs import Mode
+
+from .errors import KenspecError, ProtocolError
+from .request import ChatTurn, GenerateOptions
+from .results import Round
+from .stats import StreamStats
+from .sync_client import Client
+
+PROMPT = "> "
+COMMANDS = """\
+  /reset          clear the conversation (the system prompt stays)
+  /system [TEXT]  set the system prompt; without TEXT, clear it
+  /help           this list
+  /quit, /exit    leave (so do Ctrl-D and Ctrl-C at an empty prompt)
+Ctrl-C during an answer stops it; its question and partial answer are dropped.
+Start a line with // to send it beginning with a single /."""
+CANCELLED = "[cancelled: the question and its partial answer are dropped from the conversation]"
+
+# ANSI/VT100 sequences for the live status line. IND/RI move down/up one line keeping the
+# column (IND scrolls at the bottom), so a line below the answer is reserved without losing
+# the cursor's place in the answer; ESC 7/8 save and restore that place.
+_RESERVE_LINE = "\x1bD\x1bM"
+_SAVE, _RESTORE, _DOWN = "\x1b7", "\x1b8", "\x1bD"
+_ERASE_LINE, _ERASE_BELOW = "\r\x1b[2K", "\x1b[J"
+_DIM, _NORMAL = "\x1b[2m", "\x1b[0m"
+
+
+@dataclass(slots=True)
+class Conversation:
+    """The system prompt and the complete exchanges so far, as the server will see them."""
+
+    system: str = ""
+    turns: list[tuple[str, str]] = field(default_factory=list)  # user, assistant, user, ...
+
+    def messages(self, question: str) -> list[ChatTurn]:
+        """What to send for `question`: the system prompt (if any), history, the question."""
+        system: list[ChatTurn] = [("system", self.system)] if self.system else []
+        return [*system, *self.turns, ("user", question)]
+
+    def record(self, question: str, answer: str) -> None:
+        self.turns += [("user", question), ("assistant", answer)]
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One input line read as a command (`command` without its /) or as text to send."""
+
+    command: str | None
+    text: str
+
+
+def parse_line(line: str) -> Line:
+    """
+    >>> parse_line("/system  be brief ")
+    Line(command='system', text='be brief')
+    >>> parse_line("//etc/hosts?")
+    Line(command=None, text='/etc/hosts?')
+    """
+    stripped = line.strip()
+    if stripped.startswith("//"):
+        return Line(None, stripped[1:])
+    if not stripped.startswith("/"):
+        return Line(None, stripped)
+    name, _, argument = stripped[1:].partition(" ")
+    return Line(name, argument.strip())
+
+
+def mode_label(mode: str | None, speculation: str) -> str:
+    """How the rounds are decoded: OFF when asked for plain decoding, else as they report it."""
+    if speculation == "off":
+        return "OFF"
+    if mode == Mode.SPECULATIVE:
+        return "speculative"
+    if mode == Mode.AUTOREGRESSIVE:
+        return "fallback"  # the request's breaker stopped drafting (or there was nothing to draft)
+    return mode or "-"
+
+
+def status_line(stats: StreamStats, speculation: str, now: float) -> str:
+    """E.g. ``speculative | 41.2 tok/s | accepted 30/40 (75%) | 57 tokens``, plus the finish
+    reason once there is one."""
+    elapsed = now - stats.started
+    rate = f"{stats.tokens / elapsed:.1f}" if elapsed > 0 else "-"
+    share = f" ({stats.accepted / stats.drafted:.0%})" if stats.drafted else ""
+    parts = [mode_label(stats.last_mode, speculation), f"{rate} tok/s"]
+    parts += [f"accepted {stats.accepted}/{stats.drafted}{share}", f"{stats.tokens} tokens"]
+    if stats.finish_reason is not None:
+        parts.append(str(stats.finish_reason))
+    return " | ".join(parts)
+
+
+class AnswerView:
+    """Writes one streaming answer to `out` and its status to `err`: on a terminal (`live`)
+    the status is redrawn on the line below the answer after each round; otherwise only the
+    final status is written, as a plain line."""
+
+    def __init__(self, out: TextIO, err: TextIO, live: bool) -> None:
+        self._out, self._err, self._live = out, err, live
+        self._ends_line = True  # what was written so far ends with a newline
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if self._live:
+            self._emit(self._err, _ERASE_BELOW)
+        self._emit(self._out, text)
+        self._ends_line = text.endswith("\n")
+
+    def status(self, line: str) -> None:
+        if self._live:
+            line = line[: _width(self._err) - 3]  # one row: a wrapped line would not be erased
+            redraw = f"{_RESERVE_LINE}{_SAVE}{_DOWN}{_ERASE_LINE}{_DIM}[{line}]{_NORMAL}{_RESTORE}"
+            self._emit(self._err, redraw)
+
+    def end(self, summary: str) -> None:
+        """Close the answer's line and leave `summary` on the next one."""
+        if self._live:
+            self._emit(self._err, _ERASE_BELOW)
+        if not self._ends_line:
+            self._emit(self._out, "\n")
+        self._emit(self._err, f"{summary}\n")
+
+    @staticmethod
+    def _emit(stream: TextIO, text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+
+class ChatSession:
+    """The read-answer loop over one client; `run()` returns the exit code."""
+
+    def __init__(
+        self,
+        client: Client,
+        options: GenerateOptions,
+        *,
+        system: str,
+        stdin: TextIO,
+        out: TextIO,
+        err: TextIO,
+    ) -> None:
+        self.client, self.options = client, options
+        self.conversation = Conversation(system)
+        self._stdin, self._out, self._err = stdin, out, err
+        self._interactive = stdin.isatty()
+        self._live = self._interactive and err.isatty() and os.environ.get("TERM") != "dumb"
+        self._speculation = options.get("speculation", "auto")
+
+    def run(self) -> int:
+        info = self.client.model_info()  # fails here, before any typing, if the server is off
+        if self._interactive:
+            _enable_line_editing()
+            self._note(f"kenspec chat with {info.model} at {self.client.address}")
+            self._note("/help lists the commands; Ctrl-D leaves")
+        while (line := self._read()) is not None:
+            parsed = parse_line(line)
+            if parsed.command is not None:
+                if not self._command(parsed):
+                    return 0
+            elif parsed.text and not self._answer(parsed.text) and not self._interactive:
+                return 1  # a script reading the answers must learn that one is missing
+        return 0
+
+    def _read(self) -> str | None:
+        """The next line; None at the end of input or on Ctrl-C at an empty prompt."""
+        if not self._interactive:
+            line = self._stdin.readline()
+            return line.removesuffix("\n") if line else None
+        try:
+            return input(PROMPT)  # the process's own terminal, with readline's editing
+        except EOFError:
+            self._end_line()
+            return None
+        except KeyboardInterrupt:
+            typed = _typed_so_far()
+            self._end_line()
+            return "" if typed else None  # Ctrl-C on a typed line only clears it
+
+    def _command(self, line: Line) -> bool:
+        """Run a /command; False when the session should end."""
+        if line.command in ("quit", "exit"):
+            return False
+        if line.command == "reset":
+            self.conversation.turns.clear()
+            self._note("[conversation cleared]")
+        elif line.command == "system":
+            self.conversation.system = line.text
+            self._note(f"[system prompt: {line.text}]" if line.text else "[system prompt cleared]")
+        elif line.command == "help":
+            self._note(COMMANDS)
+        else:
+            self._note(f"unknown command /{line.command}; /help lists the commands")
+        return True
+
+    def _answer(self, question: str) -> bool:
+        """Stream the answer to `question` and record the exchange once it is complete;
+        False when the call failed."""
+        view = AnswerView(self._out, self._err, self._live)
+        stats = StreamStats(started=time.perf_counter())
+        try:
+            answer = self._stream(question, view, stats)
+        except KeyboardInterrupt:
+            view.end(CANCELLED)
+            return True
+        except KenspecError as error:
+            view.end(f"error: {error}")
+            return False
+        view.end(f"[{status_line(stats, self._speculation, stats.last_seen)}]")
+        self.conversation.record(question, answer)
+        return True
+
+    def _stream(self, question: str, view: AnswerView, stats: StreamStats) -> str:
+        messages = self.conversation.messages(question)
+        rounds = self.client.generate(None, messages, **self.options)
+        parts: list[str] = []
+        try:
+            for round_ in rounds:
+                stats.observe(round_, time.perf_counter())
+                parts.append(round_.text)
+                view.write(round_.text)
+                view.status(status_line(stats, self._speculation, time.perf_counter()))
+        finally:
+            _close(rounds)  # cancels the call if it is still running (Ctrl-C, an error)
+        if stats.finish_reason is None:
+            raise ProtocolError(
+                None, "the stream ended without a finish_reason", self.client.address
+            )
+        return "".join(parts)
+
+    def _end_line(self) -> None:
+        self._out.write("\n")
+        self._out.flush()
+
+    def _note(self, text: str) -> None:
+        self._err.write(f"{text}\n")
+        self._err.flush()
+
+
+def _close(rounds: Iterator[Round]) -> None:
+    # The client's streams are generators; closing one cancels its gRPC call.
+    close = getattr(rounds, "close", None)
+    if close is not None:
+        close()
+
+
+def _width(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80  # 0: size never set
+    except (OSError, ValueError):
+        return 80
+
+
+def _enable_line_editing() -> None:
+    """Arrow keys and history for input(), where the platform has readline."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (importing it is what turns it on)
+
+
+def _typed_so_far() -> str:
+    """What was on the prompt line when Ctrl-C came; "" when unknown (no readline)."""
+    try:
+        import readline
+    except ImportError:
+        return ""
+    return readline.get_line_buffer()
