@@ -203,6 +203,36 @@ def _keep_lines(path: Path, count: int) -> None:
             f.truncate(end)
 
 
+def keep_answers(ids_path: Path, prompts: Sequence[tuple[int, str]]) -> int:
+    """Fit a corpus to another prompts file made with the same settings: answers to prompts
+    still in it are kept, under their new line index; the others are dropped. Returns how many
+    were kept. A greedy answer depends only on its prompt, so a grown file costs only its new
+    prompts. Each file is replaced whole, corpus.jsonl last; remove the run's .meta.json first,
+    so that a crash midway leaves a corpus that no run resumes."""
+    CorpusWriter(ids_path).open().close()  # trims a half-written last line
+    jsonl_path, txt_path = ids_path.with_suffix(".jsonl"), ids_path.with_suffix(".txt")
+    records = [json.loads(line) for line in _complete_jsonl_lines(jsonl_path)]
+    id_lines, txt_lines = _lines(ids_path), _lines(txt_path)
+    free: dict[str, list[int]] = {}  # prompt -> its line indices not yet answered, in order
+    for index, prompt in prompts:
+        free.setdefault(prompt, []).append(index)
+    kept: list[tuple[str, str, str]] = []
+    for record, ids_line, txt_line in zip(records, id_lines, txt_lines, strict=True):
+        if free.get(record["prompt"]):
+            record["index"] = free[record["prompt"]].pop(0)
+            kept.append((ids_line, txt_line, json.dumps(record, ensure_ascii=False) + "\n"))
+    for column, path in enumerate((ids_path, txt_path, jsonl_path)):
+        partial = path.with_suffix(path.suffix + ".tmp")
+        partial.write_text("".join(row[column] for row in kept), encoding="utf-8")
+        partial.replace(path)
+    return len(kept)
+
+
+def _lines(path: Path) -> list[str]:
+    """Lines ending in "\\n" only (str.splitlines also breaks at \\f, \\u2028, ... in text)."""
+    return [line + "\n" for line in path.read_bytes().decode("utf-8").split("\n")[:-1]]
+
+
 def check_run_settings(meta_path: Path, settings: dict[str, Any]) -> None:
     """Refuse to resume a corpus made with other settings: its lines would not mix."""
     if meta_path.exists():

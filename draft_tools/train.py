@@ -1,4 +1,5 @@
-"""Train a KenLM draft for a target model, and measure it.
+"""Train a KenLM draft for a target model, and measure it: the single steps that
+`python -m draft_tools build` (draft_tools/build.py) runs in one command.
 
     python -m draft_tools.train text    --model M --text corpus.txt --out corpus.ids
     python -m draft_tools.train distill --model M --prompts train.txt --out corpus.ids
@@ -16,6 +17,7 @@ per-position acceptance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -26,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -85,12 +88,15 @@ def train(
     prune: Sequence[int] = (),
     memory: str = "25%",
     tools_dir: str | None = None,
+    log: Path | None = None,
 ) -> dict:
-    """lmplz -> ARPA -> build_binary (trie, unquantized: the index needs KenLM's exact floats)."""
+    """lmplz -> ARPA -> build_binary (trie, unquantized: the index needs KenLM's exact floats).
+
+    The tools' messages go to stderr, or to `log` when given."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, _messages(log) as messages:
         arpa = Path(scratch) / "model.arpa"
         command = [
             str(kenlm_tool("lmplz", tools_dir)),
@@ -105,7 +111,7 @@ def train(
         if prune:
             command += ["--prune", *map(str, prune)]
         with corpus.open("rb") as source, arpa.open("wb") as sink:
-            subprocess.run(command, stdin=source, stdout=sink, check=True)
+            subprocess.run(command, stdin=source, stdout=sink, stderr=messages, check=True)
         subprocess.run(
             [
                 str(kenlm_tool("build_binary", tools_dir)),
@@ -115,7 +121,8 @@ def train(
                 str(out / MODEL_FILE),
             ],
             check=True,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL if log is None else messages,
+            stderr=messages,
         )
         tables = read_arpa(arpa, vocab_size=len(tokenizer))
         SuccessorIndex.from_tables(tables).save(out / INDEX_FILE, tables)
@@ -136,6 +143,10 @@ def train(
     }
     (out / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _messages(log: Path | None) -> contextlib.AbstractContextManager[IO[bytes] | None]:
+    return log.open("ab") if log is not None else contextlib.nullcontext()
 
 
 def _vocab_size(model: Path, tokenizer) -> int:  # type: ignore[no-untyped-def]

@@ -92,6 +92,20 @@ ensure_debian_packages() {
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
 
+# Whatever installed them (apt above, or you), fail early and plainly when a tool is missing.
+check_build_commands() {
+  local missing=() cmd
+  for cmd in cmake make; do command -v "$cmd" >/dev/null || missing+=("$cmd"); done
+  command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null ||
+    missing+=("a C++ compiler")
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    local list
+    list=$(printf '%s, ' "${missing[@]}")
+    die "missing ${list%, }; install them (Debian/Ubuntu: sudo apt-get install" \
+      "${DEBIAN_PACKAGES[*]}; macOS: brew install cmake boost)"
+  fi
+}
+
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
 fetch_sdist() {
@@ -140,6 +154,7 @@ main() {
   local start=$SECONDS
   mkdir -p "$KENLM_DIR"
   ensure_debian_packages
+  check_build_commands
   fetch_sdist
   build_tools
   tools_ready verbose || die "built tools failed the smoke test (log above)"

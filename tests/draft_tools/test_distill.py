@@ -118,3 +118,26 @@ def test_main_writes_aligned_corpus_and_resumes(tiny_model_dir: Path, tmp_path: 
     assert out.read_text() == before
     with pytest.raises(SystemExit):
         distill.main([*argv[:-4], "--max-new-tokens", "9", "--batch-size", "2"])
+
+
+def test_keep_answers_renumbers_those_still_asked(tmp_path: Path) -> None:
+    out = tmp_path / "corpus.ids"
+    writer = CorpusWriter(out).open()
+    for index, prompt in enumerate(["a", "b", "a", "c"]):
+        writer.write(Answer(index, prompt, [index, 7], "eos", f"answer {index}\u2028to {prompt}"))
+    writer.close()
+    with out.with_suffix(".jsonl").open("a") as f:
+        f.write('{"index": 4, "pro')  # a crash mid-line: dropped, as a resume would
+
+    # "b" is gone, "a" asked once now (its first answer kept), "c" moved, "d" is new.
+    kept = distill.keep_answers(out, [(0, "d"), (1, "c"), (3, "a")])
+    assert kept == 2
+    jsonl = out.with_suffix(".jsonl").read_text().split("\n")  # not splitlines: \u2028 in text
+    records = [json.loads(line) for line in jsonl if line]
+    assert [(r["index"], r["prompt"], r["text"]) for r in records] == [
+        (3, "a", "answer 0\u2028to a"),
+        (1, "c", "answer 3\u2028to c"),
+    ]
+    assert out.read_text() == "0 7\n3 7\n"
+    assert out.with_suffix(".txt").read_text() == "answer 0\u2028to a\nanswer 3\u2028to c\n"
+    assert CorpusWriter(out).open().done == {1, 3}
