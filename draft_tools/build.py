@@ -1,0 +1,137 @@
+"""One command from a model to a draft: distil, fit and check a KenLM draft.
+
+    python -m draft_tools build --model MODEL_DIR --prompts prompts.txt --out drafts/mymodel
+
+Stages, each skipped on a rerun that finds it done with the same inputs (OUT/work/stages.json):
+
+    tools    find lmplz and build_binary (--tools, tools/kenlm/bin, PATH), or build them once
+    split    hold out --heldout of the distinct prompts for the check, by a hash of their text
+    distill  the target's greedy answers to the training prompts (resumes mid-way)
+    heldout  ... and to the held-out prompts
+    text     --text tokenized by the target's tokenizer, one document a line
+    fit      lmplz + build_binary + successor index: OUT/model.bin, successors.npz, draft.json,
+             and corpus.ids.gz (the corpus, which seeds the server's suffix index)
+    check    replay the held-out answers: acceptance and tokens per round, as a greedy server
+             would get them (exact at temperature 0, without running the target)
+
+The folder OUT is what `python -m server --draft OUT` loads; OUT/work holds what a rerun
+resumes from and is not needed to serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from draft_tools import distill
+from draft_tools.kenlm_tools import ToolsError
+from draft_tools.stages import BuildError, read_prompt_lines, run
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse bad inputs before any stage runs (a typo should not cost a distillation)."""
+    model: Path = args.model
+    if not model.is_dir():
+        raise BuildError(f"--model {model}: no such folder")
+    if not (model / "config.json").is_file():
+        raise BuildError(f"--model {model} is not a model folder (it has no config.json)")
+    if args.out.exists() and not args.out.is_dir():
+        raise BuildError(f"--out {args.out} is a file; give a folder for the draft")
+    if args.text and not _has_text(args.text, "--text"):
+        raise BuildError(f"--text {args.text} holds no text (blank lines are skipped)")
+    for flag, path in (("--prompts", args.prompts), ("--heldout-prompts", args.heldout_prompts)):
+        if path and not _has_text(path, flag):
+            raise BuildError(f"{flag} {path} holds no prompts (one a line; blank lines skipped)")
+    splits = args.prompts and args.heldout > 0 and not args.heldout_prompts
+    if splits and len(set(read_prompt_lines(args.prompts, "--prompts"))) < 2:
+        raise BuildError(
+            f"--prompts {args.prompts} needs 2 distinct prompts or more to hold some out "
+            "for the check; add prompts, or pass --heldout 0 to skip the check"
+        )
+
+
+def _has_text(path: Path, flag: str) -> bool:
+    """Whether a UTF-8 text file has a non-blank line; read as a stream (corpora are big)."""
+    if not path.is_file():
+        raise BuildError(f"{flag} {path}: no such file")
+    found = False
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                found = found or bool(line.strip())
+    except UnicodeDecodeError as error:
+        raise BuildError(f"{flag} {path} is not UTF-8 text ({error.reason})") from error
+    return found
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m draft_tools build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", type=Path, required=True, help="the target's folder")
+    parser.add_argument("--out", type=Path, required=True, help="the draft folder to write")
+    data = parser.add_argument_group("what to learn from (one or both)")
+    data.add_argument("--prompts", type=Path, help="prompts of your workload, one a line")
+    data.add_argument("--text", type=Path, help="plain text, one document a line")
+    check = parser.add_argument_group("held-out check")
+    check.add_argument(
+        "--heldout",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="share of the distinct prompts held out to check the draft (0: no check)",
+    )
+    check.add_argument(
+        "--heldout-prompts",
+        type=Path,
+        help="check on these prompts instead; train on all --prompts",
+    )
+    target = parser.add_argument_group("distillation")
+    target.add_argument(
+        "--max-new-tokens", type=int, default=256, help="longest answer to a prompt (256)"
+    )
+    target.add_argument("--batch-size", type=int, default=16, help="prompts answered at once (16)")
+    target.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    target.add_argument("--dtype", default="float32", choices=sorted(distill._DTYPES))
+    target.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    fit = parser.add_argument_group("n-gram")
+    fit.add_argument("--order", type=int, default=4, help="n-gram order, 2..6 (4)")
+    fit.add_argument("--prune", type=int, nargs="*", default=[], help="lmplz --prune per order")
+    fit.add_argument(
+        "--memory", default="25%", help="lmplz -S, its sorting memory: 25%% (default), 1G"
+    )
+    fit.add_argument("--tools", help="folder holding lmplz and build_binary")
+    args = parser.parse_args(argv)
+    if not (args.prompts or args.text):
+        parser.error("give --prompts (distilled by the target), --text, or both")
+    if not 0 <= args.heldout < 1:
+        parser.error("--heldout must be in [0, 1)")
+    if not 2 <= args.order <= 6:
+        parser.error("--order must be in 2..6 (KenLM's tools are built for up to 6)")
+    for flag in ("max_new_tokens", "batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_inputs(args)
+        report = run(args)
+    except (BuildError, ToolsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The end of a draft build: the held-out check, and the summary that says how to serve it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draft_tools.train import evaluate
+from server.engine.kenlm_draft import DRAFT_MANIFEST
+from server.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """Held-out replay of the draft at the server's default k and min_draft_prob (greedy)."""
+
+    answers: int
+    tokens: int
+    k: int
+    min_draft_prob: float
+    tokens_per_round: float  # the n-gram alone
+    acceptance: float  # accepted / drafted tokens, the n-gram alone
+    context_tokens_per_round: float  # with context drafting (the server's default), chains
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CheckResult:
+        return cls(**data)
+
+
+def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> CheckResult:
+    """Replay the held-out answers through the draft alone and with context drafting (as the
+    server drafts by default: the request's own tokens and the suffix index seeded from the
+    draft's corpus; chains, not trees, which no cost model would cut in a replay)."""
+    served = {
+        "k": settings.num_draft_tokens,
+        "adaptive": settings.adaptive,
+        "min_draft_prob": settings.min_draft_prob,
+    }
+    alone = evaluate(model, draft, answers, **served)
+    context = evaluate(
+        model,
+        draft,
+        answers,
+        **served,
+        context=True,
+        min_match=settings.context_min_match,
+        suffix=settings.suffix_index,
+        long_draft_tokens=settings.long_draft_tokens,
+    )
+    return CheckResult(
+        answers=alone.answers,
+        tokens=alone.tokens,
+        k=settings.num_draft_tokens,
+        min_draft_prob=settings.min_draft_prob,
+        tokens_per_round=round(alone.tokens_per_round, 4),
+        acceptance=round(alone.acceptance, 4),
+        context_tokens_per_round=round(context.tokens_per_round, 4),
+    )
+
+
+def summary(model: Path, draft: Path, check: CheckResult | None) -> str:
+    """Where the draft is, how big, how good on held-out answers, and the command to serve it."""
+    manifest = json.loads((draft / DRAFT_MANIFEST).read_text())
+    files = sorted(p for p in draft.iterdir() if p.is_file())
+    sizes = ", ".join(f"{p.name} {_size(p.stat().st_size)}" for p in files)
+    lines = [
+        f"draft: {draft} ({_size(sum(p.stat().st_size for p in files))}: {sizes})",
+        f"  {manifest['order']}-gram over {manifest['corpus_tokens']:,} tokens "
+        f"({manifest['corpus_lines']:,} lines); {manifest['corpus']}",
+    ]
+    if check is None:
+        lines.append(
+            "  no held-out check (give --prompts with --heldout > 0, or --heldout-prompts)"
+        )
+    else:
+        lines += [
+            f"  held-out check: {check.answers} answers, {check.tokens:,} tokens, greedy, "
+            f"k={check.k}, min_draft_prob={check.min_draft_prob:g} (1.00 tokens/round: no gain)",
+            f"    the n-gram alone: {check.tokens_per_round:.2f} tokens/round, "
+            f"acceptance {check.acceptance:.2f}",
+            f"    with context drafting (the server's default): "
+            f"{check.context_tokens_per_round:.2f} tokens/round",
+        ]
+    lines += [
+        "serve it:",
+        f"  python -m server --model {shlex.quote(str(model))} --draft {shlex.quote(str(draft))}",
+        f"({draft / 'work'} only serves to resume or re-check; the server does not read it)",
+    ]
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    """
+    >>> _size(3_141_592)
+    '3.1 MB'
+    """
+    if count < 1000:
+        return f"{count} B"
+    value, unit = count / 1000, "KB"
+    for bigger in ("MB", "GB"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, bigger
+    return f"{value:.1f} {unit}"
