@@ -25,8 +25,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "kenspec_requests_total",
-            "Generate calls by finish reason and gRPC status code.",
-            ["finish_reason", "code"],
+            "Generate calls (gRPC Generate, HTTP completions) by API, finish reason and status "
+            "(gRPC status code names for both APIs).",
+            ["api", "finish_reason", "code"],
             registry=r,
         )
         self.stalled_streams = Counter(

@@ -43,8 +43,8 @@ class Scheduler:
         if self._slots.locked() and self.waiting >= self.max_queue:
             raise Overloaded(
                 f"server busy: {self.active} streams generating and {self.waiting} queued "
-                f"(limits {self.max_active} and {self.max_queue}); retry later, after the "
-                "grpc-retry-pushback-ms trailer's delay, or on another replica"
+                f"(limits {self.max_active} and {self.max_queue}); retry after the delay the "
+                "response carries (grpc-retry-pushback-ms, Retry-After), or on another replica"
             )
         self.waiting += 1
         try:

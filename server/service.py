@@ -1,54 +1,45 @@
-"""The kenspec.v1.Generator servicer: a thin layer from gRPC to the engine via the scheduler."""
+"""The kenspec.v1.Generator servicer: a thin layer from gRPC to the engine (server.serving)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 
 import grpc
 import structlog
-import torch
 from google.protobuf.message import DecodeError, Message
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from kenspec_api.convert import to_proto, usage_to_proto
-from kenspec_api.outputs import FinishReason
-from server.engine.batch import Batch
-from server.engine.generation import Generation, Round
+from server.engine.generation import Round
 from server.engine.params import InvalidParameter
-from server.metrics import Metrics
-from server.requests import check_prompt_length, check_request_id, parse_generate, parse_input
+from server.requests import check_request_id, parse_generate, parse_input
 from server.runtime import Runtime
-from server.scheduler import Overloaded, Scheduler
+from server.scheduler import Overloaded
+from server.serving import (
+    RETRY_AFTER_MS,
+    ClientGone,
+    RequestRecord,
+    Serving,
+    StreamStalled,
+    Unavailable,
+    failure_of,
+)
 
 log = structlog.get_logger("kenspec.service")
 
-# A call refused for load carries this trailer: when to retry (gRFC A6's server pushback, which
-# gRPC's built-in retries honour; the bundled client reads it into ServerBusy.retry_after_s).
+# gRFC A6's server pushback trailer: gRPC's built-in retries honour it, and the bundled client
+# reads it into ServerBusy.retry_after_s.
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-RETRY_AFTER_MS = 1000
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        metrics: Metrics | None = None,
-        max_deadline_s: float = 600.0,
-        stall_timeout_s: float = 30.0,
-    ) -> None:
-        self.scheduler = scheduler
-        self.max_deadline_s = max_deadline_s
-        self.stall_timeout_s = stall_timeout_s
-        self.metrics = metrics or Metrics()
-        self.metrics.active_streams.set_function(lambda: scheduler.active)
-        self.metrics.queue_depth.set_function(lambda: scheduler.waiting)
-        self.runtime: Runtime | None = None  # set once the model is loaded and warm
-        self.draining = False  # set when a drain starts: new calls are refused at once
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.metrics = serving.metrics
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -57,16 +48,16 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         try:
             check_request_id(request.request_id)
         except InvalidParameter as error:
-            await context.abort(*status_of(error, request_id=""))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = request.request_id or uuid.uuid4().hex[:16]
-        record = RequestRecord(self.metrics)
+        record = RequestRecord(self.metrics, api="grpc")
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                async with contextlib.aclosing(
-                    self._generate(runtime, request, request_id, record)
-                ) as responses:
-                    async for response in responses:
-                        await self._send(context, response)
+                params = parse_generate(request, runtime.limits, runtime.defaults)
+                rounds = self.serving.generate(runtime, params, request_id, record)
+                async with contextlib.aclosing(rounds):
+                    async for round_ in rounds:
+                        await self._send(context, to_response(round_, request_id))
                 record.code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
                 raise
@@ -76,11 +67,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             except ClientGone:
                 record.code = grpc.StatusCode.CANCELLED  # left while a message was being sent
             except Exception as error:
-                code, message = status_of(error, request_id)
-                record.code = code
+                failure = failure_of(error, request_id)
+                record.code = failure.code
                 if isinstance(error, Overloaded):  # gRPC retry policies honour the pushback
                     context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(RETRY_AFTER_MS)),))
-                await context.abort(code, message)
+                await context.abort(failure.code, failure.message)
             finally:
                 record.close()
 
@@ -88,11 +79,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         """Write one message; a client that reads nothing for stall_timeout_s loses its stream
         (gRPC's flow control holds a write once the client's window is full: without a limit,
         a client that stops reading would hold its slot, and its rounds, forever)."""
+        timeout = self.serving.stall_timeout_s
         try:
-            await asyncio.wait_for(context.write(response), self.stall_timeout_s)
+            await asyncio.wait_for(context.write(response), timeout)
         except TimeoutError:
             self.metrics.stalled_streams.inc()
-            raise StreamStalled(self.stall_timeout_s) from None
+            raise StreamStalled(timeout) from None
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -102,65 +94,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             log.debug("write_failed", error=repr(error))
             raise ClientGone from error
 
-    async def _generate(
-        self, runtime: Runtime, request: pb.GenerateRequest, request_id: str, record: RequestRecord
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        params = parse_generate(request, runtime.limits, runtime.defaults)
-        prompt_ids = await asyncio.to_thread(self._encode, runtime, params.prompt, params.messages)
-        check_prompt_length(len(prompt_ids), runtime.limits)
-        try:
-            slot = await asyncio.wait_for(
-                self.scheduler.acquire(), record.remaining(self.max_deadline_s)
-            )
-        except TimeoutError:
-            raise DeadlineCapExceeded(self.max_deadline_s) from None
-        async with slot:
-            generation = runtime.engine.start(
-                prompt_ids,
-                sampling=params.sampling,
-                stopping=params.stopping,
-                speculation=params.speculation,
-                request_id=request_id,
-            )
-            responses = self._stream(runtime.engine.batch, generation, request_id, record)
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    yield response
-
-    async def _stream(
-        self, batch: Batch, generation: Generation, request_id: str, record: RequestRecord
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        started = time.perf_counter()
-        outcome = "cancelled"
-        last: Round | None = None
-        try:
-            rounds = self.scheduler.stream(batch, generation)
-            async with contextlib.aclosing(rounds):
-                async for last in rounds:
-                    record.observe(last)
-                    yield to_response(last, request_id)
-                    # Checked between rounds: the cap is overshot by at most one round.
-                    if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
-                        raise DeadlineCapExceeded(self.max_deadline_s)
-            outcome = "finished"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception:
-            outcome = "failed"
-            raise
-        finally:
-            _log_summary(last, outcome, time.perf_counter() - started)
-
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         runtime = await self._ready(context, request)
         try:
             prompt, messages = parse_input(request)
-            ids = await asyncio.to_thread(self._encode, runtime, prompt, messages)
+            ids = await self.serving.encode(runtime, prompt, messages)
         except InvalidParameter as error:
-            await context.abort(*status_of(error, request_id=""))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         target = runtime.engine.target
         tokens = target.tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, token_count=len(ids))
@@ -177,80 +119,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:
-        if self.draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
-            )
-        if isinstance(request, Unparseable):
+        if isinstance(request, Unparseable) and not self.serving.draining:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        if self.runtime is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the model is still loading; retry when the health service reports SERVING",
-            )
-        return self.runtime
-
-    @staticmethod
-    def _encode(
-        runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
-    ) -> list[int]:
-        """Token ids of a raw prompt or a chat; a model without a chat template is bad input."""
-        target = runtime.engine.target
-        if prompt is not None:
-            return target.encode_prompt(prompt)
         try:
-            return target.encode_chat(messages or ())
-        except ValueError as error:
-            raise InvalidParameter("messages", str(error)) from error
-
-
-class ClientGone(Exception):
-    """A message could not be written: the call ended on the client's side."""
-
-
-class StreamStalled(Exception):
-    """The client read nothing for the server's --stream-stall-timeout-s."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(
-            f"the client read nothing for {timeout_s:g} s (the server's stream stall timeout); "
-            "the stream was cancelled"
-        )
-
-
-class DeadlineCapExceeded(Exception):
-    """The request ran past the server's --max-deadline-s."""
-
-    def __init__(self, cap_s: float) -> None:
-        super().__init__(f"the request ran past the server's limit of {cap_s:g} s")
-
-
-# The status of a Generate call that fails, by exception, with its message: the exception's own
-# (None) or a template. Anything else is a bug: INTERNAL, with a request id to report.
-_STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
-    (DeadlineCapExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, None),
-    (StreamStalled, grpc.StatusCode.DEADLINE_EXCEEDED, None),
-    (InvalidParameter, grpc.StatusCode.INVALID_ARGUMENT, None),
-    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
-    (
-        torch.OutOfMemoryError,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "the target ran out of memory on this request (request_id={request_id}); "
-        "retry with a shorter prompt or fewer new tokens",
-    ),
-    (Exception, grpc.StatusCode.INTERNAL, "internal error (request_id={request_id})"),
-)
-
-
-def status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message a failed Generate call ends with (never a traceback)."""
-    for kind, code, template in _STATUS_CODES:
-        if isinstance(error, kind):
-            if template is None:  # the caller's input or the server's load: nothing to log
-                return code, str(error)
-            log.exception("generate_failed", code=code.name)
-            return code, template.format(request_id=request_id)
-    raise AssertionError("unreachable: the table ends with Exception")
+            return self.serving.ready()
+        except Unavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            raise  # unreachable: abort raises
 
 
 class Unparseable:
@@ -297,38 +172,6 @@ def generator_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
     )
 
 
-class RequestRecord:
-    """One Generate call's metrics: time to first token, gaps between rounds, the outcome."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-        self._started = self._last = time.perf_counter()
-        self._first = True
-        self._tokens = 0
-        self.code = grpc.StatusCode.UNKNOWN
-        self.finish_reason: FinishReason | None = None
-
-    def remaining(self, cap_s: float) -> float:
-        return cap_s - (time.perf_counter() - self._started)
-
-    def observe(self, round_: Round) -> None:
-        now = time.perf_counter()
-        histogram = self._metrics.ttft if self._first else self._metrics.round_seconds
-        histogram.observe(now - self._last)
-        self._first, self._last = False, now
-        self._tokens += len(round_.token_ids)
-        self._metrics.observe_round(round_)
-        if round_.finish_reason is not None:
-            self.finish_reason = round_.finish_reason
-
-    def close(self) -> None:
-        reason = self.finish_reason.value if self.finish_reason else "none"
-        self._metrics.requests.labels(finish_reason=reason, code=self.code.name).inc()
-        seconds = self._last - self._started
-        if self.finish_reason is not None and seconds > 0:
-            self._metrics.tokens_per_second.observe(self._tokens / seconds)
-
-
 def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=request_id,
@@ -349,30 +192,3 @@ def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
     if round_.usage is not None:
         response.usage.CopyFrom(usage_to_proto(round_.usage))
     return response
-
-
-def _log_summary(last: Round | None, outcome: str, seconds: float) -> None:
-    usage = last.usage if last is not None else None
-    if usage is None:
-        log.info(
-            "request_done",
-            outcome=outcome,
-            rounds=last.index + 1 if last else 0,
-            seconds=round(seconds, 3),
-        )
-        return
-    log.info(
-        "request_done",
-        outcome=outcome,
-        finish_reason=last.finish_reason.value if last.finish_reason else None,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        drafted=usage.drafted_tokens,
-        accepted=usage.accepted_tokens,
-        acceptance=round(usage.accepted_tokens / usage.drafted_tokens, 3)
-        if usage.drafted_tokens
-        else None,
-        rounds=usage.rounds,
-        seconds=round(seconds, 3),
-        tokens_per_s=round(usage.completion_tokens / seconds, 1) if seconds > 0 else None,
-    )

@@ -182,7 +182,7 @@ async def test_resource_exhausted_beyond_streams_and_queue(
     with pytest.raises(grpc.aio.AioRpcError) as error:
         refused.result()
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "retry later" in error.value.details()
+    assert "retry after" in error.value.details()
     assert server.scheduler.waiting == 1
     running.cancel()
     held_passes.open()

@@ -42,8 +42,15 @@ async def test_metrics_move_with_requests(strict_server, scrape, collect, prompt
     def moved(name: str, **labels: str) -> float:
         return after.value(name, **labels) - before.value(name, **labels)
 
-    assert after.value("kenspec_requests_total", finish_reason="length", code="OK") == 1.0
-    assert after.value("kenspec_requests_total", finish_reason="none", code="INVALID_ARGUMENT") == 1
+    assert (
+        after.value("kenspec_requests_total", api="grpc", finish_reason="length", code="OK") == 1.0
+    )
+    assert (
+        after.value(
+            "kenspec_requests_total", api="grpc", finish_reason="none", code="INVALID_ARGUMENT"
+        )
+        == 1
+    )
     rounds = len(finished)
     by_mode = sum(
         after.value("kenspec_rounds_total", mode=m) for m in ("speculative", "autoregressive")

@@ -204,7 +204,7 @@ def test_target_failure_fails_only_that_request(served, monkeypatch) -> None:
     """A forward pass that raises (a kernel failure) fails its own request with a clear status;
     the slot and cache are freed and other requests go on."""
     server, stub, _ = served
-    target = server.server.service.runtime.engine.target
+    target = server.server.serving.runtime.engine.target
     poison = target.encode_prompt("zq#")[-1]  # every forward of a request starts with its
     assert poison != target.encode_prompt("Hello")[-1]  # pending token: the prompt's last one
     fail_passes_fed(monkeypatch, poison)

@@ -1,0 +1,245 @@
+"""What the gRPC and the HTTP APIs share: readiness, prompts to token ids, one generation's
+rounds under the server's limits, how a failed call is reported, and each call's metrics.
+
+Both APIs turn their request into GenerateParams, ask `Serving.generate` for the rounds and
+write them out in their own framing; one scheduler, one batch, one set of limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from kenspec_api.outputs import FinishReason
+from server.engine.generation import Round
+from server.engine.params import InvalidParameter
+from server.metrics import Metrics
+from server.requests import GenerateParams, check_prompt_length
+from server.runtime import Runtime
+from server.scheduler import Overloaded, Scheduler
+
+log = structlog.get_logger("kenspec.service")
+
+# A call refused for load says when to retry: gRPC in a trailer (gRFC A6's server pushback,
+# which gRPC's built-in retries honour), HTTP in a Retry-After header.
+RETRY_AFTER_MS = 1000
+
+
+class Unavailable(Exception):
+    """The model is still loading, or the server is draining."""
+
+
+class ClientGone(Exception):
+    """A message could not be written: the call ended on the client's side."""
+
+
+class StreamStalled(Exception):
+    """The client read nothing for the server's --stream-stall-timeout-s."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the client read nothing for {timeout_s:g} s (the server's stream stall timeout); "
+            "the stream was cancelled"
+        )
+
+
+class DeadlineCapExceeded(Exception):
+    """The request ran past the server's --max-deadline-s."""
+
+    def __init__(self, cap_s: float) -> None:
+        super().__init__(f"the request ran past the server's limit of {cap_s:g} s")
+
+
+class Serving:
+    """The loaded runtime and the scheduler, as both APIs reach them."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        max_deadline_s: float = 600.0,
+        stall_timeout_s: float = 30.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.max_deadline_s = max_deadline_s
+        self.stall_timeout_s = stall_timeout_s
+        self.runtime: Runtime | None = None  # set once the model is loaded and warm
+        self.draining = False  # set when a drain starts: new calls are refused at once
+
+    @property
+    def serving(self) -> bool:
+        """What the health checks report: loaded, warm and not draining."""
+        return self.runtime is not None and not self.draining
+
+    def ready(self) -> Runtime:
+        """The runtime, or Unavailable with what the caller should do."""
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
+        if self.runtime is None:
+            raise Unavailable(
+                "the model is still loading; retry when the health check reports SERVING"
+            )
+        return self.runtime
+
+    async def encode(
+        self, runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
+    ) -> list[int]:
+        """Token ids of a raw prompt or a chat; a model without a chat template is bad input."""
+        target = runtime.engine.target
+        if prompt is not None:
+            return await asyncio.to_thread(target.encode_prompt, prompt)
+        try:
+            return await asyncio.to_thread(target.encode_chat, messages or ())
+        except ValueError as error:
+            raise InvalidParameter("messages", str(error)) from error
+
+    async def generate(
+        self, runtime: Runtime, params: GenerateParams, request_id: str, record: RequestRecord
+    ) -> AsyncIterator[Round]:
+        """The request's rounds as the batch verifies them: encoded, checked against the
+        limits, queued for a slot within the deadline cap, then streamed from the batch."""
+        prompt_ids = await self.encode(runtime, params.prompt, params.messages)
+        check_prompt_length(len(prompt_ids), runtime.limits)
+        try:
+            slot = await asyncio.wait_for(
+                self.scheduler.acquire(), record.remaining(self.max_deadline_s)
+            )
+        except TimeoutError:
+            raise DeadlineCapExceeded(self.max_deadline_s) from None
+        async with slot:
+            generation = runtime.engine.start(
+                prompt_ids,
+                sampling=params.sampling,
+                stopping=params.stopping,
+                speculation=params.speculation,
+                request_id=request_id,
+            )
+            started = time.perf_counter()
+            outcome, last = "cancelled", None
+            try:
+                rounds = self.scheduler.stream(runtime.engine.batch, generation)
+                async with contextlib.aclosing(rounds):
+                    async for last in rounds:
+                        record.observe(last)
+                        yield last
+                        # Checked between rounds: the cap is overshot by at most one round.
+                        if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
+                            raise DeadlineCapExceeded(self.max_deadline_s)
+                outcome = "finished"
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                outcome = "failed"
+                raise
+            finally:
+                _log_summary(last, outcome, time.perf_counter() - started)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """How a failed call is reported: its gRPC status, its HTTP status, and the message."""
+
+    code: grpc.StatusCode
+    http_status: int
+    message: str
+
+
+# By exception: the status in each API, and the message: the exception's own (None) or a
+# template. Anything else is a bug: INTERNAL, with a request id to report.
+_FAILURES: tuple[tuple[type[BaseException], grpc.StatusCode, int, str | None], ...] = (
+    (Unavailable, grpc.StatusCode.UNAVAILABLE, 503, None),
+    (DeadlineCapExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 504, None),
+    (StreamStalled, grpc.StatusCode.DEADLINE_EXCEEDED, 408, None),
+    (InvalidParameter, grpc.StatusCode.INVALID_ARGUMENT, 400, None),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429, None),
+    (
+        torch.OutOfMemoryError,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        503,
+        "the target ran out of memory on this request (request_id={request_id}); "
+        "retry with a shorter prompt or fewer new tokens",
+    ),
+    (Exception, grpc.StatusCode.INTERNAL, 500, "internal error (request_id={request_id})"),
+)
+
+
+def failure_of(error: Exception, request_id: str) -> Failure:
+    """How a call that raised `error` ends (never with a traceback); bugs are logged."""
+    for kind, code, http_status, template in _FAILURES:
+        if isinstance(error, kind):
+            if template is None:  # the caller's input or the server's load: nothing to log
+                return Failure(code, http_status, str(error))
+            log.exception("generate_failed", code=code.name)
+            return Failure(code, http_status, template.format(request_id=request_id))
+    raise AssertionError("unreachable: the table ends with Exception")
+
+
+class RequestRecord:
+    """One generate call's metrics: time to first token, gaps between rounds, the outcome
+    (labelled by the API it came through)."""
+
+    def __init__(self, metrics: Metrics, api: str) -> None:
+        self._metrics = metrics
+        self._api = api
+        self._started = self._last = time.perf_counter()
+        self._first = True
+        self._tokens = 0
+        self.code = grpc.StatusCode.UNKNOWN
+        self.finish_reason: FinishReason | None = None
+
+    def remaining(self, cap_s: float) -> float:
+        return cap_s - (time.perf_counter() - self._started)
+
+    def observe(self, round_: Round) -> None:
+        now = time.perf_counter()
+        histogram = self._metrics.ttft if self._first else self._metrics.round_seconds
+        histogram.observe(now - self._last)
+        self._first, self._last = False, now
+        self._tokens += len(round_.token_ids)
+        self._metrics.observe_round(round_)
+        if round_.finish_reason is not None:
+            self.finish_reason = round_.finish_reason
+
+    def close(self) -> None:
+        reason = self.finish_reason.value if self.finish_reason else "none"
+        self._metrics.requests.labels(
+            api=self._api, finish_reason=reason, code=self.code.name
+        ).inc()
+        seconds = self._last - self._started
+        if self.finish_reason is not None and seconds > 0:
+            self._metrics.tokens_per_second.observe(self._tokens / seconds)
+
+
+def _log_summary(last: Round | None, outcome: str, seconds: float) -> None:
+    usage = last.usage if last is not None else None
+    if usage is None:
+        log.info(
+            "request_done",
+            outcome=outcome,
+            rounds=last.index + 1 if last else 0,
+            seconds=round(seconds, 3),
+        )
+        return
+    log.info(
+        "request_done",
+        outcome=outcome,
+        finish_reason=last.finish_reason.value if last.finish_reason else None,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        drafted=usage.drafted_tokens,
+        accepted=usage.accepted_tokens,
+        acceptance=round(usage.accepted_tokens / usage.drafted_tokens, 3)
+        if usage.drafted_tokens
+        else None,
+        rounds=usage.rounds,
+        seconds=round(seconds, 3),
+        tokens_per_s=round(usage.completion_tokens / seconds, 1) if seconds > 0 else None,
+    )
