@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def server_command(args: Sequence[str]) -> list[str]:
-    """`python -m server` on a free port, JSON logs, no metrics port, pass costs measured at
-    start-up (not read from a cache an earlier run left), then `args`."""
+    """`python -m server` on a free port, JSON logs, no metrics port and no HTTP API (unless
+    `args` set them), pass costs measured at start-up (not read from a cache an earlier run
+    left), then `args`."""
     return [
         sys.executable,
         "-m",
@@ -26,6 +27,8 @@ def server_command(args: Sequence[str]) -> list[str]:
         "--log-format",
         "json",
         "--metrics-port",
+        "-1",
+        "--http-port",
         "-1",
         "--calibration-cache",
         "none",
@@ -51,6 +54,9 @@ class ServerProcess:
         self._reader.start()
         self.port = int(self.wait_for("listening", timeout)["address"].rsplit(":", 1)[1])
         self.wait_for("ready", timeout)
+        http = [e for e in self.events if e.get("event") == "http_listening"]
+        # the OpenAI-compatible API's port, when --http-port turned it on
+        self.http_port = int(http[0]["address"].rsplit(":", 1)[1]) if http else None
 
     def _drain(self) -> None:
         """Collect JSON log events; other output (KenLM's progress bars) is skipped."""

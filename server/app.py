@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import structlog
@@ -20,10 +21,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
+from server.openai_api.app import build_app
+from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
 from server.security import BearerTokenInterceptor, read_tokens, server_credentials
 from server.service import GeneratorService, generator_handler
+from server.serving import Serving
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.server")
@@ -45,17 +49,19 @@ class KenspecServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        self.service = GeneratorService(
+        self.serving = Serving(
             self.scheduler,
             self.metrics,
             settings.max_deadline_s,
             stall_timeout_s=settings.stream_stall_timeout_s,
         )
+        self.service = GeneratorService(self.serving)
         self.health = health_aio.HealthServicer()
         self.port = 0
-        interceptors = []
-        if settings.auth_tokens_file:
-            interceptors.append(BearerTokenInterceptor(read_tokens(settings.auth_tokens_file)))
+        tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
+        interceptors = [BearerTokenInterceptor(tokens)] if tokens else []
+        self.http = self._http_server(tokens) if settings.http_port >= 0 else None
+        self.http_port: int | None = None
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -64,6 +70,24 @@ class KenspecServer:
             ],
         )
         self._register()
+
+    def _http_server(self, tokens: tuple[bytes, ...]) -> HttpServer:
+        """The OpenAI-compatible API, on this loop and this Serving (server.openai_api)."""
+        settings = self.settings
+        app = build_app(
+            self.serving,
+            model_name=settings.served_model_name or Path(settings.model).name,
+            tokens=tokens,
+            max_body_bytes=settings.max_message_bytes,
+        )
+        return HttpServer(
+            app,
+            settings.host,
+            settings.http_port,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_client_ca=settings.tls_client_ca,
+        )
 
     def _register(self) -> None:
         self._server.add_generic_rpc_handlers([generator_handler(self.service)])
@@ -91,6 +115,10 @@ class KenspecServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         log.info("listening", address=f"{self.settings.host}:{self.port}")
+        if self.http is not None:
+            self.http_port = await self.http.start()
+            scheme = "https" if self.settings.tls_cert else "http"
+            log.info("http_listening", address=f"{scheme}://{self.settings.host}:{self.http_port}")
         if self.settings.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
             log.info("metrics", address=f"http://{self.settings.host}:{self.metrics_port}/metrics")
@@ -102,19 +130,22 @@ class KenspecServer:
         # OpenMP pool behind, which slows every later multi-token pass.
         runtime = await self.scheduler.run(self._loader, self.settings, self.metrics)
         self.metrics.set_draft_breaker(runtime.engine.draft_breaker_state)
-        self.service.runtime = runtime
+        self.serving.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
         grace = self.settings.grace_period_s if grace_s is None else grace_s
-        self.service.draining = True  # before the log line: no call slips in after it
+        self.serving.draining = True  # before the log line: no call slips in after it
         log.info("draining", grace_s=grace)
         await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        stopping = [self._server.stop(grace)]
+        if self.http is not None:
+            stopping.append(self.http.stop(grace))
+        await asyncio.gather(*stopping)
         await asyncio.to_thread(self.scheduler.shutdown)
-        if self.service.runtime is not None:  # the engine thread is done: its costs are still
-            await asyncio.to_thread(self.service.runtime.save_costs)
+        if self.serving.runtime is not None:  # the engine thread is done: its costs are still
+            await asyncio.to_thread(self.serving.runtime.save_costs)
         self.metrics.close()
         log.info("stopped")
 

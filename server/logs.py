@@ -33,3 +33,23 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _route_standard_logging(renderer, numeric_level)
+
+
+def _route_standard_logging(renderer: structlog.typing.Processor, level: int) -> None:
+    """Libraries that log through `logging` (uvicorn, under the HTTP API) write the same lines
+    as kenspec's own: JSON or console, with a level and a timestamp; warnings and above."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(level, logging.WARNING))

@@ -38,6 +38,8 @@ class Settings:
     max_deadline_s: float = 600.0
     stream_stall_timeout_s: float = 30.0
     metrics_port: int = 9400
+    http_port: int = 8000
+    served_model_name: str = ""
     # speculation
     num_draft_tokens: int = 6
     adaptive: bool = False
@@ -105,6 +107,11 @@ _HELP = {
     "stream_stall_timeout_s": "cancel a stream whose client reads nothing for this long (its "
     "window full, a message waits): it no longer holds a slot or its unsent rounds",
     "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
+    "http_port": "OpenAI-compatible HTTP API port on --host (/v1/chat/completions, "
+    "/v1/completions, /v1/models, /health), beside gRPC on the same engine, with the same "
+    "tokens, TLS and limits (0: pick a free one; -1: off)",
+    "served_model_name": "the model id the HTTP API lists and expects in requests' model field "
+    "(empty: the model folder's name)",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
     "min_draft_prob": "stop a KenLM chain at the first n-gram step below this probability (in "
@@ -219,6 +226,9 @@ def parse_settings(
         parser.error(
             f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"
         )
+    for name in ("http_port", "metrics_port"):
+        if getattr(namespace, name) < -1:
+            parser.error(f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number")
     if namespace.prefix_cache_mb < -1:
         parser.error(
             f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"

@@ -1,19 +1,14 @@
-"""TLS and mutual TLS handshakes (certificates made here with `cryptography`), bearer tokens,
-and the server's deadline cap."""
+"""TLS and mutual TLS handshakes (certificates from conftest's `pki`), bearer tokens, and the
+server's deadline cap."""
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, AuthenticationError, ServerUnavailable
@@ -21,60 +16,6 @@ from kenspec_api import generator_pb2 as pb
 from server.app import KenspecServer
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
-
-
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
-def _certificate(subject, issuer, key, signer, *, ca: bool, dns: str | None = None):
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if dns:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False
-        )
-    return builder.sign(signer, hashes.SHA256())
-
-
-def _write(directory: Path, name: str, certificate, key) -> tuple[Path, Path]:
-    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, Path]:
-    """A CA, a server certificate for 'localhost', a client certificate, and a stranger's."""
-    directory = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _certificate("kenspec test CA", "kenspec test CA", ca_key, ca_key, ca=True)
-    ca_path, _ = _write(directory, "ca", ca, ca_key)
-    files = {"ca": ca_path}
-    for name in ("server", "client"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = _certificate(name, "kenspec test CA", key, ca_key, ca=False, dns="localhost")
-        files[f"{name}_cert"], files[f"{name}_key"] = _write(directory, name, cert, key)
-    other_key = ec.generate_private_key(ec.SECP256R1())
-    other = _certificate("stranger", "stranger", other_key, other_key, ca=False)
-    files["stranger_cert"], files["stranger_key"] = _write(directory, "stranger", other, other_key)
-    return files
 
 
 async def generate_text(client: AsyncClient) -> str:

@@ -1,0 +1,286 @@
+"""From an OpenAI-shaped JSON body to GenerateParams, checked against the server's limits.
+
+Every field of the body is either used, accepted at the only value kenspec serves (``n: 1``,
+``logprobs: false``, ``presence_penalty: 0``, ...), or refused with a 400 naming it: nothing is
+silently ignored. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
+``extra_body``): ``top_k``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
+``draft_context``, ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.requests import Defaults, GenerateParams, Limits
+
+# OpenAI's default temperature and top_p (a request that leaves them out samples).
+DEFAULT_TEMPERATURE = 1.0
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    model: str
+    params: GenerateParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    user: str | None
+
+
+def _absent_or(*allowed: object) -> Callable[[object], bool]:
+    return lambda value: value is None or value in allowed
+
+
+# Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
+_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
+    "n": (_absent_or(1), "only n=1 is served (one choice per request)"),
+    "logprobs": (_absent_or(False), "log probabilities are not returned"),
+    "top_logprobs": (_absent_or(0), "log probabilities are not returned"),
+    "presence_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
+    "frequency_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "tools": (lambda v: not v, "tools (function calling) are not supported"),
+    "functions": (lambda v: not v, "functions (function calling) are not supported"),
+    "tool_choice": (_absent_or("none"), "tools (function calling) are not supported"),
+    "function_call": (_absent_or("none"), "functions (function calling) are not supported"),
+    "parallel_tool_calls": (lambda v: True, ""),  # meaningless without tools
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        "only plain text is served (response_format {'type': 'text'})",
+    ),
+}
+_COMPLETION_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
+    "n": _DEFAULT_ONLY["n"],
+    "logprobs": (_absent_or(0), "log probabilities are not returned"),
+    "echo": (_absent_or(False), "echo is not supported"),
+    "best_of": (_absent_or(1), "only best_of=1 is served"),
+    "suffix": (_absent_or(""), "suffix (insertion) is not supported"),
+    "presence_penalty": _DEFAULT_ONLY["presence_penalty"],
+    "frequency_penalty": _DEFAULT_ONLY["frequency_penalty"],
+    "logit_bias": _DEFAULT_ONLY["logit_bias"],
+}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    # kenspec's own
+    "top_k",
+    "speculation",
+    "num_draft_tokens",
+    "adaptive",
+    "draft_context",
+    "ignore_eos",
+}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys()
+COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
+
+
+def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
+    """POST /v1/chat/completions."""
+    _check_fields(body, CHAT_FIELDS, _DEFAULT_ONLY)
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise InvalidParameter("max_tokens", "send max_tokens or max_completion_tokens, not both")
+    max_tokens = _int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", minimum=1)
+    return _request(body, limits, defaults, None, _messages(body), max_tokens)
+
+
+def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
+    """POST /v1/completions: one prompt string (a list holding one string is the same)."""
+    _check_fields(body, COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidParameter(
+            "prompt", "must be one string (lists of prompts and token ids are not served)"
+        )
+    if not prompt:
+        raise InvalidParameter("prompt", "must not be empty")
+    max_tokens = _int(body, "max_tokens", minimum=1)
+    return _request(body, limits, defaults, prompt, None, max_tokens)
+
+
+def _request(
+    body: Mapping[str, Any],
+    limits: Limits,
+    defaults: Defaults,
+    prompt: str | None,
+    messages: tuple[dict[str, str], ...] | None,
+    max_tokens: int | None,
+) -> OpenAIRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidParameter("model", "required: the id GET /v1/models lists")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise InvalidParameter("stream_options", "only allowed when stream is true")
+    options = options or {}
+    if not isinstance(options, dict) or not options.keys() <= {"include_usage"}:
+        raise InvalidParameter("stream_options", "only include_usage is supported")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidParameter("user", "must be a string")
+    params = GenerateParams(
+        prompt=prompt,
+        messages=messages,
+        sampling=_sampling(body),
+        stopping=_stopping(body, max_tokens, limits),
+        speculation=_speculation(body, limits, defaults),
+    )
+    return OpenAIRequest(
+        model=model,
+        params=params,
+        stream=stream,
+        include_usage=_bool(options, "include_usage", False),
+        user=user,
+    )
+
+
+def _check_fields(
+    body: Mapping[str, Any],
+    known: set[str],
+    default_only: Mapping[str, tuple[Callable[[object], bool], str]],
+) -> None:
+    for name in body:
+        if name not in known:
+            raise InvalidParameter(name, "unknown or unsupported field")
+        check = default_only.get(name)
+        if check is not None and not check[0](body[name]):
+            raise InvalidParameter(name, check[1])
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameter("messages", "must be a non-empty list of messages")
+    return tuple(_message(index, message) for index, message in enumerate(messages))
+
+
+def _message(index: int, message: object) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidParameter(where, "must be an object with role and content")
+    for name in message:
+        if name not in ("role", "content"):
+            raise InvalidParameter(f"{where}.{name}", "unsupported message field")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidParameter(
+            f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)} (tools are not served)"
+        )
+    return {"role": ROLES[role], "content": _content(where, message.get("content"))}
+
+
+def _content(where: str, content: object) -> str:
+    """A string, or a list of text parts (joined); images, audio and files are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameter(f"{where}.content", "must be a string or a list of text parts")
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidParameter(
+                f"{where}.content[{index}]", "only text parts ({'type': 'text'}) are served"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidParameter(f"{where}.content[{index}].text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    if temperature > 2.0:
+        raise InvalidParameter("temperature", f"must be in [0, 2], got {temperature}")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", minimum=0) or 0,
+        seed=_int(body, "seed", minimum=0),
+    )
+
+
+def _stopping(body: Mapping[str, Any], max_tokens: int | None, limits: Limits) -> StoppingParams:
+    max_new_tokens = max_tokens or limits.default_max_new_tokens
+    if max_new_tokens > limits.max_new_tokens:
+        raise InvalidParameter(
+            "max_tokens", f"{max_new_tokens} exceeds the server limit of {limits.max_new_tokens}"
+        )
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidParameter("stop", "must be a string or a list of strings")
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidParameter(
+            "stop", f"{len(stops)} stop sequences; the limit is {limits.max_stop_sequences}"
+        )
+    for index, text in enumerate(stops):
+        if len(text) > limits.max_stop_length:
+            raise InvalidParameter(
+                f"stop[{index}]", f"{len(text)} characters; the limit is {limits.max_stop_length}"
+            )
+    return StoppingParams(
+        max_new_tokens=max_new_tokens, stop=tuple(stops), ignore_eos=_bool(body, "ignore_eos")
+    )
+
+
+def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> SpeculationParams:
+    mode = body.get("speculation", "auto")
+    if mode not in ("auto", "off"):
+        raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {mode!r}")
+    k = _int(body, "num_draft_tokens", minimum=1) or defaults.num_draft_tokens
+    if k > limits.max_draft_tokens:
+        raise InvalidParameter(
+            "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
+        )
+    context = body.get("draft_context")
+    if context is not None and not isinstance(context, bool):
+        raise InvalidParameter("draft_context", "must be true, false or null (server default)")
+    return SpeculationParams(
+        enabled=mode == "auto",
+        num_draft_tokens=k,
+        adaptive=_bool(body, "adaptive", defaults.adaptive),
+        draft_context=context,
+    )
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidParameter(name, f"must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _int(body: Mapping[str, Any], name: str, *, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidParameter(name, f"must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidParameter(name, f"must be true or false, not {value!r}")
+    return value
