@@ -46,7 +46,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     KENSPEC_LOG_FORMAT=json \
     PYTHONUNBUFFERED=1
 USER kenspec
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-m", "server.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["python", "-m", "server"]

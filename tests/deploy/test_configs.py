@@ -58,6 +58,21 @@ def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
     assert seconds >= 600
 
 
+def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> None:
+    text = nginx_conf()
+    kenspec = compose()["services"]["kenspec"]
+    http_port = kenspec["environment"]["KENSPEC_HTTP_PORT"]
+    assert re.search(rf"server\s+kenspec:{http_port};", text)
+    assert re.search(r"proxy_pass\s+http://kenspec_http;", text)
+    assert re.search(r"proxy_buffering\s+off;", text)  # events as they come
+    listen = re.search(r"listen\s+(\d+);", text)
+    assert listen is not None
+    published = compose()["services"]["nginx"]["ports"]
+    assert f"{listen.group(1)}:{listen.group(1)}" in published
+    assert http_port in [str(p) for p in kenspec["expose"]]
+    assert int(re.search(r"proxy_read_timeout\s+(\d+)s;", text).group(1)) >= 600
+
+
 def test_prometheus_scrapes_every_replica_on_the_metrics_port() -> None:
     jobs = prometheus()["scrape_configs"]
     kenspec = compose()["services"]["kenspec"]

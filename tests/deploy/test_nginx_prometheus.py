@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from kenspec_api import generator_pb2 as pb
@@ -75,7 +76,7 @@ def require(binary: str) -> str:
 @pytest.fixture(scope="module")
 def replicas(tiny_server):
     metrics = [free_port(), free_port()]
-    processes = [tiny_server("--metrics-port", str(port)) for port in metrics]
+    processes = [tiny_server("--metrics-port", str(port), "--http-port", "0") for port in metrics]
     yield list(zip(processes, metrics, strict=True))
     for process in processes:
         process.stop()
@@ -92,10 +93,14 @@ def substitute(pattern: str, replacement: str, text: str) -> str:
 def nginx(replicas, tmp_path_factory) -> Iterator[int]:
     directory = tmp_path_factory.mktemp("nginx")
     port = free_port()
+    http_port = free_port()
     upstreams = "".join(f"server 127.0.0.1:{p.port};\n        " for p, _ in replicas)
+    http_upstreams = "".join(f"server 127.0.0.1:{p.http_port};\n        " for p, _ in replicas)
     config = (REPO / "deploy" / "nginx.conf").read_text()
-    config = substitute(r"server kenspec:\d+;\n\s*", upstreams, config)
+    config = substitute(r"server kenspec:50051;\n\s*", upstreams, config)
+    config = substitute(r"server kenspec:8000;\n\s*", http_upstreams, config)
     config = substitute(r"listen \d+ http2;", f"listen 127.0.0.1:{port} http2;", config)
+    config = substitute(r"listen 8000;", f"listen 127.0.0.1:{http_port};", config)
     config = config.replace("/tmp/kenspec-nginx", str(directory / "nginx"))
     # Notices (nginx logs when it starts its workers, after binding), and which replica served.
     config = substitute(r"error_log \S+ \w+;", "error_log stderr notice;", config)
@@ -117,7 +122,7 @@ def nginx(replicas, tmp_path_factory) -> Iterator[int]:
     )
     try:
         LogLines(process.stderr).wait_for("start worker process")
-        yield port
+        yield port, http_port
     finally:
         process.terminate()
         process.wait(10)
@@ -130,10 +135,12 @@ def stub_for(port: int) -> pb_grpc.GeneratorStub:
 def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx, scrape) -> None:
     def requests_ok(metrics_port: int) -> float:
         samples = scrape(metrics_port)
-        return samples.value("kenspec_requests_total", finish_reason="length", code="OK")
+        return samples.value(
+            "kenspec_requests_total", api="grpc", finish_reason="length", code="OK"
+        )
 
     before = [requests_ok(metrics) for _, metrics in replicas]
-    stub = stub_for(nginx)  # one channel, one HTTP/2 connection to nginx
+    stub = stub_for(nginx[0])  # one channel, one HTTP/2 connection to nginx
     for index in range(6):
         request = pb.GenerateRequest(
             prompt=f"Hello world {index}", stopping=pb.StoppingCriteria(max_new_tokens=8)
@@ -148,7 +155,7 @@ def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx,
 
 
 def test_cancellation_through_nginx_reaches_the_server(replicas, nginx, scrape) -> None:
-    stub = stub_for(nginx)
+    stub = stub_for(nginx[0])
     request = pb.GenerateRequest(
         prompt="The quick brown fox",
         stopping=pb.StoppingCriteria(max_new_tokens=390),
@@ -168,8 +175,34 @@ def test_cancellation_through_nginx_reaches_the_server(replicas, nginx, scrape) 
         pb.GetModelInfoRequest(), timeout=TIMEOUT
     )
     samples = scrape(metrics)
-    assert samples.value("kenspec_requests_total", finish_reason="none", code="CANCELLED") >= 1
+    assert (
+        samples.value("kenspec_requests_total", api="grpc", finish_reason="none", code="CANCELLED")
+        >= 1
+    )
     assert samples.value("kenspec_active_streams") == 0
+
+
+def test_openai_streaming_chat_through_nginx(replicas, nginx) -> None:
+    """The compose set-up's HTTP port: the official client streams through the proxy, one
+    event per round, from whichever replica nginx picks."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{nginx[1]}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+    )
+    (model,) = [card.id for card in client.models.list()]
+    for index in range(2):
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Hello {index}"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        *rounds, usage = list(stream)
+        assert usage.usage.completion_tokens == 8
+        assert len(rounds) == usage.model_extra["kenspec"]["rounds"]
+        assert rounds[-1].choices[0].finish_reason == "length"
+    client.close()
 
 
 class _RemoteWrites(http.server.BaseHTTPRequestHandler):
