@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install tools sysdeps model setup serve test lint proto bench clean
+.PHONY: install tools sysdeps model setup serve test lint proto bench draft clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ proto: install  ## regenerate kenspec_api from proto/
 
 bench: setup  ## the benchmark harness on the default model and draft (see bench/README.md)
 	$(PY) -m bench
+
+draft: install  ## a draft for your model: make draft MODEL=models/x PROMPTS=prompts.txt OUT=drafts/x
+	$(PY) -m draft_tools build --model $(MODEL) --prompts $(PROMPTS) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) tools .cache
