@@ -12,10 +12,11 @@ import grpc.aio
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 
-from .channel import DEFAULT_ADDRESS, ChannelSpec, channel_spec, tls_config
+from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_config
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
+from .tracing import trace_metadata
 
 
 class AsyncClient:
@@ -68,15 +69,18 @@ class AsyncClient:
         messages: Sequence[ChatTurn] | None = None,
         *,
         timeout: float | None = None,
+        traceparent: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> AsyncIterator[Round]:
         """Stream the rounds of one generation as they arrive.
 
         Bad arguments raise ``ValueError`` here, before anything is sent; call failures raise
         a `KenspecError` from the iteration. Leaving the loop early cancels the call.
+        The call carries the current OpenTelemetry span's context (when the application uses
+        OpenTelemetry), or `traceparent` (a W3C traceparent) when given.
         """
         request = build_generate_request(prompt, messages, **options)
-        return self._stream(request, timeout)
+        return self._stream(request, timeout, trace_metadata(traceparent))
 
     async def generate_text(
         self,
@@ -84,10 +88,14 @@ class AsyncClient:
         messages: Sequence[ChatTurn] | None = None,
         *,
         timeout: float | None = None,
+        traceparent: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Completion:
         """Run one generation to the end and join its rounds."""
-        rounds = [r async for r in self.generate(prompt, messages, timeout=timeout, **options)]
+        stream = self.generate(
+            prompt, messages, timeout=timeout, traceparent=traceparent, **options
+        )
+        rounds = [r async for r in stream]
         return completion_from_rounds(rounds, self.address)
 
     async def tokenize(
@@ -100,21 +108,23 @@ class AsyncClient:
     ) -> pb.TokenizeResponse:
         request = build_tokenize_request(prompt, messages, return_tokens=return_tokens)
         try:
-            return await self._connect().Tokenize(request, **self._call_options(timeout))
+            options = self._call_options(timeout, trace_metadata())
+            return await self._connect().Tokenize(request, **options)
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.address) from error
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         request = pb.GetModelInfoRequest()
         try:
-            return await self._connect().GetModelInfo(request, **self._call_options(timeout))
+            options = self._call_options(timeout, trace_metadata())
+            return await self._connect().GetModelInfo(request, **options)
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.address) from error
 
     async def _stream(
-        self, request: pb.GenerateRequest, timeout: float | None
+        self, request: pb.GenerateRequest, timeout: float | None, trace: Pairs
     ) -> AsyncIterator[Round]:
-        call = self._connect().Generate(request, **self._call_options(timeout))
+        call = self._connect().Generate(request, **self._call_options(timeout, trace))
         try:
             async for response in call:
                 yield Round.from_proto(response)
@@ -135,11 +145,11 @@ class AsyncClient:
             self._stub = pb_grpc.GeneratorStub(self._channel)
         return self._stub
 
-    def _call_options(self, timeout: float | None) -> dict[str, Any]:
+    def _call_options(self, timeout: float | None, trace: Pairs) -> dict[str, Any]:
         # wait_for_ready=False: fail fast with UNAVAILABLE instead of queueing until a
         # server appears, so a wrong address is reported at once.
         return {
             "timeout": timeout if timeout is not None else self._timeout,
-            "metadata": self._spec.metadata,
+            "metadata": self._spec.metadata + trace,
             "wait_for_ready": False,
         }

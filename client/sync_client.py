@@ -11,10 +11,11 @@ import grpc
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 
-from .channel import DEFAULT_ADDRESS, ChannelSpec, channel_spec, tls_config
+from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_config
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
+from .tracing import trace_metadata
 
 
 class Client:
@@ -62,11 +63,13 @@ class Client:
         messages: Sequence[ChatTurn] | None = None,
         *,
         timeout: float | None = None,
+        traceparent: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Iterator[Round]:
-        """Stream the rounds of one generation as they arrive (see `AsyncClient.generate`)."""
+        """Stream the rounds of one generation as they arrive (see `AsyncClient.generate`,
+        and there for the trace context sent)."""
         request = build_generate_request(prompt, messages, **options)
-        return self._stream(request, timeout)
+        return self._stream(request, timeout, trace_metadata(traceparent))
 
     def generate_text(
         self,
@@ -74,10 +77,14 @@ class Client:
         messages: Sequence[ChatTurn] | None = None,
         *,
         timeout: float | None = None,
+        traceparent: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Completion:
         """Run one generation to the end and join its rounds."""
-        rounds = list(self.generate(prompt, messages, timeout=timeout, **options))
+        stream = self.generate(
+            prompt, messages, timeout=timeout, traceparent=traceparent, **options
+        )
+        rounds = list(stream)
         return completion_from_rounds(rounds, self.address)
 
     def tokenize(
@@ -90,19 +97,22 @@ class Client:
     ) -> pb.TokenizeResponse:
         request = build_tokenize_request(prompt, messages, return_tokens=return_tokens)
         try:
-            return self._stub.Tokenize(request, **self._call_options(timeout))
+            return self._stub.Tokenize(request, **self._call_options(timeout, trace_metadata()))
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.address) from error
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         request = pb.GetModelInfoRequest()
         try:
-            return self._stub.GetModelInfo(request, **self._call_options(timeout))
+            options = self._call_options(timeout, trace_metadata())
+            return self._stub.GetModelInfo(request, **options)
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.address) from error
 
-    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Round]:
-        call = self._stub.Generate(request, **self._call_options(timeout))
+    def _stream(
+        self, request: pb.GenerateRequest, timeout: float | None, trace: Pairs
+    ) -> Iterator[Round]:
+        call = self._stub.Generate(request, **self._call_options(timeout, trace))
         try:
             for response in call:
                 yield Round.from_proto(response)
@@ -111,11 +121,11 @@ class Client:
         finally:
             call.cancel()  # a no-op once the stream has ended
 
-    def _call_options(self, timeout: float | None) -> dict[str, Any]:
+    def _call_options(self, timeout: float | None, trace: Pairs) -> dict[str, Any]:
         # wait_for_ready=False: fail fast with UNAVAILABLE rather than wait for a server.
         return {
             "timeout": timeout if timeout is not None else self._timeout,
-            "metadata": self._spec.metadata,
+            "metadata": self._spec.metadata + trace,
             "wait_for_ready": False,
         }
 

@@ -22,7 +22,6 @@ from server.scheduler import Overloaded
 from server.serving import (
     RETRY_AFTER_MS,
     ClientGone,
-    RequestRecord,
     Serving,
     StreamStalled,
     Unavailable,
@@ -34,6 +33,7 @@ log = structlog.get_logger("kenspec.service")
 # gRFC A6's server pushback trailer: gRPC's built-in retries honour it, and the bundled client
 # reads it into ServerBusy.retry_after_s.
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+GENERATE_SPAN = "kenspec.v1.Generator/Generate"  # a gRPC span's name: service/method
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
@@ -50,7 +50,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         except InvalidParameter as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = request.request_id or uuid.uuid4().hex[:16]
-        record = RequestRecord(self.metrics, api="grpc")
+        metadata = context.invocation_metadata()
+        record = self.serving.record("grpc", GENERATE_SPAN, request_id, metadata)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
                 params = parse_generate(request, runtime.limits, runtime.defaults)

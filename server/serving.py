@@ -24,6 +24,7 @@ from server.metrics import Metrics
 from server.requests import GenerateParams, check_prompt_length
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
+from server.tracing import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
 
 log = structlog.get_logger("kenspec.service")
 
@@ -66,9 +67,11 @@ class Serving:
         metrics: Metrics,
         max_deadline_s: float = 600.0,
         stall_timeout_s: float = 30.0,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
+        self.tracing = tracing
         self.max_deadline_s = max_deadline_s
         self.stall_timeout_s = stall_timeout_s
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
@@ -88,6 +91,12 @@ class Serving:
                 "the model is still loading; retry when the health check reports SERVING"
             )
         return self.runtime
+
+    def record(self, api: str, name: str, request_id: str, carrier: Carrier) -> RequestRecord:
+        """A generate call's record (its metrics, and its span named `name` when tracing is
+        on, a child of the trace context in `carrier`: gRPC metadata or HTTP headers)."""
+        span = self.tracing.request_span(api, name, request_id, carrier)
+        return RequestRecord(self.metrics, api, span)
 
     async def encode(
         self, runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
@@ -184,11 +193,12 @@ def failure_of(error: Exception, request_id: str) -> Failure:
 
 class RequestRecord:
     """One generate call's metrics: time to first token, gaps between rounds, the outcome
-    (labelled by the API it came through)."""
+    (labelled by the API it came through); its span sees the same rounds and outcome."""
 
-    def __init__(self, metrics: Metrics, api: str) -> None:
+    def __init__(self, metrics: Metrics, api: str, span: RequestSpan = NO_SPAN) -> None:
         self._metrics = metrics
         self._api = api
+        self._span = span
         self._started = self._last = time.perf_counter()
         self._first = True
         self._tokens = 0
@@ -205,6 +215,7 @@ class RequestRecord:
         self._first, self._last = False, now
         self._tokens += len(round_.token_ids)
         self._metrics.observe_round(round_)
+        self._span.round(round_)
         if round_.finish_reason is not None:
             self.finish_reason = round_.finish_reason
 
@@ -213,6 +224,7 @@ class RequestRecord:
         self._metrics.requests.labels(
             api=self._api, finish_reason=reason, code=self.code.name
         ).inc()
+        self._span.end(self.code)
         seconds = self._last - self._started
         if self.finish_reason is not None and seconds > 0:
             self._metrics.tokens_per_second.observe(self._tokens / seconds)

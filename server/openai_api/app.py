@@ -140,7 +140,8 @@ class OpenAIRoutes:
             runtime = self._ready()
         except HttpError as error:
             return error.response()
-        record = RequestRecord(self.serving.metrics, api="http")
+        span_name = f"{request.method} {request.url.path}"
+        record = self.serving.record("http", span_name, request_id, request.headers)
         try:
             body = await self._json(request)
             try:
