@@ -29,6 +29,7 @@ from server.security import BearerTokenInterceptor, read_tokens, server_credenti
 from server.service import GeneratorService, generator_handler
 from server.serving import Serving
 from server.settings import Settings
+from server.tracing import build_tracing
 
 log = structlog.get_logger("kenspec.server")
 
@@ -49,11 +50,14 @@ class KenspecServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
+        model_name = settings.served_model_name or Path(settings.model).name
+        self.tracing = build_tracing(settings.otel, settings.otel_service_name, model_name)
         self.serving = Serving(
             self.scheduler,
             self.metrics,
             settings.max_deadline_s,
             stall_timeout_s=settings.stream_stall_timeout_s,
+            tracing=self.tracing,
         )
         self.service = GeneratorService(self.serving)
         self.health = health_aio.HealthServicer()
@@ -128,7 +132,8 @@ class KenspecServer:
         """Load and warm the model off the event loop, then report SERVING."""
         # On the engine thread itself: a second thread running torch kernels leaves a second
         # OpenMP pool behind, which slows every later multi-token pass.
-        runtime = await self.scheduler.run(self._loader, self.settings, self.metrics)
+        events = self.tracing.engine_events(self.metrics)
+        runtime = await self.scheduler.run(self._loader, self.settings, events)
         self.metrics.set_draft_breaker(runtime.engine.draft_breaker_state)
         self.serving.runtime = runtime
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -147,6 +152,7 @@ class KenspecServer:
         if self.serving.runtime is not None:  # the engine thread is done: its costs are still
             await asyncio.to_thread(self.serving.runtime.save_costs)
         self.metrics.close()
+        await asyncio.to_thread(self.tracing.close)  # exports the spans left
         log.info("stopped")
 
     async def wait(self) -> None:

@@ -82,6 +82,9 @@ class Settings:
     # logs
     log_format: str = "auto"
     log_level: str = "info"
+    # tracing
+    otel: bool = False
+    otel_service_name: str = ""
 
     @property
     def has_draft(self) -> bool:
@@ -178,6 +181,9 @@ _HELP = {
     "max_message_bytes": "largest request message in bytes",
     "log_format": "console, json, or auto (console on a terminal, else JSON)",
     "log_level": "debug, info, warning or error",
+    "otel": "OpenTelemetry tracing: a span per generate call, exported as the standard OTEL_* "
+    "variables say (OTLP to OTEL_EXPORTER_OTLP_ENDPOINT); needs pip install 'kenspec[otel]'",
+    "otel_service_name": "service.name of the spans (empty: OTEL_SERVICE_NAME, else kenspec)",
 }
 
 
