@@ -10,6 +10,9 @@ won. Only 2-5 rows are candidates; see docs/design.md for the measurements.
 
 Both are the same product in float32, summed in a different order: results differ in the
 last bits, as any two GEMM kernels (or batch sizes) do.
+
+GPT-2's Conv1D layers are linear layers with the weight stored transposed ([in, out]: x @ W);
+they are timed and switched the same way, W^T @ x^T read from the stored weight.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 
 class SkinnyLinear(nn.Linear):
@@ -39,34 +43,58 @@ class SkinnyLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class SkinnyConv1D(Conv1D):
+    """A Conv1D (x @ W + b, W [in, out]) that computes inputs of `skinny_rows` rows as
+    (W^T @ x^T)^T."""
+
+    skinny_rows: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows not in self.skinny_rows:
+            return super().forward(x)
+        out = _skinny(self.weight.t(), x.reshape(rows, x.shape[-1])) + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_SKINNY = {nn.Linear: SkinnyLinear, Conv1D: SkinnyConv1D}  # stock class -> its skinny class
+_STOCK = {skinny: stock for stock, skinny in _SKINNY.items()}
+
+
+def _linear_weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's weight as F.linear takes it, [out, in] (a view for Conv1D)."""
+    return layer.weight.t() if isinstance(layer, Conv1D) else layer.weight
+
+
 def _skinny(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x @ weight^T for a [rows, in] x, computed as (weight @ x^T)^T, contiguous."""
     return (weight @ x.t()).t().contiguous()
 
 
-def decoder_linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's linear layers but its output layer, in forward order."""
+def decoder_linears(model: nn.Module) -> list[nn.Module]:
+    """The model's linear layers (nn.Linear or Conv1D) but its output layer, in forward order."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
 
 
 def use_skinny(model: nn.Module, rows: Iterable[int]) -> None:
     """Compute inputs of these row counts as W @ x^T in every decoder linear (none: undo)."""
     chosen = frozenset(rows)
     for layer in decoder_linears(model):
-        if chosen:
-            layer.__class__ = SkinnyLinear
+        stock = _STOCK.get(type(layer), type(layer))
+        if chosen and stock in _SKINNY:
+            layer.__class__ = _SKINNY[stock]
             layer.skinny_rows = chosen
-        elif isinstance(layer, SkinnyLinear):
-            layer.__class__ = nn.Linear
+        elif type(layer) in _STOCK:
+            layer.__class__ = stock
             del layer.skinny_rows
 
 
 @contextmanager
 def stock_linears(model: nn.Module) -> Iterator[None]:
     """Plain nn.Linear everywhere inside the block (e.g. to time transformers as shipped)."""
-    skinny = [layer for layer in decoder_linears(model) if isinstance(layer, SkinnyLinear)]
+    skinny = [layer for layer in decoder_linears(model) if type(layer) in _STOCK]
     rows = skinny[0].skinny_rows if skinny else frozenset()
     use_skinny(model, ())
     try:
@@ -93,7 +121,7 @@ def measure_skinny_rows(
     layers = decoder_linears(model)
     if not layers:
         return frozenset(), {}
-    weights = [(layer.weight, layer.bias) for layer in layers]
+    weights = [(_linear_weight(layer), layer.bias) for layer in layers]
     timings: dict[int, tuple[float, float]] = {}
     for rows in candidates:
         inputs = {

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,12 @@ class SlotCache:
         values[self._batch_index, :, self._positions] = value_states[0].transpose(0, 1)
         span = slice(self._first, self._stop)
         return keys[span, :, : self._kv_length], values[span, :, : self._kv_length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """What transformers asks a cache for positions and masks it was not given. kenspec
+        gives every pass both (each row has a length of its own), so no model reads this but
+        as a default (OPT asks for it whether or not it was given positions)."""
+        return 0
 
     @torch.inference_mode()
     def move(self, source: int, destination: int, length: int) -> None:
@@ -187,6 +193,43 @@ class Packing:
     slots: torch.Tensor  # [rows, width]: packed index of row r's w-th token (padding: its last)
     tokens: torch.Tensor  # [tokens]: each packed token's index in the flattened [rows * width]
     mask: torch.Tensor  # [rows, 1, width, kv_length], additive (see attention_mask)
+    grid: torch.Tensor | None = None  # [rows, width]: row r's length + w (see attention_mask)
+    # (row, length, depths) per row holding a token tree: its new tokens' positions are
+    # length + depth, not their slots' length + w
+    trees: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask
+
+    @property
+    def windows(self) -> frozenset[int]:
+        """The sliding windows the pass's layers asked masks for."""
+        return frozenset(self._windowed)
+
+    def windowed_mask(self, window: int) -> torch.Tensor:
+        """`mask` where a query at position p also sees no key at or before p - window
+        (transformers' sliding window: the key and the window - 1 keys before it)."""
+        mask = self._windowed.get(window)
+        if mask is None:
+            queries, keys = self._positions()
+            outside = (keys[:, None, :] <= queries[:, :, None] - window)[:, None]
+            mask = self.mask.masked_fill(outside, torch.finfo(self.mask.dtype).min)
+            self._windowed[window] = mask
+        return mask
+
+    def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of each row's queries [rows, width] and cache slots [rows, kv_length]:
+        a slot's own index, but for a token tree's new tokens, length + depth."""
+        if self.grid is None:
+            raise ValueError("this packing has no positions for a sliding-window mask")
+        rows, kv_length = self.mask.shape[0], self.mask.shape[-1]
+        if not self.trees:
+            return self.grid, torch.arange(kv_length, device=self.grid.device).expand(rows, -1)
+        queries = self.grid.clone()
+        keys = torch.arange(kv_length, device=self.grid.device).repeat(rows, 1)
+        for row, length, depths in self.trees:
+            tree = length + torch.tensor(depths, device=self.grid.device)
+            queries[row, : len(depths)] = tree
+            keys[row, length : length + len(depths)] = tree
+        return queries, keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +276,7 @@ def pack(
     width = max(len(row) for row in rows)
     starts, ids, positions, slots_in_row, owners, slots, flat = [], [], [], [], [], [], []
     tree_rows: list[tuple[int, int, Sequence[int]]] = []
+    tree_depths: list[tuple[int, int, tuple[int, ...]]] = []
     for index, (length, row, tree) in enumerate(zip(lengths, rows, trees, strict=True)):
         start = len(ids)
         starts.append(start)
@@ -246,6 +290,7 @@ def pack(
                 depth.append(0 if parent < 0 else depth[parent] + 1)
             positions += [length + d for d in depth]
             tree_rows.append((index, length, tree))
+            tree_depths.append((index, length, tuple(depth)))
         owners += [index] * len(row)
         slots.append([start + min(w, len(row) - 1) for w in range(width)])
         flat += range(index * width, index * width + len(row))
@@ -258,7 +303,9 @@ def pack(
         return torch.tensor(values, dtype=torch.long, device=device)
 
     mask = attention_mask(grid, kv_length, dtype, tree_rows)
-    packing = Packing(tensor(slots).view(len(rows), width), tensor(flat), mask)
+    packing = Packing(
+        tensor(slots).view(len(rows), width), tensor(flat), mask, grid, tuple(tree_depths)
+    )
     return PackedPass(
         input_ids=tensor(ids)[None],
         positions=tensor(positions)[None],
@@ -313,6 +360,7 @@ def grouped_attention(
     scaling: float | None = None,
     *,
     upcast: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a few queries per row over long caches, as plain products over the cache.
 
@@ -344,6 +392,9 @@ def grouped_attention(
     Queries are padded to 4 rows per product and the values to 384 keys (_MIN_BLOCK,
     _MIN_KEYS): zeros, which change no result but make each query's bits independent of what
     shares its pass.
+
+    softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2's
+    attn_logit_softcapping), as transformers' eager attention does.
     """
     dtype = query.dtype
     if dtype in _REDUCED and (KERNELS.upcast if upcast is None else upcast):
@@ -357,7 +408,10 @@ def grouped_attention(
     v = value.reshape(batch, kv_length, dim)
     scores = _products(q, k_t)[:, :block].float()
     scores = scores.reshape(rows, kv_heads, -1, width, kv_length)  # [.., group, width, ..]
-    scores.mul_(dim**-0.5 if scaling is None else scaling).add_(mask[:, :, None])
+    scores.mul_(dim**-0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores.add_(mask[:, :, None])
     probs = torch.softmax(scores, dim=-1).view(batch, block, kv_length).to(v.dtype)
     if kv_length < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
         v = F.pad(v, (0, 0, 0, _MIN_KEYS - kv_length))
@@ -436,21 +490,39 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention for a packed pass: query [1, heads, tokens, dim] against the bound
     rows' keys/values [rows, kv_heads, kv_length, dim] (SlotCache.update): grouped_attention
-    for passes KERNELS chooses it for (a few queries per row), SDPA for the others. Without a
-    packing (transformers' own generate on the same model) this is transformers' SDPA
-    attention."""
+    for passes KERNELS chooses it for (a few queries per row) and for soft-capped scores
+    (SDPA has no soft-capping), SDPA for the others. A layer given `sliding_window` attends
+    over that window (Packing.windowed_mask). Without a packing (transformers' own generate
+    on the same model) this is transformers' SDPA attention."""
     if packing is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    unsupported = sorted(name for name in _UNSUPPORTED_ARGUMENTS if kwargs.get(name) is not None)
+    if unsupported:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {', '.join(unsupported)} to its attention, "
+            "which kenspec's packed attention does not implement"
+        )
     rows, width = packing.slots.shape
     laid_out = query[0][:, packing.slots].transpose(0, 1)  # [rows, heads, width, dim]
-    grouped = KERNELS.takes_grouped(width, key.shape[2])
-    kernel = grouped_attention if grouped else sdpa_attention
-    out = kernel(laid_out, key, value, packing.mask, scaling)
+    window = kwargs.get("sliding_window")
+    mask = packing.windowed_mask(int(window)) if window else packing.mask  # type: ignore[call-overload]
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        out = grouped_attention(laid_out, key, value, mask, scaling, softcap=float(softcap))  # type: ignore[arg-type]
+    elif KERNELS.takes_grouped(width, key.shape[2]):
+        out = grouped_attention(laid_out, key, value, mask, scaling)
+    else:
+        out = sdpa_attention(laid_out, key, value, mask, scaling)
     heads, dim = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(rows * width, heads, dim)
     return out[packing.tokens][None], None  # [1, tokens, heads, dim]
+
+
+# Arguments some architectures pass their attention that change its result and that packed
+# attention does not implement: attention sinks (gpt-oss), chunked attention (Llama 4).
+_UNSUPPORTED_ARGUMENTS = ("s_aux", "sinks", "attention_chunk_size", "chunk_size")
 
 
 def sdpa_attention(

@@ -15,15 +15,26 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from server.engine.architecture import (
+    UnsupportedArchitecture,
+    check_packed_passes,
+    refuse_unsupported,
+    served_context,
+)
 from server.engine.slot_cache import PACKED_ATTENTION, SlotCache, pack
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Architectures whose logits are exactly lm_head(last_hidden_state): no bias, scaling or capping.
-# For these, rows of logits are computed one at a time and only when the verification needs them.
-_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2"})
+# Architectures whose logits are exactly the output layer of the base model's last hidden state
+# (soft-capped by config.final_logit_softcapping where set): no bias or scaling. For these, rows
+# of logits are computed one at a time and only when the verification needs them.
+_PLAIN_HEAD_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "phi3", "gemma2"}
+    | {"gemma3_text", "gpt2", "gpt_neox", "opt"}
+)
 
 
 class LazyLogits:
@@ -47,10 +58,12 @@ class LazyLogits:
         head_t: torch.Tensor,
         first: torch.Tensor,
         head: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> None:
         self._hidden = hidden  # [positions, hidden_size]
         self._head_t = head_t  # [hidden_size, vocab]
         self._head = head  # [vocab, hidden_size] (None: one GEMV per row)
+        self._softcap = softcap  # final_logit_softcapping (`first` is capped already)
         self._rows: dict[int, torch.Tensor] = {0: first}
 
     def __len__(self) -> int:
@@ -70,16 +83,24 @@ class LazyLogits:
                 end -= 1
             with torch.inference_mode():
                 if end - index == 1 or self._head is None:
-                    self._rows[index] = (self._hidden[index] @ self._head_t).float()
+                    self._rows[index] = capped(self._hidden[index] @ self._head_t, self._softcap)
                 else:
-                    block = (self._head @ self._hidden[index:end].t()).t().float()
+                    block = capped((self._head @ self._hidden[index:end].t()).t(), self._softcap)
                     self._rows.update(zip(range(index, end), block, strict=True))
             row = self._rows[index]
         return row
 
 
+def capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logits in float32, soft-capped to (-softcap, softcap) as Gemma 2's output layer does."""
+    if softcap is None:
+        return logits.float()
+    return torch.tanh(logits / softcap).mul_(softcap).float()
+
+
 class TargetLoadError(RuntimeError):
-    """The target model directory is missing, incomplete or not a causal LM."""
+    """The target model directory is missing, incomplete, not a causal LM, or an architecture
+    kenspec's engine cannot serve exactly."""
 
 
 def cpu_has_native_bf16() -> bool:
@@ -128,6 +149,7 @@ class TargetModel:
     eos_token_ids: frozenset[int]
     max_context: int
     head_t: torch.Tensor | None = None  # transposed output layer for LazyLogits (None: generic)
+    softcap: float | None = None  # final_logit_softcapping, applied to the lazy rows
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -145,13 +167,18 @@ class TargetModel:
             ) from error
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model.to(resolved_device).eval()
-        model.set_attn_implementation(PACKED_ATTENTION)  # transformers' SDPA for its own calls
+        try:
+            refuse_unsupported(model)
+            windows = check_packed_passes(model, PACKED_ATTENTION)
+        except UnsupportedArchitecture as error:
+            raise TargetLoadError(f"{directory}: {error}") from None
         head_t = None
         # float32 only: in bf16 a GEMV against a transposed copy can be far slower than
         # transformers' own head (no native bf16 GEMV kernels on many CPUs).
-        plain_head = config.model_type in _PLAIN_HEAD_TYPES and model.lm_head.bias is None
+        head = model.get_output_embeddings()
+        plain_head = config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
         if plain_head and resolved_dtype == torch.float32:
-            head_t = model.lm_head.weight.detach().t().contiguous()
+            head_t = head.weight.detach().t().contiguous()
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -159,8 +186,9 @@ class TargetModel:
             device=resolved_device,
             dtype=resolved_dtype,
             eos_token_ids=_eos_ids(model, tokenizer),
-            max_context=_batchable_context(config),
+            max_context=served_context(config, windows),
             head_t=head_t,
+            softcap=getattr(config, "final_logit_softcapping", None),
         )
 
     def synchronize(self) -> None:
@@ -242,8 +270,9 @@ class TargetModel:
         if self.head_t is None:
             return [hidden[begin:end].float() for begin, end in spans]
         firsts = self._first_rows(hidden[[begin for begin, _ in spans]])  # every row reads one
+        head = self.model.get_output_embeddings().weight
         return [
-            LazyLogits(hidden[begin:end], self.head_t, firsts[i], self.model.lm_head.weight)
+            LazyLogits(hidden[begin:end], self.head_t, firsts[i], head, self.softcap)
             for i, (begin, end) in enumerate(spans)
         ]
 
@@ -251,8 +280,9 @@ class TargetModel:
         """Logits of one position per row: a GEMV for one row, else head @ hidden^T (for a
         wide head and a few rows, far cheaper than hidden @ head^T on CPUs; docs/design.md)."""
         if hidden.shape[0] == 1:
-            return (hidden @ self.head_t).float()
-        return (self.model.lm_head.weight @ hidden.t()).t().float()
+            return capped(hidden @ self.head_t, self.softcap)
+        head = self.model.get_output_embeddings().weight
+        return capped((head @ hidden.t()).t(), self.softcap)
 
     @torch.inference_mode()
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
@@ -288,7 +318,7 @@ class TargetModel:
         }
         if logits:
             return self.model(**inputs).logits[0], packed.starts
-        return self.model.model(**inputs).last_hidden_state[0], packed.starts
+        return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
 
 
 def _check_model_dir(directory: Path) -> None:
@@ -303,30 +333,13 @@ def _check_model_dir(directory: Path) -> None:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except json.JSONDecodeError as error:
         raise TargetLoadError(f"{config_file} is not valid JSON: {error}") from error
-    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # GPT2LMHeadModel among them
+    if architectures and not any(
+        name.endswith("ForCausalLM") or name in causal for name in architectures
+    ):
         raise TargetLoadError(
             f"{directory} holds {', '.join(architectures)}, not a causal language model"
         )
-
-
-def _batchable_context(config: object) -> int:
-    """The context kenspec serves: the model's, capped at its attention window if it has one.
-
-    Verification passes attend through an explicit full-causal 4D mask (see SlotCache); within
-    a sliding window that is exactly the model's attention, beyond it it would not be.
-    """
-    context = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not kinds <= {"full_attention", "sliding_attention"}:
-        raise TargetLoadError(
-            f"layer types {sorted(kinds)} are not supported: kenspec's batched KV cache "
-            "serves attention-only decoders"
-        )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True) or "sliding_attention" in kinds
-    if window and uses_window:
-        context = min(context, int(window))
-    return context
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

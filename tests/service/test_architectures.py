@@ -1,0 +1,304 @@
+"""The architecture matrix: tiny random models of each supported architecture, served over gRPC
+with speculation on and several streams in one batch, give exactly transformers' greedy output;
+architectures the engine cannot serve exactly are refused at load with the feature named.
+
+References come from a second copy of each model, loaded by transformers as shipped (its own
+attention, its own output layer), never from the served one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from kenspec_api import generator_pb2 as pb
+from kenspec_api import generator_pb2_grpc as pb_grpc
+from server import runtime as runtime_module
+from server.app import KenspecServer
+from server.engine import slot_cache
+from server.engine.batch import Batch
+from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_linears, use_skinny
+from server.engine.prefix_cache import PrefixCache
+from server.engine.slot_cache import KERNELS, pack
+from server.engine.target import TargetLoadError, TargetModel
+from server.runtime import Runtime, load_runtime
+from server.settings import Settings
+from tests import tiny
+from tests.service.conftest import TIMEOUT, PassGate
+from tests.tiny_architectures import ARCHITECTURES, WINDOW, save_architecture
+
+MAX_NEW = 24  # with a prompt, past the sliding windows (WINDOW positions)
+STREAMS = ["The quick brown fox", "Speculative decoding", "def add(a, b):", "Hello world"]
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    directory: Path
+    runtime: Runtime
+    references: dict[str, list[int]]  # prompt -> transformers' greedy continuation
+
+
+def shipped_greedy(model: transformers.PreTrainedModel, ids: list[int], new: int) -> list[int]:
+    input_ids = torch.tensor([ids])
+    output = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=new
+    )
+    return output[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    return tiny.build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
+    """A tiny model of one architecture, its references, and a runtime serving it with a
+    partly matching ARPA draft (trained on the references' first tokens), W @ x^T in every
+    linear layer at 2-5 rows, and grouped attention for passes up to 16 queries a row."""
+    model_type = request.param
+    directory = save_architecture(tmp_path_factory.mktemp(model_type), tokenizer, model_type)
+    shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    references = {
+        prompt: shipped_greedy(shipped, tokenizer(prompt)["input_ids"], MAX_NEW)
+        for prompt in STREAMS
+    }
+    draft = tmp_path_factory.mktemp(f"{model_type}-draft") / "draft.arpa"
+    firsts = [continuation[:10] for continuation in references.values()]
+    tiny.train_arpa(draft, firsts, range(len(tokenizer)), order=3)
+    settings = Settings(
+        model=str(directory),
+        draft=str(draft),
+        device="cpu",
+        dtype="float32",
+        threads=1,
+        port=0,
+        metrics_port=-1,
+        breaker_threshold=0.0,
+        min_draft_prob=0.0,
+        attention="grouped",
+        calibration_cache="none",
+        pad_verify=False,
+    )
+    patch = pytest.MonkeyPatch()
+    patch.setattr(runtime_module, "measure_skinny_rows", lambda model: (frozenset(range(2, 6)), {}))
+    patch.setattr(KERNELS, "grouped", KERNELS.grouped)  # restored for the other tests
+    try:
+        yield Served(directory, load_runtime(settings), references)
+    finally:
+        patch.undo()
+
+
+async def serve(
+    served: Served, monkeypatch, prompts: list[str], **speculation: int
+) -> tuple[list[list[pb.GenerateResponse]], PassGate]:
+    """`prompts` at once through an in-process server (`speculation`: SpeculationParameters
+    fields); no pass runs before every stream is in the batch, so they are verified
+    together. The responses per prompt, and the gate that saw every pass."""
+    gate = PassGate(TargetModel.forward)
+    monkeypatch.setattr(TargetModel, "forward", lambda *args, **kw: gate.through(*args, **kw))
+    all_added, added = asyncio.Event(), []
+    original_add = Batch.add
+
+    def counting_add(batch, generation, deliver):  # type: ignore[no-untyped-def]
+        queued = original_add(batch, generation, deliver)
+        added.append(generation)
+        if len(added) == len(prompts):
+            all_added.set()
+        return queued
+
+    monkeypatch.setattr(Batch, "add", counting_add)
+    settings = Settings(model=str(served.directory), port=0, metrics_port=-1, grace_period_s=5.0)
+    server = KenspecServer(settings, loader=lambda *_: served.runtime)
+    await server.start()
+    await server.load()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.GeneratorStub(channel)
+
+    async def run(prompt: str) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(
+            prompt=prompt,
+            stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW),
+            speculation=pb.SpeculationParameters(**speculation),
+        )
+        return [response async for response in stub.Generate(request)]
+
+    try:
+        streams = asyncio.gather(*(run(prompt) for prompt in prompts))
+        await asyncio.wait_for(all_added.wait(), TIMEOUT)
+        gate.open()
+        return await asyncio.wait_for(streams, TIMEOUT), gate
+    finally:
+        gate.open()
+        await channel.close()
+        await server.stop(0)
+
+
+def assert_greedy_and_speculative(
+    served: Served, prompts: list[str], results: list[list[pb.GenerateResponse]]
+) -> None:
+    for prompt, responses in zip(prompts, results, strict=True):
+        assert [t for r in responses for t in r.token_ids] == served.references[prompt], prompt
+    # Speculation really ran: drafts were proposed, some accepted and some rejected.
+    drafted = sum(responses[-1].usage.drafted_tokens for responses in results)
+    accepted = sum(responses[-1].usage.accepted_tokens for responses in results)
+    assert 0 < accepted < drafted
+
+
+async def test_batched_streams_equal_transformers_greedy(served: Served, monkeypatch) -> None:
+    """Four streams verified together (grouped attention: up to 16 queries a row)."""
+    results, gate = await serve(served, monkeypatch, STREAMS)
+    assert_greedy_and_speculative(served, STREAMS, results)
+    assert max(len(p.rows) for p in gate.arrived) == len(STREAMS)  # a row per stream
+
+
+async def test_a_solo_stream_equals_transformers_greedy(served: Served, monkeypatch) -> None:
+    """One stream, chains of at most three drafts from the n-gram draft alone: passes of 2-5
+    tokens, which take W @ x^T in every linear layer; attention by SDPA (soft-capped scores
+    by grouped attention: SDPA has no capping). Twice: the second copies the first's keys
+    and values from the prefix cache."""
+    monkeypatch.setattr(KERNELS, "grouped", ())
+    copies: list[int] = []
+    copy_into = PrefixCache.copy_into
+
+    def counting_copy(prefixes, cache, row, prefix, length):  # type: ignore[no-untyped-def]
+        copies.append(length)
+        return copy_into(prefixes, cache, row, prefix, length)
+
+    monkeypatch.setattr(PrefixCache, "copy_into", counting_copy)
+    prompt = STREAMS[1]
+    for _ in range(2):
+        results, gate = await serve(
+            served, monkeypatch, [prompt], num_draft_tokens=3, draft_context=pb.DRAFT_CONTEXT_OFF
+        )
+        assert_greedy_and_speculative(served, [prompt], results)
+        assert any(2 <= sum(map(len, p.rows)) <= 5 for p in gate.arrived)
+    assert copies and max(copies) >= PrefixCache(0).min_match
+
+
+def test_lazy_output_rows_equal_the_shipped_logits(served: Served) -> None:
+    """Every architecture of the matrix reads its output layer row by row (soft-capped where
+    the model caps it): the rows equal the shipped model's logits."""
+    target = served.runtime.engine.target
+    assert target.head_t is not None
+    shipped = AutoModelForCausalLM.from_pretrained(served.directory, dtype=torch.float32).eval()
+    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog.")
+    assert len(ids) > WINDOW  # the windowed layers' mask is used
+    with torch.inference_mode():
+        expected = shipped(torch.tensor([ids])).logits[0]
+        (rows,) = target.forward(target.new_cache(), [0], [ids])
+        got = torch.stack([rows[i] for i in range(len(ids))])
+    assert torch.allclose(got, expected, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_the_whole_context_is_served_with_every_linear_layer_switched(served: Served) -> None:
+    """Sliding windows included: the context is not capped at the window. Conv1D (GPT-2)
+    included: every decoder linear layer takes W @ x^T at the rows chosen."""
+    model = served.runtime.engine.target.model
+    assert served.runtime.engine.target.max_context == model.config.max_position_embeddings
+    layers = decoder_linears(model)
+    assert layers and all(type(layer) in (SkinnyLinear, SkinnyConv1D) for layer in layers)
+
+
+# model_type -> (config class, model class, config fields, the feature the refusal names)
+REFUSED = {
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(hidden_size=64, n_layer=2, n_head=4),
+        "ALiBi position biases",
+    ),
+    "mamba": (
+        "MambaConfig",
+        "MambaForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=2, state_size=4),
+        "layer types ['linear_attention']",
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            layer_types=["full_attention", "full_attention"],
+        ),
+        "s_aux",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_unsupported_architectures_are_refused_at_load_naming_the_feature(
+    model_type: str, tokenizer, tmp_path: Path
+) -> None:
+    config_name, model_name, fields, feature = REFUSED[model_type]
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **fields)
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(TargetLoadError) as refused:
+        TargetModel.load(tmp_path, device="cpu", dtype="float32")
+    message = str(refused.value)
+    assert f"model_type {model_type!r} uses" in message
+    assert feature in message
+    assert "kenspec's engine does not support" in message
+
+
+def test_windowed_mask_counts_positions_not_slots_in_a_token_tree() -> None:
+    """Window 4. Row 0 holds 20 tokens and a tree (a; b and c both after a: positions 20, 21,
+    21 in slots 20, 21, 22); row 1 holds 3 tokens and one new token."""
+    packed = pack(
+        [20, 3], [[1, 2, 3], [4]], torch.float32, torch.device("cpu"), parents=[[-1, 0, 0], None]
+    )
+    visible = (packed.packing.windowed_mask(4) == 0)[:, 0]  # [rows, width, kv_length]
+    seen = [[torch.nonzero(query).flatten().tolist() for query in row] for row in visible]
+    assert seen[0] == [[17, 18, 19, 20], [18, 19, 20, 21], [18, 19, 20, 22]]
+    assert seen[1][0] == [0, 1, 2, 3]  # its padding queries are never read
+    assert packed.packing.windows == {4}
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 1), (2, 3), (5,)])
+def test_skinny_conv1d_computes_what_conv1d_does(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    layer = Conv1D(80, 48)  # GPT-2's linear layer: weight [in, out]
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(*shape, 48)
+    expected = layer(x)
+    use_skinny(torch.nn.Sequential(layer), range(1, 9))
+    assert type(layer) is SkinnyConv1D
+    got = layer(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    use_skinny(torch.nn.Sequential(layer), ())
+    assert type(layer) is Conv1D and torch.equal(layer(x), expected)
+
+
+def test_a_packed_pass_unlike_the_model_is_refused_at_load(
+    tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    """The load's check against the model's own forward: attention that dropped Gemma 2's
+    score capping (a feature nothing else names) is caught, not served."""
+    save_architecture(tmp_path, tokenizer, "gemma2")
+    uncapped = slot_cache.grouped_attention
+
+    def grouped_without_capping(*args, softcap=None, **options):  # type: ignore[no-untyped-def]
+        return uncapped(*args, **options)
+
+    monkeypatch.setattr(slot_cache, "grouped_attention", grouped_without_capping)
+    with pytest.raises(TargetLoadError, match="a packed pass's logits differ from the model's"):
+        TargetModel.load(tmp_path, device="cpu", dtype="float32")
