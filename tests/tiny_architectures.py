@@ -29,6 +29,10 @@ def _qwen2() -> dict:  # biases on q, k and v
     return dict(_ROTARY, tie_word_embeddings=False)
 
 
+def _qwen2_windowed() -> dict:  # layers from max_window_layers on attend over a window
+    return dict(_ROTARY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+
+
 def _qwen3() -> dict:  # q and k norms, an explicit head_dim
     return dict(_ROTARY, head_dim=16, tie_word_embeddings=False)
 
@@ -62,8 +66,8 @@ def _gemma3() -> dict:  # q and k norms, windowed layers with a rotary base of t
     )
 
 
-def _phi3() -> dict:  # fused qkv and gate_up projections
-    return dict(_ROTARY, tie_word_embeddings=False)
+def _phi3() -> dict:  # fused qkv and gate_up projections, a window (Phi-3-mini: 2047)
+    return dict(_ROTARY, sliding_window=WINDOW, tie_word_embeddings=False)
 
 
 def _gpt2() -> dict:  # Conv1D layers, learned absolute positions, tied embeddings
@@ -85,10 +89,11 @@ def _opt() -> dict:  # learned positions (offset by 2), biases everywhere
     )
 
 
-# model_type -> (config class, model class, config fields)
+# name (the model_type, or a variant of it) -> (config class, model class, config fields)
 ARCHITECTURES: dict[str, tuple[str, str, Callable[[], dict]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _llama),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _qwen2),
+    "qwen2-windowed": ("Qwen2Config", "Qwen2ForCausalLM", _qwen2_windowed),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _qwen3),
     "mistral": ("MistralConfig", "MistralForCausalLM", _mistral),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _gemma2),

@@ -25,6 +25,7 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from server import runtime as runtime_module
 from server.app import KenspecServer
 from server.engine import slot_cache
+from server.engine.architecture import served_context
 from server.engine.batch import Batch
 from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_linears, use_skinny
 from server.engine.prefix_cache import PrefixCache
@@ -145,19 +146,22 @@ async def serve(
 
 def assert_greedy_and_speculative(
     served: Served, prompts: list[str], results: list[list[pb.GenerateResponse]]
-) -> None:
+) -> tuple[int, int]:
+    """Each stream's tokens are the reference's, and drafts were accepted; (drafted,
+    accepted) in all."""
     for prompt, responses in zip(prompts, results, strict=True):
         assert [t for r in responses for t in r.token_ids] == served.references[prompt], prompt
-    # Speculation really ran: drafts were proposed, some accepted and some rejected.
     drafted = sum(responses[-1].usage.drafted_tokens for responses in results)
     accepted = sum(responses[-1].usage.accepted_tokens for responses in results)
-    assert 0 < accepted < drafted
+    assert accepted > 0
+    return drafted, accepted
 
 
 async def test_batched_streams_equal_transformers_greedy(served: Served, monkeypatch) -> None:
     """Four streams verified together (grouped attention: up to 16 queries a row)."""
     results, gate = await serve(served, monkeypatch, STREAMS)
-    assert_greedy_and_speculative(served, STREAMS, results)
+    drafted, accepted = assert_greedy_and_speculative(served, STREAMS, results)
+    assert accepted < drafted  # some drafts rejected too: rolled back in the cache
     assert max(len(p.rows) for p in gate.arrived) == len(STREAMS)  # a row per stream
 
 
@@ -302,3 +306,21 @@ def test_a_packed_pass_unlike_the_model_is_refused_at_load(
     monkeypatch.setattr(slot_cache, "grouped_attention", grouped_without_capping)
     with pytest.raises(TargetLoadError, match="a packed pass's logits differ from the model's"):
         TargetModel.load(tmp_path, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("fields", "windows", "context"),
+    [
+        (dict(), frozenset(), 512),  # no window
+        (dict(sliding_window=16), frozenset({16}), 512),  # Mistral: windowed by packed attention
+        (dict(sliding_window=16), frozenset(), 16),  # declared, never passed: capped, exact
+        (dict(sliding_window=16, use_sliding_window=False), frozenset(), 512),  # Qwen2: off
+        (dict(sliding_window=16, layer_types=["full_attention"]), frozenset(), 512),
+        (dict(sliding_window=16, layer_types=["sliding_attention"]), frozenset(), 16),
+    ],
+)
+def test_served_context_is_capped_only_at_a_window_packed_attention_did_not_see(
+    fields: dict, windows: frozenset[int], context: int
+) -> None:
+    config = transformers.PretrainedConfig(max_position_embeddings=512, **fields)
+    assert served_context(config, windows) == context
