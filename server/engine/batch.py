@@ -206,6 +206,10 @@ class Batch:
         generations = [entry.generation for entry in entries]
         skips = [generation.prefill_remaining for generation in generations]  # prompt tails
         pass_tokens = max(sum(len(row) for row in rows), self._pass_tokens(generations, rows))
+        # Only passes of drafts and pending tokens: prompt chunks are not the shapes priced.
+        timed = self._live is not None and first_row == 0 and not any(skips)
+        if timed:
+            self.target.synchronize()  # CUDA: work queued before (cache moves) is not the pass's
         started = self._timer()
         logits = self.target.forward(
             self._cache,
@@ -216,8 +220,8 @@ class Batch:
             skips=skips,
             parents=[generation.feed_parents() for generation in generations],  # token trees
         )
-        if self._live is not None and first_row == 0 and not any(skips):
-            # Only passes of drafts and pending tokens: prompt chunks are not the shapes priced.
+        if timed:
+            assert self._live is not None
             self.target.synchronize()  # CUDA: the pass, not its launch
             self._live.observe(len(rows), pass_tokens, self._timer() - started)
             self._log_costs()

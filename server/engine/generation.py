@@ -11,10 +11,12 @@ from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
 from server.engine.recycled import RecycledPredictions, computed_rows
 from server.engine.sampling import (
+    HostArgmax,
     LogitRows,
     PositionalGenerator,
     chain_parents,
     chooser,
+    token_choice,
     walk,
 )
 from server.engine.speculator import Speculator
@@ -188,6 +190,9 @@ class Generation:
     def _verify(self, drafts: list[int], logits: LogitRows) -> tuple[list[int], list[int]]:
         """The walk over this round's drafts (a chain or a tree): (emitted, accepted nodes)."""
         parents = self._parents or chain_parents(len(drafts))
+        if self._sampling.greedy and isinstance(logits, HostArgmax):
+            # On an accelerator: the pass's greedy tokens, one copy for every sequence.
+            return walk(drafts, parents, logits.argmax_ids(), token_choice)
         position = len(self._output)
         choose = chooser(self._sampling, lambda i: self._draws.at(position + i))
         return walk(drafts, parents, logits, choose)

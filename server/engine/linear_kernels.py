@@ -137,6 +137,8 @@ def measure_skinny_rows(
                     _skinny(weight, x)
                 else:
                     F.linear(x, weight, bias)
+            if x.is_cuda:  # the kernels, not their launches (chosen on CPUs only, see runtime)
+                torch.cuda.synchronize(x.device)
             return time.perf_counter() - started
 
         samples: dict[bool, list[float]] = {False: [], True: []}

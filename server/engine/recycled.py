@@ -52,12 +52,15 @@ class RecycledPredictions:
         # The top logits are the top probabilities: softmax only those (no [rows, vocab] copy).
         top = torch.topk(logits, min(self.width, logits.shape[-1]), dim=-1)
         probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+        # The table lives on the host: rows from an accelerator come over as [rows, width]
+        # ids and probabilities (two small copies), never as vocabulary rows.
+        ids, probs = top.indices.to("cpu", torch.int32), probs.cpu()
         keys = torch.tensor([token_ids[i] for i, _ in pairs], dtype=torch.long)
-        width = top.indices.shape[-1]
-        self._ids[keys, :width] = top.indices.to(torch.int32)
+        width = ids.shape[-1]
+        self._ids[keys, :width] = ids
         self._probs[keys, :width] = probs
         for key, best, prob in zip(
-            keys.tolist(), top.indices[:, 0].tolist(), probs[:, 0].tolist(), strict=True
+            keys.tolist(), ids[:, 0].tolist(), probs[:, 0].tolist(), strict=True
         ):
             self._best[key], self._best_prob[key] = best, prob
 

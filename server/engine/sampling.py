@@ -14,7 +14,7 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -53,6 +53,23 @@ class LogitRows(Protocol):
     def __getitem__(self, index: int) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class HostArgmax(Protocol):
+    """Logit rows whose greedy tokens come to the host in one copy per pass (PassLogits)."""
+
+    def argmax_ids(self) -> Sequence[int]: ...
+
+
+Row = TypeVar("Row")
+_RowOut = TypeVar("_RowOut", covariant=True)
+
+
+class Rows(Protocol[_RowOut]):
+    """What a walk reads per node: logit rows, or (HostArgmax) the greedy tokens."""
+
+    def __getitem__(self, index: int, /) -> _RowOut: ...
+
+
 def chain_parents(count: int) -> tuple[int, ...]:
     """The parents of a chain of `count` drafts: each follows the one before (-1: the root)."""
     return tuple(range(-1, count - 1))
@@ -61,8 +78,8 @@ def chain_parents(count: int) -> tuple[int, ...]:
 def walk(
     draft_ids: Sequence[int],
     parents: Sequence[int],
-    logits: LogitRows,
-    choose: Callable[[torch.Tensor, int], int],
+    logits: Rows[Row],
+    choose: Callable[[Row, int], int],
 ) -> tuple[list[int], list[int]]:
     """The lossless acceptance walk over a token tree; (emitted tokens, accepted node indices).
 
@@ -73,7 +90,9 @@ def walk(
     bonus token. The emitted tokens are y_0, y_1, ..., each drawn from the target's
     distribution given the tokens before it, exactly as plain decoding draws them; which
     children exist only decides how many draws one pass can check. A chain is the tree whose
-    every node has one child. Rows off the accepted path are never read.
+    every node has one child. Rows off the accepted path are never read. `logits` may hold
+    what `choose` needs of a row rather than the row: the greedy tokens of HostArgmax rows,
+    chosen by `token_choice`.
     """
     children: dict[int, dict[int, int]] = {}
     for node, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
@@ -120,6 +139,11 @@ def accept_sampled(
 def greedy_choice(row: torch.Tensor, _depth: int) -> int:
     """A walk's choice at temperature 0: the argmax."""
     return int(row.argmax())
+
+
+def token_choice(token: int, _depth: int) -> int:
+    """A walk's choice at temperature 0 over rows' argmaxes already on the host."""
+    return token
 
 
 def chooser(

@@ -177,13 +177,22 @@ def attention_mask(
     visible = keys[None, None, :] <= positions[:, :, None]
     for row, length, parents in trees:
         visible[row, :, length:] = False
-        for query in range(len(parents)):
-            node = query
-            while node >= 0:  # itself, then its ancestors
-                visible[row, query, length + node] = True
-                node = parents[node]
+        block = _ancestors(parents).to(positions.device)
+        visible[row, : len(parents), length : length + len(parents)] = block
     mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+def _ancestors(parents: Sequence[int]) -> torch.Tensor:
+    """[nodes, nodes] bool, on the host: node q sees node k when k is q or an ancestor of q
+    (built in Python and copied once: element writes on an accelerator are a launch each)."""
+    seen = [[False] * len(parents) for _ in parents]
+    for query in range(len(parents)):
+        node = query
+        while node >= 0:  # itself, then its ancestors
+            seen[query][node] = True
+            node = parents[node]
+    return torch.tensor(seen, dtype=torch.bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,27 +303,37 @@ def pack(
         owners += [index] * len(row)
         slots.append([start + min(w, len(row) - 1) for w in range(width)])
         flat += range(index * width, index * width + len(row))
-    grid = torch.tensor(
-        [[length + w for w in range(width)] for length in lengths], dtype=torch.long, device=device
+    grid_values = [length + w for length in lengths for w in range(width)]
+    kv_length = max(lengths) + width  # the largest position + 1, known without the device
+    columns = [grid_values, slots_in_row, [s for row in slots for s in row], flat, ids]
+    columns += [positions, owners]
+    grid, cache_slots, slot_grid, packed_flat, packed_ids, packed_positions, packed_owners = (
+        _to_device(columns, device)
     )
-    kv_length = int(grid.max()) + 1
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
+    grid = grid.view(len(rows), width)
     mask = attention_mask(grid, kv_length, dtype, tree_rows)
-    packing = Packing(
-        tensor(slots).view(len(rows), width), tensor(flat), mask, grid, tuple(tree_depths)
-    )
+    packing = Packing(slot_grid.view(len(rows), width), packed_flat, mask, grid, tuple(tree_depths))
     return PackedPass(
-        input_ids=tensor(ids)[None],
-        positions=tensor(positions)[None],
-        token_rows=tensor(owners),
+        input_ids=packed_ids[None],
+        positions=packed_positions[None],
+        token_rows=packed_owners,
         starts=starts,
         kv_length=kv_length,
         packing=packing,
-        cache_positions=tensor(slots_in_row) if tree_rows else None,
+        cache_positions=cache_slots if tree_rows else None,
     )
+
+
+def _to_device(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """The columns as int64 tensors on `device`: one host-to-device copy for a pass (from
+    pinned memory, queued behind the device's work on an accelerator) instead of one
+    blocking copy per tensor."""
+    values = torch.tensor([value for column in columns for value in column], dtype=torch.long)
+    if device.type == "cuda":
+        values = values.pin_memory().to(device, non_blocking=True)
+    elif values.device != device:
+        values = values.to(device)
+    return list(values.split([len(column) for column in columns]))
 
 
 PACKED_ATTENTION = "kenspec_packed"

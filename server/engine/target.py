@@ -23,6 +23,7 @@ from server.engine.architecture import (
     refuse_unsupported,
     served_context,
 )
+from server.engine.pass_logits import PassLogits, split_pass
 from server.engine.slot_cache import PACKED_ATTENTION, SlotCache, pack
 
 # A pass may run past the last valid position by its padding (at most one verify width).
@@ -150,6 +151,9 @@ class TargetModel:
     max_context: int
     head_t: torch.Tensor | None = None  # transposed output layer for LazyLogits (None: generic)
     softcap: float | None = None  # final_logit_softcapping, applied to the lazy rows
+    plain_head: bool = False  # logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES)
+    # A pass's rows in one product, its greedy tokens in one copy (PassLogits): accelerators.
+    pass_rows: bool = False
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -177,7 +181,8 @@ class TargetModel:
         # transformers' own head (no native bf16 GEMV kernels on many CPUs).
         head = model.get_output_embeddings()
         plain_head = config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
-        if plain_head and resolved_dtype == torch.float32:
+        # On a CPU only: an accelerator computes a pass's rows in one product (PassLogits).
+        if plain_head and resolved_dtype == torch.float32 and resolved_device.type == "cpu":
             head_t = head.weight.detach().t().contiguous()
         return cls(
             model=model,
@@ -189,6 +194,8 @@ class TargetModel:
             max_context=served_context(config, windows),
             head_t=head_t,
             softcap=getattr(config, "final_logit_softcapping", None),
+            plain_head=plain_head,
+            pass_rows=resolved_device.type != "cpu",
         )
 
     def synchronize(self) -> None:
@@ -243,7 +250,7 @@ class TargetModel:
         min_tokens: int = 0,
         skips: Sequence[int] | None = None,
         parents: Sequence[Sequence[int] | None] | None = None,
-    ) -> list[LazyLogits] | list[torch.Tensor]:
+    ) -> list[LazyLogits] | list[torch.Tensor] | list[PassLogits]:
         """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
 
         Rows may differ in length: the pass packs them into one sequence (see SlotCache), padded
@@ -260,13 +267,15 @@ class TargetModel:
             token_rows,
             first_row,
             min_tokens,
-            logits=self.head_t is None,
+            logits=not self.plain_head if self.pass_rows else self.head_t is None,
             parents=parents,
         )
         spans = [
             (start + skip, start + len(row))
             for start, skip, row in zip(starts, skips, token_rows, strict=True)
         ]
+        if self.pass_rows:
+            return self._pass_rows(hidden, spans)
         if self.head_t is None:
             return [hidden[begin:end].float() for begin, end in spans]
         firsts = self._first_rows(hidden[[begin for begin, _ in spans]])  # every row reads one
@@ -275,6 +284,19 @@ class TargetModel:
             LazyLogits(hidden[begin:end], self.head_t, firsts[i], head, self.softcap)
             for i, (begin, end) in enumerate(spans)
         ]
+
+    def _pass_rows(
+        self, outputs: torch.Tensor, spans: Sequence[tuple[int, int]]
+    ) -> list[PassLogits]:
+        """On an accelerator: the rows the pass's sequences may read, in one product of the
+        output layer (or cut from the model's logits), their greedy tokens copied in one go."""
+        rows = torch.cat([outputs[begin:end] for begin, end in spans])  # [rows read, hidden]
+        if self.plain_head:
+            head = self.model.get_output_embeddings().weight
+            logits = capped(torch.nn.functional.linear(rows, head), self.softcap)
+        else:
+            logits = rows.float()
+        return split_pass(logits, [end - begin for begin, end in spans])
 
     def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of one position per row: a GEMV for one row, else head @ hidden^T (for a

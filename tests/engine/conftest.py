@@ -4,6 +4,7 @@ answers of the tiny model and drafts that match them partly or never."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.target import TargetModel
@@ -38,3 +39,29 @@ def never_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
     seen = {token for _, continuation in references.values() for token in continuation}
     path = tmp_path_factory.mktemp("arpa") / "never.arpa"
     return never_matching_kenlm(tiny_target, path, seen)
+
+
+NO_CUDA = "no CUDA device: runs in scripts/gpu_check.sh"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (scripts/gpu_check.sh: -m cuda)")
+
+
+@pytest.fixture(
+    scope="session",
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
+            ],
+        ),
+    ],
+)
+def device(request: pytest.FixtureRequest) -> str:
+    """The devices the engine runs on: cpu always, cuda where a CUDA device exists (tests
+    marked `cuda`, run on a GPU machine by scripts/gpu_check.sh)."""
+    return request.param

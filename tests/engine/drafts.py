@@ -24,7 +24,7 @@ def reference_greedy(
     target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int
 ) -> list[int]:
     """What plain transformers greedy decoding gives: the ground truth for exactness tests."""
-    input_ids = torch.tensor([list(prompt_ids)])
+    input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     output = target.model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
