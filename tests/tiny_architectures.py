@@ -89,6 +89,36 @@ def _opt() -> dict:  # learned positions (offset by 2), biases everywhere
     )
 
 
+def _mixtral() -> dict:  # mixture of experts, a window
+    return dict(_ROTARY, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW)
+
+
+def _starcoder2() -> dict:  # biases, layer norms, a window
+    return dict(_ROTARY, sliding_window=WINDOW)
+
+
+def _phi() -> dict:  # Phi-2: parallel attention and MLP, partial rotary, a head with a bias
+    return dict(_ROTARY, partial_rotary_factor=0.5)
+
+
+def _cohere() -> dict:  # scaled logits (logit_scale), parallel attention and MLP
+    return dict(_ROTARY, logit_scale=0.5)
+
+
+def _granite() -> dict:  # multipliers on embeddings, attention scores, residuals and logits
+    return dict(
+        _ROTARY,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.3,
+        residual_multiplier=0.5,
+        logits_scaling=2.0,
+    )
+
+
+def _gpt_bigcode() -> dict:  # multi-query attention, Linear layers, learned positions
+    return dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512)
+
+
 # name (the model_type, or a variant of it) -> (config class, model class, config fields)
 ARCHITECTURES: dict[str, tuple[str, str, Callable[[], dict]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _llama),
@@ -102,7 +132,16 @@ ARCHITECTURES: dict[str, tuple[str, str, Callable[[], dict]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", _gpt2),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _gpt_neox),
     "opt": ("OPTConfig", "OPTForCausalLM", _opt),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", _mixtral),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _starcoder2),
+    "phi": ("PhiConfig", "PhiForCausalLM", _phi),
+    "cohere": ("CohereConfig", "CohereForCausalLM", _cohere),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", _granite),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", _gpt_bigcode),
 }
+# Those whose logits are the output layer alone (soft-capped where set): rows read lazily.
+# The others (a bias on the head, scaled logits) take the model's own logits.
+MODEL_LOGITS = {"phi", "cohere", "granite"}
 
 
 def save_architecture(

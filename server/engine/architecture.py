@@ -53,7 +53,7 @@ def refuse_unsupported(model: PreTrainedModel) -> None:
         raise _refusal(
             config,
             f"layer types {sorted(kinds - _ATTENTION_LAYERS)}",
-            "its batched KV cache serves attention layers only (full or sliding window)",
+            "packed attention and its KV cache serve full and sliding-window attention layers only",
         )
     attn_config = getattr(config, "attn_config", None)
     alibi_config = getattr(config, "alibi", False) or getattr(attn_config, "alibi", False)

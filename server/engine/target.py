@@ -34,7 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # of logits are computed one at a time and only when the verification needs them.
 _PLAIN_HEAD_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "phi3", "gemma2"}
-    | {"gemma3_text", "gpt2", "gpt_neox", "opt"}
+    | {"gemma3_text", "gpt2", "gpt_neox", "opt", "starcoder2", "gpt_bigcode", "mixtral"}
 )
 
 
