@@ -210,6 +210,8 @@ class TargetModel:
         config = self.model.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if getattr(config, "multi_query", False):  # GPT-BigCode: one key/value head
+            kv_heads = 1
         return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
     @property

@@ -201,9 +201,12 @@ def test_output_rows_equal_the_shipped_logits(served: Served) -> None:
     assert len(ids) > WINDOW  # the windowed layers' mask is used
     with torch.inference_mode():
         expected = shipped(torch.tensor([ids])).logits[0]
-        (rows,) = target.forward(target.new_cache(), [0], [ids])
+        cache = target.new_cache()
+        (rows,) = target.forward(cache, [0], [ids])
         got = torch.stack([rows[i] for i in range(len(ids))])
     assert torch.allclose(got, expected, atol=1e-4 * float(expected.abs().max()))
+    # What the prefix cache budget and the attention timing assume, the cache holds.
+    assert cache.bytes_per_position == target.kv_bytes_per_position
 
 
 def test_the_whole_context_is_served_with_every_linear_layer_switched(served: Served) -> None:
