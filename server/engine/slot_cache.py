@@ -350,6 +350,8 @@ class AttentionKernels:
     # bf16/fp16 caches in grouped_attention: True, keys and values converted into float32
     # buffers and everything in float32; False, the products in the cache's dtype, in place.
     upcast: bool = True
+    # Batch-invariant mode (engine.invariant): keys padded to fixed blocks in grouped_attention.
+    invariant: bool = False
 
     def takes_grouped(self, width: int, kv_length: int) -> bool:
         for max_width, min_length in self.grouped:
@@ -408,7 +410,7 @@ def grouped_attention(
     (the rounding error as a second, fused product) reads in place too, but costs as much as
     the conversion, for less precision.
 
-    Queries are padded to 4 rows per product and the values to 384 keys (_MIN_BLOCK,
+    Queries are padded to a multiple of 4 rows per product and the values to 384 keys (_MIN_BLOCK,
     _MIN_KEYS): zeros, which change no result but make each query's bits independent of what
     shares its pass.
 
@@ -422,30 +424,43 @@ def grouped_attention(
     rows, heads, width, dim = query.shape
     kv_heads, kv_length = key.shape[1], key.shape[2]
     batch, block = rows * kv_heads, heads // kv_heads * width  # block: a kv head's queries
-    q = _at_least(query.reshape(batch, block, dim), _MIN_BLOCK)  # a small copy
-    k_t = key.reshape(batch, kv_length, dim).transpose(1, 2)  # a view of SlotCache's rows
+    padded = -(-block // _MIN_BLOCK) * _MIN_BLOCK  # a multiple of 4 rows (below)
+    q = _at_least(query.reshape(batch, block, dim), padded)  # a small copy
+    k = key.reshape(batch, kv_length, dim)  # a view of SlotCache's rows
     v = value.reshape(batch, kv_length, dim)
-    scores = _products(q, k_t)[:, :block].float()
-    scores = scores.reshape(rows, kv_heads, -1, width, kv_length)  # [.., group, width, ..]
+    keys = kv_length
+    if KERNELS.invariant:  # every product and the softmax over a length no pass chooses
+        keys = max(_MIN_KEYS, -(-kv_length // _KEY_BLOCK) * _KEY_BLOCK)
+        k, v = F.pad(k, (0, 0, 0, keys - kv_length)), F.pad(v, (0, 0, 0, keys - kv_length))
+    scores = _products(q, k.transpose(1, 2))[:, :block].float()
+    scores = scores.reshape(rows, kv_heads, -1, width, keys)  # [.., group, width, ..]
     scores.mul_(dim**-0.5 if scaling is None else scaling)
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
-    scores.add_(mask[:, :, None])
-    probs = torch.softmax(scores, dim=-1).view(batch, block, kv_length).to(v.dtype)
-    if kv_length < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
-        v = F.pad(v, (0, 0, 0, _MIN_KEYS - kv_length))
-    probs = _at_least(probs, _MIN_BLOCK, _MIN_KEYS)
+    scores[..., :kv_length].add_(mask[:, :, None])
+    scores[..., kv_length:] = float("-inf")
+    probs = torch.softmax(scores, dim=-1).view(batch, block, keys).to(v.dtype)
+    if keys < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
+        v = F.pad(v, (0, 0, 0, _MIN_KEYS - keys))
+    probs = _at_least(probs, padded, _MIN_KEYS)
     out = _products(probs, v)[:, :block]
     return out.reshape(rows, heads, width, dim).to(dtype)
 
 
-# Batch invariance (as far as MKL's float32 products give it): a product of at least 4 rows
-# gives each row the same result whatever their number (1 to 3 take other kernels), and one
+# Batch invariance (as far as MKL's float32 products give it): a product of a multiple of 4
+# rows gives each row the same result whatever their number (1 to 3 rows take other kernels,
+# and so do the last rows of a count that is not a multiple of 4: 5, 6, 7, 9, ...), and one
 # summing over at least 384 keys (MKL's block on AVX-512) gives the same sums whatever the
 # number of zero-weighted keys after a row's own. So queries are padded to 4 rows per
 # product and the values to 384 keys: a query's output does not depend on how many queries
 # or rows share its pass, nor on their lengths (tests/engine/test_grouped_attention).
 _MIN_BLOCK = 4
+# Exact batch invariance (KERNELS.invariant) needs more: the score product gives a key other
+# bits in the last, partial block of 16 columns than in a full one, and the softmax's
+# vectorised sums change with a short row's length. So keys are padded (zeros, their scores
+# -inf) to at least _MIN_KEYS and a multiple of _KEY_BLOCK: a copy of the keys and values per
+# layer, which the default mode does not pay.
+_KEY_BLOCK = 64
 _MIN_KEYS = 384
 
 
