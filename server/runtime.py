@@ -16,6 +16,7 @@ from server import __version__, calibration_cache
 from server.engine.admission import BatchSettings
 from server.engine.costs import Calibration, PassCosts, calibrate, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
+from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
 from server.engine.live_costs import LiveCosts
@@ -61,8 +62,13 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
-    skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
-    _choose_attention_kernels(target, settings.attention)
+    if settings.batch_invariant:
+        invariance = make_invariant(target)
+        log.info("batch_invariant", linear_padding=str(invariance.padding), attention="grouped")
+        skinny_rows: set[int] = set()
+    else:
+        skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
+        _choose_attention_kernels(target, settings.attention)
     breaker, costs, save_costs = _breaker_and_pass_costs(settings, target, sorted(skinny_rows))
     context = ContextSettings(
         enabled=settings.draft_context,
@@ -246,6 +252,7 @@ def _breaker_and_pass_costs(
         device=str(target.device),
         skinny_rows=sorted(skinny_rows),
         attention=[list(entry) for entry in KERNELS.grouped],
+        batch_invariant=settings.batch_invariant,
         gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         k=k,
         rows=rows,

@@ -47,6 +47,7 @@ class Settings:
     pad_verify: bool = True
     skinny_gemm: bool = True
     attention: str = "auto"
+    batch_invariant: bool = False
     draft_context: bool = True
     context_min_match: int = 1
     context_max_match: int = 16
@@ -127,6 +128,11 @@ _HELP = {
     "the cache where timed faster than SDPA at start-up, by queries per row and context "
     "length), sdpa (torch's scaled_dot_product_attention always) or grouped (always, up to "
     "16 queries per row)",
+    "batch_invariant": "batch-invariant kernels: every token's logits bit-identical whatever "
+    "shares its pass, so greedy output is identical with speculation on or off, alone or in a "
+    "batch, with or without the prefix cache, in bf16 as in float32 (linear layers padded to "
+    "row counts measured at start-up, grouped attention over padded keys for every pass, the "
+    "output layer over the pass; overrides --skinny-gemm and --attention)",
     "draft_context": "also draft from the request's own prompt and output (longest earlier "
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
