@@ -91,14 +91,20 @@ def _wrap(tokenizer: Tokenizer, **extra: str) -> PreTrainedTokenizerFast:
 
 
 def save_tiny_model(
-    directory: Path, tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, layers: int = 2
+    directory: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
 ) -> Path:
     """A random tiny Llama saved as safetensors with its tokenizer, like a real model folder."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.invariance import compare, run_layout
 from server.engine.admission import BatchSettings
@@ -38,27 +37,11 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory) -> Path:
-    tokenizer = tiny.build_byte_tokenizer()
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
     directory = tmp_path_factory.mktemp("wide-llama")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    tokenizer = tiny.build_byte_tokenizer()
+    return tiny.save_tiny_model(
+        directory, tokenizer, seed=3, hidden_size=128, intermediate_size=1536
+    )
 
 
 @pytest.fixture(params=["bfloat16", "float32"])
