@@ -10,15 +10,17 @@ Ctrl-C during an answer cancels that call only: its question and partial answer 
 from the conversation, so the history holds only complete exchanges. Ctrl-C at an empty prompt,
 Ctrl-D or /quit leave. With stdin not a terminal (piped), each line is one question (commands
 work too), answers go to stdout one after another, each ended by a newline, and the summary
-lines go to stderr without any redraw; a failed call then ends the session with exit code 1.
+lines go to stderr without any redraw; nobody is typing there, so a failed call ends the
+session with exit code 1 and Ctrl-C stops it (exit 130), as they do for `kenspec`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -170,20 +172,32 @@ class ChatSession:
         self._live = self._interactive and err.isatty() and os.environ.get("TERM") != "dumb"
         self._speculation = options.get("speculation", "auto")
 
-    def run(self) -> int:
-        info = self.client.model_info()  # fails here, before any typing, if the server is off
+    def run(self, model: str) -> int:
+        """Read and answer until the input ends or the user leaves; `model` is for the banner."""
         if self._interactive:
             _enable_line_editing()
-            self._note(f"kenspec chat with {info.model} at {self.client.address}")
+            self._note(f"kenspec chat with {model} at {self.client.address}")
             self._note("/help lists the commands; Ctrl-D leaves")
-        while (line := self._read()) is not None:
-            parsed = parse_line(line)
-            if parsed.command is not None:
-                if not self._command(parsed):
+        while True:
+            try:
+                line = self._read()
+                if line is None:
                     return 0
-            elif parsed.text and not self._answer(parsed.text) and not self._interactive:
-                return 1  # a script reading the answers must learn that one is missing
-        return 0
+                if (code := self._handle(line)) is not None:
+                    return code
+            except KeyboardInterrupt:
+                if not self._interactive:
+                    raise  # nobody is typing: Ctrl-C stops the chat, as it stops `kenspec`
+                self._end_line()  # a Ctrl-C between an answer and the prompt: back to it
+
+    def _handle(self, line: str) -> int | None:
+        """Act on one input line; the exit code once the session should end."""
+        parsed = parse_line(line)
+        if parsed.command is not None:
+            return None if self._command(parsed) else 0
+        if parsed.text and not self._answer(parsed.text) and not self._interactive:
+            return 1  # a script reading the answers must learn that one is missing
+        return None
 
     def _read(self) -> str | None:
         """The next line; None at the end of input or on Ctrl-C at an empty prompt."""
@@ -224,6 +238,8 @@ class ChatSession:
         try:
             answer = self._stream(question, view, stats)
         except KeyboardInterrupt:
+            if not self._interactive:
+                raise
             view.end(CANCELLED)
             return True
         except KenspecError as error:
@@ -258,6 +274,40 @@ class ChatSession:
     def _note(self, text: str) -> None:
         self._err.write(f"{text}\n")
         self._err.flush()
+
+
+def run_chat(
+    connect: Callable[[], Client],
+    options: GenerateOptions,
+    *,
+    system: str,
+    stdin: TextIO,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """Connect with `connect()` and chat until the user leaves; returns the exit code.
+    A server that does not answer fails here, before any typing."""
+    with contextlib.ExitStack() as stack:
+        with _ctrl_c_to_main_thread():  # gRPC starts its threads with the channel and first call
+            client = stack.enter_context(connect())
+            model = client.model_info().model
+        session = ChatSession(client, options, system=system, stdin=stdin, out=out, err=err)
+        return session.run(model)
+
+
+@contextlib.contextmanager
+def _ctrl_c_to_main_thread() -> Iterator[None]:
+    """Threads started inside do not take SIGINT. The prompt blocks the main thread in
+    readline, which only a signal to that thread wakes: a Ctrl-C the kernel handed to one of
+    gRPC's threads would wait there until the next key."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signals
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C meanwhile arrives now
 
 
 def _close(rounds: Iterator[Round]) -> None:

@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from .channel import DEFAULT_ADDRESS, TOKEN_ENV
-from .chat import COMMANDS, ChatSession
+from .chat import COMMANDS, run_chat
 from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
 from .stats import StreamStats
@@ -207,16 +207,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        session = ChatSession(
-            client,
-            _generate_options(args),
-            system=args.system,
-            stdin=sys.stdin,
-            out=sys.stdout,
-            err=sys.stderr,
-        )
-        return session.run()
+    return run_chat(
+        lambda: _client(args),
+        _generate_options(args),
+        system=args.system,
+        stdin=sys.stdin,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
 
 
 def _client(args: argparse.Namespace) -> Client:
