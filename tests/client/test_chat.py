@@ -12,6 +12,7 @@ import io
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -227,6 +228,24 @@ def test_chat_help_lists_flags_and_commands(capsys: pytest.CaptureFixture[str]) 
     assert [word for word in expected.split() if word not in out] == []
 
 
+def test_piped_ctrl_c_stops_the_chat(chat_fake: tuple[str, ChatFake]) -> None:
+    """Nobody types into a pipe: Ctrl-C (SIGINT) cancels the call and ends the chat, exit 130."""
+    address, fake = chat_fake
+    command = [sys.executable, "-m", "client", "chat", "-a", address, *TIMEOUT]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen(command, cwd=ROOT, **pipes) as process:  # type: ignore[call-overload]
+        process.stdin.write(b"__endless__\nnever sent\n")
+        process.stdin.flush()
+        ready, _, _ = select.select([process.stdout], [], [], DEADLINE)
+        assert ready and os.read(process.stdout.fileno(), 1) == b"."  # the answer is streaming
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=DEADLINE)
+
+    assert process.returncode == 130, err
+    assert err.decode().endswith("error: CANCELLED: interrupted\n")
+    assert len(fake.requests) == 1  # the next line was not sent
+
+
 # -- a terminal -------------------------------------------------------------------------------
 
 # Make the pseudo-terminal the child's controlling terminal, as a shell would, so that Ctrl-C
@@ -273,6 +292,30 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self._master, keys.encode())
 
+    def prompt(self, before: str = "") -> re.Match[str]:
+        """Wait for `before` then the prompt, and for readline to take the terminal (it turns
+        canonical mode off): keys typed earlier would meet the kernel's line editing instead
+        (Ctrl-D would queue an end of file that readline then reads as a NUL)."""
+        match = self.expect(f"{before}\n> ")
+        self._wait_until(
+            lambda: not termios.tcgetattr(self._master)[3] & termios.ICANON, "readline's mode"
+        )
+        self.wait_idle()
+        return match
+
+    def wait_idle(self) -> None:
+        """Wait until the child's main thread sleeps (in readline's wait for a key). A signal
+        that lands just before that wait begins is only seen at the next key (CPython's
+        readline loop), a window that a person never hits and a test easily does."""
+        stat = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/stat")
+        self._wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "S", "sleep")
+
+    def _wait_until(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + DEADLINE
+        while not condition():
+            if time.monotonic() > deadline or not self._read(0.01):
+                raise AssertionError(f"the chat never reached {what}")
+
     def expect(self, pattern: str) -> re.Match[str]:
         """The first match of `pattern` in what appeared since the last expect()."""
         deadline = time.monotonic() + DEADLINE
@@ -283,9 +326,14 @@ class Terminal:
         return match
 
     def exit_code(self) -> int:
-        while self._read(DEADLINE):  # drain, so the child never blocks on a full terminal
+        deadline = time.monotonic() + DEADLINE
+        # Drain, so the child never blocks on a full terminal, until it closes it.
+        while self._read(deadline - time.monotonic()) and time.monotonic() < deadline:
             pass
-        return self.process.wait(timeout=DEADLINE)
+        try:
+            return self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit; the screen since:\n{self.text[self._seen :]}") from None
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -294,7 +342,7 @@ class Terminal:
         os.close(self._master)
 
     def _read(self, timeout: float) -> bool:
-        """Read what is there (waiting up to `timeout`); False once the child closed it."""
+        """Read what comes within `timeout`; False once the child has closed the terminal."""
         ready, _, _ = select.select([self._master], [], [], max(timeout, 0))
         if not ready:
             return True
@@ -304,6 +352,17 @@ class Terminal:
             return False
         self.raw += data
         return bool(data)
+
+
+def threads_taking_sigint(pid: int) -> list[int]:
+    """The threads of process `pid` that do not block SIGINT (Linux /proc)."""
+    taking = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        blocked = re.search(r"SigBlk:\s*([0-9a-f]+)", (task / "status").read_text())
+        assert blocked is not None
+        if not int(blocked.group(1), 16) & (1 << (signal.SIGINT - 1)):
+            taking.append(int(task.name))
+    return taking
 
 
 @pytest.fixture
@@ -324,12 +383,11 @@ def test_terminal_streams_with_a_live_status_and_keeps_history(
 ) -> None:
     address, fake = chat_fake
     term = terminal("-a", address, "--system", "be brief")
-    term.expect(f"kenspec chat with fake at {re.escape(address)}")
-    term.expect("\n> ")
+    term.prompt(f"kenspec chat with fake at {re.escape(address)}\n/help lists the commands.*")
     term.type("first\r")
-    term.expect(f"first\nHello first\n{STATUS}\n> ")
+    term.prompt(f"first\nHello first\n{STATUS}")
     term.type("second\r")
-    term.expect(f"second\nHello second\n{STATUS}\n> ")
+    term.prompt(f"second\nHello second\n{STATUS}")
     term.type("\x04")  # Ctrl-D
 
     assert term.exit_code() == 0
@@ -355,20 +413,24 @@ def test_ctrl_c_cancels_the_answer_not_the_session(
 ) -> None:
     address, fake = chat_fake
     term = terminal("-a", address)
-    term.expect("\n> ")
+    term.prompt()
     term.type("first\r")
-    term.expect(f"{STATUS}\n> ")
+    term.prompt(STATUS)
+    # The kernel hands a Ctrl-C to any thread that takes SIGINT; only the main thread's wakes
+    # the prompt, so gRPC's threads must not take it.
+    assert threads_taking_sigint(term.process.pid) == [term.process.pid]
     term.type("__endless__\r")
     term.expect(r"\.\.\.")  # the answer is streaming
     term.type("\x03")
-    term.expect(r"\[cancelled: the question and its partial answer are dropped.*\]\n> ")
+    term.prompt(r"\[cancelled: the question and its partial answer are dropped.*\]")
     assert fake.cancelled.wait(DEADLINE)  # the server saw the call cancelled
     term.type("typed but not sent")
-    term.expect("typed but not sent")  # read by the prompt, not still in the terminal's queue
+    term.expect("typed but not sent")  # readline has it
+    term.wait_idle()
     term.type("\x03")  # Ctrl-C on a typed line clears it
-    term.expect("\n> ")
+    term.prompt()
     term.type("next\r")
-    term.expect(f"Hello next\n{STATUS}\n> ")
+    term.prompt(f"Hello next\n{STATUS}")
     term.type("\x03")  # Ctrl-C at an empty prompt leaves
 
     assert term.exit_code() == 0
@@ -382,15 +444,15 @@ def test_terminal_commands(
 ) -> None:
     address, fake = chat_fake
     term = terminal("-a", address)
-    term.expect("\n> ")
+    term.prompt()
     term.type("/help\r")
-    term.expect(r"/reset +clear the conversation")
+    term.prompt(r"/reset +clear the conversation(.|\n)*")
     term.type("/oops\r")
-    term.expect(r"unknown command /oops; /help lists the commands\n> ")
+    term.prompt(r"unknown command /oops; /help lists the commands")
     term.type("/system speak softly\r")
-    term.expect(r"\[system prompt: speak softly\]\n> ")
+    term.prompt(r"\[system prompt: speak softly\]")
     term.type("hi\r")
-    term.expect(f"Hello hi\n{STATUS}\n> ")
+    term.prompt(f"Hello hi\n{STATUS}")
     term.type("/quit\r")
 
     assert term.exit_code() == 0
@@ -408,14 +470,14 @@ def test_tiny_model_answers_follow_the_conversation(
     server = tiny_server()
     address = f"127.0.0.1:{server.port}"
     term = terminal("-a", address, "-n", "6", "--ignore-eos")
-    term.expect("\n> ")
-    answer = r"(?s)(.*?)\n\[(speculative|fallback) \| [^\n]* \| 6 tokens \| length\]\n> "
+    term.prompt()
+    answer = r"(?s)(.*?)\n\[(speculative|fallback) \| [^\n]* \| 6 tokens \| length\]"
     term.type("The quick brown fox\r")
     term.expect("The quick brown fox\n")
-    first = term.expect(answer)
+    first = term.prompt(answer)
     term.type("Hello world\r")
     term.expect("Hello world\n")
-    second = term.expect(answer)
+    second = term.prompt(answer)
     term.type("\x04")
 
     assert term.exit_code() == 0
