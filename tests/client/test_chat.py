@@ -27,7 +27,8 @@ import pytest
 from conftest import FakeGenerator, ThreadedFake
 
 from client import Client
-from client.chat import Conversation, Line, mode_label, parse_line, status_line
+from client.chat import Conversation, Line, parse_line
+from client.chat_view import mode_label, status_line
 from client.cli import main
 from client.results import Round
 from client.stats import StreamStats
