@@ -145,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8, help="positions compared")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--prompt-words", type=int, default=0, help="lengthen the prompt by this many words"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.engine.invariant import make_invariant
 
         print("padding:", make_invariant(target).padding)
-    prompt = target.encode_chat([{"role": "user", "content": PROMPT}])
+    filler = " ".join(f"word{i}" for i in range(args.prompt_words))
+    prompt = target.encode_chat([{"role": "user", "content": f"{filler} {PROMPT}".strip()}])
     others = [target.encode_chat([{"role": "user", "content": o}]) for o in OTHERS]
     cache = target.new_cache(1)
     target.prefill(cache, 0, 0, prompt[:-1])

@@ -64,7 +64,12 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     )
     if settings.batch_invariant:
         invariance = make_invariant(target)
-        log.info("batch_invariant", linear_padding=str(invariance.padding), attention="grouped")
+        log.info(
+            "batch_invariant",
+            linear_padding=str(invariance.padding),
+            attention="grouped",
+            tree_budget=1,
+        )
         skinny_rows: set[int] = set()
     else:
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
@@ -75,7 +80,9 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
         long_draft_tokens=settings.long_draft_tokens,
-        tree_budget=settings.tree_budget,
+        # A tree places a node's ancestors at slots its shape decides, so attention would sum
+        # them in another order than a chain does: batch invariance verifies chains only.
+        tree_budget=1 if settings.batch_invariant else settings.tree_budget,
         learn_prompts=settings.suffix_learn_prompts,
     )
     batching = BatchSettings(

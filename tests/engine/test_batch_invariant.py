@@ -28,8 +28,10 @@ from server.engine.invariant import (
 )
 from server.engine.slot_cache import KERNELS
 from server.engine.target import TargetModel, cpu_has_native_bf16
+from server.runtime import load_runtime
+from server.settings import Settings
 from tests import tiny
-from tests.engine.drafts import Branching, Collector, OracleDraft, start
+from tests.engine.drafts import Collector, OracleDraft, start
 
 PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time there", "1, 2, 3, 4,")
 NEW_TOKENS = 16
@@ -80,7 +82,7 @@ def _greedy(target: TargetModel, prompt: list[int], draft, *, enabled: bool, **o
     return collector.tokens
 
 
-def test_greedy_output_is_identical_off_auto_trees_batched_and_cached(invariant_target) -> None:
+def test_greedy_output_is_identical_off_auto_batched_and_cached(invariant_target) -> None:
     target = invariant_target
     prompts = [target.encode_prompt(p) for p in PROMPTS]
     plain = [_greedy(target, p, None, enabled=False) for p in prompts]
@@ -89,10 +91,6 @@ def test_greedy_output_is_identical_off_auto_trees_batched_and_cached(invariant_
         # a draft right for a while, then wrong: wide passes, partly accepted
         half = OracleDraft(expected[:6] + [(t + 1) % 250 for t in expected[6:]])
         assert _greedy(target, prompt, half, enabled=True) == expected
-        tree = Branching(
-            expected, len(target.tokenizer)
-        )  # a wrong chain and the right one, merged into a tree
-        assert _greedy(target, prompt, tree, enabled=True, tree_budget=8) == expected
     # every prompt at once, in one batch, sharing each pass; then again from the prefix cache
     batch = Batch(target, BatchSettings(max_rows=4, prefix_cache_bytes=1 << 24))
     reused = []
@@ -140,3 +138,26 @@ def test_padding_is_chosen_by_measurement_and_refused_when_none_works(wide_model
     use_padding(target.model, None)
     assert all(type(layer) is torch.nn.Linear for layer in layers)
     assert Padding(2, 1).rows(1) == 2 and Padding(4, 4).rows(5) == 8 and Padding(4, 4).rows(8) == 8
+
+
+def test_the_server_runtime_verifies_chains_only_in_the_mode(wide_model_dir) -> None:
+    """Token trees put a node's ancestors at slots the tree's shape decides, so attention sums
+    them in another order than a chain or a decode step does: the mode drafts chains."""
+    settings = Settings(
+        model=str(wide_model_dir),
+        draft="none",
+        device="cpu",
+        dtype="bfloat16",
+        batch_invariant=True,
+        calibration_cache="none",
+        prefix_cache_mb=0,
+    )
+    before = KERNELS.grouped, KERNELS.upcast
+    try:
+        runtime = load_runtime(settings)
+        assert runtime.engine.context.tree_budget == 1
+        assert KERNELS.invariant and runtime.engine.target.head_t is None
+    finally:
+        use_padding(runtime.engine.target.model, None)
+        KERNELS.grouped, KERNELS.upcast = before
+        KERNELS.invariant = False
