@@ -232,7 +232,7 @@ def test_chat_help_lists_flags_and_commands(capsys: pytest.CaptureFixture[str]) 
 def test_piped_ctrl_c_stops_the_chat(chat_fake: tuple[str, ChatFake]) -> None:
     """Nobody types into a pipe: Ctrl-C (SIGINT) cancels the call and ends the chat, exit 130."""
     address, fake = chat_fake
-    command = [sys.executable, "-m", "client", "chat", "-a", address, *TIMEOUT]
+    command = [sys.executable, "-c", FOREGROUND, "-m", "client", "chat", "-a", address, *TIMEOUT]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     with subprocess.Popen(command, cwd=ROOT, **pipes) as process:  # type: ignore[call-overload]
         process.stdin.write(b"__endless__\nnever sent\n")
@@ -252,8 +252,16 @@ def test_piped_ctrl_c_stops_the_chat(chat_fake: tuple[str, ChatFake]) -> None:
 # Make the pseudo-terminal the child's controlling terminal, as a shell would, so that Ctrl-C
 # typed into it reaches the child as SIGINT; then become `python -m client chat`.
 LAUNCH = (
-    "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "import fcntl, os, signal, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); "
     "os.execv(sys.executable, [sys.executable, '-m', 'client', 'chat', *sys.argv[1:]])"
+)
+# A foreground command gets SIGINT's default disposition from the shell; a test runner started
+# as a background job (`cmd &` without job control) ignores SIGINT, and its children would
+# inherit that. So each chat starts with the default, as it would from a terminal.
+FOREGROUND = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
 )
 LIVE_STATUS = re.compile(r"\x1b7(.*?)\x1b8", re.DOTALL)  # drawn below the answer, then erased
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|[78DM])")
