@@ -114,9 +114,14 @@ def save_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy text has structure
-        model.lm_head.weight.mul_(8.0)
+    return save_model(LlamaForCausalLM(config), tokenizer, directory)
+
+
+def save_model(model, tokenizer: PreTrainedTokenizerFast, directory: Path) -> Path:  # type: ignore[no-untyped-def]
+    """Save a random tiny model with its tokenizer, like a real model folder; its output
+    layer sharpened first (8x the default init), so greedy text has structure."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     directory.mkdir(parents=True, exist_ok=True)

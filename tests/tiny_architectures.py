@@ -16,6 +16,8 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast
 
+from tests import tiny
+
 WINDOW = 16  # sliding windows: shorter than a test prompt and its answer together
 _WIDTH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 _ROTARY = dict(_WIDTH, num_key_value_heads=2, max_position_embeddings=512)
@@ -162,12 +164,4 @@ def save_architecture(
         **{**fields(), **overrides},
     )
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy text has structure
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return tiny.save_model(getattr(transformers, model_name)(config), tokenizer, directory)

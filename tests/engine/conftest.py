@@ -44,10 +44,6 @@ def never_matching(tiny_target, references, tmp_path_factory) -> KenLMDraft:
 NO_CUDA = "no CUDA device: runs in scripts/gpu_check.sh"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (scripts/gpu_check.sh: -m cuda)")
-
-
 @pytest.fixture(
     scope="session",
     params=[
