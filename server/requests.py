@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kenspec_api import generator_pb2 as pb
@@ -106,25 +107,38 @@ def _sampling(sampling: pb.SamplingParameters) -> SamplingParams:
 
 
 def _stopping(stopping: pb.StoppingCriteria, limits: Limits) -> StoppingParams:
-    max_new_tokens = stopping.max_new_tokens or limits.default_max_new_tokens
+    return stopping_params(
+        stopping.max_new_tokens or None, stopping.stop, stopping.ignore_eos, limits
+    )
+
+
+def stopping_params(
+    max_new_tokens: int | None,
+    stop: Sequence[str],
+    ignore_eos: bool,
+    limits: Limits,
+    *,
+    tokens_field: str = "max_new_tokens",
+) -> StoppingParams:
+    """When to stop, checked against the server's limits (both APIs; `tokens_field` names the
+    token limit as the request called it). None: the server's default."""
+    max_new_tokens = max_new_tokens or limits.default_max_new_tokens
     if max_new_tokens > limits.max_new_tokens:
         raise InvalidParameter(
-            "max_new_tokens",
-            f"max_new_tokens={max_new_tokens} exceeds the server limit of {limits.max_new_tokens}",
+            tokens_field,
+            f"{tokens_field}={max_new_tokens} exceeds the server limit of {limits.max_new_tokens}",
         )
-    if len(stopping.stop) > limits.max_stop_sequences:
+    if len(stop) > limits.max_stop_sequences:
         raise InvalidParameter(
-            "stop", f"{len(stopping.stop)} stop sequences; the limit is {limits.max_stop_sequences}"
+            "stop", f"{len(stop)} stop sequences; the limit is {limits.max_stop_sequences}"
         )
-    for index, stop in enumerate(stopping.stop):
-        if len(stop) > limits.max_stop_length:
+    for index, text in enumerate(stop):
+        if len(text) > limits.max_stop_length:
             raise InvalidParameter(
                 f"stop[{index}]",
-                f"{len(stop)} characters; the limit is {limits.max_stop_length}",
+                f"{len(text)} characters; the limit is {limits.max_stop_length}",
             )
-    return StoppingParams(
-        max_new_tokens=max_new_tokens, stop=tuple(stopping.stop), ignore_eos=stopping.ignore_eos
-    )
+    return StoppingParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
 
 
 def _speculation(
@@ -136,18 +150,39 @@ def _speculation(
         raise InvalidParameter(
             "speculation.draft_context", f"unknown value {speculation.draft_context}"
         )
-    k = speculation.num_draft_tokens or defaults.num_draft_tokens
+    adaptive = speculation.adaptive if speculation.HasField("adaptive") else None
+    context = {pb.DRAFT_CONTEXT_ON: True, pb.DRAFT_CONTEXT_OFF: False}.get(
+        speculation.draft_context
+    )
+    return speculation_params(
+        enabled=speculation.mode != pb.SPECULATION_MODE_OFF,
+        num_draft_tokens=speculation.num_draft_tokens or None,
+        adaptive=adaptive,
+        draft_context=context,
+        limits=limits,
+        defaults=defaults,
+    )
+
+
+def speculation_params(
+    *,
+    enabled: bool,
+    num_draft_tokens: int | None,
+    adaptive: bool | None,
+    draft_context: bool | None,
+    limits: Limits,
+    defaults: Defaults,
+) -> SpeculationParams:
+    """How much to draft, checked against the server's limits (both APIs); None: the server's
+    default (for draft_context, decided per request by the engine)."""
+    k = num_draft_tokens or defaults.num_draft_tokens
     if k > limits.max_draft_tokens:
         raise InvalidParameter(
             "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
         )
-    adaptive = speculation.adaptive if speculation.HasField("adaptive") else defaults.adaptive
-    context = {pb.DRAFT_CONTEXT_ON: True, pb.DRAFT_CONTEXT_OFF: False}.get(
-        speculation.draft_context
-    )
     return SpeculationParams(
-        enabled=speculation.mode != pb.SPECULATION_MODE_OFF,
+        enabled=enabled,
         num_draft_tokens=k,
-        adaptive=adaptive,
-        draft_context=context,
+        adaptive=defaults.adaptive if adaptive is None else adaptive,
+        draft_context=draft_context,
     )

@@ -59,16 +59,25 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _allowed(self, presented: bytes) -> bool:
-        matches = [hmac.compare_digest(presented, token) for token in self._tokens]
-        return any(matches)
+        return token_allowed(presented, self._tokens)
+
+
+def bearer_token(authorization: str) -> bytes:
+    """The token of an `authorization` value `Bearer <token>`; b"" for another scheme or none."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def token_allowed(presented: bytes, tokens: tuple[bytes, ...]) -> bool:
+    """Whether `presented` is one of `tokens`, compared with every one in constant time."""
+    matches = [hmac.compare_digest(presented, token) for token in tokens]
+    return any(matches)
 
 
 def _bearer(metadata) -> bytes | None:  # type: ignore[no-untyped-def]
     for key, value in metadata:
         if key == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            scheme, _, token = text.partition(" ")
-            return token.strip().encode() if scheme.lower() == "bearer" and token else b""
+            return bearer_token(value.decode() if isinstance(value, bytes) else value)
     return None
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +30,7 @@ from server.openai_api.responses import SSE_DONE, Completion, error_body, sse
 from server.requests import check_request_id
 from server.runtime import Runtime
 from server.scheduler import Overloaded
+from server.security import bearer_token, token_allowed
 from server.serving import (
     RETRY_AFTER_MS,
     ClientGone,
@@ -166,13 +166,12 @@ class OpenAIRoutes:
     def _authenticate(self, request: Request) -> None:
         if not self.tokens:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        presented = bearer_token(request.headers.get("authorization", ""))
+        if not presented:
             raise HttpError(
                 401, "missing bearer token: send 'Authorization: Bearer <token>'", code="no_token"
             )
-        presented = token.strip().encode()
-        if not any([hmac.compare_digest(presented, allowed) for allowed in self.tokens]):
+        if not token_allowed(presented, self.tokens):
             raise HttpError(401, "invalid bearer token", code="invalid_api_key")
 
     def _ready(self) -> Runtime:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
-from server.requests import Defaults, GenerateParams, Limits
+from server.requests import (
+    Defaults,
+    GenerateParams,
+    Limits,
+    speculation_params,
+    stopping_params,
+)
 
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0
@@ -90,10 +96,8 @@ def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> O
     _check_fields(body, CHAT_FIELDS, _DEFAULT_ONLY)
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise InvalidParameter("max_tokens", "send max_tokens or max_completion_tokens, not both")
-    max_tokens = _int(body, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", minimum=1)
-    return _request(body, limits, defaults, None, _messages(body), max_tokens)
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return _request(body, limits, defaults, None, _messages(body), field)
 
 
 def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
@@ -108,8 +112,7 @@ def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults
         )
     if not prompt:
         raise InvalidParameter("prompt", "must not be empty")
-    max_tokens = _int(body, "max_tokens", minimum=1)
-    return _request(body, limits, defaults, prompt, None, max_tokens)
+    return _request(body, limits, defaults, prompt, None, "max_tokens")
 
 
 def _request(
@@ -118,7 +121,7 @@ def _request(
     defaults: Defaults,
     prompt: str | None,
     messages: tuple[dict[str, str], ...] | None,
-    max_tokens: int | None,
+    tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
 ) -> OpenAIRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -137,7 +140,7 @@ def _request(
         prompt=prompt,
         messages=messages,
         sampling=_sampling(body),
-        stopping=_stopping(body, max_tokens, limits),
+        stopping=_stopping(body, _int(body, tokens_field, minimum=1), tokens_field, limits),
         speculation=_speculation(body, limits, defaults),
     )
     return OpenAIRequest(
@@ -215,47 +218,32 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
     )
 
 
-def _stopping(body: Mapping[str, Any], max_tokens: int | None, limits: Limits) -> StoppingParams:
-    max_new_tokens = max_tokens or limits.default_max_new_tokens
-    if max_new_tokens > limits.max_new_tokens:
-        raise InvalidParameter(
-            "max_tokens", f"{max_new_tokens} exceeds the server limit of {limits.max_new_tokens}"
-        )
+def _stopping(
+    body: Mapping[str, Any], max_tokens: int | None, tokens_field: str, limits: Limits
+) -> StoppingParams:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidParameter("stop", "must be a string or a list of strings")
-    if len(stops) > limits.max_stop_sequences:
-        raise InvalidParameter(
-            "stop", f"{len(stops)} stop sequences; the limit is {limits.max_stop_sequences}"
-        )
-    for index, text in enumerate(stops):
-        if len(text) > limits.max_stop_length:
-            raise InvalidParameter(
-                f"stop[{index}]", f"{len(text)} characters; the limit is {limits.max_stop_length}"
-            )
-    return StoppingParams(
-        max_new_tokens=max_new_tokens, stop=tuple(stops), ignore_eos=_bool(body, "ignore_eos")
-    )
+    ignore_eos = _bool(body, "ignore_eos")
+    return stopping_params(max_tokens, stops, ignore_eos, limits, tokens_field=tokens_field)
 
 
 def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> SpeculationParams:
     mode = body.get("speculation", "auto")
     if mode not in ("auto", "off"):
         raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {mode!r}")
-    k = _int(body, "num_draft_tokens", minimum=1) or defaults.num_draft_tokens
-    if k > limits.max_draft_tokens:
-        raise InvalidParameter(
-            "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
-        )
     context = body.get("draft_context")
     if context is not None and not isinstance(context, bool):
         raise InvalidParameter("draft_context", "must be true, false or null (server default)")
-    return SpeculationParams(
+    adaptive = body.get("adaptive")
+    return speculation_params(
         enabled=mode == "auto",
-        num_draft_tokens=k,
-        adaptive=_bool(body, "adaptive", defaults.adaptive),
+        num_draft_tokens=_int(body, "num_draft_tokens", minimum=1),
+        adaptive=None if adaptive is None else _bool(body, "adaptive"),
         draft_context=context,
+        limits=limits,
+        defaults=defaults,
     )
 
 
