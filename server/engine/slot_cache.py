@@ -438,7 +438,8 @@ def grouped_attention(
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
     scores[..., :kv_length].add_(mask[:, :, None])
-    scores[..., kv_length:] = float("-inf")
+    if keys > kv_length:
+        scores[..., kv_length:] = float("-inf")
     probs = torch.softmax(scores, dim=-1).view(batch, block, keys).to(v.dtype)
     if keys < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
         v = F.pad(v, (0, 0, 0, _MIN_KEYS - keys))
