@@ -100,14 +100,14 @@ class OpenAIRoutes:
         return JSONResponse({"status": status}, 200 if serving else 503)
 
     async def models(self, request: Request) -> Response:
-        return await self._guarded(request, lambda: {"object": "list", "data": [self._card()]})
+        return await self._guarded(request, lambda card: {"object": "list", "data": [card]})
 
     async def model(self, request: Request) -> Response:
-        def card() -> dict[str, Any]:
+        def one(card: dict[str, Any]) -> dict[str, Any]:
             self._check_model(request.path_params["model"], "model")
-            return self._card()
+            return card
 
-        return await self._guarded(request, card)
+        return await self._guarded(request, one)
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, parse_chat, chat=True)
@@ -115,16 +115,18 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion, chat=False)
 
-    async def _guarded(self, request: Request, body: Callable[[], dict[str, Any]]) -> Response:
+    async def _guarded(
+        self, request: Request, body: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> Response:
+        """`body` of the served model's card, for an authenticated caller of a ready server."""
         try:
             self._authenticate(request)
-            self._ready()
-            return JSONResponse(body())
+            runtime = self._ready()
+            return JSONResponse(body(self._card(runtime)))
         except HttpError as error:
             return error.response()
 
-    def _card(self) -> dict[str, Any]:
-        runtime = self.serving.ready()
+    def _card(self, runtime: Runtime) -> dict[str, Any]:
         return {
             "id": self.model_name,
             "object": "model",
