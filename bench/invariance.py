@@ -6,7 +6,10 @@ layouts, and every layer's output at those positions is compared bit for bit:
 - steps: one token per pass, as plain decoding runs;
 - wide: all of them in one pass, as a verification of a draft does;
 - batched: the wide pass beside other sequences' rows, as continuous batching runs it;
-- chunked: the prompt prefilled in chunks of 3 tokens instead of one pass.
+- chunked: the prompt prefilled in chunks of 3 tokens instead of one pass;
+- tree: all of them in one pass as one branch of a token tree, each beside a sibling that is
+  not on it, so the branch's tokens sit at every other cache slot (as a verified tree's
+  accepted path often does).
 
 Prints, per layout against `steps`, each module whose output differs (how many positions, the
 largest difference) in forward order, then whether the next-token logits and their argmax
@@ -28,6 +31,7 @@ from server.engine.target import TargetModel
 from server.settings import DEFAULT_MODEL
 
 PROMPT = "Explain in two sentences why the sky is blue."
+LAYOUTS = ("wide", "batched", "chunked", "tree")  # each compared with "steps"
 OTHERS = ("Write a haiku about autumn leaves.", "List three prime numbers and say why.")
 
 
@@ -101,13 +105,19 @@ def run_layout(
             for offset, token in enumerate(tokens):
                 (row_logits,) = target.forward(cache, [len(prompt) + offset], [[token]])
                 logits.append(row_logits[0])
-            per_pass = [(0, 1)] * len(tokens)
+            per_pass = [[0]] * len(tokens)
+        elif layout == "tree":
+            nodes, parents = tree_with_siblings(tokens, target.vocab_size)
+            (row_logits,) = target.forward(cache, [len(prompt)], [nodes], parents=[parents])
+            on_branch = list(range(0, len(nodes), 2))
+            logits = [row_logits[i] for i in on_branch]
+            per_pass = [on_branch]
         else:
             lengths = [len(prompt)] + [len(o) for o in others[: rows - 1]]
             token_rows = [list(tokens)] + [[o[-1]] * 3 for o in others[: rows - 1]]
             row_logits = target.forward(cache, lengths, token_rows)
             logits = [row_logits[0][i] for i in range(len(tokens))]
-            per_pass = [(0, len(tokens))]
+            per_pass = [list(range(len(tokens)))]
     finally:
         for handle in handles:
             handle.remove()
@@ -116,10 +126,19 @@ def run_layout(
         passes = capture.outputs.get(name, [])
         if len(passes) != len(per_pass):
             continue  # not run per pass (e.g. the output layer, applied lazily)
-        outputs[name] = torch.cat(
-            [out[b : b + w] for out, (b, w) in zip(passes, per_pass, strict=True)]
-        )
+        outputs[name] = torch.cat([out[i] for out, i in zip(passes, per_pass, strict=True)])
     return outputs, torch.stack([row.float() for row in logits])
+
+
+def tree_with_siblings(tokens: Sequence[int], vocab: int) -> tuple[list[int], list[int]]:
+    """A token tree whose branch is `tokens` (at nodes 0, 2, 4, ...), each token after the
+    first beside a sibling that is not on it (at nodes 1, 3, ...): (nodes, parents)."""
+    nodes, parents = [tokens[0]], [-1]
+    for token in tokens[1:]:
+        parent = len(nodes) - 1
+        nodes += [(token + 1) % vocab, token]
+        parents += [parent, parent]
+    return nodes, parents
 
 
 def compare(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> list[str]:
@@ -168,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens.append(last)
     reference, reference_logits = run_layout(target, prompt, tokens, "steps", others)
     print(f"model {target.name}, {target.dtype}, batch_invariant={args.batch_invariant}")
-    for layout in ("wide", "batched", "chunked"):
+    for layout in LAYOUTS:
         outputs, logits = run_layout(target, prompt, tokens, layout, others)
         lines = compare(reference, outputs)
         same_logits = torch.equal(logits, reference_logits)

@@ -62,13 +62,17 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
+    tree_budget = settings.tree_budget
     if settings.batch_invariant:
         invariance = make_invariant(target)
+        if invariance.value_block is None:  # trees would sum a node's keys in another order
+            tree_budget = 1
         log.info(
             "batch_invariant",
             linear_padding=str(invariance.padding),
             attention="grouped",
-            tree_budget=1,
+            value_block=invariance.value_block,
+            tree_budget=tree_budget,
         )
         skinny_rows: set[int] = set()
     else:
@@ -80,9 +84,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         min_match=settings.context_min_match,
         max_match=settings.context_max_match,
         long_draft_tokens=settings.long_draft_tokens,
-        # A tree places a node's ancestors at slots its shape decides, so attention would sum
-        # them in another order than a chain does: batch invariance verifies chains only.
-        tree_budget=1 if settings.batch_invariant else settings.tree_budget,
+        tree_budget=tree_budget,
         learn_prompts=settings.suffix_learn_prompts,
     )
     batching = BatchSettings(

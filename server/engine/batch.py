@@ -279,6 +279,11 @@ class Batch:
         generations = [entry.generation for entry in entries]
         skips = [generation.prefill_remaining for generation in generations]
         gains = [generation.draft_gains() for generation in generations]
+        block = self.target.tree_key_block
+        if block:  # batch invariance: keys summed in order (slot_cache.grouped_attention)
+            gains = [
+                g[: n.drafts_in_blocks(block)] for g, n in zip(gains, generations, strict=True)
+            ]
         base = len(entries) + sum(skips)
         self._explore = None
         if self._live is not None and not any(skips):

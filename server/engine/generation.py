@@ -21,6 +21,7 @@ from server.engine.sampling import (
 )
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
+from server.engine.token_tree import depths
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,18 @@ class Generation:
     def draft_gains(self) -> list[float]:
         """Expected accepted tokens each of this round's drafts adds (see choose_drafts)."""
         return self.speculator.gains()
+
+    def drafts_in_blocks(self, block: int) -> int:
+        """How many of this round's first drafts have their cache slot in the same block of
+        `block` keys as their position: a tree's node i is written at pending + 1 + i and is at
+        pending + its depth (a chain's drafts, at both)."""
+        if not self._parents:
+            return len(self._drafts)
+        pending = self.cache_length + self.prefill_remaining
+        for node, depth in enumerate(depths(self._parents)):
+            if (pending + 1 + node) // block != (pending + depth) // block:
+                return node
+        return len(self._parents)
 
     def truncate_drafts(self, count: int) -> list[int]:
         """Keep only the first `count` drafts of this round (a batch found more not worth it;

@@ -9,9 +9,15 @@ pass, so speculation, batching, chunked prefill and the prefix cache change gree
   row among 2 or more; MKL's float32 products give each row the same bits only in blocks of 4
   rows. Every linear layer's input is padded with zero rows to a row count the kernels treat
   alike (bf16: at least 2; float32: a multiple of 4), chosen at start-up by measurement on the
-  model's own layers (`choose_padding`), so the rule follows the CPU and its libraries.
-- Attention. SDPA's kernels split the work by the number of queries; `grouped_attention` pads
-  queries and keys to fixed blocks (slot_cache), so every pass, prefill included, goes there.
+  model's own layers (`choose_padding`), so the rule follows the CPU and its libraries. The
+  whole pass is padded to such a count where the cache has room (TargetModel.pass_padding):
+  one padding token instead of a padded copy in each of the model's linear layers.
+- Attention. SDPA's kernels split the work by the number of queries; `invariant_attention`
+  pads queries and keys to fixed blocks (slot_cache), and every pass, prefill included, goes
+  there.
+  A token tree's node sums its keys in the order a sequence would: its scores are reordered
+  around the softmax (Packing.sequence_order), and the batch keeps only nodes whose cache
+  slot lies in the same block of summed keys as their position (`value_block`, measured).
 - The output layer. Lazy logits rows use a GEMV for one row and W @ h^T for blocks; instead the
   model's own output layer, padded like the others, computes the pass's rows.
 
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from server.engine.slot_cache import KERNELS, use_grouped
+from server.engine.slot_cache import KERNELS, KEY_BLOCK, MIN_KEYS, use_grouped
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +148,79 @@ def choose_padding(model: nn.Module) -> Padding:
     )
 
 
+# Keys the value-block probe moves a weight across (MKL on AVX-512 sums 192 keys a block).
+_PROBED_KEYS = 1024
+
+
+@torch.inference_mode()
+def value_block(device: torch.device, dim: int, keys: int = _PROBED_KEYS) -> int | None:
+    """How many keys grouped attention's float32 weighted sum of values adds up in order
+    before it adds a block's total to the rest, measured: the positions where moving a weight
+    one key later changes the sum are the block boundaries. Within a block the sum runs key
+    by key, so zero weights between a query's own change nothing; a token tree's node whose
+    slot and position lie in one block sums its keys as a sequence would. None when the
+    boundaries are no multiples of one block (trees are then not verified in the mode); the
+    probe's length when there is none in it."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator).to(device)
+
+    boundaries = set()
+    for _ in range(2):
+        values, weights = random(2, keys, dim), random(2, 4, keys)
+        for moved in range(1, keys):
+            early = weights.clone()
+            early[..., moved:] = 0
+            late = early.clone()
+            late[..., moved] = late[..., moved - 1]
+            late[..., moved - 1] = 0
+            shifted = values.clone()
+            shifted[:, moved] = values[:, moved - 1]
+            if not torch.equal(torch.bmm(early, values), torch.bmm(late, shifted)):
+                boundaries.add(moved)
+    if not boundaries:
+        return keys
+    block = min(boundaries)
+    return block if all(boundary % block == 0 for boundary in boundaries) else None
+
+
+@torch.inference_mode()
+def short_key_counts(device: torch.device, dim: int, rows: int = 8) -> tuple[int, ...]:
+    """The key counts below MIN_KEYS (multiples of KEY_BLOCK) over which attention's
+    products and softmax give a query the same bits as over _PROBED_KEYS keys, measured for
+    queries of several lengths: those a short pass may pad its keys to instead (MKL on AVX-512:
+    64, 128 and 192, one block; 256 and 320 are split in two halves, other sums)."""
+    generator = torch.Generator(device="cpu").manual_seed(1)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
+
+    keys = _PROBED_KEYS
+    query, key, value = random(2, rows, dim), random(2, keys, dim), random(2, keys, dim)
+    counts = []
+    for count in range(KEY_BLOCK, MIN_KEYS, KEY_BLOCK):
+        same = True
+        for length in {1, count // 2 + 1, count - 7, count}:
+            outputs = []
+            for columns in (count, keys):
+                mask = torch.zeros(2, rows, columns, device=device)
+                mask[..., length:] = float("-inf")
+                scores = torch.baddbmm(mask, query, key[:, :columns].transpose(1, 2), alpha=0.1)
+                outputs.append(torch.bmm(torch.softmax(scores, -1), value[:, :columns]))
+            same = same and torch.equal(*outputs)
+        if same:
+            counts.append(count)
+    return tuple(counts)
+
+
 @dataclass(frozen=True, slots=True)
 class Invariance:
     """What `make_invariant` switched, to report and to undo."""
 
     padding: Padding
+    # keys attention sums in order (value_block); None: token trees cannot be verified
+    value_block: int | None
     grouped: tuple[tuple[int, int], ...]  # the attention choice before
     upcast: bool
     head_t: torch.Tensor | None
@@ -158,11 +232,17 @@ def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
     grouped attention for every pass, the output layer over the pass's rows. Process-wide for
     the attention choice (slot_cache.KERNELS), as that choice always is."""
     padding = choose_padding(target.model)
-    before = Invariance(padding, KERNELS.grouped, KERNELS.upcast, target.head_t, target.plain_head)
+    block = value_block(target.device, target.attention_shape[2])
+    before = Invariance(
+        padding, block, KERNELS.grouped, KERNELS.upcast, target.head_t, target.plain_head
+    )
     use_grouped({1 << 30: 0})  # every width, every length
     KERNELS.upcast = KERNELS.invariant = True
+    KERNELS.short_keys = short_key_counts(target.device, target.attention_shape[2])
     target.head_t = None  # no lazy rows: the output layer runs as a linear layer of the pass
     target.plain_head = False
+    target.tree_key_block = block or 0
+    target.pass_padding = padding  # whole passes padded: no per-layer padding where room
     return before
 
 
@@ -170,4 +250,7 @@ def undo_invariant(target, before: Invariance) -> None:  # type: ignore[no-untyp
     use_padding(target.model, None)
     KERNELS.grouped, KERNELS.upcast = before.grouped, before.upcast
     KERNELS.invariant = False
+    KERNELS.short_keys = ()
     target.head_t, target.plain_head = before.head_t, before.plain_head
+    target.tree_key_block = 0
+    target.pass_padding = None

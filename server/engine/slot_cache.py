@@ -206,7 +206,12 @@ class Packing:
     # (row, length, depths) per row holding a token tree: its new tokens' positions are
     # length + depth, not their slots' length + w
     trees: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # (row, query, key offset, slot offset): in a token tree, the query's keys in the order a
+    # sequence gives them (its ancestors by depth, itself, then the rest) where it differs
+    # from the slots' order; offsets from the row's length (see _sequence_order)
+    reordered: tuple[tuple[int, int, int, int], ...] = ()
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask
+    _invariant: dict[tuple, object] = field(default_factory=dict)  # see invariant_attention
 
     @property
     def windows(self) -> frozenset[int]:
@@ -223,6 +228,50 @@ class Packing:
             mask = self.mask.masked_fill(outside, torch.finfo(self.mask.dtype).min)
             self._windowed[window] = mask
         return mask
+
+    def sequence_order(self, kv_heads: int, group: int) -> tuple[torch.Tensor, ...] | None:
+        """Index tensors (product, query row, key in sequence order, key in slot order) over
+        invariant_attention's scores [rows * kv_heads, a kv head's queries (padded), keys],
+        for each tree query whose keys the slots put in another order than a sequence would
+        (None: no such query)."""
+        if not self.reordered:
+            return None
+        order = self._invariant.get(("order", kv_heads, group))
+        if order is None:
+            width = self.slots.shape[1]
+            lengths = {row: length for row, length, _ in self.trees}
+            entries = torch.tensor(
+                [(r, w, lengths[r] + key, lengths[r] + slot) for r, w, key, slot in self.reordered]
+            )
+            kv_head = torch.arange(kv_heads).repeat_interleave(group)  # each query head's
+            in_group = torch.arange(group).repeat(kv_heads)
+            columns = [entries[:, None, i].expand(-1, len(kv_head)).reshape(-1) for i in range(4)]
+            row, query, in_sequence, in_slots = columns
+            product = row * kv_heads + kv_head.repeat(len(entries))
+            query_row = in_group.repeat(len(entries)) * width + query
+            order = tuple(
+                t.to(self.mask.device) for t in (product, query_row, in_sequence, in_slots)
+            )
+            self._invariant[("order", kv_heads, group)] = order
+        return order  # type: ignore[return-value]
+
+    def padded_mask(self, mask: torch.Tensor, kv_heads: int, group: int, rows: int, keys: int):
+        """`mask` (this pass's, or a windowed one) as invariant_attention adds it to its scores:
+        float32 [rows * kv_heads, `rows` query rows (a kv head's queries, padded), `keys`],
+        -inf past the pass's keys, 0 in the padding rows; made once per pass."""
+        cache_key = ("mask", id(mask), kv_heads, group, rows, keys)
+        padded = self._invariant.get(cache_key)
+        if padded is None:
+            n, _, width, kv_length = mask.shape
+            padded = torch.full(
+                (n, kv_heads, rows, keys), float("-inf"), dtype=torch.float32, device=mask.device
+            )
+            padded[:, :, group * width :] = 0.0  # padding queries: finite, never read
+            grouped = padded[:, :, : group * width].unflatten(2, (group, width))
+            grouped[..., :kv_length] = mask[:, :, None].float()
+            padded = padded.view(n * kv_heads, rows, keys)
+            self._invariant[cache_key] = padded
+        return padded
 
     def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of each row's queries [rows, width] and cache slots [rows, kv_length]:
@@ -312,7 +361,18 @@ def pack(
     )
     grid = grid.view(len(rows), width)
     mask = attention_mask(grid, kv_length, dtype, tree_rows)
-    packing = Packing(slot_grid.view(len(rows), width), packed_flat, mask, grid, tuple(tree_depths))
+    packing = Packing(
+        slot_grid.view(len(rows), width),
+        packed_flat,
+        mask,
+        grid,
+        tuple(tree_depths),
+        tuple(  # needed (and paid for) only where keys are summed in a fixed order
+            entry
+            for row, _, tree in (tree_rows if KERNELS.invariant else ())
+            for entry in _sequence_order(row, tree)
+        ),
+    )
     return PackedPass(
         input_ids=packed_ids[None],
         positions=packed_positions[None],
@@ -322,6 +382,26 @@ def pack(
         packing=packing,
         cache_positions=cache_slots if tree_rows else None,
     )
+
+
+def _sequence_order(row: int, parents: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """(row, query, key, slot) for each of a tree's queries whose keys, put in the order a
+    sequence of its ancestors gives them (ancestors by depth, itself, then the row's other
+    new tokens in slot order), are not in slot order: that key offset holds that slot's key.
+
+    Example: parents [-1, 0, 0] (a root and two children): query 2's ancestors are slots 0
+    and 2, so key 1 is slot 2 and key 2 is slot 1: [(row, 2, 1, 2), (row, 2, 2, 1)]."""
+    entries = []
+    for query in range(len(parents)):
+        path, node = [], query
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        on_path = set(path)
+        order = path + [slot for slot in range(len(parents)) if slot not in on_path]
+        entries += [(row, query, key, slot) for key, slot in enumerate(order) if key != slot]
+    return entries
 
 
 def _to_device(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
@@ -350,8 +430,10 @@ class AttentionKernels:
     # bf16/fp16 caches in grouped_attention: True, keys and values converted into float32
     # buffers and everything in float32; False, the products in the cache's dtype, in place.
     upcast: bool = True
-    # Batch-invariant mode (engine.invariant): keys padded to fixed blocks in grouped_attention.
+    # Batch-invariant mode (engine.invariant): every pass takes invariant_attention, whose keys
+    # are padded to one of `short_keys` (measured at start-up) or else to at least MIN_KEYS.
     invariant: bool = False
+    short_keys: tuple[int, ...] = ()
 
     def takes_grouped(self, width: int, kv_length: int) -> bool:
         for max_width, min_length in self.grouped:
@@ -411,39 +493,35 @@ def grouped_attention(
     the conversion, for less precision.
 
     Queries are padded to a multiple of 4 rows per product and the values to 384 keys (_MIN_BLOCK,
-    _MIN_KEYS): zeros, which change no result but make each query's bits independent of what
+    MIN_KEYS): zeros, which change no result but make each query's bits independent of what
     shares its pass.
 
     softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2's
     attn_logit_softcapping), as transformers' eager attention does.
+
+    Batch-invariant mode has a kernel of its own with the same layout: invariant_attention.
     """
     dtype = query.dtype
     if dtype in _REDUCED and (KERNELS.upcast if upcast is None else upcast):
         query = query.float()
         key, value = _in_float32(key, value)
     rows, heads, width, dim = query.shape
-    kv_heads, kv_length = key.shape[1], key.shape[2]
+    kv_heads, keys = key.shape[1], key.shape[2]
     batch, block = rows * kv_heads, heads // kv_heads * width  # block: a kv head's queries
     padded = -(-block // _MIN_BLOCK) * _MIN_BLOCK  # a multiple of 4 rows (below)
     q = _at_least(query.reshape(batch, block, dim), padded)  # a small copy
-    k = key.reshape(batch, kv_length, dim)  # a view of SlotCache's rows
-    v = value.reshape(batch, kv_length, dim)
-    keys = kv_length
-    if KERNELS.invariant:  # every product and the softmax over a length no pass chooses
-        keys = max(_MIN_KEYS, -(-kv_length // _KEY_BLOCK) * _KEY_BLOCK)
-        k, v = F.pad(k, (0, 0, 0, keys - kv_length)), F.pad(v, (0, 0, 0, keys - kv_length))
+    k = key.reshape(batch, keys, dim)  # a view of SlotCache's rows
+    v = value.reshape(batch, keys, dim)
     scores = _products(q, k.transpose(1, 2))[:, :block].float()
     scores = scores.reshape(rows, kv_heads, -1, width, keys)  # [.., group, width, ..]
     scores.mul_(dim**-0.5 if scaling is None else scaling)
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
-    scores[..., :kv_length].add_(mask[:, :, None])
-    if keys > kv_length:
-        scores[..., kv_length:] = float("-inf")
+    scores.add_(mask[:, :, None])
     probs = torch.softmax(scores, dim=-1).view(batch, block, keys).to(v.dtype)
-    if keys < _MIN_KEYS:  # zero weights on zero values: a copy of a short cache
-        v = F.pad(v, (0, 0, 0, _MIN_KEYS - keys))
-    probs = _at_least(probs, padded, _MIN_KEYS)
+    if keys < MIN_KEYS:  # zero weights on zero values: a copy of a short cache
+        v = F.pad(v, (0, 0, 0, MIN_KEYS - keys))
+    probs = _at_least(probs, padded, MIN_KEYS)
     out = _products(probs, v)[:, :block]
     return out.reshape(rows, heads, width, dim).to(dtype)
 
@@ -456,13 +534,92 @@ def grouped_attention(
 # product and the values to 384 keys: a query's output does not depend on how many queries
 # or rows share its pass, nor on their lengths (tests/engine/test_grouped_attention).
 _MIN_BLOCK = 4
-# Exact batch invariance (KERNELS.invariant) needs more: the score product gives a key other
-# bits in the last, partial block of 16 columns than in a full one, and the softmax's
-# vectorised sums change with a short row's length. So keys are padded (zeros, their scores
-# -inf) to at least _MIN_KEYS and a multiple of _KEY_BLOCK: a copy of the keys and values per
-# layer, which the default mode does not pay.
-_KEY_BLOCK = 64
-_MIN_KEYS = 384
+# Exact batch invariance (KERNELS.invariant, invariant_attention) needs more: the score
+# product gives a key other bits in the last, partial block of 16 columns than in a full one,
+# and the softmax's vectorised sums change with a short row's length. So keys are padded
+# (their scores -inf) to a multiple of KEY_BLOCK, and to at least MIN_KEYS unless the count is
+# one measured to sum alike (KERNELS.short_keys: MKL sums up to 192 keys in one block, 256 or
+# 320 in two halves, and from 384 on in blocks of 192).
+KEY_BLOCK = 64
+MIN_KEYS = 384
+
+
+def invariant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    packing: Packing,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """grouped_attention's result (same arguments, and the pass's packing), with each query's
+    bits independent of whatever shares its pass: batch-invariant mode's attention, for every
+    pass, prefill chunks included. All float32.
+
+    - Queries are padded to a multiple of 4 rows per product, keys to a multiple of
+      KEY_BLOCK (their scores -inf) and to at least MIN_KEYS unless that count is one of
+      KERNELS.short_keys (see the constants below, and invariant.short_key_counts).
+    - A token tree's query has its scores put in the order a sequence of its ancestors would
+      give them before the softmax (whose vectorised sums depend on where each term lies),
+      and its weights back in slot order after (Packing.sequence_order). The weighted sum of
+      values then differs from a sequence's only by zero terms between its own, which add
+      nothing as long as each term stays in the block of keys the product sums in one run;
+      the batch keeps a tree's nodes so (invariant.value_block, Generation.drafts_in_blocks).
+    - Few operations (a one-token pass runs this once a layer, at some 10 us an operation):
+      the queries are copied (and converted) into a padded buffer, the keys and values into
+      buffers longer than the pass's keys (the stale, finite values past them get scores of
+      -inf and weights of 0), and the mask, the scale and the padding's -inf go into one
+      fused product (baddbmm), the mask laid out once per pass (Packing.padded_mask).
+    """
+    dtype = query.dtype
+    rows, heads, width, dim = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    batch, block = rows * kv_heads, group * width  # block: a kv head's queries
+    padded = -(-block // _MIN_BLOCK) * _MIN_BLOCK
+    keys = -(-kv_length // KEY_BLOCK) * KEY_BLOCK
+    keys = keys if keys in KERNELS.short_keys else max(MIN_KEYS, keys)
+    shape = (rows, kv_heads, keys, dim)
+    q, k, v = _scratch((batch, padded, dim), shape, shape, device=query.device)
+    grouped = q.view(rows, kv_heads, padded, dim)[:, :, :block].unflatten(2, (group, width))
+    grouped.copy_(query.unflatten(1, (kv_heads, group)))
+    k[:, :, :kv_length].copy_(key)
+    v[:, :, :kv_length].copy_(value)
+    k, v = k.view(batch, keys, dim), v.view(batch, keys, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    added = packing.padded_mask(mask, kv_heads, group, padded, keys)
+    if softcap is None:
+        scores = torch.baddbmm(added, q, k.transpose(1, 2), alpha=scale)
+    else:
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).div_(softcap).tanh_()
+        scores.mul_(softcap).add_(added)
+    order = packing.sequence_order(kv_heads, group)
+    if order is not None:
+        *at, in_sequence, in_slots = order
+        scores[(*at, in_sequence)] = scores[(*at, in_slots)]
+    probs = torch.softmax(scores, dim=-1)
+    if order is not None:
+        probs[(*at, in_slots)] = probs[(*at, in_sequence)]
+    out = torch.bmm(probs, v).view(rows, kv_heads, padded, dim)[:, :, :block]
+    return out.reshape(rows, heads, width, dim).to(dtype)
+
+
+def _scratch(*shapes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+    """float32 tensors of `shapes`, in zeroed buffers this thread reuses (not _in_float32's):
+    each is good until the next call and holds what earlier calls left in it."""
+    buffers: list[torch.Tensor] = getattr(_SCRATCH, "invariant", [])
+    _SCRATCH.invariant = buffers
+    tensors = []
+    for index, shape in enumerate(shapes):
+        size = torch.Size(shape).numel()
+        if index == len(buffers):
+            buffers.append(torch.zeros(size, dtype=torch.float32, device=device))
+        elif buffers[index].numel() < size or not _reusable(buffers[index], device):
+            size = max(size, 2 * buffers[index].numel())
+            buffers[index] = torch.zeros(size, dtype=torch.float32, device=device)
+        tensors.append(buffers[index][: torch.Size(shape).numel()].view(shape))
+    return tensors
 
 
 def _at_least(tensor: torch.Tensor, rows: int, columns: int = 0) -> torch.Tensor:
@@ -486,11 +643,17 @@ def _in_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
         size = tensor.numel()
         if index == len(buffers):
             buffers.append(torch.empty(size, dtype=torch.float32, device=tensor.device))
-        elif buffers[index].numel() < size or buffers[index].device != tensor.device:
+        elif buffers[index].numel() < size or not _reusable(buffers[index], tensor.device):
             size = max(size, 2 * buffers[index].numel())
             buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
         copies.append(buffers[index][: tensor.numel()].view(tensor.shape).copy_(tensor))
     return copies
+
+
+def _reusable(buffer: torch.Tensor, device: torch.device) -> bool:
+    """Whether a scratch buffer can be written here: on `device`, and made in inference mode
+    exactly when this call runs in it (torch refuses writes to an inference tensor outside)."""
+    return buffer.device == device and buffer.is_inference() == torch.is_inference_mode_enabled()
 
 
 def _products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -544,8 +707,11 @@ def packed_attention(
     window = kwargs.get("sliding_window")
     mask = packing.windowed_mask(int(window)) if window else packing.mask  # type: ignore[call-overload]
     softcap = kwargs.get("softcap")
-    if softcap is not None:
-        out = grouped_attention(laid_out, key, value, mask, scaling, softcap=float(softcap))  # type: ignore[arg-type]
+    softcap = float(softcap) if softcap is not None else None  # type: ignore[arg-type]
+    if KERNELS.invariant:
+        out = invariant_attention(laid_out, key, value, mask, packing, scaling, softcap)
+    elif softcap is not None:
+        out = grouped_attention(laid_out, key, value, mask, scaling, softcap=softcap)
     elif KERNELS.takes_grouped(width, key.shape[2]):
         out = grouped_attention(laid_out, key, value, mask, scaling)
     else:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -25,6 +26,9 @@ from server.engine.architecture import (
 )
 from server.engine.pass_logits import PassLogits, split_pass
 from server.engine.slot_cache import PACKED_ATTENTION, SlotCache, pack
+
+if TYPE_CHECKING:
+    from server.engine.invariant import Padding
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
@@ -154,6 +158,11 @@ class TargetModel:
     plain_head: bool = False  # logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES)
     # A pass's rows in one product, its greedy tokens in one copy (PassLogits): accelerators.
     pass_rows: bool = False
+    # Batch-invariant mode (engine.invariant): a token tree's node is verified only where its
+    # cache slot and its position lie in one block of this many keys (0: anywhere); a pass is
+    # padded to a token count its linear layers treat alike (None: as it comes).
+    tree_key_block: int = 0
+    pass_padding: Padding | None = None
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -327,6 +336,11 @@ class TargetModel:
     ) -> tuple[torch.Tensor, list[int]]:
         """One packed pass: hidden states [tokens, hidden] (or logits [tokens, vocab]) and
         where each row's tokens start among them."""
+        if self.pass_padding is not None:  # once here, not in each linear layer (where room)
+            tokens = max(min_tokens, sum(len(row) for row in token_rows))
+            wanted = self.pass_padding.rows(tokens)
+            if lengths[-1] + len(token_rows[-1]) + wanted - tokens <= self.max_context:
+                min_tokens = wanted
         packed = pack(
             lengths, token_rows, self.dtype, self.device, pad_to=min_tokens, parents=parents
         )

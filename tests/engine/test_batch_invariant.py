@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.invariance import compare, run_layout
+from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.invariant import (
@@ -25,13 +25,14 @@ from server.engine.invariant import (
     make_invariant,
     undo_invariant,
     use_padding,
+    value_block,
 )
 from server.engine.slot_cache import KERNELS
 from server.engine.target import TargetModel, cpu_has_native_bf16
 from server.runtime import load_runtime
 from server.settings import Settings
 from tests import tiny
-from tests.engine.drafts import Collector, OracleDraft, start
+from tests.engine.drafts import Branching, Collector, OracleDraft, reference_greedy, start
 
 PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time there", "1, 2, 3, 4,")
 NEW_TOKENS = 16
@@ -64,13 +65,67 @@ def test_logits_and_every_layer_are_bit_identical_in_every_layout(invariant_targ
     ]
     steps, steps_logits = run_layout(target, prompt, tokens, "steps", others)
     assert steps, "no module output was captured: the comparison would be empty"
-    for layout in ("wide", "batched", "chunked"):
+    assert "tree" in LAYOUTS  # a token tree's branch at every other slot
+    for layout in LAYOUTS:
         outputs, logits = run_layout(target, prompt, tokens, layout, others)
         assert compare(steps, outputs) == [], layout
         assert torch.equal(logits, steps_logits), layout
 
 
-def _greedy(target: TargetModel, prompt: list[int], draft, *, enabled: bool, **options):
+def _long_prompt(target: TargetModel, length: int) -> list[int]:
+    ids = target.encode_prompt("A long prompt, one word after another. " * (length // 8 + 8))
+    assert len(ids) >= length
+    return ids[:length]
+
+
+def test_a_tree_summed_across_a_block_of_keys_differs_which_is_why_the_batch_cuts_it(
+    wide_model_dir,
+) -> None:
+    """Attention adds up a block of keys at a time (value_block, measured): a tree node whose
+    slot lies past a block's end while its position does not is summed in another order than
+    a decode step sums it. Placed so that the branch's nodes straddle the boundary, the tree
+    layout differs; placed before it, it does not; and the batch's cut keeps only the nodes
+    before such a straddle (Generation.drafts_in_blocks). In float32: the tiny model's bf16
+    layer outputs round such differences away."""
+    target = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+    before = make_invariant(target)
+    try:
+        _check_block_boundary(target)
+    finally:
+        undo_invariant(target, before)
+
+
+def _check_block_boundary(target: TargetModel) -> None:
+    block = target.tree_key_block
+    assert block == value_block(target.device, target.attention_shape[2]) and block > 0
+    if block >= 1024:
+        pytest.skip(f"this BLAS adds up all of the first {block} keys in one block: no boundary")
+    tokens = [
+        int(t) for t in torch.randint(3, 200, (8,), generator=torch.Generator().manual_seed(2))
+    ]
+    differs = {}
+    for length in (block - 20, block - 6):  # the branch's slots: length + 0, 2, .., 14
+        prompt = _long_prompt(target, length)
+        steps, steps_logits = run_layout(target, prompt, tokens, "steps", [])
+        tree, tree_logits = run_layout(target, prompt, tokens, "tree", [])
+        differs[length] = bool(compare(steps, tree)) or not torch.equal(tree_logits, steps_logits)
+    assert differs == {block - 20: False, block - 6: True}
+    # What the batch keeps of such a tree: the nodes before the first whose slot's block is
+    # not its position's (slot length + 1 + i, position length + depth, for a pending token
+    # at length).
+    nodes, parents = tree_with_siblings(tokens, target.vocab_size)
+    _, generation = start(target, None, _long_prompt(target, block - 6), max_new_tokens=4)
+    generation._drafts, generation._parents = nodes[1:], [p - 1 for p in parents[1:]]
+    pending = generation.cache_length + generation.prefill_remaining
+    kept = generation.drafts_in_blocks(block)
+    assert pending == block - 7 and 0 < kept < len(nodes) - 1
+    assert (pending + 1 + kept) // block != (pending + 1 + kept // 2) // block
+
+
+def _greedy(
+    target: TargetModel, prompt: list[int], draft, *, enabled: bool, rounds=False, **options
+):
+    """The greedy answer's tokens (or its rounds), run alone."""
     _, generation = start(
         target, draft, prompt, max_new_tokens=NEW_TOKENS, k=5, enabled=enabled, **options
     )
@@ -79,7 +134,7 @@ def _greedy(target: TargetModel, prompt: list[int], draft, *, enabled: bool, **o
     batch.add(generation, collector)
     batch.run_until_idle()
     assert collector.error is None
-    return collector.tokens
+    return collector.rounds if rounds else collector.tokens
 
 
 def test_greedy_output_is_identical_off_auto_batched_and_cached(invariant_target) -> None:
@@ -106,6 +161,38 @@ def test_greedy_output_is_identical_off_auto_batched_and_cached(invariant_target
         assert [c.tokens for c in collectors] == plain
         reused.append(batch.stats.reused_tokens)
     assert reused[1] > reused[0], "the second round did not reuse the prefix cache"
+
+
+def test_greedy_output_with_token_trees_is_identical_to_off_across_key_blocks(
+    invariant_target,
+) -> None:
+    """Trees whose right branch is the second one (its nodes at every other slot), on prompts
+    whose answers cross a block of summed keys, alone and four in a batch: the answers are
+    OFF's, and the right branches were taken."""
+    target = invariant_target
+    block = target.tree_key_block
+    prompts = [_long_prompt(target, length) for length in (20, block - 9, block - 5, 2 * block - 7)]
+    plain = [_greedy(target, p, None, enabled=False) for p in prompts]
+    for prompt, expected in zip(prompts, plain, strict=True):
+        branching = Branching(expected, target.vocab_size)
+        rounds = _greedy(target, prompt, branching, enabled=True, tree_budget=8, rounds=True)
+        assert [t for r in rounds for t in r.token_ids] == expected
+        assert sum(r.accepted for r in rounds) > len(rounds) // 2  # the right branch taken
+    batch = Batch(target, BatchSettings(max_rows=4, prefix_cache_bytes=0))
+    collectors = []
+    for prompt, expected in zip(prompts, plain, strict=True):
+        _, generation = start(
+            target,
+            Branching(expected, target.vocab_size),
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            k=4,
+            tree_budget=6,
+        )
+        collectors.append(Collector())
+        batch.add(generation, collectors[-1])
+    batch.run_until_idle()
+    assert [c.tokens for c in collectors] == plain
 
 
 @pytest.mark.skipif(
@@ -140,9 +227,9 @@ def test_padding_is_chosen_by_measurement_and_refused_when_none_works(wide_model
     assert Padding(2, 1).rows(1) == 2 and Padding(4, 4).rows(5) == 8 and Padding(4, 4).rows(8) == 8
 
 
-def test_the_server_runtime_verifies_chains_only_in_the_mode(wide_model_dir) -> None:
-    """Token trees put a node's ancestors at slots the tree's shape decides, so attention sums
-    them in another order than a chain or a decode step does: the mode drafts chains."""
+def test_the_server_runtime_verifies_trees_in_the_mode(wide_model_dir) -> None:
+    """The mode keeps the server's token trees: attention sums a node's keys in sequence
+    order, and the batch keeps nodes within the measured block of summed keys."""
     settings = Settings(
         model=str(wide_model_dir),
         draft="none",
@@ -155,9 +242,25 @@ def test_the_server_runtime_verifies_chains_only_in_the_mode(wide_model_dir) -> 
     before = KERNELS.grouped, KERNELS.upcast
     try:
         runtime = load_runtime(settings)
-        assert runtime.engine.context.tree_budget == 1
+        assert runtime.engine.context.tree_budget == settings.tree_budget > 1
+        assert runtime.engine.target.tree_key_block == value_block(torch.device("cpu"), 32)
         assert KERNELS.invariant and runtime.engine.target.head_t is None
     finally:
         use_padding(runtime.engine.target.model, None)
         KERNELS.grouped, KERNELS.upcast = before
-        KERNELS.invariant = False
+        KERNELS.invariant, KERNELS.short_keys = False, ()
+
+
+def test_float32_greedy_in_the_mode_with_trees_is_transformers_generate(wide_model_dir) -> None:
+    """The mode's kernels compute the model, not just the same bits everywhere: in float32 its
+    greedy answers, verified in token trees, are transformers' `generate`."""
+    target = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+    prompts = [target.encode_prompt(PROMPTS[1]), _long_prompt(target, 180)]
+    expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in prompts]
+    before = make_invariant(target)
+    try:
+        for prompt, reference in zip(prompts, expected, strict=True):
+            branching = Branching(reference, target.vocab_size)
+            assert _greedy(target, prompt, branching, enabled=True, tree_budget=8) == reference
+    finally:
+        undo_invariant(target, before)

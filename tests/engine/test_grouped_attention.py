@@ -20,6 +20,7 @@ from server.engine.slot_cache import (
     KERNELS,
     choose_grouped,
     grouped_attention,
+    invariant_attention,
     measure_grouped,
     pack,
     sdpa_attention,
@@ -418,3 +419,66 @@ def test_the_attention_flag_fixes_the_choice(tiny_target, mode, grouped) -> None
         assert slot_cache.KERNELS.grouped == grouped
     finally:
         slot_cache.KERNELS.grouped = before
+
+
+# -- batch-invariant mode's kernel ----------------------------------------------------------
+
+
+def invariant_inputs(shape: str, dtype: torch.dtype, lengths, widths, parents=None):  # type: ignore[no-untyped-def]
+    """packed_inputs, and the pass's packing as batch-invariant mode packs it (with the tree
+    queries' sequence order)."""
+    inputs = packed_inputs(*SHAPES[shape], dtype, lengths, widths, parents)
+    KERNELS.invariant = True
+    try:
+        tokens = [[1] * width for width in widths]
+        packing = pack(lengths, tokens, dtype, torch.device("cpu"), parents=parents).packing
+    finally:
+        KERNELS.invariant = False
+    assert torch.equal(packing.mask, inputs[3])
+    return inputs, packing
+
+
+TREE_CASE = ([250, 400, 90], [2, 6, 3], [None, [-1, 0, 0, 1, 2, 3], None])
+
+
+@pytest.mark.parametrize("case", [*CASES, "tree"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_is_attention(shape: str, case: str, dtype: torch.dtype) -> None:
+    """invariant_attention computes attention (float64 reference: within float32 rounding, or
+    one bf16 rounding), trees' reordered queries included."""
+    inputs, packing = invariant_inputs(
+        shape, dtype, *(TREE_CASE if case == "tree" else CASES[case])
+    )
+    assert (case == "tree") == (packing.sequence_order(SHAPES[shape][1], 1) is not None)
+    out = invariant_attention(*inputs, packing)
+    assert out.shape == inputs[0].shape and out.dtype == dtype
+    expected = reference(*inputs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((out.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-5).all()
+
+
+def test_invariant_attention_soft_caps_and_takes_each_mask_it_is_given() -> None:
+    """Soft-capped scores as grouped_attention caps them; a sliding window's mask, asked for
+    after the pass's own, is not mistaken for it (the padded masks are kept per mask)."""
+    inputs, packing = invariant_inputs("gqa-smollm", torch.float32, [300, 77], [3, 5])
+    query, key, value, mask = inputs
+    capped = invariant_attention(query, key, value, mask, packing, softcap=5.0)
+    torch.testing.assert_close(
+        capped, grouped_attention(*inputs, softcap=5.0), rtol=1e-5, atol=1e-5
+    )
+    plain = invariant_attention(query, key, value, mask, packing)
+    windowed_mask = packing.windowed_mask(16)
+    windowed = invariant_attention(query, key, value, windowed_mask, packing)
+    expected = reference(query, key, value, windowed_mask)
+    torch.testing.assert_close(windowed.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(windowed, plain)
+
+
+def test_a_tree_query_is_put_in_sequence_order() -> None:
+    """A root and two children: the second child's ancestors are slots 0 and 2, so in
+    sequence order its key 1 is slot 2 and key 2 is slot 1; the others are in order."""
+    assert slot_cache._sequence_order(5, [-1, 0, 0]) == [(5, 2, 1, 2), (5, 2, 2, 1)]
+    assert slot_cache._sequence_order(0, [-1, 0, 1]) == []  # a chain: slots are positions
