@@ -229,30 +229,29 @@ class Packing:
             self._windowed[window] = mask
         return mask
 
-    def sequence_order(self, kv_heads: int, group: int) -> tuple[torch.Tensor, ...] | None:
-        """Index tensors (product, query row, key in sequence order, key in slot order) over
-        invariant_attention's scores [rows * kv_heads, a kv head's queries (padded), keys],
-        for each tree query whose keys the slots put in another order than a sequence would
-        (None: no such query)."""
+    def sequence_order(
+        self, kv_heads: int, group: int, rows: int, keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Flat indices (in sequence order, in slot order) into invariant_attention's scores
+        [rows * kv_heads, `rows` query rows (a kv head's queries, padded), `keys`], for each
+        tree query whose keys the slots put in another order than a sequence would (None: no
+        such query): scores[in_sequence] = scores[in_slots] puts them in sequence order."""
         if not self.reordered:
             return None
-        order = self._invariant.get(("order", kv_heads, group))
+        order = self._invariant.get(("order", kv_heads, group, rows, keys))
         if order is None:
             width = self.slots.shape[1]
             lengths = {row: length for row, length, _ in self.trees}
             entries = torch.tensor(
                 [(r, w, lengths[r] + key, lengths[r] + slot) for r, w, key, slot in self.reordered]
             )
-            kv_head = torch.arange(kv_heads).repeat_interleave(group)  # each query head's
-            in_group = torch.arange(group).repeat(kv_heads)
-            columns = [entries[:, None, i].expand(-1, len(kv_head)).reshape(-1) for i in range(4)]
-            row, query, in_sequence, in_slots = columns
-            product = row * kv_heads + kv_head.repeat(len(entries))
-            query_row = in_group.repeat(len(entries)) * width + query
+            row, query, in_sequence, in_slots = (entries[:, None, i] for i in range(4))
+            head = torch.arange(kv_heads * group)[None]  # kv head h // group, h % group in it
+            at = ((row * kv_heads + head // group) * rows + head % group * width + query) * keys
             order = tuple(
-                t.to(self.mask.device) for t in (product, query_row, in_sequence, in_slots)
+                (at + column).reshape(-1).to(self.mask.device) for column in (in_sequence, in_slots)
             )
-            self._invariant[("order", kv_heads, group)] = order
+            self._invariant[("order", kv_heads, group, rows, keys)] = order
         return order  # type: ignore[return-value]
 
     def padded_mask(self, mask: torch.Tensor, kv_heads: int, group: int, rows: int, keys: int):
@@ -594,13 +593,15 @@ def invariant_attention(
     else:
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).div_(softcap).tanh_()
         scores.mul_(softcap).add_(added)
-    order = packing.sequence_order(kv_heads, group)
+    order = packing.sequence_order(kv_heads, group, padded, keys)
     if order is not None:
-        *at, in_sequence, in_slots = order
-        scores[(*at, in_sequence)] = scores[(*at, in_slots)]
+        in_sequence, in_slots = order
+        flat = scores.view(-1)
+        flat.index_copy_(0, in_sequence, flat.index_select(0, in_slots))
     probs = torch.softmax(scores, dim=-1)
     if order is not None:
-        probs[(*at, in_slots)] = probs[(*at, in_sequence)]
+        flat = probs.view(-1)
+        flat.index_copy_(0, in_slots, flat.index_select(0, in_sequence))
     out = torch.bmm(probs, v).view(rows, kv_heads, padded, dim)[:, :, :block]
     return out.reshape(rows, heads, width, dim).to(dtype)
 
