@@ -154,9 +154,9 @@ _PROBED_KEYS = 1024
 
 @torch.inference_mode()
 def value_block(device: torch.device, dim: int, keys: int = _PROBED_KEYS) -> int | None:
-    """How many keys grouped attention's float32 weighted sum of values adds up in order
-    before it adds a block's total to the rest, measured: the positions where moving a weight
-    one key later changes the sum are the block boundaries. Within a block the sum runs key
+    """How many keys attention's float32 weighted sum of values (a batched product) adds up
+    in order before it adds a block's total to the rest, measured: the positions where moving
+    a weight one key later changes the sum are the block boundaries. Within a block the sum runs key
     by key, so zero weights between a query's own change nothing; a token tree's node whose
     slot and position lie in one block sums its keys as a sequence would. None when the
     boundaries are no multiples of one block (trees are then not verified in the mode); the

@@ -558,7 +558,7 @@ def invariant_attention(
 
     - Queries are padded to a multiple of 4 rows per product, keys to a multiple of
       KEY_BLOCK (their scores -inf) and to at least MIN_KEYS unless that count is one of
-      KERNELS.short_keys (see the constants below, and invariant.short_key_counts).
+      KERNELS.short_keys (see the constants above, and invariant.short_key_counts).
     - A token tree's query has its scores put in the order a sequence of its ancestors would
       give them before the softmax (whose vectorised sums depend on where each term lies),
       and its weights back in slot order after (Packing.sequence_order). The weighted sum of
