@@ -13,7 +13,9 @@ reference tokens; then `--concurrency` client tasks mix, by `--weights`, for `--
 - slow: read one message, stop reading for --slow-pause-s, then read the rest or cancel;
 - burst: more streams at once than the server's slots and queue hold (some RESOURCE_EXHAUSTED),
   at most one per --burst-gap-s. While a burst passes admission no other call starts, so only
-  bursts may meet a full server.
+  bursts may meet a full server; a call of another kind refused all the same (a cancelled
+  call's slot is freed after the pass in flight) is tried again, as a client honouring the
+  pushback would, and counted among the findings.
 
 Every stream's tokens, finished or not, must match the reference (a prefix when cut short).
 Meanwhile it samples the server's VmRSS and open file descriptors and polls grpc.health.v1.
@@ -79,6 +81,7 @@ ALLOWED = {
     **{f"bad:{case}": {"INVALID_ARGUMENT"} for case in BAD_CASES if case != "oversize"},
 }
 NEVER = frozenset({"INTERNAL", "UNKNOWN", "CLIENT_ERROR"})
+_RETRIES, _RETRY_S = 3, 0.25  # a refused call that must not be refused: tried again (_stream)
 
 
 @dataclass
@@ -136,6 +139,7 @@ class Call:
     max_new_tokens: int | None = None
     finished: bool = False  # the last message read carried a finish reason
     retry_hint: str | None = None  # retry metadata on RESOURCE_EXHAUSTED, if any
+    refused: int = 0  # attempts refused with RESOURCE_EXHAUSTED before this one (see _stream)
     details: str = ""
 
 
@@ -321,6 +325,13 @@ def judge(result: SoakResult, options: SoakOptions) -> tuple[list[str], list[str
     deadline = result.codes.get("deadline", {})
     if deadline.get("OK"):
         findings.append(f"deadline: {deadline['OK']} streams finished within the short deadline")
+    retried = [c for c in result.calls if c.refused]
+    if retried:
+        findings.append(
+            f"met a full server and tried again after {_RETRY_S} s: {len(retried)} calls "
+            f"({sum(c.refused for c in retried)} refusals; a cancelled call's slot is freed "
+            "after the pass in flight)"
+        )
     exhausted = [c for c in result.calls if c.code == "RESOURCE_EXHAUSTED" and c.kind == "burst"]
     if exhausted:
         hinted = sum(c.retry_hint is not None for c in exhausted)
@@ -557,9 +568,15 @@ class Soak:
         cancel_after_pause: bool = False,
         gated: bool = True,
         admitted: asyncio.Event | None = None,
+        refused: int = 0,
     ) -> Call:
-        """One Generate call read as the kind says; its record (tokens checked)."""
-        call = Call(kind=kind, prompt=item.index if item else None)
+        """One Generate call read as the kind says; its record (tokens checked).
+
+        A kind that must not meet a full server is tried again (up to _RETRIES times, after
+        _RETRY_S) when refused with RESOURCE_EXHAUSTED, as a client honouring the pushback
+        would: the gate keeps bursts apart, but a cancelled or timed-out call holds its slot
+        on the server until the pass in flight ends, a little after the client let it go."""
+        call = Call(kind=kind, prompt=item.index if item else None, refused=refused)
         call.max_new_tokens = max_new_tokens or (item.max_new_tokens if item else None)
         if gated:
             await self.gate.enter()
@@ -613,6 +630,24 @@ class Soak:
             call.details = repr(error)[:300]
         finally:
             admit()
+        if (
+            call.code == "RESOURCE_EXHAUSTED"
+            and call.code not in ALLOWED.get(kind, ())
+            and refused < _RETRIES
+        ):
+            await asyncio.sleep(_RETRY_S)
+            return await self._stream(
+                kind,
+                start,
+                item=item,
+                max_new_tokens=max_new_tokens,
+                cancel_after=cancel_after,
+                pause_s=pause_s,
+                cancel_after_pause=cancel_after_pause,
+                gated=gated,
+                admitted=admitted,
+                refused=refused + 1,
+            )
         call.total_s = time.perf_counter() - began
         call.tokens = len(tokens)
         self._check(call, item, tokens)

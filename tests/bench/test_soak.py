@@ -95,6 +95,10 @@ def test_judge_fails_on_a_status_a_kind_must_never_get() -> None:
     ):
         failures, _ = soak.judge(_result([*good, wrong]), options)
         assert failures and wrong.kind in failures[0], wrong
+    retried = _call("normal", "OK")  # refused twice by a full server, then served
+    retried.refused = 2
+    failures, findings = soak.judge(_result([*good, retried]), options)
+    assert failures == [] and any("1 calls (2 refusals" in line for line in findings)
     accepted_id = _call("bad:request_id_long", "OK")
     assert soak.judge(_result([accepted_id]), options)[0]
     lenient = soak.SoakOptions(strict_request_id=False)
