@@ -9,7 +9,7 @@ layouts, and every layer's output at those positions is compared bit for bit:
 - chunked: the prompt prefilled in chunks of 3 tokens instead of one pass;
 - tree: all of them in one pass as one branch of a token tree, each beside a sibling that is
   not on it, so the branch's tokens sit at every other cache slot (as a verified tree's
-  accepted path often does).
+  accepted path often does); in the pass's last row, after the other sequences' rows.
 
 Prints, per layout against `steps`, each module whose output differs (how many positions, the
 largest difference) in forward order, then whether the next-token logits and their argmax
@@ -88,15 +88,18 @@ def run_layout(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Module outputs at the positions of `tokens` ([positions, features] per module) and
     their next-token logits, computed in `layout`."""
-    rows = 1 + (len(others) if layout == "batched" else 0)
-    cache = target.new_cache(rows)
+    batched = others if layout in ("batched", "tree") else []
+    cache = target.new_cache(1 + len(batched))
+    # The sequence's row: the first, but a tree goes last (its keys and queries at a row > 0).
+    main = len(batched) if layout == "tree" else 0
+    rows = [row for row in range(1 + len(batched)) if row != main]
     capture = Capture()
     if layout == "chunked":
         for start in range(0, len(prompt), 3):
-            target.prefill(cache, 0, start, prompt[start : start + 3])
+            target.prefill(cache, main, start, prompt[start : start + 3])
     else:
-        target.prefill(cache, 0, 0, prompt)
-    for row, other in enumerate(others[: rows - 1], start=1):
+        target.prefill(cache, main, 0, prompt)
+    for row, other in zip(rows, batched, strict=True):
         target.prefill(cache, row, 0, other)
     handles = capture.install(target.model)
     logits = []
@@ -106,15 +109,18 @@ def run_layout(
                 (row_logits,) = target.forward(cache, [len(prompt) + offset], [[token]])
                 logits.append(row_logits[0])
             per_pass = [[0]] * len(tokens)
-        elif layout == "tree":
+        elif layout == "tree":  # the other sequences first, three tokens each
             nodes, parents = tree_with_siblings(tokens, target.vocab_size)
-            (row_logits,) = target.forward(cache, [len(prompt)], [nodes], parents=[parents])
+            lengths = [len(o) for o in batched] + [len(prompt)]
+            token_rows = [[o[-1]] * 3 for o in batched] + [nodes]
+            trees = [None] * len(batched) + [parents]
+            *_, row_logits = target.forward(cache, lengths, token_rows, parents=trees)
             on_branch = list(range(0, len(nodes), 2))
             logits = [row_logits[i] for i in on_branch]
-            per_pass = [on_branch]
+            per_pass = [[3 * len(batched) + i for i in on_branch]]
         else:
-            lengths = [len(prompt)] + [len(o) for o in others[: rows - 1]]
-            token_rows = [list(tokens)] + [[o[-1]] * 3 for o in others[: rows - 1]]
+            lengths = [len(prompt)] + [len(o) for o in batched]
+            token_rows = [list(tokens)] + [[o[-1]] * 3 for o in batched]
             row_logits = target.forward(cache, lengths, token_rows)
             logits = [row_logits[0][i] for i in range(len(tokens))]
             per_pass = [list(range(len(tokens)))]

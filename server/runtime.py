@@ -70,8 +70,9 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         log.info(
             "batch_invariant",
             linear_padding=str(invariance.padding),
-            attention="grouped",
+            attention="invariant",
             value_block=invariance.value_block,
+            short_keys=list(KERNELS.short_keys),
             tree_budget=tree_budget,
         )
         skinny_rows: set[int] = set()

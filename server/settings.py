@@ -130,10 +130,11 @@ _HELP = {
     "16 queries per row)",
     "batch_invariant": "batch-invariant kernels: every token's logits bit-identical whatever "
     "shares its pass, so greedy output is identical with speculation on or off, alone or in a "
-    "batch, with or without the prefix cache, in bf16 as in float32 (linear layers padded to "
-    "row counts measured at start-up, grouped attention over padded keys for every pass, the "
-    "output layer over the pass, token trees summed in sequence order; overrides --skinny-gemm "
-    "and --attention)",
+    "batch, with or without the prefix cache, in bf16 as in float32 (linear layers and passes "
+    "padded to row counts measured at start-up, an attention kernel over padded keys for "
+    "every pass, the output layer over the pass, token trees kept within the measured block "
+    "of summed keys, or chains where none is measured; overrides --skinny-gemm and "
+    "--attention)",
     "draft_context": "also draft from the request's own prompt and output (longest earlier "
     "match of the last tokens), the n-gram continuing; requests can switch it",
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",

@@ -167,8 +167,8 @@ def value_block(device: torch.device, dim: int, keys: int = _PROBED_KEYS) -> int
         return torch.rand(*shape, generator=generator).to(device)
 
     boundaries = set()
-    for _ in range(2):
-        values, weights = random(2, keys, dim), random(2, 4, keys)
+    for rows in (4, 32):  # a one-token pass's query rows (9 heads over 3), and a tree's
+        values, weights = random(2, keys, dim), random(2, rows, keys)
         for moved in range(1, keys):
             early = weights.clone()
             early[..., moved:] = 0
@@ -228,9 +228,10 @@ class Invariance:
 
 
 def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
-    """Switch `target` (a TargetModel) to batch-invariant execution: padded linear layers,
-    grouped attention for every pass, the output layer over the pass's rows. Process-wide for
-    the attention choice (slot_cache.KERNELS), as that choice always is."""
+    """Switch `target` (a TargetModel) to batch-invariant execution: padded linear layers and
+    passes, invariant_attention for every pass, the output layer over the pass's rows, token
+    trees cut to the measured block of summed keys. Process-wide for the attention choice
+    (slot_cache.KERNELS), as that choice always is."""
     padding = choose_padding(target.model)
     block = value_block(target.device, target.attention_shape[2])
     before = Invariance(
@@ -241,7 +242,7 @@ def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
     KERNELS.short_keys = short_key_counts(target.device, target.attention_shape[2])
     target.head_t = None  # no lazy rows: the output layer runs as a linear layer of the pass
     target.plain_head = False
-    target.tree_key_block = block or 0
+    target.tree_key_block = block or 1  # unmeasured: a tree's nodes only where slot = position
     target.pass_padding = padding  # whole passes padded: no per-layer padding where room
     return before
 

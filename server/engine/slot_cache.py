@@ -259,17 +259,18 @@ class Packing:
         float32 [rows * kv_heads, `rows` query rows (a kv head's queries, padded), `keys`],
         -inf past the pass's keys, 0 in the padding rows; made once per pass."""
         cache_key = ("mask", id(mask), kv_heads, group, rows, keys)
-        padded = self._invariant.get(cache_key)
-        if padded is None:
-            n, _, width, kv_length = mask.shape
-            padded = torch.full(
-                (n, kv_heads, rows, keys), float("-inf"), dtype=torch.float32, device=mask.device
-            )
-            padded[:, :, group * width :] = 0.0  # padding queries: finite, never read
-            grouped = padded[:, :, : group * width].unflatten(2, (group, width))
-            grouped[..., :kv_length] = mask[:, :, None].float()
-            padded = padded.view(n * kv_heads, rows, keys)
-            self._invariant[cache_key] = padded
+        kept = self._invariant.get(cache_key)
+        if kept is not None and kept[0] is mask:  # type: ignore[index]
+            return kept[1]  # type: ignore[index]
+        n, _, width, kv_length = mask.shape
+        padded = torch.full(
+            (n, kv_heads, rows, keys), float("-inf"), dtype=torch.float32, device=mask.device
+        )
+        padded[:, :, group * width :] = 0.0  # padding queries: finite, never read
+        grouped = padded[:, :, : group * width].unflatten(2, (group, width))
+        grouped[..., :kv_length] = mask[:, :, None].float()
+        padded = padded.view(n * kv_heads, rows, keys)
+        self._invariant[cache_key] = (mask, padded)  # the mask kept: its id stays its own
         return padded
 
     def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,10 +529,11 @@ def grouped_attention(
 # Batch invariance (as far as MKL's float32 products give it): a product of a multiple of 4
 # rows gives each row the same result whatever their number (1 to 3 rows take other kernels,
 # and so do the last rows of a count that is not a multiple of 4: 5, 6, 7, 9, ...), and one
-# summing over at least 384 keys (MKL's block on AVX-512) gives the same sums whatever the
-# number of zero-weighted keys after a row's own. So queries are padded to 4 rows per
-# product and the values to 384 keys: a query's output does not depend on how many queries
-# or rows share its pass, nor on their lengths (tests/engine/test_grouped_attention).
+# summing over at least 384 keys (MKL on AVX-512 sums blocks of 192 from there on) gives the
+# same sums whatever the number of zero-weighted keys after a row's own. So queries are
+# padded to 4 rows per product and the values to 384 keys: a query's output does not depend
+# on how many queries or rows share its pass, nor on their lengths
+# (tests/engine/test_grouped_attention).
 _MIN_BLOCK = 4
 # Exact batch invariance (KERNELS.invariant, invariant_attention) needs more: the score
 # product gives a key other bits in the last, partial block of 16 columns than in a full one,
@@ -567,9 +569,9 @@ def invariant_attention(
       the batch keeps a tree's nodes so (invariant.value_block, Generation.drafts_in_blocks).
     - Few operations (a one-token pass runs this once a layer, at some 10 us an operation):
       the queries are copied (and converted) into a padded buffer, the keys and values into
-      buffers longer than the pass's keys (the stale, finite values past them get scores of
-      -inf and weights of 0), and the mask, the scale and the padding's -inf go into one
-      fused product (baddbmm), the mask laid out once per pass (Packing.padded_mask).
+      zero-padded buffers kept from call to call, and the mask, the scale and the padding's
+      -inf go into one fused product (baddbmm), the mask laid out once per pass
+      (Packing.padded_mask).
     """
     dtype = query.dtype
     rows, heads, width, dim = query.shape
@@ -585,6 +587,9 @@ def invariant_attention(
     grouped.copy_(query.unflatten(1, (kv_heads, group)))
     k[:, :, :kv_length].copy_(key)
     v[:, :, :kv_length].copy_(value)
+    if keys > kv_length:  # an earlier pass's keys there would be scored -inf and weighted 0,
+        k[:, :, kv_length:].zero_()  # but an inf among them would be NaN: zeros cost ~1%
+        v[:, :, kv_length:].zero_()
     k, v = k.view(batch, keys, dim), v.view(batch, keys, dim)
     scale = dim**-0.5 if scaling is None else scaling
     added = packing.padded_mask(mask, kv_heads, group, padded, keys)
@@ -616,7 +621,9 @@ def _scratch(*shapes: tuple[int, ...], device: torch.device) -> list[torch.Tenso
         size = torch.Size(shape).numel()
         if index == len(buffers):
             buffers.append(torch.zeros(size, dtype=torch.float32, device=device))
-        elif buffers[index].numel() < size or not _reusable(buffers[index], device):
+        elif not _reusable(buffers[index], device):
+            buffers[index] = torch.zeros(size, dtype=torch.float32, device=device)
+        elif buffers[index].numel() < size:
             size = max(size, 2 * buffers[index].numel())
             buffers[index] = torch.zeros(size, dtype=torch.float32, device=device)
         tensors.append(buffers[index][: torch.Size(shape).numel()].view(shape))
@@ -644,7 +651,9 @@ def _in_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
         size = tensor.numel()
         if index == len(buffers):
             buffers.append(torch.empty(size, dtype=torch.float32, device=tensor.device))
-        elif buffers[index].numel() < size or not _reusable(buffers[index], tensor.device):
+        elif not _reusable(buffers[index], tensor.device):
+            buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
+        elif buffers[index].numel() < size:
             size = max(size, 2 * buffers[index].numel())
             buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
         copies.append(buffers[index][: tensor.numel()].view(tensor.shape).copy_(tensor))
@@ -652,9 +661,11 @@ def _in_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _reusable(buffer: torch.Tensor, device: torch.device) -> bool:
-    """Whether a scratch buffer can be written here: on `device`, and made in inference mode
-    exactly when this call runs in it (torch refuses writes to an inference tensor outside)."""
-    return buffer.device == device and buffer.is_inference() == torch.is_inference_mode_enabled()
+    """Whether a scratch buffer can be written here: on `device`, and not an inference tensor
+    outside inference mode (torch refuses that write)."""
+    return buffer.device == device and (
+        not buffer.is_inference() or torch.is_inference_mode_enabled()
+    )
 
 
 def _products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

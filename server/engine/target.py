@@ -337,10 +337,10 @@ class TargetModel:
         """One packed pass: hidden states [tokens, hidden] (or logits [tokens, vocab]) and
         where each row's tokens start among them."""
         if self.pass_padding is not None:  # once here, not in each linear layer (where room)
-            tokens = max(min_tokens, sum(len(row) for row in token_rows))
-            wanted = self.pass_padding.rows(tokens)
+            tokens = sum(len(row) for row in token_rows)
+            wanted = self.pass_padding.rows(max(min_tokens, tokens))
             if lengths[-1] + len(token_rows[-1]) + wanted - tokens <= self.max_context:
-                min_tokens = wanted
+                min_tokens = wanted  # pack pads the last row by wanted - tokens
         packed = pack(
             lengths, token_rows, self.dtype, self.device, pad_to=min_tokens, parents=parents
         )

@@ -450,7 +450,7 @@ def test_invariant_attention_is_attention(shape: str, case: str, dtype: torch.dt
     inputs, packing = invariant_inputs(
         shape, dtype, *(TREE_CASE if case == "tree" else CASES[case])
     )
-    assert (case == "tree") == (packing.sequence_order(SHAPES[shape][1], 1, 4, 384) is not None)
+    assert (case == "tree") == bool(packing.reordered)
     out = invariant_attention(*inputs, packing)
     assert out.shape == inputs[0].shape and out.dtype == dtype
     expected = reference(*inputs)
@@ -482,3 +482,44 @@ def test_a_tree_query_is_put_in_sequence_order() -> None:
     sequence order its key 1 is slot 2 and key 2 is slot 1; the others are in order."""
     assert slot_cache._sequence_order(5, [-1, 0, 0]) == [(5, 2, 1, 2), (5, 2, 2, 1)]
     assert slot_cache._sequence_order(0, [-1, 0, 1]) == []  # a chain: slots are positions
+
+
+def test_sequence_order_indexes_each_tree_querys_own_scores() -> None:
+    """Two tree rows beside a sequence row, 2 kv heads of 3 query heads, queries padded: the
+    flat indices move exactly each tree query's scores, within its own row, head and query,
+    into its path's order (scores numbered by their place, so any other move shows)."""
+    trees = {1: (5, [-1, 0, 0]), 2: (7, [-1, 0, 1, 0])}
+    KERNELS.invariant = True
+    try:
+        parents = [None, trees[1][1], trees[2][1]]
+        packing = pack(
+            [10, 5, 7],
+            [[1, 1], [1] * 3, [1] * 4],
+            torch.float32,
+            torch.device("cpu"),
+            parents=parents,
+        ).packing
+    finally:
+        KERNELS.invariant = False
+    kv_heads, group, width, padded, keys = 2, 3, 4, 12, 64
+    scores = torch.arange(3 * kv_heads * padded * keys, dtype=torch.float32)
+    scores = scores.view(3 * kv_heads, padded, keys)
+    in_sequence, in_slots = packing.sequence_order(kv_heads, group, padded, keys)
+    flat = scores.clone().view(-1)
+    flat.index_copy_(0, in_sequence, flat.index_select(0, in_slots))
+    expected = scores.clone()
+    for row, (length, tree) in trees.items():
+        for query in range(len(tree)):
+            path, node = [], query
+            while node >= 0:
+                path.insert(0, node)
+                node = tree[node]
+            order = path + [slot for slot in range(len(tree)) if slot not in path]
+            for head in range(kv_heads * group):
+                product, query_row = row * kv_heads + head // group, head % group * width + query
+                for key, slot in enumerate(order):
+                    expected[product, query_row, length + key] = scores[
+                        product, query_row, length + slot
+                    ]
+    assert torch.equal(flat.view_as(scores), expected)
+    assert not torch.equal(expected, scores)
