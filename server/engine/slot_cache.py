@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -614,20 +614,7 @@ def invariant_attention(
 def _scratch(*shapes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
     """float32 tensors of `shapes`, in zeroed buffers this thread reuses (not _in_float32's):
     each is good until the next call and holds what earlier calls left in it."""
-    buffers: list[torch.Tensor] = getattr(_SCRATCH, "invariant", [])
-    _SCRATCH.invariant = buffers
-    tensors = []
-    for index, shape in enumerate(shapes):
-        size = torch.Size(shape).numel()
-        if index == len(buffers):
-            buffers.append(torch.zeros(size, dtype=torch.float32, device=device))
-        elif not _reusable(buffers[index], device):
-            buffers[index] = torch.zeros(size, dtype=torch.float32, device=device)
-        elif buffers[index].numel() < size:
-            size = max(size, 2 * buffers[index].numel())
-            buffers[index] = torch.zeros(size, dtype=torch.float32, device=device)
-        tensors.append(buffers[index][: torch.Size(shape).numel()].view(shape))
-    return tensors
+    return _reused("invariant", shapes, device, torch.zeros)
 
 
 def _at_least(tensor: torch.Tensor, rows: int, columns: int = 0) -> torch.Tensor:
@@ -638,26 +625,38 @@ def _at_least(tensor: torch.Tensor, rows: int, columns: int = 0) -> torch.Tensor
     return F.pad(tensor, (0, max(0, more_columns), 0, max(0, more_rows)))
 
 
-_SCRATCH = threading.local()  # .buffers: float32 tensors that _in_float32 reuses
+_SCRATCH = threading.local()  # float32 buffers by name (_reused): _in_float32's, _scratch's
 
 
 def _in_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Float32 copies of `tensors`, in buffers this thread reuses: each is good until the next
     call. A buffer grows (at least doubling) to the largest copy asked for and stays."""
-    buffers: list[torch.Tensor] = getattr(_SCRATCH, "buffers", [])
-    _SCRATCH.buffers = buffers
-    copies = []
-    for index, tensor in enumerate(tensors):
-        size = tensor.numel()
+    copies = _reused("buffers", [tensor.shape for tensor in tensors], tensors[0].device)
+    return [copy.copy_(tensor) for copy, tensor in zip(copies, tensors, strict=True)]
+
+
+def _reused(
+    name: str,
+    shapes: Sequence[Sequence[int]],
+    device: torch.device,
+    make: Callable[..., torch.Tensor] = torch.empty,
+) -> list[torch.Tensor]:
+    """Views of `shapes` into this thread's float32 buffers `name` (one a shape, made by
+    `make`), grown (at least doubling) to the largest view asked for, and kept."""
+    buffers: list[torch.Tensor] = getattr(_SCRATCH, name, [])
+    setattr(_SCRATCH, name, buffers)
+    views = []
+    for index, shape in enumerate(shapes):
+        size = torch.Size(shape).numel()
         if index == len(buffers):
-            buffers.append(torch.empty(size, dtype=torch.float32, device=tensor.device))
-        elif not _reusable(buffers[index], tensor.device):
-            buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
+            buffers.append(make(size, dtype=torch.float32, device=device))
+        elif not _reusable(buffers[index], device):
+            buffers[index] = make(size, dtype=torch.float32, device=device)
         elif buffers[index].numel() < size:
-            size = max(size, 2 * buffers[index].numel())
-            buffers[index] = torch.empty(size, dtype=torch.float32, device=tensor.device)
-        copies.append(buffers[index][: tensor.numel()].view(tensor.shape).copy_(tensor))
-    return copies
+            grown = max(size, 2 * buffers[index].numel())
+            buffers[index] = make(grown, dtype=torch.float32, device=device)
+        views.append(buffers[index][:size].view(shape))
+    return views
 
 
 def _reusable(buffer: torch.Tensor, device: torch.device) -> bool:
