@@ -53,3 +53,24 @@ def _route_standard_logging(renderer: structlog.typing.Processor, level: int) ->
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(max(level, logging.WARNING))
+    core = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, CallGoneInCore) for f in core.filters):
+        core.addFilter(CallGoneInCore())
+
+
+class CallGoneInCore(logging.Filter):
+    """grpc's asyncio server logs an error, with a traceback, when gRPC core refuses an
+    operation on a call (ExecuteBatchError): a stream's message or final status sent just as
+    its client cancelled or its deadline passed, which core has already ended. The call is
+    gone and nothing is lost; this is logged as `grpc_call_gone` (info) instead."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        structlog.get_logger("kenspec.service").info(
+            "grpc_call_gone", method=message.removeprefix(self.PREFIX).strip(" []")
+        )
+        return False
