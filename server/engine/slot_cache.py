@@ -188,11 +188,18 @@ def _ancestors(parents: Sequence[int]) -> torch.Tensor:
     (built in Python and copied once: element writes on an accelerator are a launch each)."""
     seen = [[False] * len(parents) for _ in parents]
     for query in range(len(parents)):
-        node = query
-        while node >= 0:  # itself, then its ancestors
+        for node in _path(parents, query):
             seen[query][node] = True
-            node = parents[node]
     return torch.tensor(seen, dtype=torch.bool)
+
+
+def _path(parents: Sequence[int], node: int) -> list[int]:
+    """`node`'s ancestors from the root down, then `node` (parents[n]: n's parent, -1: none)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,11 +400,7 @@ def _sequence_order(row: int, parents: Sequence[int]) -> list[tuple[int, int, in
     and 2, so key 1 is slot 2 and key 2 is slot 1: [(row, 2, 1, 2), (row, 2, 2, 1)]."""
     entries = []
     for query in range(len(parents)):
-        path, node = [], query
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()
+        path = _path(parents, query)
         on_path = set(path)
         order = path + [slot for slot in range(len(parents)) if slot not in on_path]
         entries += [(row, query, key, slot) for key, slot in enumerate(order) if key != slot]
