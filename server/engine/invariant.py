@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from server.engine.slot_cache import KERNELS, KEY_BLOCK, MIN_KEYS, use_grouped
+from server.engine.slot_cache import KERNELS, KEY_BLOCK, MIN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +221,6 @@ class Invariance:
     padding: Padding
     # keys attention sums in order (value_block); None: token trees cannot be verified
     value_block: int | None
-    grouped: tuple[tuple[int, int], ...]  # the attention choice before
-    upcast: bool
     head_t: torch.Tensor | None
     plain_head: bool
 
@@ -234,11 +232,8 @@ def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
     (slot_cache.KERNELS), as that choice always is."""
     padding = choose_padding(target.model)
     block = value_block(target.device, target.attention_shape[2])
-    before = Invariance(
-        padding, block, KERNELS.grouped, KERNELS.upcast, target.head_t, target.plain_head
-    )
-    use_grouped({1 << 30: 0})  # every width, every length
-    KERNELS.upcast = KERNELS.invariant = True
+    before = Invariance(padding, block, target.head_t, target.plain_head)
+    KERNELS.invariant = True  # invariant_attention for every pass, whatever KERNELS.grouped says
     KERNELS.short_keys = short_key_counts(target.device, target.attention_shape[2])
     target.head_t = None  # no lazy rows: the output layer runs as a linear layer of the pass
     target.plain_head = False
@@ -249,7 +244,6 @@ def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
 
 def undo_invariant(target, before: Invariance) -> None:  # type: ignore[no-untyped-def]
     use_padding(target.model, None)
-    KERNELS.grouped, KERNELS.upcast = before.grouped, before.upcast
     KERNELS.invariant = False
     KERNELS.short_keys = ()
     target.head_t, target.plain_head = before.head_t, before.plain_head
