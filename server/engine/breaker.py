@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -79,14 +79,19 @@ def implied_window_acceptance(rounds: Sequence[tuple[int, int]]) -> float:
     whatever the request's maximum k. 0 when no draft was accepted, 1 when all were. For one
     round this is costs.implied_acceptance(accepted + 1, drafted).
     """
-    rounds = [(drafted, accepted) for drafted, accepted in rounds if drafted > 0]
-    if not rounds:
+    lengths: Counter[int] = Counter()  # rounds by draft length: a solve step sums a few terms
+    emitted = 0
+    for drafted, accepted in rounds:
+        if drafted > 0:
+            lengths[drafted] += 1
+            emitted += accepted + 1
+    if not lengths:
         return 0.0
 
     def expected(alpha: float) -> float:
-        return sum(expected_tokens_per_round(alpha, drafted) for drafted, _ in rounds)
+        return sum(count * expected_tokens_per_round(alpha, n) for n, count in lengths.items())
 
-    return solve_acceptance(expected, sum(accepted + 1 for _, accepted in rounds))
+    return solve_acceptance(expected, emitted)
 
 
 class _TransitionLog(pybreaker.CircuitBreakerListener):
@@ -218,10 +223,12 @@ class AcceptanceBreaker:
             return
         trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
         self._window.append((drafted, accepted))
-        rate = implied_window_acceptance([(drafted, accepted)] if trial else self._window)
-        judged = trial or len(self._window) == self._window.maxlen
+        too_low = False
+        if trial or len(self._window) == self._window.maxlen:
+            rate = implied_window_acceptance([(drafted, accepted)] if trial else self._window)
+            too_low = rate < self.threshold
         with contextlib.suppress(AcceptanceTooLow, pybreaker.CircuitBreakerError):
-            self._breaker.call(_judge, judged and rate < self.threshold)
+            self._breaker.call(_judge, too_low)
 
     def _describe(self) -> dict[str, object]:
         return {

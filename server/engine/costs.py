@@ -90,7 +90,7 @@ def solve_acceptance(expected: Callable[[float], float], tokens: float) -> float
     if tokens >= expected(1.0):
         return 1.0
     low, high = 0.0, 1.0
-    for _ in range(60):  # bisection to well below float32 noise
+    for _ in range(40):  # bisection to 1e-12, well below float32 noise
         middle = (low + high) / 2
         if expected(middle) < tokens:
             low = middle
@@ -202,9 +202,17 @@ class PassCosts:
     """
 
     seconds: dict[tuple[int, int], float]  # (rows, tokens in the pass) -> seconds
+    # The measured shapes, sorted: a live table updates its seconds, never its shapes.
+    _counts: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        counts: dict[int, list[int]] = {}
+        for rows, tokens in sorted(self.seconds):
+            counts.setdefault(rows, []).append(tokens)
+        object.__setattr__(self, "_counts", counts)
 
     def cost(self, rows: int, tokens: int) -> float:
-        measured_rows = sorted({r for r, _ in self.seconds})
+        measured_rows = list(self._counts)
         below = max((r for r in measured_rows if r <= rows), default=measured_rows[0])
         above = min((r for r in measured_rows if r >= rows), default=measured_rows[-1])
         low, high = self._at(below, tokens), self._at(above, tokens)
@@ -213,7 +221,7 @@ class PassCosts:
         return low + (high - low) * (rows - below) / (above - below)
 
     def _at(self, rows: int, tokens: int) -> float:
-        counts = sorted(t for r, t in self.seconds if r == rows)
+        counts = self._counts[rows]
         lower = max((t for t in counts if t <= tokens), default=counts[0])
         upper = min((t for t in counts if t >= tokens), default=None)
         if upper is None:
