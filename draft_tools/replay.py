@@ -61,12 +61,13 @@ def replay(
     prompts: Sequence[Sequence[int]],
     answers: Sequence[Sequence[int]],
     params: SpeculationParams,
-    learn: Callable[[Sequence[int]], None] | None = None,
+    learn: Callable[[Sequence[int], Sequence[int]], None] | None = None,
     on_round: Callable[[int, int, int], None] | None = None,
     tree_budget: int = 1,
 ) -> ReplayStats:
     """Simulate greedy speculative rounds of `draft` over each (prompt, answer) pair, in order;
-    `learn` gets each answer once replayed (a suffix index learning as a server would);
+    `learn(answer, prompt)` follows each answer once replayed (a suffix index learning as a
+    server would);
     `on_round(answer index, position, emitted)` follows every round (the target's rows a live
     pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt);
     tree_budget > 1 drafts token trees of that many nodes (the walk follows the answer, as a
@@ -104,7 +105,7 @@ def replay(
             accepted += len(path)
         tokens += len(answer)
         if learn is not None:
-            learn(answer)
+            learn(answer, prompt)
     return ReplayStats(
         answers=len(answers),
         tokens=tokens,

@@ -139,7 +139,9 @@ class ContextSession:
                 )
         if self._static is not None:
             chains.append((0, self._labelled(self._static_chain(k))))
-        if self._recycled is not None:
+        # In a token tree, recycled predictions come in below every node (`expand`); their
+        # chain as well would count the same prediction twice, as if two sources agreed.
+        if self._recycled is not None and not self._branches:
             found, probs = self._recycled.chain(self._index.tokens[-1], k, self._recycled_min_prob)
             if found:
                 chains.append((0, Proposal(tuple(found), tuple(probs), source="recycled")))

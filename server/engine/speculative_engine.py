@@ -42,7 +42,7 @@ class ContextSettings:
     max_match: int = 16
     long_draft_tokens: int = LONG_DRAFT_TOKENS  # how far a chain after a long match drafts
     tree_budget: int = 1  # nodes of a token tree over every source's candidates (1: chains)
-    branches: int = 3  # KenLM n-best alternatives at a tree's root
+    branches: int = 5  # KenLM n-best alternatives at a tree's root
     learn_prompts: bool = False  # the suffix index learns prompts too, not only answers
 
 
@@ -160,4 +160,4 @@ class SpeculativeEngine:
         assert self.suffix is not None
         if self.context.learn_prompts:
             self.suffix.add(prompt_ids)
-        self.suffix.add(output_ids)
+        self.suffix.add(output_ids, prompt_ids)

@@ -8,9 +8,11 @@ the server serves. This index is seeded with the draft's distilled corpus and gr
 finished answer.
 
 Layout (the vLLM suffix speculator's hashed buckets, over segments for eviction):
-- answers are appended, each followed by a separator, to the open segment, a flat array of
-  token ids; a full segment is sealed and a new one opened; past `max_tokens` the oldest
-  segment is dropped whole (oldest out, O(1));
+- answers are appended, each after the last LEAD_TOKENS of its prompt (when given) and
+  followed by a separator, to the open segment, a flat array of token ids; only the answer's
+  tokens are indexed as continuations, the lead only as keys before them; a full segment is
+  sealed and a new one opened; past `max_tokens` the oldest segment is dropped whole (oldest
+  out, O(1));
 - each segment maps the hash of every `KEY_LENGTHS`-gram to the most recent `slots` positions
   that followed it;
 - a lookup gathers the positions that followed the stream's last 4 and last 2 tokens, extends
@@ -36,6 +38,7 @@ from pathlib import Path
 
 SUFFIX_CORPUS = "corpus.ids.gz"  # in a draft folder: the distilled answers the index starts from
 KEY_LENGTHS = (4, 2)  # longest first: a 4-token key finds long matches among common bigrams
+LEAD_TOKENS = 16  # of a prompt's end, indexed before its answer
 _SEPARATOR = -1  # between answers: no continuation runs from one answer into the next
 
 
@@ -50,11 +53,13 @@ class _Segment:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def append(self, answer: Sequence[int]) -> None:
+    def append(self, answer: Sequence[int], lead: Sequence[int] = ()) -> None:
         tokens, start = self.tokens, len(self.tokens)
+        tokens.extend(lead)
+        first = len(tokens)  # the answer's first token: the first continuation indexed
         tokens.extend(answer)
         tokens.append(_SEPARATOR)
-        for position in range(start + 1, start + len(answer)):
+        for position in range(max(first, start + 1), first + len(answer)):
             for length in KEY_LENGTHS:
                 if position - length < start:
                     continue
@@ -105,15 +110,20 @@ class SuffixIndex:
         """Token ids held (separators included)."""
         return sum(len(segment) for segment in self._segments)
 
-    def add(self, answer: Sequence[int]) -> None:
-        """Index one answer (a finished response's tokens); the oldest segment goes when full."""
+    def add(self, answer: Sequence[int], prompt: Sequence[int] = ()) -> None:
+        """Index one answer (a finished response's tokens) after the last LEAD_TOKENS of its
+        prompt, if given: an answer's first tokens are then drafted from what earlier answers
+        began with after the same words (the chat template's assistant header, the end of a
+        recurring instruction). The oldest segment goes when full."""
         if len(answer) < 2 or self.max_tokens <= 0:
             return
-        answer = answer[-self.segment_tokens + 1 :]  # one answer never spans two segments
+        tiny = self.segment_tokens <= 2 * LEAD_TOKENS  # a test's index: answers only
+        lead = () if tiny else prompt[-LEAD_TOKENS:]
+        answer = answer[-(self.segment_tokens - len(lead) - 1) :]  # within one segment
         with self._lock:
-            if len(self._segments[-1]) + len(answer) + 1 > self.segment_tokens:
+            if len(self._segments[-1]) + len(lead) + len(answer) + 1 > self.segment_tokens:
                 self._segments.append(_Segment(self.slots))
-            self._segments[-1].append(answer)
+            self._segments[-1].append(answer, lead)
             while len(self._segments) > 1 and self.tokens > self.max_tokens:
                 del self._segments[0]
 

@@ -3,8 +3,8 @@
 A chain spends a pass on one guess per position; a tree verifies several where the first
 guess is uncertain (SpecInfer, Medusa, REST, SuffixDecoding, Token Recycling). The candidates
 here:
-- the sources' chains (the request's own context, the suffix index, KenLM, recycled
-  predictions), inserted into one trie, identical prefixes shared;
+- the sources' chains (the request's own context, the suffix index, KenLM), inserted into
+  one trie, identical prefixes shared;
 - KenLM's n-best at the root (single-token chains from the session);
 - the target's recycled predictions below any node (`expand`: the top next tokens recorded
   after that node's token).

@@ -53,6 +53,19 @@ def test_a_chain_follows_the_best_next_token_until_unseen_or_improbable() -> Non
     assert table.chain(7, 5) == ([], [])
 
 
+def test_a_tree_takes_recycled_predictions_below_its_nodes_and_not_as_a_chain_too() -> None:
+    """In chain mode the table's chain is one of the context draft's chains; in a tree it would
+    be the best child of each node a second time, counted as a second source that agrees."""
+    table = RecycledPredictions(vocab_size=10)
+    table.record([1, 2], [(0, row(10, {2: 10.0})), (1, row(10, {3: 10.0}))])
+    chain = ContextDraft(None, recycled=table).start([7, 1]).propose(4)
+    assert (chain.token_ids, chain.source, chain.alternatives) == ((2, 3), "recycled", ())
+    tree = ContextDraft(None, recycled=table, branches=5).start([7, 1])
+    proposal = tree.propose(4)
+    assert all(c.source != "recycled" for c in (proposal, *proposal.alternatives))
+    assert tree.expand(1) == [(2, "recycled:9")]  # the same prediction, below the node
+
+
 def test_only_rows_a_pass_computed_are_recycled() -> None:
     hidden = torch.randn(5, 4)
     head = torch.randn(6, 4)

@@ -12,7 +12,7 @@ from server import runtime
 from server.engine.context_draft import ContextDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import CorpusError, SuffixIndex
+from server.engine.suffix_index import LEAD_TOKENS, CorpusError, SuffixIndex
 from server.settings import Settings
 from tests.engine.drafts import generate
 
@@ -42,6 +42,24 @@ def test_no_match_below_two_tokens_and_none_for_an_empty_index() -> None:
     index.add([1, 2, 3])
     assert index.propose([7, 3], 2) == ([], 0)  # [3] alone is too short a key
     assert index.propose([2], 2) == ([], 0)
+
+
+def test_an_answer_is_drafted_from_its_first_token_after_the_same_prompt_end() -> None:
+    """Indexed after its prompt's last tokens, an answer is proposed from its first token to a
+    stream whose prompt ends alike; the prompt's own tokens are keys, never continuations, and
+    only the last LEAD_TOKENS of it are kept."""
+    index = SuffixIndex()
+    prompt = [*range(100, 100 + LEAD_TOKENS + 5), 7, 8]  # 7 8: an assistant header, say
+    index.add([50, 51, 52], prompt)
+    assert index.tokens == LEAD_TOKENS + 3 + 1
+    assert index.propose([1, 2, 7, 8], 3) == ([50, 51, 52], 2)
+    tokens, matched = index.propose([9, *prompt[-6:]], 3)  # a longer match of the prompt's end
+    assert (tokens, matched) == ([50, 51, 52], 6)
+    assert index.propose([prompt[-5], prompt[-4]], 2) == ([], 0)  # inside the lead: no draft
+    bare = SuffixIndex()
+    bare.add([50, 51, 52])  # no prompt: the first token cannot be drafted, the second can
+    assert bare.propose([7, 8], 3) == ([], 0)
+    assert bare.propose([8, 50, 51], 1) == ([52], 2)
 
 
 def test_memory_is_bounded_and_the_oldest_answers_go_first() -> None:
@@ -98,19 +116,20 @@ def run(engine: SpeculativeEngine, ids: list[int], max_new: int, k: int = 6) -> 
 def test_a_finished_answer_is_learned_and_a_repeat_drafts_all_of_it(
     tiny_target, references
 ) -> None:
-    """The second time a prompt is served, the index holds its answer: every round but the
-    last accepts all k drafts. Both outputs are plain greedy decoding's."""
+    """The second time a prompt is served, the index holds its answer after its prompt's last
+    tokens: every round but the last accepts all k drafts, the first round included. Both
+    outputs are plain greedy decoding's."""
     index = SuffixIndex()
     engine = engine_with_index(tiny_target, index)
     ids, expected = next(iter(references.values()))
     first = run(engine, ids, len(expected))
-    assert index.tokens == len(expected) + 1  # learned, with its separator
+    lead = min(LEAD_TOKENS, len(ids))
+    assert index.tokens == lead + len(expected) + 1  # learned after its lead, with a separator
     again = run(engine, ids, len(expected))
     for rounds in (first, again):
         assert [t for r in rounds for t in r.token_ids] == expected
-    # From the third round on (two answer tokens make the first key) every draft is accepted.
-    assert all(r.drafted == r.accepted > 0 for r in again[2:-1])
-    assert len(again) <= 3 + len(expected) // 7 < len(first)
+    assert all(r.drafted == r.accepted > 0 for r in again[:-1])
+    assert len(again) <= 1 + len(expected) // 7 < len(first)
 
 
 @pytest.mark.parametrize("k", [2, 6])
