@@ -117,7 +117,7 @@ class SuffixIndex:
         recurring instruction). The oldest segment goes when full."""
         if len(answer) < 2 or self.max_tokens <= 0:
             return
-        tiny = self.segment_tokens <= 2 * LEAD_TOKENS  # a test's index: answers only
+        tiny = self.segment_tokens <= 2 * LEAD_TOKENS  # an index this small keeps answers only
         lead = () if tiny else prompt[-LEAD_TOKENS:]
         answer = answer[-(self.segment_tokens - len(lead) - 1) :]  # within one segment
         with self._lock:
