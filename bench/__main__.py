@@ -20,6 +20,7 @@ from bench.report import write_report
 from bench.runners import Mode, context_only
 from bench.suite import greedy_agreement, read_prompts, run_case, summarize
 from draft_tools.replay import replay
+from server.engine.context_draft import ContextDraft
 from server.engine.params import SpeculationParams
 from server.runtime import load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
@@ -220,10 +221,18 @@ def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: i
     no width choice): its greedy rounds replayed exactly against the target's own greedy
     answers (those of the autoregressive runs), see draft_tools.replay."""
     answers = {r.prompt_index: r.tokens for r in runs if r.mode == "kenspec_ar"}
+    # KenLM and the request's context, as named: not the engine's suffix index, which learned
+    # these very answers while the runs above served them (each would be drafted whole).
+    kenlm_and_context = ContextDraft(
+        engine.static_draft,
+        min_match=engine.context.min_match,
+        max_match=engine.context.max_match,
+        long_draft_tokens=engine.context.long_draft_tokens,
+    )
     drafts = {
         "kenlm_only": engine.static_draft,
         "context_only": context_only(engine).context_draft,
-        "kenlm+context": engine.context_draft,
+        "kenlm+context": kenlm_and_context,
     }
     params = SpeculationParams(num_draft_tokens=k)
     ordered = [answers[index] for index in range(len(prompts))]
