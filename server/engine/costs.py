@@ -202,17 +202,18 @@ class PassCosts:
     """
 
     seconds: dict[tuple[int, int], float]  # (rows, tokens in the pass) -> seconds
-    # The measured shapes, sorted: a live table updates its seconds, never its shapes.
-    _counts: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+    # The measured token counts of each measured row count, both sorted: a live table updates
+    # its seconds, never its shapes.
+    tokens_by_rows: dict[int, list[int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        counts: dict[int, list[int]] = {}
+        shapes: dict[int, list[int]] = {}
         for rows, tokens in sorted(self.seconds):
-            counts.setdefault(rows, []).append(tokens)
-        object.__setattr__(self, "_counts", counts)
+            shapes.setdefault(rows, []).append(tokens)
+        object.__setattr__(self, "tokens_by_rows", shapes)
 
     def cost(self, rows: int, tokens: int) -> float:
-        measured_rows = list(self._counts)
+        measured_rows = list(self.tokens_by_rows)
         below = max((r for r in measured_rows if r <= rows), default=measured_rows[0])
         above = min((r for r in measured_rows if r >= rows), default=measured_rows[-1])
         low, high = self._at(below, tokens), self._at(above, tokens)
@@ -221,7 +222,7 @@ class PassCosts:
         return low + (high - low) * (rows - below) / (above - below)
 
     def _at(self, rows: int, tokens: int) -> float:
-        counts = self._counts[rows]
+        counts = self.tokens_by_rows[rows]
         lower = max((t for t in counts if t <= tokens), default=counts[0])
         upper = min((t for t in counts if t >= tokens), default=None)
         if upper is None:

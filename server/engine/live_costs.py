@@ -70,11 +70,6 @@ class LiveCosts:
         }
         self._unsettled: set[tuple[int, int]] = set()
         self._threshold: float | None = None
-        self._tokens_by_rows: dict[int, list[int]] = {}
-        for rows, tokens in self.table.seconds:
-            self._tokens_by_rows.setdefault(rows, []).append(tokens)
-        for counts in self._tokens_by_rows.values():
-            counts.sort()
 
     # -- PassCosts' interface, for the batch's draft choice --------------------------------
 
@@ -120,11 +115,15 @@ class LiveCosts:
         """Tokens this pass of `rows` rows should have, to measure a stale bucket; None: as
         the draft choice decides. Asked once per pass, before the drafts are cut; most_tokens:
         the widest the pass can be without padding (None: it can be padded)."""
-        if not self._explore or self.passes % EXPLORE_EVERY or rows not in self._tokens_by_rows:
+        if (
+            not self._explore
+            or self.passes % EXPLORE_EVERY
+            or rows not in self.table.tokens_by_rows
+        ):
             return None
         age = {
             (rows, tokens): self.passes - self._seen[rows, tokens]
-            for tokens in self._tokens_by_rows[rows]
+            for tokens in self.table.tokens_by_rows[rows]
             if most_tokens is None or tokens <= most_tokens
         }
         due = [
@@ -170,7 +169,7 @@ class LiveCosts:
         }
 
     def _bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
-        counts = self._tokens_by_rows.get(rows)
+        counts = self.table.tokens_by_rows.get(rows)
         if not counts:
             return None
         return rows, min(counts, key=lambda t: (abs(t - tokens), t))
