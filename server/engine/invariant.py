@@ -40,17 +40,37 @@ from server.engine.slot_cache import KERNELS, KEY_BLOCK, MIN_KEYS
 
 @dataclass(frozen=True, slots=True)
 class Padding:
-    """Pad a product's rows to at least `minimum` and to a multiple of `multiple`."""
+    """Pad a product's rows to at least `minimum` and to a multiple of `multiple`; with a
+    `block`, a product of more rows runs `block` rows at a time, the last block padded."""
 
     minimum: int = 1
     multiple: int = 1
+    block: int = 0  # 0: any number of rows in one product
 
     def rows(self, rows: int) -> int:
+        if self.block and rows > self.block:
+            tail = rows % self.block
+            return rows - tail + (self._padded(tail) if tail else 0)
+        return self._padded(rows)
+
+    def _padded(self, rows: int) -> int:
         return max(self.minimum, -(-rows // self.multiple) * self.multiple)
 
 
-# Tried in order; the first that makes every layer of the model invariant is used.
-CANDIDATES = (Padding(2, 1), Padding(4, 4), Padding(8, 8), Padding(16, 16))
+# Tried in order; the first that makes every layer of the model invariant is used. The blocked
+# ones are for CPUs whose bf16 products switch kernels past a row count (on AMX, oneDNN gives
+# 1 to 32 rows the same bits and 33 or more others), at the price of smaller products.
+CANDIDATES = (
+    Padding(2, 1),
+    Padding(4, 4),
+    Padding(8, 8),
+    Padding(16, 16),
+    Padding(1, 1, block=32),
+    Padding(2, 1, block=32),
+    Padding(4, 4, block=32),
+    Padding(2, 1, block=16),
+    Padding(4, 4, block=16),
+)
 # Row counts the check computes each row among (1: a decode step; 512: a prefill chunk).
 _CHECKED_ROWS = (1, 2, 3, 5, 7, 8, 9, 17, 33, 64)
 
@@ -61,13 +81,20 @@ class InvariantError(RuntimeError):
 
 def _padded(product, x: torch.Tensor, padding: Padding) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    block = padding.block if padding.block and rows > padding.block else rows
+    out = torch.cat(
+        [_padded_block(product, flat[s : s + block], padding) for s in range(0, rows, block)]
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _padded_block(product, flat: torch.Tensor, padding: Padding) -> torch.Tensor:
+    rows = len(flat)
     wanted = padding.rows(rows)
     if wanted == rows:
-        return product(x)
-    flat = x.reshape(rows, x.shape[-1])
-    flat = torch.cat([flat, flat.new_zeros(wanted - rows, flat.shape[1])])
-    out = product(flat)[:rows]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        return product(flat)
+    return product(torch.cat([flat, flat.new_zeros(wanted - rows, flat.shape[1])]))[:rows]
 
 
 class InvariantLinear(nn.Linear):
