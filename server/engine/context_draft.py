@@ -21,6 +21,7 @@ from dataclasses import replace
 from server.engine.draft import Draft, DraftSession, Proposal
 from server.engine.recycled import RecycledPredictions
 from server.engine.suffix_index import SuffixIndex
+from server.engine.tenant_index import TenantView
 
 RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
 TREE_MIN_DRAFT_PROB = 0.05  # the static chain's gate in a token tree (see _static_chain)
@@ -69,7 +70,7 @@ class ContextDraft:
         min_match: int = 1,
         max_match: int = 16,
         name: str = "",
-        suffix: SuffixIndex | None = None,
+        suffix: SuffixIndex | TenantView | None = None,
         recycled: RecycledPredictions | None = None,
         recycled_min_prob: float = RECYCLED_MIN_PROB,
         long_draft_tokens: int = LONG_DRAFT_TOKENS,
@@ -94,22 +95,29 @@ class ContextDraft:
     def name(self) -> str:
         return self._name
 
-    def start(self, prompt_ids: Sequence[int]) -> ContextSession:
+    def start(
+        self, prompt_ids: Sequence[int], *, suffix: SuffixIndex | TenantView | None = None
+    ) -> ContextSession:
+        """A session; `suffix` in place of the draft's own index (a tenant's view of it)."""
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(self, index, static)
+        return ContextSession(self, index, static, suffix if suffix is not None else self.suffix)
 
 
 class ContextSession:
     """One generation's context index and static session; the rest is its draft's."""
 
     def __init__(
-        self, draft: ContextDraft, index: ContextIndex, static: DraftSession | None
+        self,
+        draft: ContextDraft,
+        index: ContextIndex,
+        static: DraftSession | None,
+        suffix: SuffixIndex | TenantView | None = None,
     ) -> None:
         self._index = index
         self._static = static
-        self._suffix = draft.suffix
+        self._suffix = suffix
         self._recycled = draft.recycled
         self._recycled_min_prob = draft.recycled_min_prob
         self._long = draft.long_draft_tokens
