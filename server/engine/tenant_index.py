@@ -33,8 +33,9 @@ from server.engine.suffix_index import SuffixIndex, propose_across
 
 SHARED_TENANT = "shared"  # every caller, when the server has no tokens or the scope is shared
 MAX_TENANTS = 16  # tenants whose learned answers are kept (--suffix-index-tenants)
-SEGMENTS_PER_SHARE = 8  # a tenant's share in about this many segments: eviction in eighths
-MAX_SEGMENT_TOKENS = 65_536
+SEGMENTS_PER_SHARE = 8  # a tenant's share in about this many segments: eviction in eighths,
+MIN_SEGMENT_TOKENS = 2_048  # but segments that hold a long answer whole with its lead,
+MAX_SEGMENT_TOKENS = 65_536  # and no larger than a lone index's
 
 
 class TenantSuffixIndex:
@@ -131,4 +132,7 @@ class TenantView:
 
 
 def _segment_tokens(share: int) -> int:
-    return max(1, min(MAX_SEGMENT_TOKENS, share // SEGMENTS_PER_SHARE))
+    """A segment of a tenant's index (its eviction unit): an eighth of its share, at least
+    MIN_SEGMENT_TOKENS (a smaller share is one segment), at most MAX_SEGMENT_TOKENS."""
+    wanted = max(share // SEGMENTS_PER_SHARE, MIN_SEGMENT_TOKENS)
+    return max(1, min(share, wanted, MAX_SEGMENT_TOKENS))
