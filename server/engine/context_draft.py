@@ -4,13 +4,14 @@ Prompt lookup (transformers' PromptLookupCandidateGenerator, vLLM's NgramPropose
 last n tokens of prompt + output occurred before, propose what followed them then. It is
 strong where the output copies or paraphrases its input (rewriting, summaries, code edits,
 RAG) and where the output repeats itself; a static n-gram is strong on the target's habitual
-phrasing; a global index of past answers (`SuffixIndex`) is strong where answers recur. Each
-round offers a chain per source: the context continuation when the longest suffix match is at
-least `min_match` tokens (1 by default: it gave the most tokens per round on every prompt set,
-replaying the default model's greedy answers; docs/design.md, "Drafts"), the index's, and the
-static draft's; a matched chain that runs out is continued by the static draft (llama.cpp's
-ngram-cache combines a context and a static cache the same way). The longest match leads, the
-others ride along as alternatives that the speculator weighs by measured acceptance.
+phrasing; an index of past answers (`SuffixIndex`, or a tenant's view of the server's) is
+strong where answers recur. Each round offers a chain per source: the context continuation
+when the longest suffix match is at least `min_match` tokens (1 by default: it gave the most
+tokens per round on every prompt set, replaying the default model's greedy answers;
+docs/design.md, "Drafts"), the index's, and the static draft's; a matched chain that runs
+out is continued by the static draft (llama.cpp's ngram-cache combines a context and a static
+cache the same way). The longest match leads, the others ride along as alternatives that the
+speculator weighs by measured acceptance.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ContextIndex:
 
 
 class ContextDraft:
-    """Chains from the request's own context, the global index of past answers (`suffix`, if
+    """Chains from the request's own context, an index of past answers (`suffix`, if
     any) and the static draft (if any), the longest match first (see module doc)."""
 
     def __init__(

@@ -1,11 +1,11 @@
-"""A global index over everything the target wrote: drafts from the longest exact match.
+"""An index over what the target wrote: drafts from the longest exact match.
 
 SuffixDecoding (Oliaro et al. 2024) and REST (He et al. 2024) draft from earlier outputs: when
 the last tokens of a stream occurred in an earlier answer, what followed them there is a likely
 continuation. The answers of one model to one workload repeat themselves far more than a
 smoothed n-gram can use: a 4-gram forgets a 20-token match, and KenLM never learns from what
-the server serves. This index is seeded with the draft's distilled corpus and grows with every
-finished answer.
+the server serves. The draft's distilled corpus is one such index, and each tenant's finished
+answers another (`tenant_index.TenantSuffixIndex`, which keeps callers' answers apart).
 
 Layout (the vLLM suffix speculator's hashed buckets, over segments for eviction):
 - answers are appended, each after the last LEAD_TOKENS of its prompt (when given) and
