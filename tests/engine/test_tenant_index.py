@@ -9,7 +9,7 @@ from server.engine.admission import BatchSettings
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex, propose_across
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex, _segment_tokens
 
 SEEDED = [10, 11, 12, 13, 14, 15]  # the corpus: [10, 11] -> 12 13 14 15
 A_ANSWER = [40, 41, 42, 43, 44]
@@ -207,3 +207,11 @@ def test_a_prompt_reuses_only_its_own_tenants_cached_prefixes(
     before = served.batch.stats.reused_tokens
     serve(served, ids, second, max_new=4)
     assert (served.batch.stats.reused_tokens > before) is reused
+
+
+@pytest.mark.parametrize(
+    ("share", "segment"),
+    [(0, 1), (100, 100), (2_048, 2_048), (10_000, 2_048), (50_000, 6_250), (10**7, 65_536)],
+)
+def test_a_tenants_segments_are_an_eighth_of_its_share_within_limits(share, segment) -> None:
+    assert _segment_tokens(share) == segment

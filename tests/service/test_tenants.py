@@ -23,6 +23,7 @@ import pytest
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import KenspecServer
+from server.engine.tenant_index import SHARED_TENANT
 from server.runtime import Runtime, load_runtime
 from server.security import tenant_of
 from server.settings import Settings
@@ -187,3 +188,21 @@ async def test_per_round_draft_sources_are_streamed_only_with_the_operator_flag(
     assert any(chunk["drafted"] for chunk in chunks)
     assert all(("draft_source" in chunk) is report for chunk in chunks)
     assert events[-1]["kenspec"]["drafted"] == sum(chunk["drafted"] for chunk in chunks)
+
+
+@pytest.mark.parametrize(
+    ("authorization", "tokens", "same_as_first"),
+    [
+        ("Bearer first-token", (b"first-token", b"second"), True),
+        ("bearer  first-token ", (b"first-token", b"second"), True),  # as bearer_token reads it
+        ("Bearer second", (b"first-token", b"second"), False),
+        ("", (b"first-token",), False),
+    ],
+)
+def test_a_tenant_is_a_keyed_hash_of_the_token(authorization, tokens, same_as_first) -> None:
+    first = tenant_of("Bearer first-token", tokens)
+    tenant = tenant_of(authorization, tokens)
+    assert (tenant == first) is same_as_first
+    assert "first-token" not in tenant and len(tenant) == 17
+    # Without tokens, whatever the caller sends: one shared tenant.
+    assert tenant_of(authorization, ()) == SHARED_TENANT
