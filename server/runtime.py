@@ -31,7 +31,7 @@ from server.engine.slot_cache import KERNELS, measure_grouped, use_grouped
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
-from server.engine.tenant_index import TenantSuffixIndex
+from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 from server.requests import Defaults, Limits
 from server.settings import Settings
 
@@ -341,7 +341,8 @@ def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: f
 
 
 def _warm_up(engine: SpeculativeEngine) -> None:
-    """One short generation so lazy initialisation does not land on the first request."""
+    """One short generation so lazy initialisation does not land on the first request; its
+    answer is forgotten (it would hold a tenant's share of the suffix index)."""
     prompt = engine.target.encode_prompt("Hello")
     generation = engine.start(
         prompt,
@@ -349,9 +350,16 @@ def _warm_up(engine: SpeculativeEngine) -> None:
         stopping=StoppingParams(max_new_tokens=4),
         speculation=SpeculationParams(num_draft_tokens=2),
         request_id="warm-up",
+        tenant=WARM_UP_TENANT,
     )
     for _ in engine.batch.rounds(generation):
         pass
+    if engine.suffix is not None:
+        engine.suffix.forget(WARM_UP_TENANT)
+        engine.suffix.forget(SHARED_TENANT)  # the warm-up's, with --suffix-index-scope shared
+
+
+WARM_UP_TENANT = "warm-up"  # no caller's: tenant_of names tenants "t" + hex, or "shared"
 
 
 def _model_info(

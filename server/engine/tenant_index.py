@@ -86,6 +86,11 @@ class TenantSuffixIndex:
                 self._learned.move_to_end(tenant)
         return TenantView(self, tenant)
 
+    def forget(self, tenant: str) -> None:
+        """Drop the tenant's answers (the others keep their shares: the bound still holds)."""
+        with self._lock:
+            self._learned.pop(tenant, None)
+
     def add(self, tenant: str, answer: Sequence[int], prompt: Sequence[int] = ()) -> None:
         """Learn a finished answer (after its prompt's end, see SuffixIndex.add) for `tenant`
         only; its own oldest answers go when it is over its share."""
