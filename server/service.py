@@ -184,8 +184,8 @@ def _authorization(metadata) -> str:  # type: ignore[no-untyped-def]
 
 
 def to_response(round_: Round, request_id: str, draft_source: bool = False) -> pb.GenerateResponse:
-    """One round's message; its draft source only with --report-draft-source (a caller's
-    rounds reveal only its own tenant's answers either way, docs/design.md)."""
+    """One round's message; its draft source only with --report-draft-source (operators'
+    diagnostics: docs/design.md, the suffix index's tenants)."""
     response = pb.GenerateResponse(
         request_id=request_id,
         token_ids=round_.token_ids,

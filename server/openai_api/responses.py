@@ -3,8 +3,8 @@ usage with kenspec's speculation statistics, and error bodies.
 
 Every response carries a ``kenspec`` object beside OpenAI's fields: per chunk the round's
 ``index``, ``drafted``, ``accepted`` and ``mode`` (and ``draft_source`` with the server's
---report-draft-source); with the usage the request's ``drafted``,
-``accepted``, ``rounds``, ``speculative_rounds`` and the last round's ``mode``.
+--report-draft-source); with the usage the request's ``drafted``, ``accepted``, ``rounds``,
+``speculative_rounds`` and the last round's ``mode``.
 """
 
 from __future__ import annotations
