@@ -249,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     default = "templated.txt" if args.workload == "templated" else "dev.txt"
     prompts = read_prompts(args.prompts or REPO / "prompts" / default, args.limit)
     warm, measured = plan(args.workload, prompts, args.warm)
+    # The per-source breakdown reads each round's draft source: an operator's flag.
     server_args = ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)]
+    server_args.append("--report-draft-source")
     server = ServerProcess([*server_args, *args.server_args])
     try:
         calibrated = server.logged("calibrated")

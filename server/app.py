@@ -52,17 +52,19 @@ class KenspecServer:
         self.metrics_port: int | None = None
         model_name = settings.served_model_name or Path(settings.model).name
         self.tracing = build_tracing(settings.otel, settings.otel_service_name, model_name)
+        tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
         self.serving = Serving(
             self.scheduler,
             self.metrics,
             settings.max_deadline_s,
             stall_timeout_s=settings.stream_stall_timeout_s,
             tracing=self.tracing,
+            tokens=tokens,
+            report_draft_source=settings.report_draft_source,
         )
         self.service = GeneratorService(self.serving)
         self.health = health_aio.HealthServicer()
         self.port = 0
-        tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
         interceptors = [BearerTokenInterceptor(tokens)] if tokens else []
         self.http = self._http_server(tokens) if settings.http_port >= 0 else None
         self.http_port: int | None = None

@@ -31,6 +31,7 @@ from server.engine.slot_cache import KERNELS, measure_grouped, use_grouped
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
+from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 from server.requests import Defaults, Limits
 from server.settings import Settings
 
@@ -104,6 +105,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         costs=costs,
         events=events,
         suffix=_load_suffix_index(settings, target.vocab_size),
+        isolate_tenants=settings.suffix_index_scope == "tenant",
         recycled=(
             RecycledPredictions(target.vocab_size)
             if settings.recycled_predictions and settings.draft_context
@@ -140,22 +142,32 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
     )
 
 
-def _load_suffix_index(settings: Settings, vocab_size: int) -> SuffixIndex | None:
-    """The global index of past answers, seeded from the draft folder's corpus if it has one."""
+def _load_suffix_index(settings: Settings, vocab_size: int) -> TenantSuffixIndex | None:
+    """The index of past answers: the draft folder's corpus if it has one (shared by every
+    tenant, never evicted), and each tenant's learned answers within what the bound leaves."""
     if not (settings.suffix_index and settings.draft_context):
         return None
     started = time.perf_counter()
-    index, corpus = SuffixIndex.for_draft(
+    seeded, corpus = SuffixIndex.for_draft(
         Path(settings.draft) if settings.has_draft else None,
         vocab_size,
         max_tokens=settings.suffix_index_tokens,
         max_match=settings.suffix_max_match,
+    )
+    shared = settings.suffix_index_scope == "shared"
+    index = TenantSuffixIndex(
+        seeded,
+        max_tokens=settings.suffix_index_tokens,
+        max_tenants=1 if shared else settings.suffix_index_tenants,
     )
     log.info(
         "suffix_index",
         corpus=str(corpus) if corpus else None,
         tokens=index.tokens,
         max_tokens=index.max_tokens,
+        learned_tokens=index.learned_budget,  # for every tenant together
+        scope=settings.suffix_index_scope,
+        max_tenants=index.max_tenants,
         seconds=round(time.perf_counter() - started, 2),
     )
     return index
@@ -329,7 +341,8 @@ def _log_calibration(result: Calibration, rows: int, *, cached: bool, seconds: f
 
 
 def _warm_up(engine: SpeculativeEngine) -> None:
-    """One short generation so lazy initialisation does not land on the first request."""
+    """One short generation so lazy initialisation does not land on the first request; its
+    answer is forgotten (it would hold a tenant's share of the suffix index)."""
     prompt = engine.target.encode_prompt("Hello")
     generation = engine.start(
         prompt,
@@ -337,9 +350,16 @@ def _warm_up(engine: SpeculativeEngine) -> None:
         stopping=StoppingParams(max_new_tokens=4),
         speculation=SpeculationParams(num_draft_tokens=2),
         request_id="warm-up",
+        tenant=WARM_UP_TENANT,
     )
     for _ in engine.batch.rounds(generation):
         pass
+    if engine.suffix is not None:
+        engine.suffix.forget(WARM_UP_TENANT)
+        engine.suffix.forget(SHARED_TENANT)  # the warm-up's, with --suffix-index-scope shared
+
+
+WARM_UP_TENANT = "warm-up"  # no caller's: tenant_of names tenants "t" + hex, or "shared"
 
 
 def _model_info(

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
+from server.engine.tenant_index import SHARED_TENANT
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (load balancers, kubelets) carry no token
+_TENANT_KEY = secrets.token_bytes(32)  # tenant ids are keyed hashes of tokens (tenant_of)
 
 
 def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
@@ -66,6 +71,18 @@ def bearer_token(authorization: str) -> bytes:
     """The token of an `authorization` value `Bearer <token>`; b"" for another scheme or none."""
     scheme, _, token = authorization.partition(" ")
     return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def tenant_of(authorization: str, tokens: tuple[bytes, ...]) -> str:
+    """Whose answers a call drafts from and learns into (the suffix index, the prefix cache):
+    with tokens, a keyed hash of the caller's bearer token (HMAC-SHA256 under a key drawn at
+    start, 16 hex digits), so the token itself is never stored or logged and a tenant id says
+    nothing across restarts; without tokens, every caller is SHARED_TENANT (a bearer value the
+    server does not check cannot make tenants)."""
+    if not tokens:
+        return SHARED_TENANT
+    token = bearer_token(authorization)
+    return "t" + hmac.new(_TENANT_KEY, token, hashlib.sha256).hexdigest()[:16]
 
 
 def token_allowed(presented: bytes, tokens: tuple[bytes, ...]) -> bool:

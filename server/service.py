@@ -55,10 +55,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
                 params = parse_generate(request, runtime.limits, runtime.defaults)
-                rounds = self.serving.generate(runtime, params, request_id, record)
+                tenant = self.serving.tenant(_authorization(metadata))
+                rounds = self.serving.generate(runtime, params, request_id, record, tenant=tenant)
+                report = self.serving.report_draft_source
                 async with contextlib.aclosing(rounds):
                     async for round_ in rounds:
-                        await self._send(context, to_response(round_, request_id))
+                        await self._send(context, to_response(round_, request_id, report))
                 record.code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
                 raise
@@ -173,7 +175,17 @@ def generator_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
     )
 
 
-def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
+def _authorization(metadata) -> str:  # type: ignore[no-untyped-def]
+    """The call's `authorization` metadata value ("" if none)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+def to_response(round_: Round, request_id: str, draft_source: bool = False) -> pb.GenerateResponse:
+    """One round's message; its draft source only with --report-draft-source (operators'
+    diagnostics: docs/design.md, the suffix index's tenants)."""
     response = pb.GenerateResponse(
         request_id=request_id,
         token_ids=round_.token_ids,
@@ -185,7 +197,7 @@ def to_response(round_: Round, request_id: str) -> pb.GenerateResponse:
             mode=to_proto(round_.mode),
             breaker_state=to_proto(round_.breaker_state),
             window_acceptance=round_.window_acceptance,
-            draft_source=round_.source,
+            draft_source=round_.source if draft_source else "",
         ),
     )
     if round_.finish_reason is not None:

@@ -20,10 +20,12 @@ import torch
 from kenspec_api.outputs import FinishReason
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
+from server.engine.tenant_index import SHARED_TENANT
 from server.metrics import Metrics
 from server.requests import GenerateParams, check_prompt_length
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
+from server.security import tenant_of
 from server.tracing import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
 
 log = structlog.get_logger("kenspec.service")
@@ -68,8 +70,13 @@ class Serving:
         max_deadline_s: float = 600.0,
         stall_timeout_s: float = 30.0,
         tracing: Tracing = NO_TRACING,
+        *,
+        tokens: tuple[bytes, ...] = (),
+        report_draft_source: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        self.tokens = tokens  # the allowed bearer tokens: each is a tenant (none: one tenant)
+        self.report_draft_source = report_draft_source  # each round's source, to the caller
         self.metrics = metrics
         self.tracing = tracing
         self.max_deadline_s = max_deadline_s
@@ -110,8 +117,18 @@ class Serving:
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
 
+    def tenant(self, authorization: str) -> str:
+        """The tenant of a call with this `authorization` value (security.tenant_of)."""
+        return tenant_of(authorization, self.tokens)
+
     async def generate(
-        self, runtime: Runtime, params: GenerateParams, request_id: str, record: RequestRecord
+        self,
+        runtime: Runtime,
+        params: GenerateParams,
+        request_id: str,
+        record: RequestRecord,
+        *,
+        tenant: str = SHARED_TENANT,
     ) -> AsyncIterator[Round]:
         """The request's rounds as the batch verifies them: encoded, checked against the
         limits, queued for a slot within the deadline cap, then streamed from the batch."""
@@ -130,6 +147,7 @@ class Serving:
                 stopping=params.stopping,
                 speculation=params.speculation,
                 request_id=request_id,
+                tenant=tenant,
             )
             started = time.perf_counter()
             outcome, last = "cancelled", None

@@ -57,6 +57,9 @@ class Settings:
     suffix_index_tokens: int = 1_000_000
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
+    suffix_index_scope: str = "tenant"
+    suffix_index_tenants: int = 16
+    report_draft_source: bool = False
     recycled_predictions: bool = True
     live_costs: bool = True
     calibration_cache: str = "~/.cache/kenspec/calibration"
@@ -145,13 +148,24 @@ _HELP = {
     "their cost; 1: one chain per round",
     "long_draft_tokens": "how far a chain after a long exact match (context or suffix index) "
     "may draft: as many tokens as the match is long, up to this (at least k)",
-    "suffix_index": "with context drafting, also draft from a global index of past answers "
-    "(seeded from the draft folder's corpus.ids.gz, learning every finished response): the "
-    "longest exact match of the stream's last tokens, most frequent continuation",
-    "suffix_index_tokens": "most token ids the suffix index holds, oldest out (about 150 MB "
+    "suffix_index": "with context drafting, also draft from an index of past answers "
+    "(seeded from the draft folder's corpus.ids.gz, learning every finished response, per "
+    "tenant: see --suffix-index-scope): the longest exact match of the stream's last tokens, "
+    "most frequent continuation",
+    "suffix_index_tokens": "most token ids the suffix index holds, the seeded corpus included "
+    "(never evicted); learned answers share the rest, each tenant's oldest out (about 150 MB "
     "per million); 0: keep no answers",
     "suffix_max_match": "longest match (tokens) the suffix index looks for",
     "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
+    "suffix_index_scope": "tenant: each bearer token (every caller, without --auth-tokens-file) "
+    "drafts from the seeded corpus and its own past answers only, and reuses its own cached "
+    "prefixes only; shared: every caller drafts from every caller's answers and prefixes, "
+    "which reveals to any caller, through the drafted and accepted counts and the time to "
+    "first token, whether other callers' answers or prompts contained a phrase it guesses",
+    "suffix_index_tenants": "tenants whose learned answers the suffix index keeps, each within "
+    "an equal share of --suffix-index-tokens; beyond, the least recently used is dropped",
+    "report_draft_source": "stream each round's draft source (kenlm, context:N, suffix:N, ...) "
+    "to the caller; off: the field is empty (gRPC) or absent (HTTP)",
     "recycled_predictions": "with context drafting, also draft from the target's own recent "
     "predictions: the top next tokens every pass computed after each token, kept per token",
     "live_costs": "update the measured pass costs (and the calibrated breaker threshold) from "
@@ -234,6 +248,14 @@ def parse_settings(
         )
     if namespace.suffix_max_match < 2:
         parser.error(f"--suffix-max-match must be at least 2, not {namespace.suffix_max_match}")
+    if namespace.suffix_index_scope not in ("tenant", "shared"):
+        parser.error(
+            f"--suffix-index-scope must be tenant or shared, not {namespace.suffix_index_scope!r}"
+        )
+    if namespace.suffix_index_tenants < 1:
+        parser.error(
+            f"--suffix-index-tenants must be at least 1, not {namespace.suffix_index_tenants}"
+        )
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:

@@ -53,6 +53,29 @@ def test_suffix_index_bounds_are_checked(capsys) -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--suffix-index-scope", "global"], "must be tenant or shared, not 'global'"),
+        (["--suffix-index-tenants", "0"], "--suffix-index-tenants must be at least 1, not 0"),
+    ],
+)
+def test_suffix_index_scope_and_tenants_are_checked(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(argv, env={})
+    assert message in capsys.readouterr().err
+    default = parse_settings([], env={})
+    assert (default.suffix_index_scope, default.report_draft_source) == ("tenant", False)
+    assert parse_settings(["--suffix-index-scope", "shared"], env={}).suffix_index_scope == "shared"
+
+
+def test_help_says_what_a_shared_suffix_index_reveals(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(["--help"], env={})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "reveals to any caller" in text and "other callers' answers" in text
+
+
+@pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
         ("--tree-budget", "0", "--tree-budget must be in [1, 64], not 0"),

@@ -187,7 +187,9 @@ class Admission:
             for entry in candidates:
                 if entry is not self.prefilling:
                     prompt = entry.generation.prompt[:-1]
-                    entry.reuse, entry.reused = self._prefixes.match(prompt)
+                    entry.reuse, entry.reused = self._prefixes.match(
+                        prompt, entry.generation.tenant
+                    )
         taken = _fitting(candidates, self._settings.prefill_chunk_alone)
         if taken < len(decoding):
             taken = _fitting(candidates, self._settings.prefill_chunk)

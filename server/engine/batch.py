@@ -260,7 +260,8 @@ class Batch:
             if error is None and self.prefixes is not None:
                 # A conversation's next turn re-sends this prompt and answer.
                 row = self._decoding.index(entry)
-                self.prefixes.store(self._cache, row, entry.generation.cached_tokens)
+                generation = entry.generation
+                self.prefixes.store(self._cache, row, generation.cached_tokens, generation.tenant)
             self._finish_row(entry, error)
 
     def _store_prompts(self, entries: list[Entry]) -> None:
@@ -271,7 +272,8 @@ class Batch:
             return
         for row, entry in enumerate(entries):
             if entry.generation.prefill_remaining:
-                self.prefixes.store(self._cache, row, entry.generation.prompt[:-1])
+                generation = entry.generation
+                self.prefixes.store(self._cache, row, generation.prompt[:-1], generation.tenant)
 
     def _cut_drafts(self, entries: list[Entry]) -> list[list[int]]:
         """Each row's feed, its drafts cut to those worth their share of the pass (or, when

@@ -4,13 +4,14 @@ Prompt lookup (transformers' PromptLookupCandidateGenerator, vLLM's NgramPropose
 last n tokens of prompt + output occurred before, propose what followed them then. It is
 strong where the output copies or paraphrases its input (rewriting, summaries, code edits,
 RAG) and where the output repeats itself; a static n-gram is strong on the target's habitual
-phrasing; a global index of past answers (`SuffixIndex`) is strong where answers recur. Each
-round offers a chain per source: the context continuation when the longest suffix match is at
-least `min_match` tokens (1 by default: it gave the most tokens per round on every prompt set,
-replaying the default model's greedy answers; docs/design.md, "Drafts"), the index's, and the
-static draft's; a matched chain that runs out is continued by the static draft (llama.cpp's
-ngram-cache combines a context and a static cache the same way). The longest match leads, the
-others ride along as alternatives that the speculator weighs by measured acceptance.
+phrasing; an index of past answers (`SuffixIndex`, or a tenant's view of the server's) is
+strong where answers recur. Each round offers a chain per source: the context continuation
+when the longest suffix match is at least `min_match` tokens (1 by default: it gave the most
+tokens per round on every prompt set, replaying the default model's greedy answers;
+docs/design.md, "Drafts"), the index's, and the static draft's; a matched chain that runs
+out is continued by the static draft (llama.cpp's ngram-cache combines a context and a static
+cache the same way). The longest match leads, the others ride along as alternatives that the
+speculator weighs by measured acceptance.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import replace
 from server.engine.draft import Draft, DraftSession, Proposal
 from server.engine.recycled import RecycledPredictions
 from server.engine.suffix_index import SuffixIndex
+from server.engine.tenant_index import TenantView
 
 RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
 TREE_MIN_DRAFT_PROB = 0.05  # the static chain's gate in a token tree (see _static_chain)
@@ -59,7 +61,7 @@ class ContextIndex:
 
 
 class ContextDraft:
-    """Chains from the request's own context, the global index of past answers (`suffix`, if
+    """Chains from the request's own context, an index of past answers (`suffix`, if
     any) and the static draft (if any), the longest match first (see module doc)."""
 
     def __init__(
@@ -69,7 +71,7 @@ class ContextDraft:
         min_match: int = 1,
         max_match: int = 16,
         name: str = "",
-        suffix: SuffixIndex | None = None,
+        suffix: SuffixIndex | TenantView | None = None,
         recycled: RecycledPredictions | None = None,
         recycled_min_prob: float = RECYCLED_MIN_PROB,
         long_draft_tokens: int = LONG_DRAFT_TOKENS,
@@ -94,22 +96,29 @@ class ContextDraft:
     def name(self) -> str:
         return self._name
 
-    def start(self, prompt_ids: Sequence[int]) -> ContextSession:
+    def start(
+        self, prompt_ids: Sequence[int], *, suffix: SuffixIndex | TenantView | None = None
+    ) -> ContextSession:
+        """A session; `suffix` in place of the draft's own index (a tenant's view of it)."""
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(self, index, static)
+        return ContextSession(self, index, static, suffix if suffix is not None else self.suffix)
 
 
 class ContextSession:
     """One generation's context index and static session; the rest is its draft's."""
 
     def __init__(
-        self, draft: ContextDraft, index: ContextIndex, static: DraftSession | None
+        self,
+        draft: ContextDraft,
+        index: ContextIndex,
+        static: DraftSession | None,
+        suffix: SuffixIndex | TenantView | None = None,
     ) -> None:
         self._index = index
         self._static = static
-        self._suffix = draft.suffix
+        self._suffix = suffix
         self._recycled = draft.recycled
         self._recycled_min_prob = draft.recycled_min_prob
         self._long = draft.long_draft_tokens

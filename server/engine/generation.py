@@ -21,6 +21,7 @@ from server.engine.sampling import (
 )
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
+from server.engine.tenant_index import SHARED_TENANT
 from server.engine.token_tree import depths
 
 
@@ -68,6 +69,7 @@ class Generation:
         speculator: Speculator,
         on_finish: Callable[[Sequence[int], Sequence[int]], None] | None = None,
         recycled: RecycledPredictions | None = None,
+        tenant: str = SHARED_TENANT,
     ) -> None:
         if not prompt_ids:
             raise InvalidParameter("prompt", "must contain at least one token")
@@ -84,6 +86,7 @@ class Generation:
         self.speculator = speculator
         self._on_finish = on_finish  # (prompt, output) of a finished generation, e.g. to learn
         self._recycled = recycled  # where the pass's computed logit rows are kept as drafts
+        self.tenant = tenant  # whose cached prefixes it may reuse (and its own are stored as)
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache

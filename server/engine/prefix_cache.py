@@ -18,6 +18,10 @@ to `max_bytes` of keys and values in all (layers x 2 x kv_heads x head_dim x dty
 position: 46 KB for SmolLM2-135M in float32, 23 KB in bfloat16; the server's default budget
 holds four of the model's full contexts, so that a long document or system prompt is reused
 whole).
+
+Entries are keyed by tenant (`Generation.tenant`): a prompt reuses only its own tenant's
+prefixes, so the time to first token cannot tell one caller whether another sent a prompt
+(a shared system prompt still hits among one tenant's requests). Tenants share the budget.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.slot_cache import SlotCache
+from server.engine.tenant_index import SHARED_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +47,8 @@ class PrefixCache:
     def __init__(self, max_bytes: int, min_match: int = 8) -> None:
         self.max_bytes = max_bytes
         self.min_match = min_match
-        self._prefixes: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest first
+        # By (tenant, tokens), least recently used first.
+        self._prefixes: OrderedDict[tuple[str, tuple[int, ...]], Prefix] = OrderedDict()
         self._stored = 0  # bytes held
 
     @property
@@ -52,20 +58,22 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._prefixes)
 
-    def match(self, tokens: Sequence[int]) -> tuple[Prefix | None, int]:
-        """The stored prefix sharing the longest beginning with tokens, and that length
-        (None, 0 when no stored one shares `min_match` tokens)."""
+    def match(
+        self, tokens: Sequence[int], tenant: str = SHARED_TENANT
+    ) -> tuple[Prefix | None, int]:
+        """The tenant's stored prefix sharing the longest beginning with tokens, and that
+        length (None, 0 when no stored one of the tenant's shares `min_match` tokens)."""
         best, length = None, 0
         if len(tokens) < self.min_match:
             return None, 0
         wanted = tuple(tokens)
-        for prefix in self._prefixes.values():
-            shared = _shared_length(prefix.tokens, wanted)
+        for (owner, _), prefix in self._prefixes.items():
+            shared = _shared_length(prefix.tokens, wanted) if owner == tenant else 0
             if shared > length:
                 best, length = prefix, shared
         if length < self.min_match or best is None:
             return None, 0
-        self._prefixes.move_to_end(best.tokens)
+        self._prefixes.move_to_end((tenant, best.tokens))
         return best, length
 
     def copy_into(self, cache: SlotCache, row: int, prefix: Prefix, length: int) -> None:
@@ -74,24 +82,29 @@ class PrefixCache:
         values = [tensor[:, :length] for tensor in prefix.values]
         cache.write(row, keys, values)
 
-    def store(self, cache: SlotCache, row: int, tokens: Sequence[int]) -> None:
-        """Keep the keys/values of `tokens`, the first len(tokens) positions of cache row `row`."""
+    def store(
+        self, cache: SlotCache, row: int, tokens: Sequence[int], tenant: str = SHARED_TENANT
+    ) -> None:
+        """Keep the keys/values of `tokens`, the first len(tokens) positions of cache row `row`,
+        for `tenant`'s later prompts."""
         key = tuple(tokens)
         size = len(key) * cache.bytes_per_position
         if len(key) < self.min_match or size > self.max_bytes:
             return
-        for stored in list(self._prefixes):
+        for owner, stored in list(self._prefixes):
+            if owner != tenant:
+                continue
             if stored[: len(key)] == key:  # already held, as it is or in a longer sequence
-                self._prefixes.move_to_end(stored)
+                self._prefixes.move_to_end((owner, stored))
                 return
             if key[: len(stored)] == stored:  # the new one holds it all
-                del self._prefixes[stored]
+                del self._prefixes[owner, stored]
                 self._stored -= len(stored) * cache.bytes_per_position
         while self._stored + size > self.max_bytes:
             _, evicted = self._prefixes.popitem(last=False)
             self._stored -= len(evicted.tokens) * cache.bytes_per_position
         keys, values = cache.read(row, len(key))
-        self._prefixes[key] = Prefix(key, keys, values)
+        self._prefixes[tenant, key] = Prefix(key, keys, values)
         self._stored += size
 
 

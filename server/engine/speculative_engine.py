@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kenspec_api.outputs import BreakerState
 from server.engine.admission import BatchSettings
@@ -12,15 +13,15 @@ from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
 from server.engine.costs import PassCosts
-from server.engine.draft import Draft
+from server.engine.draft import Draft, DraftSession
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
 from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculator import AcceptanceStats, Speculator
-from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
+from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 
 TREE_WINDOW_FACTOR = 4
 
@@ -63,14 +64,18 @@ class SpeculativeEngine:
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
-        suffix: SuffixIndex | None = None,
+        suffix: TenantSuffixIndex | None = None,
         recycled: RecycledPredictions | None = None,
+        isolate_tenants: bool = True,
     ) -> None:
         self.target = target
         self.batch = Batch(target, batching, costs=costs, events=events, timer=timer)
         self.static_draft = draft
         self.context = context or ContextSettings()
         self.suffix = suffix  # past answers, drafted from with the context; learns as it serves
+        # Each tenant drafts from its own answers (and reuses its own prefixes) only; False
+        # (--suffix-index-scope shared): every request is SHARED_TENANT's.
+        self.isolate_tenants = isolate_tenants
         self.recycled = recycled  # the target's recent predictions per token; learns every pass
         self.context_draft = ContextDraft(
             draft,
@@ -78,7 +83,7 @@ class SpeculativeEngine:
             max_match=self.context.max_match,
             long_draft_tokens=self.context.long_draft_tokens,
             branches=self.context.branches if self.context.tree_budget > 1 else 0,
-            suffix=suffix,
+            suffix=suffix.view(SHARED_TENANT) if suffix is not None else None,
             recycled=recycled,
         )
         self.breaker = breaker or BreakerSettings()
@@ -121,9 +126,13 @@ class SpeculativeEngine:
         stopping: StoppingParams,
         speculation: SpeculationParams,
         request_id: str = "",
+        tenant: str = SHARED_TENANT,
     ) -> Generation:
-        draft = self.draft_for(speculation.draft_context)
-        session = draft.start(prompt_ids) if draft is not None and speculation.enabled else None
+        """A generation for `tenant` (server.security.tenant_of): it drafts from the seeded
+        corpus and that tenant's learned answers, learns into them, and reuses that tenant's
+        cached prefixes only (all one tenant's when isolate_tenants is off)."""
+        tenant = tenant if self.isolate_tenants else SHARED_TENANT
+        session = self._session(prompt_ids, speculation, tenant)
         trees = self.context.tree_budget > 1
         acceptance = AcceptanceBreaker(
             threshold=self.breaker_threshold,
@@ -151,13 +160,25 @@ class SpeculativeEngine:
             sampling=sampling,
             stopping=stopping,
             speculator=speculator,
-            on_finish=self._learn if self.suffix is not None else None,
+            on_finish=partial(self._learn, tenant) if self.suffix is not None else None,
             recycled=self.recycled,
+            tenant=tenant,
         )
 
-    def _learn(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """Index a finished answer (and its prompt, if so configured) for later drafts."""
+    def _session(
+        self, prompt_ids: Sequence[int], speculation: SpeculationParams, tenant: str
+    ) -> DraftSession | None:
+        draft = self.draft_for(speculation.draft_context)
+        if draft is None or not speculation.enabled:
+            return None
+        if draft is self.context_draft and self.suffix is not None:
+            return self.context_draft.start(prompt_ids, suffix=self.suffix.view(tenant))
+        return draft.start(prompt_ids)
+
+    def _learn(self, tenant: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Index a finished answer (and its prompt, if so configured) for the tenant's later
+        drafts."""
         assert self.suffix is not None
         if self.context.learn_prompts:
-            self.suffix.add(prompt_ids)
-        self.suffix.add(output_ids, prompt_ids)
+            self.suffix.add(tenant, prompt_ids)
+        self.suffix.add(tenant, output_ids, prompt_ids)

@@ -1,11 +1,11 @@
-"""A global index over everything the target wrote: drafts from the longest exact match.
+"""An index over what the target wrote: drafts from the longest exact match.
 
 SuffixDecoding (Oliaro et al. 2024) and REST (He et al. 2024) draft from earlier outputs: when
 the last tokens of a stream occurred in an earlier answer, what followed them there is a likely
 continuation. The answers of one model to one workload repeat themselves far more than a
 smoothed n-gram can use: a 4-gram forgets a 20-token match, and KenLM never learns from what
-the server serves. This index is seeded with the draft's distilled corpus and grows with every
-finished answer.
+the server serves. The draft's distilled corpus is one such index, and each tenant's finished
+answers another (`tenant_index.TenantSuffixIndex`, which keeps callers' answers apart).
 
 Layout (the vLLM suffix speculator's hashed buckets, over segments for eviction):
 - answers are appended, each after the last LEAD_TOKENS of its prompt (when given) and
@@ -29,6 +29,7 @@ Thread safety: one lock; `add` is called on the engine thread when a stream fini
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import threading
 from array import array
@@ -124,8 +125,24 @@ class SuffixIndex:
             if len(self._segments[-1]) + len(lead) + len(answer) + 1 > self.segment_tokens:
                 self._segments.append(_Segment(self.slots))
             self._segments[-1].append(answer, lead)
-            while len(self._segments) > 1 and self.tokens > self.max_tokens:
-                del self._segments[0]
+            self._trim()
+
+    def bound(self, max_tokens: int, segment_tokens: int | None = None) -> None:
+        """Hold at most max_tokens from now on (a tenant's share shrank): the oldest segments
+        go at once, the open one too if it alone is over; new segments hold segment_tokens."""
+        with self._lock:
+            self.max_tokens = max_tokens
+            wanted = self.segment_tokens if segment_tokens is None else segment_tokens
+            self.segment_tokens = max(1, min(wanted, max_tokens))
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest segments while over max_tokens (the lock held). The open segment
+        never exceeds segment_tokens <= max_tokens after an add, so an add keeps its answer."""
+        while self._segments and self.tokens > self.max_tokens:
+            del self._segments[0]
+        if not self._segments:
+            self._segments.append(_Segment(self.slots))
 
     def add_all(self, answers: Iterable[Sequence[int]]) -> None:
         for answer in answers:
@@ -134,15 +151,11 @@ class SuffixIndex:
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest earlier exact match of the context's last
         tokens (majority vote among equally long matches), and that match length (0: none)."""
-        if k <= 0 or len(context) < min(KEY_LENGTHS):
-            return [], 0
-        tail = array("i", context[-self.max_match :])
-        with self._lock:
-            matched, candidates = self._longest(tail)
-            return _vote(candidates, k, self.min_probability), matched
+        return propose_across((self,), context, k)
 
     def _longest(self, tail: array) -> tuple[int, list[tuple[array, int]]]:
-        """The longest match length and its candidates (segment tokens, continuation start)."""
+        """The longest match length and its candidates (segment tokens, continuation start);
+        the caller holds the lock."""
         best, found = 0, []
         for segment in self._segments:
             positions: set[int] = set()
@@ -206,6 +219,29 @@ def _corpus_line(line: str, vocab_size: int | None) -> list[int]:
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise ValueError(f"token id {bad} is outside the target's vocabulary of {vocab_size}")
     return ids
+
+
+def propose_across(
+    indices: Sequence[SuffixIndex], context: Sequence[int], k: int
+) -> tuple[list[int], int]:
+    """SuffixIndex.propose over several indices as if they were one, the earlier ones older
+    (a tenant's view: the seeded corpus, then its own answers): the longest match in any of
+    them, the vote among every equally long one. Options (max_match, min_probability) are
+    the first index's."""
+    if not indices or k <= 0 or len(context) < min(KEY_LENGTHS):
+        return [], 0
+    first = indices[0]
+    tail = array("i", context[-first.max_match :])
+    with contextlib.ExitStack() as locks:  # in the given order; an add takes one lock only
+        best, found = 0, []
+        for index in indices:
+            locks.enter_context(index._lock)
+            matched, candidates = index._longest(tail)
+            if matched > best:
+                best, found = matched, candidates
+            elif matched == best and matched:
+                found += candidates
+        return _vote(found, k, first.min_probability), best
 
 
 def _vote(candidates: list[tuple[array, int]], k: int, min_probability: float) -> list[int]:

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
+from server.engine.tenant_index import SHARED_TENANT
 from server.openai_api.requests import OpenAIRequest, parse_chat, parse_completion
 from server.openai_api.responses import SSE_DONE, Completion, error_body, sse
 from server.requests import check_request_id
@@ -155,7 +156,12 @@ class OpenAIRoutes:
             record.code = _STATUS_NAMES.get(error.status, record.code)
             record.close()
             return error.response()
-        completion = Completion(chat=chat, request_id=request_id, model=self.model_name)
+        completion = Completion(
+            chat=chat,
+            request_id=request_id,
+            model=self.model_name,
+            report_source=self.serving.report_draft_source,
+        )
         return GenerationResponse(
             self.serving,
             runtime,
@@ -163,6 +169,7 @@ class OpenAIRoutes:
             completion,
             record,
             headers={REQUEST_ID_HEADER: request_id},
+            tenant=self.serving.tenant(request.headers.get("authorization", "")),
         )
 
     def _authenticate(self, request: Request) -> None:
@@ -222,8 +229,10 @@ class GenerationResponse(Response):
         completion: Completion,
         record: RequestRecord,
         headers: dict[str, str],
+        tenant: str = SHARED_TENANT,
     ) -> None:
         self.serving, self.runtime, self.request = serving, runtime, request
+        self.tenant = tenant  # whose answers it drafts from and learns into
         self.completion, self.record = completion, record
         self.extra_headers = headers
 
@@ -234,7 +243,8 @@ class GenerationResponse(Response):
         if self.request.user:
             fields["user"] = self.request.user[:128]
         with structlog.contextvars.bound_contextvars(**fields):
-            rounds = self.serving.generate(self.runtime, self.request.params, request_id, record)
+            params, tenant = self.request.params, self.tenant
+            rounds = self.serving.generate(self.runtime, params, request_id, record, tenant=tenant)
             try:
                 async with contextlib.aclosing(rounds):
                     write = self._stream if self.request.stream else self._whole

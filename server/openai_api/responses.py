@@ -2,8 +2,9 @@
 usage with kenspec's speculation statistics, and error bodies.
 
 Every response carries a ``kenspec`` object beside OpenAI's fields: per chunk the round's
-``index``, ``drafted``, ``accepted`` and ``mode``; with the usage the request's ``drafted``,
-``accepted``, ``rounds``, ``speculative_rounds`` and the last round's ``mode``.
+``index``, ``drafted``, ``accepted`` and ``mode`` (and ``draft_source`` with the server's
+--report-draft-source); with the usage the request's ``drafted``, ``accepted``, ``rounds``,
+``speculative_rounds`` and the last round's ``mode``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Completion:
     model: str
     created: int = 0
     speculative_rounds: int = 0
+    report_source: bool = False  # each chunk's draft_source (--report-draft-source)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -76,8 +78,9 @@ class Completion:
             "drafted": round_.drafted,
             "accepted": round_.accepted,
             "mode": round_.mode.value,
-            "draft_source": round_.source,
         }
+        if self.report_source:
+            body["kenspec"]["draft_source"] = round_.source
         return body
 
     def usage_chunk(self, last: Round) -> dict[str, Any]:

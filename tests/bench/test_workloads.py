@@ -52,4 +52,6 @@ def test_repeat_workload_through_a_server(tmp_path, tiny_model_dir) -> None:
         assert record["summary"]["same_tokens"]  # greedy: on and off give the same answers
         assert all(r["off"]["rounds"] == r["off"]["tokens"] for r in record["results"])
         rounds[label] = sum(r["on"]["rounds"] for r in record["results"])
+        # The bench asks the server for each round's draft source (--report-draft-source).
+        assert set(record["summary"]["sources"]) - {"none"}
     assert rounds["learning"] < rounds["off"]

@@ -13,6 +13,7 @@ from server.engine.context_draft import ContextDraft
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import LEAD_TOKENS, CorpusError, SuffixIndex
+from server.engine.tenant_index import TenantSuffixIndex
 from server.settings import Settings
 from tests.engine.drafts import generate
 
@@ -96,7 +97,7 @@ def test_the_context_draft_takes_the_longer_of_its_own_and_the_global_match() ->
     assert draft.start([7, 3, 4, 8, 3, 4]).propose(1).source == "context:2"  # a tie: own
 
 
-def engine_with_index(tiny_target, index: SuffixIndex, **breaker) -> SpeculativeEngine:
+def engine_with_index(tiny_target, index: TenantSuffixIndex, **breaker) -> SpeculativeEngine:
     context = ContextSettings(enabled=True, min_match=1, max_match=8)
     return SpeculativeEngine(
         tiny_target, None, BreakerSettings(**breaker), context=context, suffix=index
@@ -119,7 +120,7 @@ def test_a_finished_answer_is_learned_and_a_repeat_drafts_all_of_it(
     """The second time a prompt is served, the index holds its answer after its prompt's last
     tokens: every round but the last accepts all k drafts, the first round included. Both
     outputs are plain greedy decoding's."""
-    index = SuffixIndex()
+    index = TenantSuffixIndex()
     engine = engine_with_index(tiny_target, index)
     ids, expected = next(iter(references.values()))
     first = run(engine, ids, len(expected))
@@ -151,12 +152,12 @@ def test_greedy_output_is_exact_with_a_partly_right_index(tiny_target, reference
 
 
 class BrokenIndex(SuffixIndex):
-    def propose(self, context, k):  # type: ignore[no-untyped-def]
+    def _longest(self, tail):  # type: ignore[no-untyped-def]
         raise RuntimeError("corrupt index")
 
 
 def test_an_index_that_raises_trips_the_draft_fault_breaker(tiny_target, references) -> None:
-    engine = engine_with_index(tiny_target, BrokenIndex(), fault_max=2)
+    engine = engine_with_index(tiny_target, TenantSuffixIndex(BrokenIndex()), fault_max=2)
     ids, expected = next(iter(references.values()))
     rounds = run(engine, ids, len(expected))
     assert [t for r in rounds for t in r.token_ids] == expected  # decoded plainly instead

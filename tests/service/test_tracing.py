@@ -59,7 +59,8 @@ def events(span: ReadableSpan, name: str) -> list[dict]:
 async def test_grpc_call_is_a_child_span_of_the_bundled_clients_context(
     start_server, exporter
 ) -> None:
-    server, _ = await start_server(otel=True)
+    # Spans (the operator's) always carry the draft source; the stream, with the flag.
+    server, _ = await start_server(otel=True, report_draft_source=True)
     caller = TracerProvider().get_tracer("test-caller")
     async with AsyncClient(f"127.0.0.1:{server.port}") as client:
         with caller.start_as_current_span("caller") as parent:
