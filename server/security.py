@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -69,8 +70,13 @@ def bearer_token(authorization: str) -> bytes:
 
 
 def token_allowed(presented: bytes, tokens: tuple[bytes, ...]) -> bool:
-    """Whether `presented` is one of `tokens`, compared with every one in constant time."""
-    matches = [hmac.compare_digest(presented, token) for token in tokens]
+    """Whether `presented` is one of `tokens`, compared with every one in constant time.
+
+    compare_digest returns at once when its arguments differ in length, which would tell a
+    guess of the right length from one of another: it compares SHA-256 digests instead, of
+    equal length whatever was presented."""
+    digest = hashlib.sha256(presented).digest()
+    matches = [hmac.compare_digest(digest, hashlib.sha256(token).digest()) for token in tokens]
     return any(matches)
 
 
