@@ -89,6 +89,9 @@ def test_dockerfile_runs_as_non_root_with_a_grpc_health_check() -> None:
     assert text.count("FROM ") >= 2  # multi-stage
     assert re.search(r"^USER kenspec$", text, re.MULTILINE)
     assert "HEALTHCHECK" in text and "server.healthcheck" in text
+    # No address of its own: it finds the port and the TLS files in the server's KENSPEC_*.
+    (command,) = re.findall(r"^\s+CMD \[(.*)\]$", text, re.MULTILINE)
+    assert command == '"python", "-m", "server.healthcheck"'
     assert "scripts/build_kenlm_tools.sh" in text and "scripts/fetch_default_model.py" in text
     for path in re.findall(r"^COPY (?!--from)(\S+) ", text, re.MULTILINE):
         assert (REPO / path).exists(), f"Dockerfile copies {path}, which is not in the repo"
