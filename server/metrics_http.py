@@ -1,12 +1,11 @@
-"""/metrics over HTTP(S), on the server's event loop, bounded.
+"""/metrics over HTTP(S), bounded, behind the APIs' TLS and tokens.
 
 prometheus_client's own server starts a thread per connection and reads with no timeout, so
 idle or trickling clients pile up threads. This one is an asyncio server on one thread of its
 own (its own loop: a scrape neither waits for the APIs' loop nor delays it, and a caller on
 that loop may scrape synchronously): at most `max_connections` at once (more are closed as
 they come), a request head read (and a TLS handshake) within `read_timeout_s`, one answer per
-connection.
-With TLS it serves the server's certificate (and asks for a client certificate with
+connection. With TLS it serves the server's certificate (and asks for a client certificate with
 --tls-client-ca); with tokens, a scrape needs `Authorization: Bearer <token>` of
 --auth-tokens-file, else 401.
 """
@@ -26,8 +25,13 @@ from server.settings import Settings
 READ_TIMEOUT_S = 10.0  # for the handshake and the request head; a scrape sends both at once
 MAX_CONNECTIONS = 16  # a scraper or two, and someone with curl
 _MAX_HEAD_BYTES = 16 * 1024
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"}
-_REASONS[405] = "Method Not Allowed"
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+}
 
 
 @dataclass(frozen=True, slots=True)
