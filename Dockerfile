@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # Multi-stage: build the KenLM tools and the kenlm module, fetch and convert the default model,
-# then a slim runtime image that runs as a non-root user with a gRPC health check.
+# then a slim runtime image that runs as a non-root user with a gRPC health check. The check
+# reads the server's KENSPEC_* variables (port, TLS files): set TLS through them, not flags.
 
 FROM python:3.11-slim-bookworm AS build
 RUN apt-get update \
@@ -48,5 +49,5 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER kenspec
 EXPOSE 50051 8000 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-  CMD ["python", "-m", "server.healthcheck", "127.0.0.1:50051"]
+  CMD ["python", "-m", "server.healthcheck"]
 ENTRYPOINT ["python", "-m", "server"]

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
+from server.metrics_http import metrics_access
 from server.openai_api.app import build_app
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
@@ -126,8 +127,11 @@ class KenspecServer:
             scheme = "https" if self.settings.tls_cert else "http"
             log.info("http_listening", address=f"{scheme}://{self.settings.host}:{self.http_port}")
         if self.settings.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
-            log.info("metrics", address=f"http://{self.settings.host}:{self.metrics_port}/metrics")
+            access = metrics_access(self.settings)
+            host = self.settings.metrics_host
+            self.metrics_port = self.metrics.serve(host, self.settings.metrics_port, access)
+            address = f"{access.scheme}://{host}:{self.metrics_port}/metrics"
+            log.info("metrics", address=address, token=bool(access.tokens))
         return self.port
 
     async def load(self) -> None:

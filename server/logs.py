@@ -38,7 +38,9 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> None:
 
 def _route_standard_logging(renderer: structlog.typing.Processor, level: int) -> None:
     """Libraries that log through `logging` (uvicorn, under the HTTP API) write the same lines
-    as kenspec's own: JSON or console, with a level and a timestamp; warnings and above."""
+    as kenspec's own: JSON or console, with a level and a timestamp; warnings and above. A
+    record's exc_info (uvicorn's "Exception in ASGI application") becomes the same `exception`
+    text as kenspec's own events carry: left as a tuple, JSON would print its repr."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -47,6 +49,7 @@ def _route_standard_logging(renderer: structlog.typing.Processor, level: int) ->
                 structlog.stdlib.add_logger_name,
                 structlog.stdlib.add_log_level,
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
             ],
         )
     )

@@ -1,4 +1,4 @@
-"""Prometheus metrics, on their own registry, served over HTTP at /metrics.
+"""Prometheus metrics, on their own registry, served over HTTP(S) at /metrics (metrics_http).
 
 Names follow Prometheus conventions: counters end in _total, durations are in _seconds.
 Acceptance is accepted/drafted; per draft position it is
@@ -7,13 +7,11 @@ rate(kenspec_accepted_by_position_total[5m]) / rate(kenspec_drafted_by_position_
 
 from __future__ import annotations
 
-import threading
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kenspec_api.outputs import BreakerState
 from server.engine.generation import Round
+from server.metrics_http import MetricsAccess, MetricsEndpoint
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_POSITION = 16  # per-position series beyond this are folded into the last one
@@ -110,8 +108,7 @@ class Metrics:
             registry=r,
         )
         self.set_draft_breaker(BreakerState.CLOSED)
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._endpoint: MetricsEndpoint | None = None
 
     def observe_round(self, round_: Round) -> None:
         self.rounds.labels(mode=round_.mode.value).inc()
@@ -141,13 +138,13 @@ class Metrics:
         for state in BreakerState:
             self.draft_breaker_state.labels(state=state.value).set(int(state is current))
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on (host, port); port 0 picks a free one. Returns the bound port."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_port)
+    def serve(self, host: str, port: int, access: MetricsAccess | None = None) -> int:
+        """Serve /metrics on (host, port) as `access` asks (default: plaintext, open), from a
+        thread of its own; port 0 picks a free one. Returns the bound port."""
+        self._endpoint = MetricsEndpoint(self.registry, access or MetricsAccess())
+        return self._endpoint.start(host, port)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None

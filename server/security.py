@@ -86,8 +86,13 @@ def tenant_of(authorization: str, tokens: tuple[bytes, ...]) -> str:
 
 
 def token_allowed(presented: bytes, tokens: tuple[bytes, ...]) -> bool:
-    """Whether `presented` is one of `tokens`, compared with every one in constant time."""
-    matches = [hmac.compare_digest(presented, token) for token in tokens]
+    """Whether `presented` is one of `tokens`, compared with every one in constant time.
+
+    compare_digest returns at once when its arguments differ in length, which would tell a
+    guess of the right length from one of another: it compares SHA-256 digests instead, of
+    equal length whatever was presented."""
+    digest = hashlib.sha256(presented).digest()
+    matches = [hmac.compare_digest(digest, hashlib.sha256(token).digest()) for token in tokens]
     return any(matches)
 
 

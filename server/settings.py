@@ -38,6 +38,8 @@ class Settings:
     max_deadline_s: float = 600.0
     stream_stall_timeout_s: float = 30.0
     metrics_port: int = 9400
+    metrics_host: str = "127.0.0.1"
+    metrics_auth: str = "auto"
     http_port: int = 8000
     served_model_name: str = ""
     # speculation
@@ -113,7 +115,12 @@ _HELP = {
     "max_deadline_s": "longest a Generate call may run, whatever deadline the client set",
     "stream_stall_timeout_s": "cancel a stream whose client reads nothing for this long (its "
     "window full, a message waits): it no longer holds a slot or its unsent rounds",
-    "metrics_port": "Prometheus /metrics HTTP port on --host (0: pick a free one; -1: off)",
+    "metrics_port": "Prometheus /metrics HTTP port on --metrics-host (0: pick a free one; -1: off)",
+    "metrics_host": "address /metrics listens on, apart from --host: loopback unless set (a "
+    "scraper on another host or container needs e.g. 0.0.0.0)",
+    "metrics_auth": "what /metrics asks of a scraper: auto (as the APIs: HTTPS with --tls-cert, "
+    "a client certificate with --tls-client-ca, a bearer token of --auth-tokens-file with it), "
+    "none (plaintext, open to whoever reaches it), token, tls, or tls+token",
     "http_port": "OpenAI-compatible HTTP API port on --host (/v1/chat/completions, "
     "/v1/completions, /v1/models, /health), beside gRPC on the same engine, with the same "
     "tokens, TLS and limits (0: pick a free one; -1: off)",
@@ -265,6 +272,7 @@ def parse_settings(
     for name in ("http_port", "metrics_port"):
         if getattr(namespace, name) < -1:
             parser.error(f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number")
+    _check_metrics_auth(parser, namespace)
     if namespace.prefix_cache_mb < -1:
         parser.error(
             f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"
@@ -278,6 +286,19 @@ def parse_settings(
         if getattr(namespace, name) < 1:
             parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
     return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
+
+
+METRICS_AUTH = ("auto", "none", "token", "tls", "tls+token")
+
+
+def _check_metrics_auth(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    auth = namespace.metrics_auth
+    if auth not in METRICS_AUTH:
+        parser.error(f"--metrics-auth must be one of {', '.join(METRICS_AUTH)}, not {auth!r}")
+    if "token" in auth.split("+") and not namespace.auth_tokens_file:
+        parser.error(f"--metrics-auth {auth} needs --auth-tokens-file (the tokens it accepts)")
+    if "tls" in auth.split("+") and not (namespace.tls_cert and namespace.tls_key):
+        parser.error(f"--metrics-auth {auth} needs --tls-cert and --tls-key (what it serves)")
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -50,8 +50,8 @@ def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
     assert re.search(r"grpc_pass\s+grpc://kenspec_grpc;", text)
     listen = re.search(r"listen\s+(\d+)\s+http2;", text)
     assert listen is not None
-    published = compose()["services"]["nginx"]["ports"]
-    assert f"{listen.group(1)}:{listen.group(1)}" in published
+    ports = [port for _, _, port in published({}) if port == listen.group(1)]
+    assert ports == [listen.group(1)]
     assert grpc_port in [str(p) for p in kenspec["expose"]]
     # Long streams must not be cut by proxy timeouts.
     seconds = int(re.search(r"grpc_read_timeout\s+(\d+)s;", text).group(1))
@@ -67,8 +67,8 @@ def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> Non
     assert re.search(r"proxy_buffering\s+off;", text)  # events as they come
     listen = re.search(r"listen\s+(\d+);", text)
     assert listen is not None
-    published = compose()["services"]["nginx"]["ports"]
-    assert f"{listen.group(1)}:{listen.group(1)}" in published
+    ports = [port for _, _, port in published({}) if port == listen.group(1)]
+    assert ports == [listen.group(1)]
     assert http_port in [str(p) for p in kenspec["expose"]]
     assert int(re.search(r"proxy_read_timeout\s+(\d+)s;", text).group(1)) >= 600
 
@@ -89,6 +89,77 @@ def test_dockerfile_runs_as_non_root_with_a_grpc_health_check() -> None:
     assert text.count("FROM ") >= 2  # multi-stage
     assert re.search(r"^USER kenspec$", text, re.MULTILINE)
     assert "HEALTHCHECK" in text and "server.healthcheck" in text
+    # No address of its own: it finds the port and the TLS files in the server's KENSPEC_*.
+    (command,) = re.findall(r"^\s+CMD \[(.*)\]$", text, re.MULTILINE)
+    assert command == '"python", "-m", "server.healthcheck"'
     assert "scripts/build_kenlm_tools.sh" in text and "scripts/fetch_default_model.py" in text
     for path in re.findall(r"^COPY (?!--from)(\S+) ", text, re.MULTILINE):
         assert (REPO / path).exists(), f"Dockerfile copies {path}, which is not in the repo"
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${NAME:-default} and ${NAME} in `value`, as `docker compose` expands them."""
+
+    def one(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3) or ""
+        return env.get(name) or default
+
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, value)
+
+
+def published(env: dict[str, str], *files: str) -> list[tuple[str, str, str]]:
+    """(service, host address, host port) of every port the compose files publish."""
+    found = []
+    for name in ("docker-compose.yml", *files):
+        for service, config in yaml.safe_load((REPO / name).read_text())["services"].items():
+            for port in config.get("ports", []):
+                # Short syntax only, HOST:PORT:PORT: without a host Docker publishes everywhere
+                assert isinstance(port, str), f"{service}: {port!r} is not HOST:PORT:PORT"
+                parts = interpolate(port, env).rsplit(":", 2)
+                assert len(parts) == 3, f"{service} publishes {port!r} without a host address"
+                found.append((service, parts[0].strip("[]"), parts[1]))
+    return found
+
+
+def test_published_ports_bind_to_loopback_unless_told_otherwise() -> None:
+    ports = published({}, "deploy/compose.tokens.yml")
+    assert {(s, p) for s, _, p in ports} == {
+        ("nginx", "8080"),
+        ("nginx", "8000"),
+        ("prometheus", "9090"),
+    }
+    assert all(host == "127.0.0.1" for _, host, _ in ports), ports
+    everywhere = published({"KENSPEC_BIND": "0.0.0.0"})
+    assert all(host == "0.0.0.0" for _, host, _ in everywhere), everywhere
+
+
+def test_replicas_publish_nothing_and_prometheus_reaches_their_metrics() -> None:
+    """The metrics listen on loopback by default; the compose network needs them on every
+    interface of the replica's container, which publishes none of its ports."""
+    kenspec = compose()["services"]["kenspec"]
+    assert "ports" not in kenspec
+    assert kenspec["environment"]["KENSPEC_METRICS_HOST"] == "0.0.0.0"
+    assert Settings().metrics_host == "127.0.0.1"
+
+
+def test_the_tokens_overlay_gives_replicas_and_prometheus_one_secret() -> None:
+    overlay = yaml.safe_load((REPO / "deploy" / "compose.tokens.yml").read_text())
+    services = overlay["services"]
+    (secret,) = overlay["secrets"]
+    assert overlay["secrets"][secret]["file"].startswith("./deploy/secrets/")
+    mounted = f"/run/secrets/{secret}"
+    known = {env_name(field) for field in Settings.__dataclass_fields__}
+    assert set(services["kenspec"]["environment"]) <= known
+    assert services["kenspec"]["environment"]["KENSPEC_AUTH_TOKENS_FILE"] == mounted
+    assert "KENSPEC_METRICS_AUTH" not in services["kenspec"]["environment"]  # auto: token
+    assert services["kenspec"]["secrets"] == services["prometheus"]["secrets"] == [secret]
+    # Prometheus reads the overlay's config in place of the base one (same mount target).
+    (mount,) = services["prometheus"]["volumes"]
+    source, target, _ = mount.split(":")
+    (base,) = compose()["services"]["prometheus"]["volumes"]
+    assert target == base.split(":")[1]
+    tokens = yaml.safe_load((REPO / source).read_text())
+    (job,) = tokens["scrape_configs"]
+    assert job.pop("authorization") == {"credentials_file": mounted}
+    assert tokens == prometheus()  # otherwise the base config, as it is
+    assert (REPO / ".gitignore").read_text().count("/deploy/secrets/") == 1

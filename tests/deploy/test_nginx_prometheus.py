@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -227,10 +228,39 @@ def test_prometheus_scrapes_the_server_with_the_repo_config(replicas, tmp_path) 
             timeout=TIMEOUT,
         )
     )
+    config = (REPO / "deploy" / "prometheus.yml").read_text()
+    result = prometheus_query(config, metrics_port, tmp_path, "kenspec_requests_total")
+    assert any(float(r["value"][1]) >= 1 for r in result)
+
+
+def test_prometheus_scrapes_with_the_token_of_the_tokens_overlay(tiny_server, tmp_path) -> None:
+    """deploy/compose.tokens.yml: the replicas' /metrics ask for the token (--metrics-auth
+    auto), and deploy/prometheus.tokens.yml sends it from the secret's file."""
+    token = tmp_path / "token"
+    token.write_text("scrape-token\n")
+    metrics_port = free_port()
+    process = tiny_server("--metrics-port", str(metrics_port), "--auth-tokens-file", str(token))
+    try:
+        refused = urllib.request.Request(f"http://127.0.0.1:{metrics_port}/metrics")
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(refused, timeout=TIMEOUT)
+        assert error.value.code == 401
+        config = (REPO / "deploy" / "prometheus.tokens.yml").read_text()
+        config = substitute(
+            "credentials_file: /run/secrets/kenspec_token", f"credentials_file: {token}", config
+        )
+        result = prometheus_query(config, metrics_port, tmp_path, "kenspec_active_streams")
+        assert [float(r["value"][1]) for r in result] == [0.0]
+    finally:
+        process.stop()
+
+
+def prometheus_query(config: str, metrics_port: int, tmp_path: Path, metric: str) -> list[dict]:
+    """Run Prometheus with the repo's `config` pointed at one replica's metrics; once it has
+    scraped and stored them, the series of `metric` it returns for the kenspec job."""
     receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RemoteWrites)
     receiver.written = threading.Event()  # type: ignore[attr-defined]
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    config = (REPO / "deploy" / "prometheus.yml").read_text()
     config = substitute(
         r"dns_sd_configs:\n(\s+- .*\n)(\s+\w+: .*\n)+",
         f"static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n",
@@ -260,14 +290,14 @@ def test_prometheus_scrapes_the_server_with_the_repo_config(replicas, tmp_path) 
         LogLines(prometheus.stderr).wait_for("Server is ready to receive web requests")
         # The only job is kenspec: a remote write follows its first scrape, stored and queryable.
         assert receiver.written.wait(TIMEOUT), "Prometheus wrote nothing it scraped"  # type: ignore[attr-defined]
-        query = urllib.parse.urlencode({"query": 'kenspec_requests_total{job="kenspec"}'})
+        query = urllib.parse.urlencode({"query": f'{metric}{{job="kenspec"}}'})
         with urllib.request.urlopen(
             f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=TIMEOUT
         ) as response:
             result = json.load(response)["data"]["result"]
         assert result, "Prometheus returned no kenspec series"
-        assert any(float(r["value"][1]) >= 1 for r in result)
         assert {r["metric"]["instance"] for r in result} == {f"127.0.0.1:{metrics_port}"}
+        return result
     finally:
         prometheus.terminate()
         prometheus.wait(10)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, AuthenticationError, ServerUnavailable
 from kenspec_api import generator_pb2 as pb
+from server import security
 from server.app import KenspecServer
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
@@ -120,3 +121,30 @@ async def test_server_caps_the_deadline(start_server, held_passes, collect, prom
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "0.5 s" in error.value.details()
     assert len(received) <= 1  # the cap is overshot by one round at most
+
+
+def test_token_comparison_does_not_depend_on_the_presented_length(monkeypatch) -> None:
+    """compare_digest returns early on arguments of different lengths: every comparison is of
+    equal-length digests, against every allowed token, whatever length was presented."""
+    compared: list[tuple[int, int]] = []
+    real = security.hmac.compare_digest
+
+    def recording(a: bytes, b: bytes) -> bool:
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", recording)
+    tokens = (b"alpha-token", b"a-much-longer-beta-token")
+    for presented, allowed in (
+        (b"alpha-token", True),
+        (b"a-much-longer-beta-token", True),
+        (b"", False),
+        (b"a", False),
+        (b"alpha-toke", False),
+        (b"alpha-token-x", False),
+        (b"x" * 1000, False),
+    ):
+        compared.clear()
+        assert security.token_allowed(presented, tokens) is allowed
+        assert len(compared) == len(tokens)  # every allowed token, even after a match
+        assert len(set(compared)) == 1 and compared[0][0] == compared[0][1], compared
