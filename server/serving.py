@@ -101,14 +101,16 @@ class Serving:
     async def encode(
         self, runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
     ) -> list[int]:
-        """Token ids of a raw prompt or a chat; a model without a chat template is bad input."""
+        """Token ids of a raw prompt or a chat; a model without a chat template (or whose
+        template refuses the messages) is bad input."""
         target = runtime.engine.target
         if prompt is not None:
             return await asyncio.to_thread(target.encode_prompt, prompt)
         try:
-            return await asyncio.to_thread(target.encode_chat, messages or ())
+            text = await asyncio.to_thread(target.chat_text, messages or ())
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
+        return await asyncio.to_thread(target.encode_chat_text, text)
 
     async def generate(
         self, runtime: Runtime, params: GenerateParams, request_id: str, record: RequestRecord
