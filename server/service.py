@@ -42,18 +42,18 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = serving.metrics
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Unparseable, context: grpc.aio.ServicerContext
     ) -> None:
-        runtime = await self._ready(context, request)
-        try:
-            check_request_id(request.request_id)
-        except InvalidParameter as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        request_id = request.request_id or uuid.uuid4().hex[:16]
+        request_id, bad_id = _request_id(request)
         metadata = context.invocation_metadata()
+        # Made first, so that every call is counted, however early it fails.
         record = self.serving.record("grpc", GENERATE_SPAN, request_id, metadata)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
+                runtime = self._runtime(request)
+                if bad_id is not None:
+                    raise bad_id
+                assert isinstance(request, pb.GenerateRequest)  # _runtime refuses the rest
                 params = parse_generate(request, runtime.limits, runtime.defaults)
                 rounds = self.serving.generate(runtime, params, request_id, record)
                 async with contextlib.aclosing(rounds):
@@ -142,6 +142,17 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         if isinstance(request, Unparseable) and not self.serving.draining:
             raise request.error
         return self.serving.ready()
+
+
+def _request_id(request: object) -> tuple[str, InvalidParameter | None]:
+    """The call's request id: the client's, or a new one where it gave none or a bad one
+    (returned beside it, to refuse the call once its record is made)."""
+    given = getattr(request, "request_id", "")
+    try:
+        check_request_id(given)
+    except InvalidParameter as error:
+        return uuid.uuid4().hex[:16], error
+    return given or uuid.uuid4().hex[:16], None
 
 
 class Unparseable:
