@@ -325,4 +325,4 @@ async def test_many_huge_inputs_at_once_leave_health_answering_as_at_rest(
         rest, loaded_ = statistics.median(at_rest[name]), statistics.median(under_load[name])
         assert len(under_load[name]) >= 3  # measured while the load lasted
         # Generous and relative: the machine's speed and its other work cannot decide it.
-        assert loaded_ < max(10 * rest, 0.02), (name, at_rest[name], under_load[name])
+        assert loaded_ < max(10 * rest, 0.05), (name, at_rest[name], under_load[name])
