@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kenspec_api import generator_pb2 as pb
@@ -18,6 +18,8 @@ class Limits:
     default_max_new_tokens: int
     max_new_tokens: int
     max_prompt_tokens: int
+    max_prompt_chars: int  # checked before tokenizing: see prompt_char_limit
+    tokenize_concurrency: int  # large inputs tokenized at once (serving.LARGE_INPUT_CHARS)
     max_stop_sequences: int
     max_stop_length: int
     max_draft_tokens: int
@@ -88,10 +90,32 @@ def parse_generate(
     )
 
 
-def check_prompt_length(prompt_tokens: int, limits: Limits) -> None:
+def prompt_char_limit(max_prompt_chars: int, max_prompt_tokens: int, vocab: Iterable[str]) -> int:
+    """The most characters an input may have: `max_prompt_chars` when set, else the token limit
+    times the longest token of the vocabulary. A token covers at most as many characters of
+    the text as its vocabulary entry has (byte-level BPE: an entry is one character per byte;
+    SentencePiece: one per character, a byte-fallback entry six for one), so text over that
+    many characters is over the token limit too. A tokenizer that maps a whole unknown word to
+    one token, or normalizes text into fewer characters, can beat it: set the limit there."""
+    if max_prompt_chars:
+        return max_prompt_chars
+    return max_prompt_tokens * max(map(len, vocab), default=1)
+
+
+def check_prompt_chars(field: str, chars: int, limits: Limits) -> None:
+    """Refuse an input over the character limit, before any tokenizer work is spent on it."""
+    if chars > limits.max_prompt_chars:
+        raise InvalidParameter(
+            field,
+            f"{chars} characters exceed the server limit of {limits.max_prompt_chars} "
+            f"(prompts are limited to {limits.max_prompt_tokens} tokens)",
+        )
+
+
+def check_prompt_length(prompt_tokens: int, limits: Limits, field: str = "prompt") -> None:
     if prompt_tokens > limits.max_prompt_tokens:
         raise InvalidParameter(
-            "prompt",
+            field,
             f"{prompt_tokens} tokens exceed the server limit of {limits.max_prompt_tokens}",
         )
 

@@ -32,7 +32,7 @@ from server.engine.speculative_engine import BreakerSettings, ContextSettings, S
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.requests import Defaults, Limits
+from server.requests import Defaults, Limits, prompt_char_limit
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.runtime")
@@ -113,10 +113,15 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         ),
     )
     _warm_up(engine)
+    max_prompt_tokens = min(settings.max_prompt_tokens or target.max_context, target.max_context)
     limits = Limits(
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens=settings.max_new_tokens_limit,
-        max_prompt_tokens=min(settings.max_prompt_tokens or target.max_context, target.max_context),
+        max_prompt_tokens=max_prompt_tokens,
+        max_prompt_chars=prompt_char_limit(
+            settings.max_prompt_chars, max_prompt_tokens, target.tokenizer.get_vocab()
+        ),
+        tokenize_concurrency=settings.tokenize_concurrency,
         max_stop_sequences=settings.max_stop_sequences,
         max_stop_length=settings.max_stop_length,
         max_draft_tokens=MAX_DRAFT_TOKENS,

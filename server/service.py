@@ -16,7 +16,7 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from kenspec_api.convert import to_proto, usage_to_proto
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
-from server.requests import check_request_id, parse_generate, parse_input
+from server.requests import check_prompt_length, check_request_id, parse_generate, parse_input
 from server.runtime import Runtime
 from server.scheduler import Overloaded
 from server.serving import (
@@ -42,18 +42,18 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.metrics = serving.metrics
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Unparseable, context: grpc.aio.ServicerContext
     ) -> None:
-        runtime = await self._ready(context, request)
-        try:
-            check_request_id(request.request_id)
-        except InvalidParameter as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        request_id = request.request_id or uuid.uuid4().hex[:16]
+        request_id, bad_id = _request_id(request)
         metadata = context.invocation_metadata()
+        # Made first, so that every call is counted, however early it fails.
         record = self.serving.record("grpc", GENERATE_SPAN, request_id, metadata)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
+                runtime = self._runtime(request)
+                if bad_id is not None:
+                    raise bad_id
+                assert isinstance(request, pb.GenerateRequest)  # _runtime refuses the rest
                 params = parse_generate(request, runtime.limits, runtime.defaults)
                 tenant = self.serving.tenant(_authorization(metadata))
                 rounds = self.serving.generate(runtime, params, request_id, record, tenant=tenant)
@@ -98,14 +98,23 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             raise ClientGone from error
 
     async def Tokenize(
-        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.TokenizeRequest | Unparseable, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        runtime = await self._ready(context, request)
+        """The same limits as Generate's prompt, checked the same way: over the character
+        limit, refused before tokenizing; over max_prompt_tokens, refused with the count."""
+        call_id = uuid.uuid4().hex[:16]  # in the log and the message of a server fault
         try:
+            runtime = self._runtime(request)
+            assert isinstance(request, pb.TokenizeRequest)  # _runtime refuses the rest
             prompt, messages = parse_input(request)
-            ids = await self.serving.encode(runtime, prompt, messages)
-        except InvalidParameter as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            with structlog.contextvars.bound_contextvars(request_id=call_id):
+                ids = await self.serving.encode(runtime, prompt, messages)
+            field = "prompt" if prompt is not None else "messages"
+            check_prompt_length(len(ids), runtime.limits, field)
+        except Exception as error:
+            with structlog.contextvars.bound_contextvars(request_id=call_id):
+                failure = failure_of(error, call_id)
+            await context.abort(failure.code, failure.message)
         target = runtime.engine.target
         tokens = target.tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, token_count=len(ids))
@@ -121,21 +130,38 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             info.breaker.threshold = runtime.engine.breaker_threshold()
         return info
 
-    async def _ready(self, context: grpc.aio.ServicerContext, request: object = None) -> Runtime:
-        if isinstance(request, Unparseable) and not self.serving.draining:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+    async def _ready(self, context: grpc.aio.ServicerContext, request: object) -> Runtime:
         try:
-            return self.serving.ready()
-        except Unavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            return self._runtime(request)
+        except (InvalidParameter, Unavailable) as error:
+            failure = failure_of(error, "")
+            await context.abort(failure.code, failure.message)
             raise  # unreachable: abort raises
+
+    def _runtime(self, request: object) -> Runtime:
+        """The runtime for a parsed request: bytes that did not parse are bad input (unless
+        the server is draining: then they are told to go elsewhere, as every call is)."""
+        if isinstance(request, Unparseable) and not self.serving.draining:
+            raise request.error
+        return self.serving.ready()
+
+
+def _request_id(request: object) -> tuple[str, InvalidParameter | None]:
+    """The call's request id: the client's, or a new one where it gave none or a bad one
+    (returned beside it, to refuse the call once its record is made)."""
+    given = getattr(request, "request_id", "")
+    try:
+        check_request_id(given)
+    except InvalidParameter as error:
+        return uuid.uuid4().hex[:16], error
+    return given or uuid.uuid4().hex[:16], None
 
 
 class Unparseable:
     """What arrives instead of a request whose bytes are not a valid message."""
 
     def __init__(self, type_name: str, error: str) -> None:
-        self.message = f"the request is not a valid {type_name}: {error}"
+        self.error = InvalidParameter("request", f"not a valid {type_name}: {error}")
 
 
 def _lenient(message_type: type[Message]) -> Callable[[bytes], Message | Unparseable]:

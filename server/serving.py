@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -22,7 +23,7 @@ from server.engine.generation import Round
 from server.engine.params import InvalidParameter
 from server.engine.tenant_index import SHARED_TENANT
 from server.metrics import Metrics
-from server.requests import GenerateParams, check_prompt_length
+from server.requests import GenerateParams, Limits, check_prompt_chars, check_prompt_length
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 from server.security import tenant_of
@@ -33,6 +34,12 @@ log = structlog.get_logger("kenspec.service")
 # A call refused for load says when to retry: gRPC in a trailer (gRFC A6's server pushback,
 # which gRPC's built-in retries honour), HTTP in a Retry-After header.
 RETRY_AFTER_MS = 1000
+# Inputs of this many characters or more are tokenized under a permit (Serving._off_loop):
+# about 10 ms of tokenizer time; shorter ones are not worth a wait.
+LARGE_INPUT_CHARS = 16_384
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 
 class Unavailable(Exception):
@@ -83,6 +90,7 @@ class Serving:
         self.stall_timeout_s = stall_timeout_s
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
         self.draining = False  # set when a drain starts: new calls are refused at once
+        self._large_inputs: asyncio.Semaphore | None = None  # see _off_loop
 
     @property
     def serving(self) -> bool:
@@ -108,14 +116,41 @@ class Serving:
     async def encode(
         self, runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
     ) -> list[int]:
-        """Token ids of a raw prompt or a chat; a model without a chat template is bad input."""
-        target = runtime.engine.target
+        """Token ids of a raw prompt or a chat, refused before any tokenizer work when over the
+        character limit; a model without a chat template (or whose template refuses the
+        messages) is bad input."""
+        target, limits = runtime.engine.target, runtime.limits
         if prompt is not None:
-            return await asyncio.to_thread(target.encode_prompt, prompt)
+            check_prompt_chars("prompt", len(prompt), limits)
+            return await self._off_loop(len(prompt), limits, target.encode_prompt, prompt)
+        messages = messages or ()
+        # The contents first (no template work on a chat whose words alone are too long),
+        # then the rendered chat, which adds the template's text.
+        check_prompt_chars("messages", sum(len(m["content"]) for m in messages), limits)
         try:
-            return await asyncio.to_thread(target.encode_chat, messages or ())
+            text = await self._off_loop(0, limits, target.chat_text, messages)
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
+        check_prompt_chars("messages", len(text), limits)
+        return await self._off_loop(len(text), limits, target.encode_chat_text, text)
+
+    async def _off_loop(
+        self, chars: int, limits: Limits, function: Callable[[_In], _Out], argument: _In
+    ) -> _Out:
+        """`function(argument)` in a worker thread. An input of LARGE_INPUT_CHARS or more
+        first takes one of the `tokenize_concurrency` permits, held until its thread is done,
+        even if the caller leaves meanwhile (a thread cannot be stopped): tokenizers release
+        the GIL, so the permits are what bounds the CPU that huge inputs take from the engine,
+        the health checks and everyone else's short prompts, which never wait for them."""
+        if chars < LARGE_INPUT_CHARS:
+            return await asyncio.to_thread(function, argument)
+        if self._large_inputs is None:  # made in the serving loop, sized by the runtime
+            self._large_inputs = asyncio.Semaphore(limits.tokenize_concurrency)
+        permits = self._large_inputs
+        await permits.acquire()
+        work = asyncio.ensure_future(asyncio.to_thread(function, argument))
+        work.add_done_callback(lambda done: _release(permits, done))
+        return await asyncio.shield(work)
 
     def tenant(self, authorization: str) -> str:
         """The tenant of a call with this `authorization` value (security.tenant_of)."""
@@ -133,7 +168,9 @@ class Serving:
         """The request's rounds as the batch verifies them: encoded, checked against the
         limits, queued for a slot within the deadline cap, then streamed from the batch."""
         prompt_ids = await self.encode(runtime, params.prompt, params.messages)
-        check_prompt_length(len(prompt_ids), runtime.limits)
+        check_prompt_length(
+            len(prompt_ids), runtime.limits, "prompt" if params.prompt is not None else "messages"
+        )
         try:
             slot = await asyncio.wait_for(
                 self.scheduler.acquire(), record.remaining(self.max_deadline_s)
@@ -246,6 +283,14 @@ class RequestRecord:
         seconds = self._last - self._started
         if self.finish_reason is not None and seconds > 0:
             self._metrics.tokens_per_second.observe(self._tokens / seconds)
+
+
+def _release(permits: asyncio.Semaphore, work: asyncio.Future) -> None:
+    """A large input's thread is done: its permit is free, and its outcome read (a caller that
+    left no longer awaits it, and an unread exception would be logged as an error)."""
+    permits.release()
+    if not work.cancelled():
+        work.exception()
 
 
 def _log_summary(last: Round | None, outcome: str, seconds: float) -> None:

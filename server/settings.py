@@ -82,6 +82,8 @@ class Settings:
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_prompt_tokens: int = 0  # 0: the model's context length
+    max_prompt_chars: int = 0  # 0: max_prompt_tokens x the vocabulary's longest token
+    tokenize_concurrency: int = 2
     max_stop_sequences: int = 8
     max_stop_length: int = 128
     max_message_bytes: int = 1 << 20
@@ -205,6 +207,11 @@ _HELP = {
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
     "max_prompt_tokens": "longest prompt in tokens (0: the model's context length)",
+    "max_prompt_chars": "longest prompt (or chat, or Tokenize input) in characters, refused "
+    "before any tokenizer work (0: the token limit x the most characters one token of the "
+    "vocabulary spans, which no text that fits the token limit exceeds)",
+    "tokenize_concurrency": "inputs of over 16,384 characters tokenized at once (each keeps a "
+    "CPU core busy); more wait their turn, shorter ones never wait",
     "max_stop_sequences": "most stop sequences per request",
     "max_stop_length": "longest stop sequence in characters",
     "max_message_bytes": "largest request message in bytes",
@@ -276,6 +283,14 @@ def parse_settings(
     if namespace.prefix_cache_mb < -1:
         parser.error(
             f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"
+        )
+    if namespace.max_prompt_chars < 0:
+        parser.error(
+            f"--max-prompt-chars must be 0 (derived) or more, not {namespace.max_prompt_chars}"
+        )
+    if namespace.tokenize_concurrency < 1:
+        parser.error(
+            f"--tokenize-concurrency must be at least 1, not {namespace.tokenize_concurrency}"
         )
     for name in (
         "max_batch_size",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jinja2
 import torch
 from transformers import (
     AutoConfig,
@@ -239,11 +240,23 @@ class TargetModel:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.encode_chat_text(self.chat_text(messages))
+
+    def chat_text(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat rendered by the model's template, ready to tokenize; ValueError when there
+        is no template or the template refuses the messages (many raise on roles that do not
+        alternate, or a system message they do not support)."""
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.name} has no chat template; send a raw prompt instead")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the model's chat template refused the messages: {error}") from None
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (its template wrote the special tokens)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def new_cache(self, rows: int = 1) -> SlotCache:
