@@ -22,6 +22,7 @@ from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.openai_api.app import build_app
+from server.openai_api.connections import ConnectionLimits
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
@@ -91,6 +92,7 @@ class KenspecServer:
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             tls_client_ca=settings.tls_client_ca,
+            limits=http_limits(settings),
         )
 
     def _register(self) -> None:
@@ -161,6 +163,15 @@ class KenspecServer:
     async def _set_health(self, status: int) -> None:
         for name in ("", GENERATOR_SERVICE):
             await self.health.set(name, status)
+
+
+def http_limits(settings: Settings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=settings.http_max_connections,
+        max_requests=settings.http_max_requests,
+        header_timeout_s=settings.http_header_timeout_s,
+        keepalive_timeout_s=settings.http_keepalive_timeout_s,
+    )
 
 
 def _reflection_v1_handler(reflector: reflection.aio.ReflectionServicer) -> grpc.GenericRpcHandler:
