@@ -23,6 +23,7 @@ from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
 from server.openai_api.app import build_app
+from server.openai_api.connections import ConnectionLimits
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
@@ -69,13 +70,7 @@ class KenspecServer:
         interceptors = [BearerTokenInterceptor(tokens)] if tokens else []
         self.http = self._http_server(tokens) if settings.http_port >= 0 else None
         self.http_port: int | None = None
-        self._server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
+        self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
         self._register()
 
     def _http_server(self, tokens: tuple[bytes, ...]) -> HttpServer:
@@ -94,6 +89,7 @@ class KenspecServer:
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             tls_client_ca=settings.tls_client_ca,
+            limits=http_limits(settings),
         )
 
     def _register(self) -> None:
@@ -167,6 +163,41 @@ class KenspecServer:
     async def _set_health(self, status: int) -> None:
         for name in ("", GENERATOR_SERVICE):
             await self.health.set(name, status)
+
+
+def http_limits(settings: Settings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=settings.http_max_connections,
+        max_requests=settings.http_max_requests,
+        header_timeout_s=settings.http_header_timeout_s,
+        keepalive_timeout_s=settings.http_keepalive_timeout_s,
+    )
+
+
+def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+    """Channel arguments of the gRPC server: message size and the bounds on connections."""
+
+    def ms(seconds: float) -> int:
+        return max(1, round(seconds * 1000))
+
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
+        ("grpc.max_concurrent_streams", settings.grpc_max_streams_per_connection),
+        ("grpc.server_handshake_timeout_ms", ms(settings.grpc_handshake_timeout_s)),
+        ("grpc.max_connection_idle_ms", ms(settings.grpc_idle_timeout_s)),
+        # Keepalive enforcement: during calls, pings no closer than this; with no call open,
+        # none at all (the idle limit closes such connections anyway); the third ping too
+        # early gets GOAWAY too_many_pings. (grpc core's own server defaults are 5 min and 2
+        # strikes; set here so they are stated, and the interval is a flag.)
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.grpc_min_ping_interval_s)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
+    if settings.grpc_max_connection_age_s > 0:  # calls open at the GOAWAY may finish
+        options.append(("grpc.max_connection_age_ms", ms(settings.grpc_max_connection_age_s)))
+    return options
 
 
 def _reflection_v1_handler(reflector: reflection.aio.ReflectionServicer) -> grpc.GenericRpcHandler:

@@ -17,6 +17,7 @@ from server.engine.params import MAX_DRAFT_TOKENS
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m"
+MAX_TIMEOUT_S = 1_000_000  # connection timeouts, in seconds (gRPC takes them as int32 ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,16 @@ class Settings:
     max_stop_sequences: int = 8
     max_stop_length: int = 128
     max_message_bytes: int = 1 << 20
+    http_max_connections: int = 256
+    http_max_requests: int = 128
+    http_header_timeout_s: float = 10.0
+    http_keepalive_timeout_s: float = 5.0
+    grpc_max_connections: int = 256
+    grpc_max_streams_per_connection: int = 100
+    grpc_handshake_timeout_s: float = 10.0
+    grpc_idle_timeout_s: float = 300.0
+    grpc_max_connection_age_s: float = 0.0  # 0: no limit (streams may be long)
+    grpc_min_ping_interval_s: float = 60.0
     # logs
     log_format: str = "auto"
     log_level: str = "info"
@@ -215,6 +226,28 @@ _HELP = {
     "max_stop_sequences": "most stop sequences per request",
     "max_stop_length": "longest stop sequence in characters",
     "max_message_bytes": "largest request message in bytes",
+    "http_max_connections": "open HTTP connections; a connection beyond it closes the one "
+    "idle longest (no request in flight), or, with none idle, gets 503 and is closed",
+    "http_max_requests": "HTTP requests in flight (reading their body, waiting, generating, "
+    "streaming); beyond it 429 with Retry-After, before the body is read",
+    "http_header_timeout_s": "an HTTP connection that has not sent a request's complete headers "
+    "this long after opening (TLS handshake included) or after its previous response is "
+    "closed (408 when it had sent part of them)",
+    "http_keepalive_timeout_s": "an HTTP keep-alive connection that sends nothing this long after "
+    "a response is closed",
+    "grpc_max_connections": "open gRPC connections; beyond it new ones are closed at once",
+    "grpc_max_streams_per_connection": "concurrent calls per gRPC connection (HTTP/2 "
+    "MAX_CONCURRENT_STREAMS); a client's calls beyond it wait on its side (keep it at least "
+    "--max-concurrent-streams + --max-queue, so one client can fill the server)",
+    "grpc_handshake_timeout_s": "a gRPC connection that has not finished its TLS handshake and "
+    "sent its HTTP/2 settings this long after opening is closed",
+    "grpc_idle_timeout_s": "a gRPC connection with no call for this long is closed (GOAWAY; "
+    "clients reconnect on their next call)",
+    "grpc_max_connection_age_s": "a gRPC connection is asked to go away (GOAWAY) after this long, "
+    "its calls left to finish, so clients rebalance across replicas (0: never)",
+    "grpc_min_ping_interval_s": "shortest interval between a client's keepalive pings during "
+    "calls (pings with no call open are refused); a client pinging faster gets GOAWAY "
+    "too_many_pings, so clients' keepalive time must be at least this",
     "log_format": "console, json, or auto (console on a terminal, else JSON)",
     "log_level": "debug, info, warning or error",
     "otel": "OpenTelemetry tracing: a span per generate call, exported as the standard OTEL_* "
@@ -280,6 +313,7 @@ def parse_settings(
         if getattr(namespace, name) < -1:
             parser.error(f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number")
     _check_metrics_auth(parser, namespace)
+    _check_connection_limits(parser, namespace)
     if namespace.prefix_cache_mb < -1:
         parser.error(
             f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"
@@ -314,6 +348,36 @@ def _check_metrics_auth(parser: argparse.ArgumentParser, namespace: argparse.Nam
         parser.error(f"--metrics-auth {auth} needs --auth-tokens-file (the tokens it accepts)")
     if "tls" in auth.split("+") and not (namespace.tls_cert and namespace.tls_key):
         parser.error(f"--metrics-auth {auth} needs --tls-cert and --tls-key (what it serves)")
+
+
+def _check_connection_limits(
+    parser: argparse.ArgumentParser, namespace: argparse.Namespace
+) -> None:
+    for name in (
+        "http_max_connections",
+        "http_max_requests",
+        "grpc_max_connections",
+        "grpc_max_streams_per_connection",
+    ):
+        if getattr(namespace, name) < 1:
+            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
+    for name in (
+        "http_header_timeout_s",
+        "http_keepalive_timeout_s",
+        "grpc_handshake_timeout_s",
+        "grpc_idle_timeout_s",
+        "grpc_min_ping_interval_s",
+    ):
+        if not 0 < getattr(namespace, name) <= MAX_TIMEOUT_S:  # (NaN too)
+            parser.error(
+                f"{_flag(name)} must be above 0 and at most {MAX_TIMEOUT_S}, "
+                f"not {getattr(namespace, name)}"
+            )
+    if not 0 <= namespace.grpc_max_connection_age_s <= MAX_TIMEOUT_S:
+        parser.error(
+            f"--grpc-max-connection-age-s must be 0 (no limit) to {MAX_TIMEOUT_S}, "
+            f"not {namespace.grpc_max_connection_age_s}"
+        )
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:

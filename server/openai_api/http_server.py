@@ -3,12 +3,18 @@
 One loop for both APIs: the HTTP routes call the same Serving (scheduler, batch, metrics) as
 the gRPC servicer, with no second copy of the engine and no thread hop. The process owns its
 signals (a SIGTERM drains both APIs), so uvicorn's own signal capture is switched off.
+
+Connections are bounded (server.openai_api.connections): uvicorn runs kenspec's subclass of
+its h11 protocol, whatever else is installed, and listens with TLS handshakes bounded by the
+header timeout (uvicorn leaves asyncio's 60 s), so a connection that never finishes one cannot
+hold its descriptor longer than one that never sends its headers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 from collections.abc import Iterator
@@ -16,11 +22,46 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
+from server.openai_api.connections import (
+    DEFAULT_LIMITS,
+    BoundedH11Protocol,
+    ConnectionLimits,
+    RequestCap,
+)
+
 
 class _EmbeddedServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits) -> None:
+        super().__init__(config)
+        self._limits = limits
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # kenspec's __main__ handles SIGTERM/SIGINT and stops this server itself
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup for given sockets and no lifespan, with the TLS timeouts set."""
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                _loop=_loop,
+            )
+
+        tls = {}
+        if config.ssl is not None:  # (asyncio refuses these timeouts without TLS)
+            timeout = self._limits.header_timeout_s
+            tls = {"ssl_handshake_timeout": timeout, "ssl_shutdown_timeout": timeout}
+        self.servers = [
+            await loop.create_server(
+                create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog, **tls
+            )
+            for sock in sockets or ()
+        ]
+        self.started = True
 
 
 class HttpServer:
@@ -33,10 +74,15 @@ class HttpServer:
         tls_cert: str = "",
         tls_key: str = "",
         tls_client_ca: str = "",
+        limits: ConnectionLimits = DEFAULT_LIMITS,
     ) -> None:
         self._host, self._port = host, port
+        self.requests = RequestCap(app, limits.max_requests)
         self._config = uvicorn.Config(
-            app,
+            self.requests,
+            http=functools.partial(BoundedH11Protocol, limits=limits),  # type: ignore[arg-type]
+            ws="none",  # no WebSocket routes: no upgrades to parse
+            timeout_keep_alive=limits.keepalive_timeout_s,  # type: ignore[arg-type]
             lifespan="off",
             log_config=None,
             access_log=False,
@@ -46,9 +92,14 @@ class HttpServer:
             ssl_ca_certs=tls_client_ca or None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE,
         )
-        self._server = _EmbeddedServer(self._config)
+        self._server = _EmbeddedServer(self._config, limits)
         self._task: asyncio.Task | None = None
         self.port = 0
+
+    @property
+    def connections(self) -> int:
+        """HTTP connections open now (TLS handshakes under way not counted)."""
+        return len(self._server.server_state.connections)
 
     async def start(self) -> int:
         """Listen; returns the bound port (port 0 picks a free one)."""
