@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
-from server.openai_api.app import build_app
+from server.openai_api.app import HttpLimits, build_app
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
@@ -82,7 +82,9 @@ class KenspecServer:
             self.serving,
             model_name=settings.served_model_name or Path(settings.model).name,
             tokens=tokens,
-            max_body_bytes=settings.max_message_bytes,
+            limits=HttpLimits(settings.max_message_bytes, settings.http_body_timeout_s),
+            allowed_hosts=settings.allowed_hosts,
+            bind_host=settings.host,
         )
         return HttpServer(
             app,

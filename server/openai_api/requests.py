@@ -5,6 +5,12 @@ Every field of the body is either used, accepted at the only value kenspec serve
 silently ignored. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
 ``extra_body``): ``top_k``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
 ``draft_context``, ``ignore_eos``.
+
+Types are checked strictly, as JSON has them: ``true`` is not ``1`` (nor ``0`` ``false``), an
+integer field takes no float, numbers are finite and within 64 bits. ``parse_request`` is the
+one way in from the body's bytes (``body.decode_body`` refuses what no field check should
+meet: bad UTF-8, deep nesting, lone surrogates); a failure is ``InvalidBody`` or
+``InvalidParameter``, both a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.openai_api.body import decode_body
 from server.requests import (
     Defaults,
     GenerateParams,
@@ -26,6 +33,8 @@ from server.requests import (
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_NAME = 256  # characters of `model` and `user`: ids, not text
+MAX_INT = 2**63 - 1  # the largest integer any field takes (seeds are 64-bit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +47,16 @@ class OpenAIRequest:
 
 
 def _absent_or(*allowed: object) -> Callable[[object], bool]:
-    return lambda value: value is None or value in allowed
+    """Absent, or one of `allowed` as JSON types it: true is not 1, 0 is not false."""
+
+    def check(value: object) -> bool:
+        return value is None or any(_same(value, one) for one in allowed)
+
+    return check
+
+
+def _same(value: object, allowed: object) -> bool:
+    return isinstance(value, bool) == isinstance(allowed, bool) and value == allowed
 
 
 # Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
@@ -48,12 +66,16 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "top_logprobs": (_absent_or(0), "log probabilities are not returned"),
     "presence_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
     "frequency_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "tools": (lambda v: not v, "tools (function calling) are not supported"),
-    "functions": (lambda v: not v, "functions (function calling) are not supported"),
+    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
+    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
+    "functions": (
+        lambda v: v is None or v == [],
+        "functions (function calling) are not supported",
+    ),
     "tool_choice": (_absent_or("none"), "tools (function calling) are not supported"),
     "function_call": (_absent_or("none"), "functions (function calling) are not supported"),
-    "parallel_tool_calls": (lambda v: True, ""),  # meaningless without tools
+    # meaningless without tools, but clients send it: any boolean
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
     "response_format": (
         lambda v: v is None or v == {"type": "text"},
         "only plain text is served (response_format {'type': 'text'})",
@@ -91,6 +113,13 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.ke
 COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
 
 
+def parse_request(data: bytes, *, chat: bool, limits: Limits, defaults: Defaults) -> OpenAIRequest:
+    """A body's bytes to the typed request of its route (chat or completions); InvalidBody
+    or InvalidParameter, each naming what is wrong, for anything else."""
+    body = decode_body(data)
+    return (parse_chat if chat else parse_completion)(body, limits, defaults)
+
+
 def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
     """POST /v1/chat/completions."""
     _check_fields(body, CHAT_FIELDS, _DEFAULT_ONLY)
@@ -123,19 +152,19 @@ def _request(
     messages: tuple[dict[str, str], ...] | None,
     tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
 ) -> OpenAIRequest:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    model = _name(body, "model")
+    if model is None:
         raise InvalidParameter("model", "required: the id GET /v1/models lists")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise InvalidParameter("stream_options", "only allowed when stream is true")
-    options = options or {}
+    options = {} if options is None else options
     if not isinstance(options, dict) or not options.keys() <= {"include_usage"}:
         raise InvalidParameter("stream_options", "only include_usage is supported")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidParameter("user", "must be a string")
+    user = _name(body, "user")
+    if user is not None and not user.isprintable():  # it is written to the request's logs
+        raise InvalidParameter("user", "must hold no control characters (newlines, NUL, ...)")
     params = GenerateParams(
         prompt=prompt,
         messages=messages,
@@ -165,6 +194,16 @@ def _check_fields(
             raise InvalidParameter(name, check[1])
 
 
+def _name(body: Mapping[str, Any], name: str) -> str | None:
+    """An id-like string field: absent (None), or 1 to MAX_NAME characters."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAME:
+        raise InvalidParameter(name, f"must be a string of 1 to {MAX_NAME} characters")
+    return value
+
+
 def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -180,9 +219,10 @@ def _message(index: int, message: object) -> dict[str, str]:
         if name not in ("role", "content"):
             raise InvalidParameter(f"{where}.{name}", "unsupported message field")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidParameter(
-            f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)} (tools are not served)"
+            f"{where}.role",
+            f"{_shown(role)} is not one of {', '.join(ROLES)} (tools are not served)",
         )
     return {"role": ROLES[role], "content": _content(where, message.get("content"))}
 
@@ -195,13 +235,15 @@ def _content(where: str, content: object) -> str:
         raise InvalidParameter(f"{where}.content", "must be a string or a list of text parts")
     texts = []
     for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise InvalidParameter(
-                f"{where}.content[{index}]", "only text parts ({'type': 'text'}) are served"
-            )
+            raise InvalidParameter(at, "only text parts ({'type': 'text'}) are served")
+        for name in part:
+            if name not in ("type", "text"):
+                raise InvalidParameter(f"{at}.{name}", "unsupported content part field")
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidParameter(f"{where}.content[{index}].text", "must be a string")
+            raise InvalidParameter(f"{at}.text", "must be a string")
         texts.append(text)
     return "".join(texts)
 
@@ -213,7 +255,7 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(
         temperature=temperature,
         top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", minimum=0) or 0,
+        top_k=_int(body, "top_k", minimum=0) or 0,  # (a k beyond the vocabulary keeps all)
         seed=_int(body, "seed", minimum=0),
     )
 
@@ -222,7 +264,7 @@ def _stopping(
     body: Mapping[str, Any], max_tokens: int | None, tokens_field: str, limits: Limits
 ) -> StoppingParams:
     stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidParameter("stop", "must be a string or a list of strings")
     ignore_eos = _bool(body, "ignore_eos")
@@ -231,8 +273,8 @@ def _stopping(
 
 def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> SpeculationParams:
     mode = body.get("speculation", "auto")
-    if mode not in ("auto", "off"):
-        raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {mode!r}")
+    if not isinstance(mode, str) or mode not in ("auto", "off"):
+        raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {_shown(mode)}")
     context = body.get("draft_context")
     if context is not None and not isinstance(context, bool):
         raise InvalidParameter("draft_context", "must be true, false or null (server default)")
@@ -251,17 +293,22 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidParameter(name, f"must be a finite number, not {value!r}")
-    return float(value)
+    # (an integer past a float's range, 1 and 400 zeros, is not finite either)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_INT:
+        return float(value)
+    if not isinstance(value, float) or not math.isfinite(value):
+        raise InvalidParameter(name, f"must be a finite number, not {_shown(value)}")
+    return value
 
 
 def _int(body: Mapping[str, Any], name: str, *, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidParameter(name, f"must be an integer >= {minimum}, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise InvalidParameter(
+            name, f"must be an integer in [{minimum}, 2^63), not {_shown(value)}"
+        )
     return value
 
 
@@ -270,5 +317,13 @@ def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidParameter(name, f"must be true or false, not {value!r}")
+        raise InvalidParameter(name, f"must be true or false, not {_shown(value)}")
     return value
+
+
+def _shown(value: object, limit: int = 64) -> str:
+    """A value as an error message quotes it: short, whatever the client sent."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
