@@ -22,7 +22,7 @@ from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
-from server.openai_api.app import build_app
+from server.openai_api.app import HttpLimits, build_app
 from server.openai_api.connections import ConnectionLimits
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
@@ -80,7 +80,9 @@ class KenspecServer:
             self.serving,
             model_name=settings.served_model_name or Path(settings.model).name,
             tokens=tokens,
-            max_body_bytes=settings.max_message_bytes,
+            limits=HttpLimits(settings.max_message_bytes, settings.http_body_timeout_s),
+            allowed_hosts=settings.allowed_hosts,
+            bind_host=settings.host,
         )
         return HttpServer(
             app,

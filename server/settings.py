@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -43,6 +44,8 @@ class Settings:
     metrics_auth: str = "auto"
     http_port: int = 8000
     served_model_name: str = ""
+    allowed_hosts: str = ""
+    http_body_timeout_s: float = 10.0
     # speculation
     num_draft_tokens: int = 6
     adaptive: bool = False
@@ -139,6 +142,13 @@ _HELP = {
     "tokens, TLS and limits (0: pick a free one; -1: off)",
     "served_model_name": "the model id the HTTP API lists and expects in requests' model field "
     "(empty: the model folder's name)",
+    "allowed_hosts": "without --auth-tokens-file, the HTTP API answers only requests whose Host "
+    "(and Origin, when sent) is a loopback name or address, --host when it is one address, or "
+    "one of these comma-separated names ('*': any); others get 421 (Host) or 403 (Origin), "
+    "which keeps web pages in a local browser out (DNS rebinding, cross-site posts). With "
+    "tokens the token is the check and no name is. /health is never checked",
+    "http_body_timeout_s": "seconds an HTTP request has to send its whole body; past it, 408 "
+    "and the connection is closed",
     "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
     "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
     "min_draft_prob": "stop a KenLM chain at the first n-gram step below this probability (in "
@@ -309,6 +319,7 @@ def parse_settings(
         parser.error(
             f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"
         )
+    _check_http(parser, namespace)
     for name in ("http_port", "metrics_port"):
         if getattr(namespace, name) < -1:
             parser.error(f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number")
@@ -378,6 +389,21 @@ def _check_connection_limits(
             f"--grpc-max-connection-age-s must be 0 (no limit) to {MAX_TIMEOUT_S}, "
             f"not {namespace.grpc_max_connection_age_s}"
         )
+
+
+_HOST_NAME = re.compile(r"\*|[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f:.]+\]?")
+
+
+def _check_http(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    """The HTTP API's own flags (server/openai_api)."""
+    for name in namespace.allowed_hosts.split(","):
+        if name.strip() and not _HOST_NAME.fullmatch(name.strip()):
+            parser.error(
+                f"--allowed-hosts: {name.strip()!r} is not a host name or address "
+                "(comma-separated names, no ports, '*' for any)"
+            )
+    if not namespace.http_body_timeout_s > 0:
+        parser.error(f"--http-body-timeout-s must be above 0, not {namespace.http_body_timeout_s}")
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -5,16 +5,25 @@ Every field of the body is either used, accepted at the only value kenspec serve
 silently ignored. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
 ``extra_body``): ``top_k``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
 ``draft_context``, ``ignore_eos``.
+
+Types are checked strictly, as JSON has them (fields.py): ``true`` is not ``1`` (nor ``0``
+``false``), an integer field takes no float, numbers are finite and within 64 bits; ``model``
+and ``user`` are at most 256 characters, ``user`` without control characters (it is logged),
+while prompts, message content and stop sequences may hold any text. ``parse_request`` is the
+one way in from the body's bytes (``body.decode_body`` refuses what no field check should
+meet: bad UTF-8, deep nesting, lone surrogates); a failure is ``InvalidBody`` or
+``InvalidParameter``, both a 400 naming the field.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.openai_api.body import decode_body
+from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
 from server.requests import (
     Defaults,
     GenerateParams,
@@ -37,23 +46,23 @@ class OpenAIRequest:
     user: str | None
 
 
-def _absent_or(*allowed: object) -> Callable[[object], bool]:
-    return lambda value: value is None or value in allowed
-
-
 # Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
-    "n": (_absent_or(1), "only n=1 is served (one choice per request)"),
-    "logprobs": (_absent_or(False), "log probabilities are not returned"),
-    "top_logprobs": (_absent_or(0), "log probabilities are not returned"),
-    "presence_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
-    "frequency_penalty": (_absent_or(0), "penalties are not supported: send 0 or leave it out"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "tools": (lambda v: not v, "tools (function calling) are not supported"),
-    "functions": (lambda v: not v, "functions (function calling) are not supported"),
-    "tool_choice": (_absent_or("none"), "tools (function calling) are not supported"),
-    "function_call": (_absent_or("none"), "functions (function calling) are not supported"),
-    "parallel_tool_calls": (lambda v: True, ""),  # meaningless without tools
+    "n": (absent_or(1), "only n=1 is served (one choice per request)"),
+    "logprobs": (absent_or(False), "log probabilities are not returned"),
+    "top_logprobs": (absent_or(0), "log probabilities are not returned"),
+    "presence_penalty": (absent_or(0), "penalties are not supported: send 0 or leave it out"),
+    "frequency_penalty": (absent_or(0), "penalties are not supported: send 0 or leave it out"),
+    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
+    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
+    "functions": (
+        lambda v: v is None or v == [],
+        "functions (function calling) are not supported",
+    ),
+    "tool_choice": (absent_or("none"), "tools (function calling) are not supported"),
+    "function_call": (absent_or("none"), "functions (function calling) are not supported"),
+    # meaningless without tools, but clients send it: any boolean
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
     "response_format": (
         lambda v: v is None or v == {"type": "text"},
         "only plain text is served (response_format {'type': 'text'})",
@@ -61,10 +70,10 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 _COMPLETION_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "n": _DEFAULT_ONLY["n"],
-    "logprobs": (_absent_or(0), "log probabilities are not returned"),
-    "echo": (_absent_or(False), "echo is not supported"),
-    "best_of": (_absent_or(1), "only best_of=1 is served"),
-    "suffix": (_absent_or(""), "suffix (insertion) is not supported"),
+    "logprobs": (absent_or(0), "log probabilities are not returned"),
+    "echo": (absent_or(False), "echo is not supported"),
+    "best_of": (absent_or(1), "only best_of=1 is served"),
+    "suffix": (absent_or(""), "suffix (insertion) is not supported"),
     "presence_penalty": _DEFAULT_ONLY["presence_penalty"],
     "frequency_penalty": _DEFAULT_ONLY["frequency_penalty"],
     "logit_bias": _DEFAULT_ONLY["logit_bias"],
@@ -89,6 +98,13 @@ _COMMON = {
 }
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys()
 COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
+
+
+def parse_request(data: bytes, *, chat: bool, limits: Limits, defaults: Defaults) -> OpenAIRequest:
+    """A body's bytes to the typed request of its route (chat or completions); InvalidBody
+    or InvalidParameter, each naming what is wrong, for anything else."""
+    body = decode_body(data)
+    return (parse_chat if chat else parse_completion)(body, limits, defaults)
 
 
 def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
@@ -123,31 +139,31 @@ def _request(
     messages: tuple[dict[str, str], ...] | None,
     tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
 ) -> OpenAIRequest:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    model = name_field(body, "model")
+    if model is None:
         raise InvalidParameter("model", "required: the id GET /v1/models lists")
-    stream = _bool(body, "stream", False)
+    stream = boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise InvalidParameter("stream_options", "only allowed when stream is true")
-    options = options or {}
+    options = {} if options is None else options
     if not isinstance(options, dict) or not options.keys() <= {"include_usage"}:
         raise InvalidParameter("stream_options", "only include_usage is supported")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidParameter("user", "must be a string")
+    user = name_field(body, "user")
+    if user is not None and not user.isprintable():  # it is written to the request's logs
+        raise InvalidParameter("user", "must hold no control characters (newlines, NUL, ...)")
     params = GenerateParams(
         prompt=prompt,
         messages=messages,
         sampling=_sampling(body),
-        stopping=_stopping(body, _int(body, tokens_field, minimum=1), tokens_field, limits),
+        stopping=_stopping(body, integer(body, tokens_field, minimum=1), tokens_field, limits),
         speculation=_speculation(body, limits, defaults),
     )
     return OpenAIRequest(
         model=model,
         params=params,
         stream=stream,
-        include_usage=_bool(options, "include_usage", False),
+        include_usage=boolean(options, "include_usage", False),
         user=user,
     )
 
@@ -159,7 +175,7 @@ def _check_fields(
 ) -> None:
     for name in body:
         if name not in known:
-            raise InvalidParameter(name, "unknown or unsupported field")
+            raise InvalidParameter(key(name), "unknown or unsupported field")
         check = default_only.get(name)
         if check is not None and not check[0](body[name]):
             raise InvalidParameter(name, check[1])
@@ -178,11 +194,12 @@ def _message(index: int, message: object) -> dict[str, str]:
         raise InvalidParameter(where, "must be an object with role and content")
     for name in message:
         if name not in ("role", "content"):
-            raise InvalidParameter(f"{where}.{name}", "unsupported message field")
+            raise InvalidParameter(f"{where}.{key(name)}", "unsupported message field")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidParameter(
-            f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)} (tools are not served)"
+            f"{where}.role",
+            f"{shown(role)} is not one of {', '.join(ROLES)} (tools are not served)",
         )
     return {"role": ROLES[role], "content": _content(where, message.get("content"))}
 
@@ -195,26 +212,28 @@ def _content(where: str, content: object) -> str:
         raise InvalidParameter(f"{where}.content", "must be a string or a list of text parts")
     texts = []
     for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise InvalidParameter(
-                f"{where}.content[{index}]", "only text parts ({'type': 'text'}) are served"
-            )
+            raise InvalidParameter(at, "only text parts ({'type': 'text'}) are served")
+        for name in part:
+            if name not in ("type", "text"):
+                raise InvalidParameter(f"{at}.{key(name)}", "unsupported content part field")
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidParameter(f"{where}.content[{index}].text", "must be a string")
+            raise InvalidParameter(f"{at}.text", "must be a string")
         texts.append(text)
     return "".join(texts)
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingParams:
-    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    temperature = number(body, "temperature", DEFAULT_TEMPERATURE)
     if temperature > 2.0:
         raise InvalidParameter("temperature", f"must be in [0, 2], got {temperature}")
     return SamplingParams(
         temperature=temperature,
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", minimum=0) or 0,
-        seed=_int(body, "seed", minimum=0),
+        top_p=number(body, "top_p", 1.0),
+        top_k=integer(body, "top_k", minimum=0) or 0,  # (a k beyond the vocabulary keeps all)
+        seed=integer(body, "seed", minimum=0),
     )
 
 
@@ -222,53 +241,26 @@ def _stopping(
     body: Mapping[str, Any], max_tokens: int | None, tokens_field: str, limits: Limits
 ) -> StoppingParams:
     stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidParameter("stop", "must be a string or a list of strings")
-    ignore_eos = _bool(body, "ignore_eos")
+    ignore_eos = boolean(body, "ignore_eos")
     return stopping_params(max_tokens, stops, ignore_eos, limits, tokens_field=tokens_field)
 
 
 def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> SpeculationParams:
     mode = body.get("speculation", "auto")
-    if mode not in ("auto", "off"):
-        raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {mode!r}")
+    if not isinstance(mode, str) or mode not in ("auto", "off"):
+        raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {shown(mode)}")
     context = body.get("draft_context")
     if context is not None and not isinstance(context, bool):
         raise InvalidParameter("draft_context", "must be true, false or null (server default)")
     adaptive = body.get("adaptive")
     return speculation_params(
         enabled=mode == "auto",
-        num_draft_tokens=_int(body, "num_draft_tokens", minimum=1),
-        adaptive=None if adaptive is None else _bool(body, "adaptive"),
+        num_draft_tokens=integer(body, "num_draft_tokens", minimum=1),
+        adaptive=None if adaptive is None else boolean(body, "adaptive"),
         draft_context=context,
         limits=limits,
         defaults=defaults,
     )
-
-
-def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidParameter(name, f"must be a finite number, not {value!r}")
-    return float(value)
-
-
-def _int(body: Mapping[str, Any], name: str, *, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidParameter(name, f"must be an integer >= {minimum}, not {value!r}")
-    return value
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidParameter(name, f"must be true or false, not {value!r}")
-    return value

@@ -175,7 +175,8 @@ async def test_unsupported_or_bad_fields_are_400_naming_the_field(
 async def test_bad_json_oversized_body_and_unknown_route(http_server) -> None:
     server, _, url = await http_server(max_message_bytes=4096)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
-        bad = await client.post("/v1/chat/completions", content=b"{not json")
+        json_type = {"content-type": "application/json"}
+        bad = await client.post("/v1/chat/completions", content=b"{not json", headers=json_type)
         assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
         array = await client.post("/v1/completions", json=[1, 2])
         assert array.status_code == 400 and "JSON object" in array.json()["error"]["message"]
@@ -198,7 +199,7 @@ async def test_bad_json_oversized_body_and_unknown_route(http_server) -> None:
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] <= 2
     count = server.metrics.registry.get_sample_value
     labels = {"api": "http", "finish_reason": "none", "code": "INVALID_ARGUMENT"}
-    assert count("kenspec_requests_total", labels) == 2  # the bad JSON and the array
+    assert count("kenspec_requests_total", labels) == 3  # the bad JSON, the array, the id
 
 
 @pytest.mark.parametrize("streamed", [True, False])
