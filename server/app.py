@@ -91,7 +91,7 @@ class KenspecServer:
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             tls_client_ca=settings.tls_client_ca,
-            limits=http_limits(settings),
+            limits=http_connection_limits(settings),
         )
 
     def _register(self) -> None:
@@ -167,7 +167,7 @@ class KenspecServer:
             await self.health.set(name, status)
 
 
-def http_limits(settings: Settings) -> ConnectionLimits:
+def http_connection_limits(settings: Settings) -> ConnectionLimits:
     return ConnectionLimits(
         max_connections=settings.http_max_connections,
         max_requests=settings.http_max_requests,
