@@ -22,7 +22,7 @@ from kenspec_api import generator_pb2 as pb
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
-from server.openai_api.app import HttpLimits, build_app
+from server.openai_api.app import GENERATE_PATHS, HttpLimits, build_app
 from server.openai_api.connections import ConnectionLimits
 from server.openai_api.http_server import HttpServer
 from server.runtime import Runtime, load_runtime
@@ -37,6 +37,7 @@ log = structlog.get_logger("kenspec.server")
 
 GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
 
 
 class KenspecServer:
@@ -67,7 +68,8 @@ class KenspecServer:
         self.service = GeneratorService(self.serving)
         self.health = health_aio.HealthServicer()
         self.port = 0
-        interceptors = [BearerTokenInterceptor(tokens)] if tokens else []
+        refused = self._count_grpc_refusal
+        interceptors = [BearerTokenInterceptor(tokens, on_refused=refused)] if tokens else []
         self.http = self._http_server(tokens) if settings.http_port >= 0 else None
         self.http_port: int | None = None
         self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
@@ -92,7 +94,16 @@ class KenspecServer:
             tls_key=settings.tls_key,
             tls_client_ca=settings.tls_client_ca,
             limits=http_connection_limits(settings),
+            on_refused=self._count_http_refusal,
         )
+
+    def _count_grpc_refusal(self, method: str) -> None:
+        if method == GENERATE_METHOD:  # as the servicer counts: Generate calls only
+            self.metrics.count_refusal("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
+
+    def _count_http_refusal(self, path: str) -> None:
+        if path in GENERATE_PATHS:  # as the routes count: completions requests only
+            self.metrics.count_refusal("http", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
 
     def _register(self) -> None:
         self._server.add_generic_rpc_handlers([generator_handler(self.service)])

@@ -110,6 +110,11 @@ class Metrics:
         self.set_draft_breaker(BreakerState.CLOSED)
         self._endpoint: MetricsEndpoint | None = None
 
+    def count_refusal(self, api: str, code: str) -> None:
+        """A generate call refused before its handler ran (a bearer token, a connection cap):
+        counted as every other call is, with no finish reason."""
+        self.requests.labels(api=api, finish_reason="none", code=code).inc()
+
     def observe_round(self, round_: Round) -> None:
         self.rounds.labels(mode=round_.mode.value).inc()
         self.generated.inc(len(round_.token_ids))

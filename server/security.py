@@ -42,11 +42,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Every call but health checks needs `authorization: Bearer <token>` with an allowed token.
 
     Tokens are compared with hmac.compare_digest against every allowed one, so the time taken
-    does not reveal how much of a guess was right.
+    does not reveal how much of a guess was right. `on_refused` hears the method of each call
+    refused (so the metrics count calls that never reach their handler).
     """
 
-    def __init__(self, tokens: tuple[bytes, ...]) -> None:
+    def __init__(
+        self, tokens: tuple[bytes, ...], on_refused: Callable[[str], None] | None = None
+    ) -> None:
         self._tokens = tokens
+        self._on_refused = on_refused
 
     async def intercept_service(
         self,
@@ -57,11 +61,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
         presented = _bearer(handler_call_details.invocation_metadata or ())
+        if presented is not None and self._allowed(presented):
+            return handler
+        if self._on_refused is not None:
+            self._on_refused(handler_call_details.method)
         if presented is None:
             return _refusal(handler, "missing bearer token: send 'authorization: Bearer <token>'")
-        if not self._allowed(presented):
-            return _refusal(handler, "invalid bearer token")
-        return handler
+        return _refusal(handler, "invalid bearer token")
 
     def _allowed(self, presented: bytes) -> bool:
         return token_allowed(presented, self._tokens)

@@ -40,6 +40,8 @@ from server.serving import RequestRecord, Serving, Unavailable
 log = structlog.get_logger("kenspec.http")
 
 REQUEST_ID_HEADER = "x-request-id"
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+GENERATE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # the routes counted in kenspec_requests_total
 # The metrics label a call with gRPC's status names whichever API it came through.
 _STATUS_NAMES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -77,8 +79,8 @@ def build_app(
     hosts = None if tokens else HostPolicy.of(allowed_hosts, bind_host)
     api = OpenAIRoutes(serving, model_name, tokens, limits, hosts)
     routes = [
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route(CHAT_PATH, api.chat, methods=["POST"]),
+        Route(COMPLETIONS_PATH, api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h11
@@ -150,16 +151,22 @@ class BoundedH11Protocol(H11Protocol):
 class RequestCap:
     """At most `limit` HTTP requests in the app at once; beyond it 429 before the body is read.
 
-    The refusal closes its connection, so the unread body is not drained."""
+    The refusal closes its connection, so the unread body is not drained; `on_refused` hears
+    the path of each request refused."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(
+        self, app: ASGIApp, limit: int, on_refused: Callable[[str], None] | None = None
+    ) -> None:
         self.app, self.limit, self.in_flight = app, limit, 0
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
+            if self.on_refused is not None:
+                self.on_refused(scope["path"])
             await self._refuse(send)
             return
         self.in_flight += 1

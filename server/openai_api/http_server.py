@@ -17,7 +17,7 @@ import contextlib
 import functools
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -75,9 +75,10 @@ class HttpServer:
         tls_key: str = "",
         tls_client_ca: str = "",
         limits: ConnectionLimits = DEFAULT_LIMITS,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self._host, self._port = host, port
-        self.requests = RequestCap(app, limits.max_requests)
+        self.requests = RequestCap(app, limits.max_requests, on_refused)
         self._config = uvicorn.Config(
             self.requests,
             http=functools.partial(BoundedH11Protocol, limits=limits),  # type: ignore[arg-type]

@@ -127,6 +127,26 @@ async def test_requests_in_flight_past_the_cap_get_429_with_retry_after(http) ->
         assert (await client.get("/health")).status_code == 200
 
 
+async def test_a_completions_request_past_the_cap_is_counted(http) -> None:
+    """Refused before the routes, still a generate request: counted as RESOURCE_EXHAUSTED
+    (a /health refused likewise is not a generate call, and is not counted)."""
+    server, url = await http(http_max_requests=1)
+    _, busy = await pending_request(server.http_port)
+    await until(lambda: server.http.requests.in_flight == 1, "the request in the app")
+    labels = {"api": "http", "finish_reason": "none", "code": "RESOURCE_EXHAUSTED"}
+
+    def counted() -> float:
+        return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0
+
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        assert (await client.get("/health")).status_code == 429
+        assert counted() == 0
+        body = {"model": "x", "prompt": "Hi", "max_tokens": 1}
+        assert (await client.post("/v1/completions", json=body)).status_code == 429
+        assert counted() == 1
+    busy.close()
+
+
 async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(http) -> None:
     server, _ = await http(http_header_timeout_s=0.5)
     reader, _ = await asyncio.open_connection(HOST, server.http_port)

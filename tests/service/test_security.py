@@ -88,6 +88,25 @@ async def test_bearer_tokens(start_server, tokens_file) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_calls_refused_for_their_token_are_counted(start_server, tokens_file) -> None:
+    """The interceptor refuses before any handler runs: a Generate call refused so is counted
+    as UNAUTHENTICATED all the same; a Tokenize call, not a generate call, is not."""
+    server, _ = await start_server(auth_tokens_file=str(tokens_file))
+    labels = {"api": "grpc", "finish_reason": "none", "code": "UNAUTHENTICATED"}
+
+    def counted() -> float:
+        return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0
+
+    async with AsyncClient(f"127.0.0.1:{server.port}", token="wrong") as client:
+        with pytest.raises(AuthenticationError):
+            await client.tokenize("x")
+        assert counted() == 0
+        for expected in (1, 2):
+            with pytest.raises(AuthenticationError):
+                await generate_text(client)
+            assert counted() == expected
+
+
 def test_empty_tokens_file_is_refused(tmp_path, base_settings) -> None:
     empty = tmp_path / "tokens"
     empty.write_text("# nobody\n")
