@@ -59,6 +59,9 @@ def _route_standard_logging(renderer: structlog.typing.Processor, level: int) ->
     core = logging.getLogger("grpc._cython.cygrpc")
     if not any(isinstance(f, CallGoneInCore) for f in core.filters):
         core.addFilter(CallGoneInCore())
+    uvicorn = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, BadHttpRequest) for f in uvicorn.filters):
+        uvicorn.addFilter(BadHttpRequest())
 
 
 class CallGoneInCore(logging.Filter):
@@ -76,4 +79,18 @@ class CallGoneInCore(logging.Filter):
         structlog.get_logger("kenspec.service").info(
             "grpc_call_gone", method=message.removeprefix(self.PREFIX).strip(" []")
         )
+        return False
+
+
+class BadHttpRequest(logging.Filter):
+    """uvicorn warns of every request h11 cannot parse, and answers it 400 itself: the
+    client's fault, not the server's, and any client could fill the log with them. Logged as
+    `http_bad_request` (info) instead, as kenspec logs other refused input."""
+
+    MESSAGE = "Invalid HTTP request received."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != self.MESSAGE:
+            return True
+        structlog.get_logger("kenspec.http").info("http_bad_request", status=400)
         return False

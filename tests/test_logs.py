@@ -8,7 +8,7 @@ import logging
 
 import structlog
 
-from server.logs import CallGoneInCore, configure_logging
+from server.logs import BadHttpRequest, CallGoneInCore, configure_logging
 
 
 def test_a_call_gone_in_core_is_info_and_other_grpc_errors_stay_errors(capsys) -> None:
@@ -71,3 +71,23 @@ def test_library_records_keep_their_traceback_on_the_console(capsys) -> None:
     assert "traceback object at" not in text
     assert "Traceback (most recent call last):" in text
     assert "ValueError: the handler failed" in text
+
+
+def test_a_request_uvicorn_cannot_parse_is_info_and_its_other_warnings_stay(capsys) -> None:
+    root = logging.getLogger()
+    uvicorn = logging.getLogger("uvicorn.error")
+    saved = (root.handlers[:], root.level, uvicorn.filters[:], structlog.get_config())
+    try:
+        configure_logging("json", "info")
+        configure_logging("json", "info")
+        assert sum(isinstance(f, BadHttpRequest) for f in uvicorn.filters) == 1
+        uvicorn.warning("Invalid HTTP request received.")
+        uvicorn.warning("Something else went wrong.")
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    finally:
+        root.handlers, uvicorn.filters = saved[0], saved[2]
+        root.setLevel(saved[1])
+        structlog.configure(**saved[3])
+    assert [line["level"] for line in lines if line["event"] == "http_bad_request"] == ["info"]
+    warnings = [line for line in lines if line.get("level") == "warning"]
+    assert len(warnings) == 1 and warnings[0]["event"] == "Something else went wrong."
