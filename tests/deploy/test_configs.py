@@ -71,6 +71,11 @@ def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> Non
     assert ports == [listen.group(1)]
     assert http_port in [str(p) for p in kenspec["expose"]]
     assert int(re.search(r"proxy_read_timeout\s+(\d+)s;", text).group(1)) >= 600
+    # nginx must drop an idle upstream connection before the replica closes it (a request
+    # sent on a connection the replica is closing fails)
+    upstream = re.search(r"upstream kenspec_http \{(.*?)\}", text, re.S).group(1)
+    idle = re.search(r"keepalive_timeout\s+(\d+)s;", upstream)
+    assert idle is not None and int(idle.group(1)) < Settings().http_keepalive_timeout_s
 
 
 def test_prometheus_scrapes_every_replica_on_the_metrics_port() -> None:
