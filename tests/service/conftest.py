@@ -101,6 +101,15 @@ async def start_server(base_settings, runtime) -> AsyncIterator[Callable]:
         await server.stop(0)
 
 
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait (at most TIMEOUT) for `condition`, checked every 10 ms; else fail naming `what`."""
+    for _ in range(int(TIMEOUT / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
 async def _collect(call, timeout: float = TIMEOUT) -> list[pb.GenerateResponse]:
     async def read():
         return [response async for response in call]

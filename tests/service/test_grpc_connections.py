@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -21,8 +20,8 @@ from client.channel import channel_spec
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.app import grpc_options
 from server.settings import Settings, parse_settings
+from tests.service.conftest import TIMEOUT, until
 
-TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 BOUND = 20.0  # seconds; bounds a wait for a sub-second timeout to fire
 HOST = "127.0.0.1"
 OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
@@ -44,14 +43,6 @@ async def left_ready(channel_: grpc.aio.Channel) -> grpc.ChannelConnectivity:
     assert channel_.get_state() == grpc.ChannelConnectivity.READY
     await asyncio.wait_for(channel_.wait_for_state_change(grpc.ChannelConnectivity.READY), BOUND)
     return channel_.get_state()
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(int(TIMEOUT / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def server_settings(port: int) -> dict[int, int]:

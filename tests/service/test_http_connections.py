@@ -10,25 +10,17 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
+from tests.service.conftest import TIMEOUT, until
+
 BOUND = 20.0  # seconds; bounds a wait for a sub-second timeout to fire
 HOST = "127.0.0.1"
 REQUEST = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(int(TIMEOUT / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def closed(reader: asyncio.StreamReader, bound: float = BOUND) -> bytes:
