@@ -46,8 +46,9 @@ def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
     text = nginx_conf()
     kenspec = compose()["services"]["kenspec"]
     grpc_port = kenspec["environment"]["KENSPEC_PORT"]
-    assert re.search(rf"server\s+kenspec:{grpc_port};", text)
-    assert re.search(r"grpc_pass\s+grpc://kenspec_grpc;", text)
+    for upstream in ("kenspec_grpc", "kenspec_grpc_session"):
+        assert re.search(rf"server\s+kenspec:{grpc_port};", upstream_block(text, upstream))
+    assert re.search(r"grpc_pass\s+grpc://\$kenspec_grpc_pool;", text)
     listen = re.search(r"listen\s+(\d+)\s+http2;", text)
     assert listen is not None
     ports = [port for _, _, port in published({}) if port == listen.group(1)]
@@ -62,8 +63,9 @@ def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> Non
     text = nginx_conf()
     kenspec = compose()["services"]["kenspec"]
     http_port = kenspec["environment"]["KENSPEC_HTTP_PORT"]
-    assert re.search(rf"server\s+kenspec:{http_port};", text)
-    assert re.search(r"proxy_pass\s+http://kenspec_http;", text)
+    for upstream in ("kenspec_http", "kenspec_http_session"):
+        assert re.search(rf"server\s+kenspec:{http_port};", upstream_block(text, upstream))
+    assert re.search(r"proxy_pass\s+http://\$kenspec_http_pool;", text)
     assert re.search(r"proxy_buffering\s+off;", text)  # events as they come
     listen = re.search(r"listen\s+(\d+);", text)
     assert listen is not None
@@ -72,10 +74,35 @@ def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> Non
     assert http_port in [str(p) for p in kenspec["expose"]]
     assert int(re.search(r"proxy_read_timeout\s+(\d+)s;", text).group(1)) >= 600
     # nginx must drop an idle upstream connection before the replica closes it (a request
-    # sent on a connection the replica is closing fails)
-    upstream = re.search(r"upstream kenspec_http \{(.*?)\}", text, re.S).group(1)
-    idle = re.search(r"keepalive_timeout\s+(\d+)s;", upstream)
-    assert idle is not None and int(idle.group(1)) < Settings().http_keepalive_timeout_s
+    # sent on a connection the replica is closing fails), in both pools
+    for upstream in ("kenspec_http", "kenspec_http_session"):
+        idle = re.search(r"keepalive_timeout\s+(\d+)s;", upstream_block(text, upstream))
+        assert idle is not None and int(idle.group(1)) < Settings().http_keepalive_timeout_s
+
+
+def upstream_block(text: str, name: str) -> str:
+    """The body of nginx.conf's `upstream name { ... }`."""
+    found = re.search(rf"upstream {name} \{{(.*?)\}}", text, re.S)
+    assert found is not None, f"no upstream {name} in deploy/nginx.conf"
+    return found.group(1)
+
+
+def test_nginx_routes_sessions_by_hash_and_the_rest_by_least_connections() -> None:
+    """A session key (X-Session-Id, gRPC x-session-id) picks the hashed pool, no key the
+    least-connections pool, for both APIs; the workers share their counts (zone)."""
+    text = nginx_conf()
+    for api in ("grpc", "http"):
+        pool = re.search(rf"map \$http_x_session_id \$kenspec_{api}_pool \{{(.*?)\}}", text, re.S)
+        assert pool is not None
+        assert re.findall(r'^\s*(""|default)\s+(\w+);$', pool.group(1), re.M) == [
+            ('""', f"kenspec_{api}"),
+            ("default", f"kenspec_{api}_session"),
+        ]
+        least = upstream_block(text, f"kenspec_{api}")
+        session = upstream_block(text, f"kenspec_{api}_session")
+        assert re.search(r"^\s*least_conn;", least, re.M)
+        assert re.search(r"^\s*hash \$http_x_session_id;", session, re.M)
+        assert all("zone " in block and "keepalive " in block for block in (least, session))
 
 
 def test_prometheus_scrapes_every_replica_on_the_metrics_port() -> None:

@@ -1,25 +1,20 @@
 """Real nginx and Prometheus (Debian packages) with the repo's configs, in front of / scraping
 kenspec server processes on loopback. .ci/run installs both.
 
-Nothing here polls: nginx is ready when it logs that it starts its workers (after binding its
-port), a cancellation has reached a replica when that replica logs the request done, and
-Prometheus has scraped when it remote-writes what it scraped to a receiver in the test.
+The replicas and nginx come from conftest.py. Nothing here polls: a cancellation has reached a
+replica when that replica logs the request done, and Prometheus has scraped when it
+remote-writes what it scraped to a receiver in the test.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
-import queue
-import re
-import shutil
-import socket
 import subprocess
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,105 +23,15 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
-UPSTREAM_HEADER = "x-kenspec-upstream"  # the replica nginx chose, added to the test's config
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LogLines:
-    """A process's output, read on a thread of its own (a full pipe would block the process),
-    waited on line by line."""
-
-    def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
-        for line in stream:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
-        """The next line that contains `text`."""
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no {text!r} within {timeout} s: {self.lines}") from None
-            if line is None:
-                raise AssertionError(f"the process exited before {text!r}: {self.lines}")
-            self.lines.append(line)
-            if text in line:
-                return line
-
-
-def require(binary: str) -> str:
-    path = shutil.which(binary) or shutil.which(binary, path="/usr/sbin:/usr/bin")
-    assert path, f"{binary} is not installed; .ci/run installs it (apt-get install {binary})"
-    return path
-
-
-@pytest.fixture(scope="module")
-def replicas(tiny_server):
-    metrics = [free_port(), free_port()]
-    processes = [tiny_server("--metrics-port", str(port), "--http-port", "0") for port in metrics]
-    yield list(zip(processes, metrics, strict=True))
-    for process in processes:
-        process.stop()
-
-
-def substitute(pattern: str, replacement: str, text: str) -> str:
-    """re.sub that insists on exactly one match: the repo's config must still say it."""
-    result, count = re.subn(pattern, replacement, text)
-    assert count == 1, f"{pattern!r} matched {count} times in the config"
-    return result
-
-
-@pytest.fixture(scope="module")
-def nginx(replicas, tmp_path_factory) -> Iterator[int]:
-    directory = tmp_path_factory.mktemp("nginx")
-    port = free_port()
-    http_port = free_port()
-    upstreams = "".join(f"server 127.0.0.1:{p.port};\n        " for p, _ in replicas)
-    http_upstreams = "".join(f"server 127.0.0.1:{p.http_port};\n        " for p, _ in replicas)
-    config = (REPO / "deploy" / "nginx.conf").read_text()
-    config = substitute(r"server kenspec:50051;\n\s*", upstreams, config)
-    config = substitute(r"server kenspec:8000;\n\s*", http_upstreams, config)
-    config = substitute(r"listen \d+ http2;", f"listen 127.0.0.1:{port} http2;", config)
-    config = substitute(r"listen 8000;", f"listen 127.0.0.1:{http_port};", config)
-    config = config.replace("/tmp/kenspec-nginx", str(directory / "nginx"))
-    # Notices (nginx logs when it starts its workers, after binding), and which replica served.
-    config = substitute(r"error_log \S+ \w+;", "error_log stderr notice;", config)
-    header = f"add_header {UPSTREAM_HEADER} $upstream_addr;"
-    config = substitute(r"(grpc_pass [^;]+;)", rf"\1\n            {header}", config)
-    (directory / "nginx.conf").write_text(config)
-    process = subprocess.Popen(
-        [
-            require("nginx"),
-            "-c",
-            str(directory / "nginx.conf"),
-            "-p",
-            str(directory),
-            "-g",
-            "daemon off;",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        LogLines(process.stderr).wait_for("start worker process")
-        yield port, http_port
-    finally:
-        process.terminate()
-        process.wait(10)
+from tests.deploy.conftest import (
+    REPO,
+    TIMEOUT,
+    UPSTREAM_HEADER,
+    LogLines,
+    free_port,
+    require,
+    substitute,
+)
 
 
 def stub_for(port: int) -> pb_grpc.GeneratorStub:
