@@ -8,6 +8,10 @@ addresses become one static target that the round_robin policy spreads calls ove
     ["[::1]:5001", "[::1]:5002"]         -> "ipv6:[::1]:5001,[::1]:5002"
     "localhost:5001,localhost:5002"      -> "ipv4:127.0.0.1:5001,127.0.0.1:5002"  (resolved once)
 
+Each entry also keeps a target of its own (`Target.endpoints`), for calls that must reach one
+chosen server: a call with a session id goes to the address the session hashes to
+(client/routing.py), on a channel to that address alone.
+
 Limitations: hostnames in a list of several are resolved once, when the client is built
 (preferring IPv4), and never again; a list cannot mix IPv4 and IPv6. To follow DNS changes,
 pass one ``dns:///name:port`` target instead: round_robin then spreads over all its records.
@@ -27,6 +31,8 @@ class Target:
 
     uri: str
     resolved_hostnames: frozenset[str]  # hostnames replaced by IPs (TLS must verify these)
+    # (the address as given, a target that reaches it alone), one per address, in order
+    endpoints: tuple[tuple[str, str], ...] = ()
 
 
 def split_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -43,7 +49,7 @@ def build_target(addresses: str | Sequence[str]) -> Target:
     """The channel target for one or several addresses (see the module docstring)."""
     flat = split_addresses(addresses)
     if len(flat) == 1:
-        return Target(flat[0], frozenset())
+        return Target(flat[0], frozenset(), ((flat[0], flat[0]),))
     endpoints = [_resolve(*_split_host_port(address)) for address in flat]
     families = {family for family, _, _ in endpoints}
     if len(families) > 1:
@@ -51,7 +57,9 @@ def build_target(addresses: str | Sequence[str]) -> Target:
     scheme = "ipv6" if families == {socket.AF_INET6} else "ipv4"
     hosts = ",".join(hostport for _, hostport, _ in endpoints)
     resolved = frozenset(name for _, _, name in endpoints if name is not None)
-    return Target(f"{scheme}:{hosts}", resolved)
+    pairs = zip(flat, endpoints, strict=True)
+    alone = tuple((address, f"{scheme}:{hostport}") for address, (_, hostport, _) in pairs)
+    return Target(f"{scheme}:{hosts}", resolved, alone)
 
 
 def _split_host_port(address: str) -> tuple[str, int]:

@@ -40,6 +40,17 @@ class ChannelSpec:
     options: tuple[tuple[str, str | int], ...]
     credentials: grpc.ChannelCredentials | None  # None = plaintext
     metadata: Pairs  # sent with every call
+    # (address, target reaching it alone) per address; more than one: sessions are routed
+    endpoints: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def routed(self) -> bool:
+        """Whether calls with a session id pick their own address (several were given)."""
+        return len(self.endpoints) > 1
+
+    def options_alone(self) -> tuple[tuple[str, str | int], ...]:
+        """The options of a channel to one of the addresses: no balancing policy."""
+        return tuple(option for option in self.options if option[0] != "grpc.lb_policy_name")
 
 
 def tls_config(
@@ -76,7 +87,14 @@ def channel_spec(
         options.append(("grpc.ssl_target_name_override", server_name))
     address = addresses if isinstance(addresses, str) else ",".join(addresses)
     credentials = _credentials(tls) if tls else None
-    return ChannelSpec(address, target.uri, tuple(options), credentials, _auth_metadata(token))
+    return ChannelSpec(
+        address,
+        target.uri,
+        tuple(options),
+        credentials,
+        _auth_metadata(token),
+        target.endpoints,
+    )
 
 
 def _single_hostname(hostnames: frozenset[str]) -> str:

@@ -26,6 +26,7 @@ from .channel import DEFAULT_ADDRESS, TOKEN_ENV
 from .chat import COMMANDS, run_chat
 from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
+from .routing import new_session_id
 from .stats import StreamStats
 from .sync_client import Client
 
@@ -103,6 +104,13 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="deadline of the whole call, stream included",
+    )
+    group.add_argument(
+        "--session-id",
+        metavar="ID",
+        help="send as x-session-id metadata so a balancer (nginx, or this client over several "
+        "addresses) keeps these calls on one replica and its prefix cache "
+        "(kenspec chat: a new one per chat unless given)",
     )
 
 
@@ -194,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    with _client(args) as client:
+    with _client(args, args.session_id) as client:
         if args.info:
             _print_json(client.model_info(), out, indent=2)
             return 0
@@ -207,8 +215,10 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    # One session per chat: every turn reaches the replica that holds the earlier ones.
+    session_id = args.session_id or new_session_id()
     return run_chat(
-        lambda: _client(args),
+        lambda: _client(args, session_id),
         _generate_options(args),
         system=args.system,
         stdin=sys.stdin,
@@ -217,7 +227,7 @@ def _chat(args: argparse.Namespace) -> int:
     )
 
 
-def _client(args: argparse.Namespace) -> Client:
+def _client(args: argparse.Namespace, session_id: str | None) -> Client:
     addresses = args.address or [os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS]
     return Client(
         addresses,
@@ -228,6 +238,7 @@ def _client(args: argparse.Namespace) -> Client:
         tls_key=args.tls_key,
         tls_server_name=args.tls_server_name,
         timeout=args.timeout,
+        session_id=session_id,
     )
 
 

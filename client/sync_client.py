@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 import grpc
+from google.protobuf.message import Message
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
@@ -15,7 +16,11 @@ from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_conf
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
+from .routing import check_session_id, is_down, rendezvous_order, session_metadata
 from .tracing import trace_metadata
+
+# (address for errors, stub): where a call goes, best first
+Routes = list[tuple[str, pb_grpc.GeneratorStub]]
 
 
 class Client:
@@ -23,7 +28,8 @@ class Client:
 
     Takes the same arguments as `AsyncClient` (see there): one target or several balanced
     round-robin, optional TLS/mTLS, a bearer token (default ``KENSPEC_TOKEN``), a default
-    per-call timeout in seconds.
+    per-call timeout in seconds, a session id for every call (``generate`` and
+    ``generate_text`` take their own).
     """
 
     def __init__(
@@ -37,12 +43,16 @@ class Client:
         tls_key: str | Path | None = None,
         tls_server_name: str | None = None,
         timeout: float | None = None,
+        session_id: str | None = None,
     ) -> None:
         tls_settings = tls_config(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         self._spec: ChannelSpec = channel_spec(address, tls_settings, token)
         self._timeout = timeout
-        self._channel = _open_channel(self._spec)
+        self._session_id = check_session_id(session_id)
+        self._channel = _open_channel(self._spec, self._spec.target, self._spec.options)
         self._stub = pb_grpc.GeneratorStub(self._channel)
+        # one channel per address, opened on a session's first call there (client/routing.py)
+        self._alone: dict[str, tuple[grpc.Channel, pb_grpc.GeneratorStub]] = {}
 
     @property
     def address(self) -> str:
@@ -56,6 +66,9 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for channel, _ in self._alone.values():
+            channel.close()
+        self._alone.clear()
 
     def generate(
         self,
@@ -64,12 +77,14 @@ class Client:
         *,
         timeout: float | None = None,
         traceparent: str | None = None,
+        session_id: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Iterator[Round]:
         """Stream the rounds of one generation as they arrive (see `AsyncClient.generate`,
-        and there for the trace context sent)."""
+        and there for the trace context and the session id sent)."""
         request = build_generate_request(prompt, messages, **options)
-        return self._stream(request, timeout, trace_metadata(traceparent))
+        session = self._session(session_id)
+        return self._stream(request, timeout, trace_metadata(traceparent), session)
 
     def generate_text(
         self,
@@ -78,11 +93,17 @@ class Client:
         *,
         timeout: float | None = None,
         traceparent: str | None = None,
+        session_id: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Completion:
         """Run one generation to the end and join its rounds."""
         stream = self.generate(
-            prompt, messages, timeout=timeout, traceparent=traceparent, **options
+            prompt,
+            messages,
+            timeout=timeout,
+            traceparent=traceparent,
+            session_id=session_id,
+            **options,
         )
         rounds = list(stream)
         return completion_from_rounds(rounds, self.address)
@@ -96,41 +117,80 @@ class Client:
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
         request = build_tokenize_request(prompt, messages, return_tokens=return_tokens)
-        try:
-            return self._stub.Tokenize(request, **self._call_options(timeout, trace_metadata()))
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, self.address) from error
+        return self._unary("Tokenize", request, timeout)
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
-        request = pb.GetModelInfoRequest()
-        try:
-            options = self._call_options(timeout, trace_metadata())
-            return self._stub.GetModelInfo(request, **options)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, self.address) from error
+        return self._unary("GetModelInfo", pb.GetModelInfoRequest(), timeout)
+
+    def _unary(self, method: str, request: Message, timeout: float | None) -> Any:
+        routes = self._routes(self._session_id)
+        options = self._call_options(timeout, trace_metadata(), self._session_id)
+        for index, (address, stub) in enumerate(routes):
+            try:
+                return getattr(stub, method)(request, **options)
+            except grpc.RpcError as error:
+                if index + 1 < len(routes) and is_down(error):
+                    continue  # this session's address is down: its next one
+                raise from_rpc_error(error, address) from error
+        raise AssertionError("unreachable: the last route raises")
 
     def _stream(
-        self, request: pb.GenerateRequest, timeout: float | None, trace: Pairs
+        self,
+        request: pb.GenerateRequest,
+        timeout: float | None,
+        trace: Pairs,
+        session_id: str | None,
     ) -> Iterator[Round]:
-        call = self._stub.Generate(request, **self._call_options(timeout, trace))
-        try:
-            for response in call:
-                yield Round.from_proto(response)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, self.address) from error
-        finally:
-            call.cancel()  # a no-op once the stream has ended
+        routes = self._routes(session_id)
+        options = self._call_options(timeout, trace, session_id)
+        for index, (address, stub) in enumerate(routes):
+            call = stub.Generate(request, **options)
+            received = False
+            try:
+                for response in call:
+                    received = True
+                    yield Round.from_proto(response)
+                return
+            except grpc.RpcError as error:
+                if received or index + 1 == len(routes) or not is_down(error):
+                    raise from_rpc_error(error, address) from error
+            finally:
+                call.cancel()  # a no-op once the stream has ended
 
-    def _call_options(self, timeout: float | None, trace: Pairs) -> dict[str, Any]:
+    def _session(self, session_id: str | None) -> str | None:
+        """The call's session: its own when given ("" for none), else the client's."""
+        return self._session_id if session_id is None else check_session_id(session_id)
+
+    def _routes(self, session_id: str | None) -> Routes:
+        """Where a call goes: the balanced channel, or the session's addresses best first."""
+        if session_id is None or not self._spec.routed:
+            return [(self.address, self._stub)]
+        targets = dict(self._spec.endpoints)
+        return [
+            (address, self._alone_stub(address, targets[address]))
+            for address in rendezvous_order(session_id, list(targets))
+        ]
+
+    def _alone_stub(self, address: str, target: str) -> pb_grpc.GeneratorStub:
+        if address not in self._alone:
+            channel = _open_channel(self._spec, target, self._spec.options_alone())
+            self._alone[address] = (channel, pb_grpc.GeneratorStub(channel))
+        return self._alone[address][1]
+
+    def _call_options(
+        self, timeout: float | None, trace: Pairs, session_id: str | None
+    ) -> dict[str, Any]:
         # wait_for_ready=False: fail fast with UNAVAILABLE rather than wait for a server.
         return {
             "timeout": timeout if timeout is not None else self._timeout,
-            "metadata": self._spec.metadata + trace,
+            "metadata": self._spec.metadata + session_metadata(session_id) + trace,
             "wait_for_ready": False,
         }
 
 
-def _open_channel(spec: ChannelSpec) -> grpc.Channel:
+def _open_channel(
+    spec: ChannelSpec, target: str, options: tuple[tuple[str, str | int], ...]
+) -> grpc.Channel:
     if spec.credentials is None:
-        return grpc.insecure_channel(spec.target, options=spec.options)
-    return grpc.secure_channel(spec.target, spec.credentials, options=spec.options)
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, spec.credentials, options=options)
