@@ -14,6 +14,7 @@ import socket
 import subprocess
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -80,12 +81,12 @@ def replicas(tiny_server):
         process.stop()
 
 
-def loopback_config(replicas, directory: Path, port: int, http_port: int) -> str:
-    """deploy/nginx.conf with the replicas' loopback addresses on its server lines (each pool
+def loopback_config(servers, directory: Path, port: int, http_port: int) -> str:
+    """deploy/nginx.conf with the servers' loopback addresses on its server lines (each pool
     lists them all), listening on `port` (gRPC) and `http_port`, logging notices, and naming
     the replica that served each call in an UPSTREAM_HEADER response header."""
-    upstreams = "".join(f"server 127.0.0.1:{p.port};\n        " for p, _ in replicas)
-    http_upstreams = "".join(f"server 127.0.0.1:{p.http_port};\n        " for p, _ in replicas)
+    upstreams = "".join(f"server 127.0.0.1:{s.port};\n        " for s in servers)
+    http_upstreams = "".join(f"server 127.0.0.1:{s.http_port};\n        " for s in servers)
     config = (REPO / "deploy" / "nginx.conf").read_text()
     config = substitute(r"server kenspec:50051;\n\s*", upstreams, config, count=2)
     config = substitute(r"server kenspec:8000;\n\s*", http_upstreams, config, count=2)
@@ -99,13 +100,13 @@ def loopback_config(replicas, directory: Path, port: int, http_port: int) -> str
     return substitute(r"(proxy_pass [^;]+;)", rf"\1\n            {header}", config)
 
 
-@pytest.fixture(scope="module")
-def nginx(replicas, tmp_path_factory) -> Iterator[tuple[int, int]]:
-    """A real nginx in front of `replicas`: (gRPC port, HTTP port)."""
-    directory = tmp_path_factory.mktemp("nginx")
+@contextmanager
+def running_nginx(servers, directory: Path) -> Iterator[tuple[int, int]]:
+    """A real nginx with loopback_config in front of `servers` (anything with .port and
+    .http_port, in the order of their server lines): (gRPC port, HTTP port) once it listens."""
     port = free_port()
     http_port = free_port()
-    (directory / "nginx.conf").write_text(loopback_config(replicas, directory, port, http_port))
+    (directory / "nginx.conf").write_text(loopback_config(servers, directory, port, http_port))
     process = subprocess.Popen(
         [
             require("nginx"),
@@ -125,3 +126,10 @@ def nginx(replicas, tmp_path_factory) -> Iterator[tuple[int, int]]:
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def nginx(replicas, tmp_path_factory) -> Iterator[tuple[int, int]]:
+    """A real nginx in front of `replicas`: (gRPC port, HTTP port)."""
+    with running_nginx([p for p, _ in replicas], tmp_path_factory.mktemp("nginx")) as ports:
+        yield ports
