@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -27,7 +28,7 @@ def prometheus() -> dict:
 
 def test_compose_services_and_mounts() -> None:
     services = compose()["services"]
-    assert set(services) == {"kenspec", "nginx", "prometheus"}
+    assert set(services) == {"kenspec", "nginx", "prometheus", "redis"}
     assert services["kenspec"]["deploy"]["replicas"] >= 2
     for name, config in (("nginx", "nginx.conf"), ("prometheus", "prometheus.yml")):
         mounts = services[name]["volumes"]
@@ -40,6 +41,27 @@ def test_environment_names_real_settings() -> None:
     known = {env_name(field) for field in Settings.__dataclass_fields__}
     environment = compose()["services"]["kenspec"]["environment"]
     assert set(environment) <= known, set(environment) - known
+
+
+def test_replicas_share_answers_through_an_unpublished_redis() -> None:
+    """The replicas reach Redis by its service name on the port it exposes; nothing outside the
+    compose network reaches it (no password), and it keeps nothing on disk."""
+    services = compose()["services"]
+    redis, kenspec = services["redis"], services["kenspec"]
+    assert redis["image"] == "redis:7-alpine"
+    assert "ports" not in redis  # published_ports_bind_to_loopback: not published at all
+    url = urlsplit(kenspec["environment"]["KENSPEC_SHARE_ANSWERS"])
+    assert (url.scheme, url.hostname, url.path) == ("redis", "redis", "/0")
+    assert str(url.port) in [str(p) for p in redis["expose"]]
+    command = redis["command"]
+    assert isinstance(command, list)  # no shell quoting: --save "" is one empty argument
+    assert command[0] == "redis-server"
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+    assert re.fullmatch(r"\d+mb", command[command.index("--maxmemory") + 1])
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    # Started first, but a replica starts (and serves) without it.
+    assert kenspec["depends_on"]["redis"] == {"condition": "service_started", "required": False}
 
 
 def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
