@@ -13,7 +13,8 @@
    `x-session-id` metadata (prefix routing) and without (calls spread), and through nginx in
    front of one replica: time to first token of turns 2.., measured at the client. The
    conversations with and without the session id alternate on the same replicas, each tagged
-   so that none shares a prefix with another, and which goes first alternates too.
+   so that none shares a prefix with another, and which goes first alternates too; each
+   replica serves a short unmeasured chat first, so that no turn pays a first request's costs.
 
 Each workload's configurations and each of the two chat set-ups (one replica, --replicas
 replicas) get fresh replicas, started one after another (so that their start-up calibrations
@@ -242,14 +243,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--replicas must be at least 2 (one replica is always measured beside)")
     if args.turns < 2:
         parser.error("--turns must be at least 2 (turns 2.. are measured)")
-    if args.share is not False and not _server_shares_answers():
-        parser.error(f"this server has no {SHARE_FLAG}: run with --no-share")
     args.parts = [part for part in args.parts.split(",") if part]
     args.workloads = [workload for workload in args.workloads.split(",") if workload]
     if unknown := set(args.parts) - {"sharing", "routing"}:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     if unknown := set(args.workloads) - {"templated", "repeat", "sequence"}:
         parser.error(f"--workloads: unknown {sorted(unknown)}")
+    sharing = "sharing" in args.parts and args.share is not False
+    if sharing and not _server_shares_answers():
+        parser.error(f"this server has no {SHARE_FLAG}: run with --no-share")
     # The per-source breakdown of bench.workloads reads each round's draft source.
     args.base_server_args = ["--model", args.model, "--draft", args.draft]
     args.base_server_args += ["--report-draft-source", *args.server_args]
