@@ -1,0 +1,86 @@
+"""bench.replicas end to end on the tiny model: two replicas and one, sharing off, and the
+chats through real nginx with deploy/nginx.conf; its output files and the fields they hold."""
+
+from __future__ import annotations
+
+import json
+
+from bench import replicas, routing
+
+
+def test_round_robin_sends_a_repeat_to_another_replica() -> None:
+    balancer = replicas.RoundRobin(2)
+    assert [balancer.pick(p) for p in ["a", "b", "a", "b"]] == [0, 1, 1, 0]
+    balancer = replicas.RoundRobin(2)
+    assert [balancer.pick(p) for p in ["a", "b", "c", "a", "b", "c"]] == [0, 1, 0, 1, 0, 1]
+    single = replicas.RoundRobin(1)
+    assert [single.pick(p) for p in ["a", "a"]] == [0, 0]
+
+
+def test_routing_plan_alternates_and_tags_every_conversation() -> None:
+    entries = routing.plan(["x", "y"])
+    assert [(config, session) for config, _, session in entries] == [
+        ("routed", "routed-0"),
+        ("spread", None),
+        ("spread", None),
+        ("routed", "routed-1"),
+    ]
+    assert len({first for _, first, _ in entries}) == 4  # no two share a first message
+
+
+def test_bench_replicas_writes_its_record(tiny_model_dir, tmp_path) -> None:
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "dev.txt").write_text("The quick brown fox\nOnce upon a time\n")
+    out = tmp_path / "out"
+    argv = ["--replicas", "2", "--no-share", "--workloads", "repeat", "--limit", "2"]
+    argv += ["--prompts-dir", str(prompts), "--max-new-tokens", "4", "--conversations", "2"]
+    argv += ["--model", str(tiny_model_dir), "--draft", "none", "--start-together"]
+    argv += ["--out", str(out), "--", "--device", "cpu", "--dtype", "float32", "--threads", "1"]
+    assert replicas.main([*argv, "--breaker-threshold", "0"]) == 0
+    for name in ("replicas.json", "summary.md", "replicas.png"):
+        assert (out / name).stat().st_size > 0
+    record = json.loads((out / "replicas.json").read_text())
+    assert {"cpu", "cpu_flags"} <= set(record["machine"])
+    assert "avx512_bf16" in record["machine"]["cpu_flags"]
+    check_sharing(record["sharing"])
+    check_routing(record["routing"])
+    summary = (out / "summary.md").read_text()
+    assert "2 replicas, no stream" in summary and "2 replicas, x-session-id" in summary
+
+
+def check_sharing(runs: list[dict]) -> None:
+    assert [(r["workload"], r["config"], r["replicas"]) for r in runs] == [
+        ("repeat", "one", 1),
+        ("repeat", "unshared", 2),
+    ]
+    for run in runs:
+        assert len(run["replica_logs"]) == run["replicas"]
+        assert all("step_ms" in (log["calibrated"] or {}) for log in run["replica_logs"])
+        summary = run["summary"]
+        assert summary["prompts"] == 2 and summary["same_tokens"]  # greedy float32
+        assert summary["tokens_per_round_median"] >= 1
+        assert summary["speedup_median"] > 0 and summary["speedup_median_vs_one"] > 0
+        served = [r["replica"] for r in [*run["warm"], *run["results"]]]
+        assert set(served) == set(range(run["replicas"]))
+        assert all(r["on"]["tokens_per_round"] >= 1 for r in run["results"])
+        assert all(r["off"]["rounds"] == r["off"]["tokens"] for r in run["results"])
+    fleet = runs[1]
+    first = {w["prompt"]: w["replica"] for w in fleet["warm"]}
+    assert all(r["replica"] != first[r["prompt"]] for r in fleet["results"])  # a repeat moves
+
+
+def check_routing(runs: list[dict]) -> None:
+    configs = [(r["config"], r["replicas"], r["session_header"]) for r in runs]
+    assert configs == [("single", 1, True), ("routed", 2, True), ("spread", 2, False)]
+    for run in runs:
+        summary = run["summary"]
+        assert set(summary["ttft_ms_median_by_turn"]) == {"2", "3", "4", "5"}
+        assert all(ms > 0 for ms in summary["ttft_ms_median_by_turn"].values())
+        assert summary["ttft_ms_median"] > 0 and summary["ttft_vs_single"] > 0
+        assert len(run["conversations"]) == 2
+        for chat in run["conversations"]:
+            assert [t["turn"] for t in chat["turns"]] == [1, 2, 3, 4, 5]
+            assert [t["prompt_messages"] for t in chat["turns"]] == [1, 3, 5, 7, 9]
+            assert all(t["replica"] in range(run["replicas"]) for t in chat["turns"])
+            assert all(t["tokens"] >= 1 and t["ttft_s"] > 0 for t in chat["turns"])
