@@ -53,7 +53,8 @@ class StreamSettings:
     vocab_size: int
     maxlen: int = 100_000
     buffer: int = 1024
-    isolate_tenants: bool = True  # False (--suffix-index-scope shared): all is SHARED_TENANT's
+    # False (--suffix-index-scope shared): only records of SHARED_TENANT are learned.
+    isolate_tenants: bool = True
 
 
 class _Link:
@@ -257,8 +258,12 @@ class AnswerStream:
                 self._drop("foreign_model")
                 continue
             record = received.record
-            tenant = record.tenant if self.settings.isolate_tenants else SHARED_TENANT
-            self._index.add(tenant, record.answer, record.prompt_tail)
+            if not self.settings.isolate_tenants and record.tenant != SHARED_TENANT:
+                # A replica with tenants published it: drafting it for every caller here
+                # would undo that replica's isolation.
+                self._drop("tenant_scope")
+                continue
+            self._index.add(record.tenant, record.answer, record.prompt_tail)
             self._metrics.shared_received.inc()
 
     def _take(self, most: int) -> list[AnswerRecord]:

@@ -126,7 +126,7 @@ class Metrics:
         self.shared_dropped = Counter(
             "kenspec_shared_answers_dropped_total",
             "Answers not shared: buffer_full, redis_down and stopped (not published), "
-            "foreign_model and malformed (read, not added).",
+            "foreign_model, malformed and tenant_scope (read, not added).",
             ["reason"],
             registry=r,
         )

@@ -349,3 +349,17 @@ def test_the_model_fingerprint_names_weights_and_tokenizer_not_path_or_dtype(
     ]
     assert fingerprints[0] == fingerprints[1] == fingerprints[2] != fingerprints[3]
     assert len(fingerprints[0]) == 16
+
+
+async def test_a_replica_with_a_shared_index_learns_no_tenants_answers(replica, tmp_path) -> None:
+    """A keeps tenants apart, B (--suffix-index-scope shared) drafts everyone's answers for
+    everyone: B learns A's tenant's answer not at all, rather than for every caller."""
+    x = secrets.token_hex(16)
+    path = tmp_path / "tokens"
+    path.write_text(f"{x}\n")
+    a = await replica(auth_tokens_file=str(path))
+    b = await replica(suffix_index_scope="shared")
+    await rounds(a, "Tenant x asked replica A", token=x)
+    await until(lambda: count(b, "dropped_total", reason="tenant_scope") == 1, "B dropped it")
+    assert count(b, "received_total") == 0
+    assert index_drafts(b, "Tenant x asked replica A") == []
