@@ -69,15 +69,18 @@ class _Link:
         self._connected = False
         self.delay = BACKOFF_S[0]
 
-    def ok(self) -> bool:
-        """A command went through; True when it is the first since a failure."""
-        back = not self.up or not self._connected
+    @property
+    def recovering(self) -> bool:
+        """No command has gone through yet, or none since the last failure."""
+        return not (self.up and self._connected)
+
+    def ok(self) -> None:
+        """A command went through."""
+        if self.recovering:
+            log.info("shared_answers_connected", link=self.name)
         self.up, self._connected, self.delay = True, True, BACKOFF_S[0]
         self._gauge.set(1)
-        if back:
-            log.info("shared_answers_connected", link=self.name)
         self._warned = False
-        return back
 
     def failed(self, error: BaseException) -> float:
         """A command failed: the wait before the next attempt (doubling up to BACKOFF_S[1])."""
@@ -183,7 +186,7 @@ class AnswerStream:
             await self._writer.ping()
             self._publish.ok()
         except FAILURES as error:
-            await self._until_up(self._publish, error)
+            await self._until_up(self._publish.failed(error))
         while True:
             self._wake.clear()
             batch = self._take(PUBLISH_BATCH)
@@ -199,25 +202,26 @@ class AnswerStream:
                         pipe.xadd(self.key, fields, maxlen=self.settings.maxlen, approximate=True)
                     await pipe.execute()
             except FAILURES as error:
+                delay = self._publish.failed(error)  # first: offers from now on are dropped
                 self._drop("redis_down", len(batch) + len(self._take(self.settings.buffer)))
                 if self._closing:
                     return
-                await self._until_up(self._publish, error)
+                await self._until_up(delay)
                 continue
             self._publish.ok()
             self._metrics.shared_published.inc(len(batch))
 
-    async def _until_up(self, link: _Link, error: BaseException) -> None:
+    async def _until_up(self, delay: float) -> None:
         """Wait with backoff until Redis answers a PING (answers offered meanwhile are
         dropped as redis_down: the buffer holds only what a working Redis will take)."""
         while True:
-            await asyncio.sleep(link.failed(error))
+            await asyncio.sleep(delay)
             try:
                 await self._writer.ping()
-            except FAILURES as again:
-                error = again
+            except FAILURES as error:
+                delay = self._publish.failed(error)
                 continue
-            link.ok()
+            self._publish.ok()
             return
 
     async def _read_loop(self) -> None:
@@ -226,8 +230,9 @@ class AnswerStream:
                 reply = await self._reader.xread(
                     {self.key: self.last_id}, count=READ_BATCH, block=READ_BLOCK_MS
                 )
-                if self._read.ok():
+                if self._read.recovering:
                     await self._check_restarted()
+                self._read.ok()
             except FAILURES as error:
                 await asyncio.sleep(self._read.failed(error))
                 continue

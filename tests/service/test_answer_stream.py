@@ -244,10 +244,15 @@ async def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes(
             await until(lambda s=server: count(s, "connected", link="read") == 0, "reader down")
         assert count(a, "connected", link="publish") == 0
         redis_server.start()
+        # An entry older than any B read (Redis came back empty, with an earlier clock): B
+        # reads the new stream from its start, not from its last id.
+        early = AnswerRecord(SHARED_TENANT, tuple(range(90, 130)), tuple(range(30, 46)))
+        fields = encode(early, "elsewhere", b.answers.settings.fingerprint)
+        redis_server.client().xadd(b.answers.key, fields, id="1-1")
         for server, link in [(a, "publish"), (b, "read"), (a, "read"), (b, "publish")]:
             await until(lambda s=server, n=link: count(s, "connected", link=n) == 1, "back")
         served = tokens(await rounds(a, "Shared after the outage"))
-        await until(lambda: count(b, "received_total") == 2, "B received the later answer")
+        await until(lambda: count(b, "received_total") == 3, "B received the later answers")
         assert index_drafts(b, "Shared after the outage") == served[:8]
     assert not [e for e in logs if e["log_level"] in ("error", "critical")]
     warned = sorted(
