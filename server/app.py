@@ -19,6 +19,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kenspec_api import generator_pb2 as pb
+from server.answer_records import model_fingerprint
+from server.answer_stream import AnswerStream, StreamSettings
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
@@ -38,6 +40,7 @@ log = structlog.get_logger("kenspec.server")
 GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
+SHARED_ANSWERS_FLUSH_S = 2.0  # at stop, how long buffered answers get to reach Redis
 
 
 class KenspecServer:
@@ -72,6 +75,7 @@ class KenspecServer:
         interceptors = [BearerTokenInterceptor(tokens, on_refused=refused)] if tokens else []
         self.http = self._http_server(tokens) if settings.http_port >= 0 else None
         self.http_port: int | None = None
+        self.answers: AnswerStream | None = None  # --share-answers, from load()
         self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
         self._register()
 
@@ -151,7 +155,29 @@ class KenspecServer:
         runtime = await self.scheduler.run(self._loader, self.settings, events)
         self.metrics.set_draft_breaker(runtime.engine.draft_breaker_state)
         self.serving.runtime = runtime
+        if self.settings.share_answers:
+            await self._share_answers(runtime)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _share_answers(self, runtime: Runtime) -> None:
+        """Publish the answers the engine learns and learn the other replicas' (before
+        SERVING: the catch-up starts before the first request, without waiting for it)."""
+        engine = runtime.engine
+        if engine.suffix is None:  # (a loader's runtime; parse_settings refuses this)
+            log.warning("shared_answers_off", reason="the runtime has no suffix index")
+            return
+        fingerprint = await asyncio.to_thread(model_fingerprint, engine.target)
+        settings = StreamSettings(
+            url=self.settings.share_answers,
+            fingerprint=fingerprint,
+            vocab_size=engine.target.vocab_size,
+            maxlen=self.settings.share_answers_maxlen,
+            buffer=self.settings.share_answers_buffer,
+            isolate_tenants=engine.isolate_tenants,
+        )
+        self.answers = AnswerStream(settings, engine.suffix, self.metrics)
+        engine.on_learned = self.answers.offer
+        await self.answers.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
@@ -166,6 +192,10 @@ class KenspecServer:
         await asyncio.to_thread(self.scheduler.shutdown)
         if self.serving.runtime is not None:  # the engine thread is done: its costs are still
             await asyncio.to_thread(self.serving.runtime.save_costs)
+        if self.answers is not None:  # every answer is in: publish what is left, briefly
+            if self.serving.runtime is not None:
+                self.serving.runtime.engine.on_learned = None
+            await self.answers.stop(SHARED_ANSWERS_FLUSH_S)
         self.metrics.close()
         await asyncio.to_thread(self.tracing.close)  # exports the spans left
         log.info("stopped")

@@ -107,8 +107,35 @@ class Metrics:
             "Prompt tokens whose keys/values were copied from the prefix cache, not computed.",
             registry=r,
         )
+        self._shared_answers(r)
         self.set_draft_breaker(BreakerState.CLOSED)
         self._endpoint: MetricsEndpoint | None = None
+
+    def _shared_answers(self, r: CollectorRegistry) -> None:
+        """The shared answer stream's (--share-answers, server.answer_stream)."""
+        self.shared_published = Counter(
+            "kenspec_shared_answers_published_total",
+            "Answers this replica published to the shared answer stream.",
+            registry=r,
+        )
+        self.shared_received = Counter(
+            "kenspec_shared_answers_received_total",
+            "Answers of other replicas read from the shared stream and added to the index.",
+            registry=r,
+        )
+        self.shared_dropped = Counter(
+            "kenspec_shared_answers_dropped_total",
+            "Answers not shared: buffer_full, redis_down and stopped (not published), "
+            "foreign_model, malformed and tenant_scope (read, not added).",
+            ["reason"],
+            registry=r,
+        )
+        self.shared_connected = Gauge(
+            "kenspec_shared_answers_connected",
+            "1 while the link (publish, read) to the shared stream's Redis works, else 0.",
+            ["link"],
+            registry=r,
+        )
 
     def count_refusal(self, api: str, code: str) -> None:
         """A generate call refused before its handler ran (a bearer token, a connection cap):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -13,7 +13,6 @@ import grpc
 from server.engine.tenant_index import SHARED_TENANT
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (load balancers, kubelets) carry no token
-_TENANT_KEY = secrets.token_bytes(32)  # tenant ids are keyed hashes of tokens (tenant_of)
 
 
 def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
@@ -81,14 +80,26 @@ def bearer_token(authorization: str) -> bytes:
 
 def tenant_of(authorization: str, tokens: tuple[bytes, ...]) -> str:
     """Whose answers a call drafts from and learns into (the suffix index, the prefix cache):
-    with tokens, a keyed hash of the caller's bearer token (HMAC-SHA256 under a key drawn at
-    start, 16 hex digits), so the token itself is never stored or logged and a tenant id says
-    nothing across restarts; without tokens, every caller is SHARED_TENANT (a bearer value the
-    server does not check cannot make tenants)."""
+    with tokens, a keyed hash of the caller's bearer token (HMAC-SHA256 under tenant_key,
+    16 hex digits), so the token itself is never stored, logged or published; without tokens,
+    every caller is SHARED_TENANT (a bearer value the server does not check cannot make
+    tenants)."""
     if not tokens:
         return SHARED_TENANT
     token = bearer_token(authorization)
-    return "t" + hmac.new(_TENANT_KEY, token, hashlib.sha256).hexdigest()[:16]
+    return "t" + hmac.new(tenant_key(tokens), token, hashlib.sha256).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=4)
+def tenant_key(tokens: tuple[bytes, ...]) -> bytes:
+    """The key of tenant ids: a hash of the allowed tokens themselves (sorted, each with its
+    length), so every replica serving the same tokens file names a caller alike (the shared
+    answer stream carries tenant ids from one replica to another) while only those who hold
+    every token could compute an id from a token. Changing the file changes every id."""
+    digest = hashlib.sha256(b"kenspec tenant key v1\0")
+    for token in sorted(tokens):
+        digest.update(len(token).to_bytes(4, "big") + token)
+    return digest.digest()
 
 
 def token_allowed(presented: bytes, tokens: tuple[bytes, ...]) -> bool:

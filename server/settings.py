@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from server.engine.params import MAX_DRAFT_TOKENS
 
@@ -65,6 +66,9 @@ class Settings:
     suffix_learn_prompts: bool = False
     suffix_index_scope: str = "tenant"
     suffix_index_tenants: int = 16
+    share_answers: str = ""  # redis://host:port/db; empty: this replica's answers are its own
+    share_answers_maxlen: int = 100_000
+    share_answers_buffer: int = 1024
     report_draft_source: bool = False
     recycled_predictions: bool = True
     live_costs: bool = True
@@ -194,6 +198,14 @@ _HELP = {
     "first token, whether other callers' answers or prompts contained a phrase it guesses",
     "suffix_index_tenants": "tenants whose learned answers the suffix index keeps, each within "
     "an equal share of --suffix-index-tokens; beyond, the least recently used is dropped",
+    "share_answers": "a Redis URL (redis://host:port/db, rediss:// for TLS): publish every "
+    "answer the suffix index learns to a Redis Stream and learn the answers other replicas of "
+    "the same model and tokenizer publish there, each into its own tenant's index; Redis down "
+    "or slow never delays a request (answers are then lost, and counted). Empty: off",
+    "share_answers_maxlen": "about how many answers the shared stream keeps (XADD MAXLEN ~): "
+    "what a replica started later catches up from",
+    "share_answers_buffer": "answers waiting to be published; beyond, new ones are dropped "
+    "(and counted)",
     "report_draft_source": "stream each round's draft source (kenlm, context:N, suffix:N, ...) "
     "to the caller; off: the field is empty (gRPC) or absent (HTTP)",
     "recycled_predictions": "with context drafting, also draft from the target's own recent "
@@ -313,6 +325,7 @@ def parse_settings(
         parser.error(
             f"--suffix-index-tenants must be at least 1, not {namespace.suffix_index_tenants}"
         )
+    _check_share_answers(parser, namespace)
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
@@ -346,6 +359,44 @@ def parse_settings(
         if getattr(namespace, name) < 1:
             parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
     return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
+
+
+SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _check_share_answers(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    """--share-answers: a Redis URL the client can open, and an index to share."""
+    url = namespace.share_answers
+    for name in ("share_answers_maxlen", "share_answers_buffer"):
+        if getattr(namespace, name) < 1:
+            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
+    if not url:
+        return
+    parsed = urlsplit(url)
+    if parsed.scheme not in SHARE_ANSWERS_SCHEMES:
+        shown = url.rpartition("@")[2]  # never a password in the message
+        parser.error(
+            "--share-answers must be a Redis URL starting redis://, rediss:// or unix:// "
+            f"(redis://host:6379/0), not {shown!r}"
+        )
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    database = parsed.path.strip("/") if parsed.scheme != "unix" else ""
+    if (
+        (parsed.scheme != "unix" and not parsed.hostname)
+        or port == -1
+        or not (database == "" or database.isdigit())
+    ):
+        parser.error(
+            "--share-answers: a Redis URL needs a host, an optional numeric port and an "
+            "optional database number (redis://host:6379/0)"
+        )
+    if not (namespace.suffix_index and namespace.draft_context):
+        parser.error(
+            "--share-answers shares the suffix index: it needs --suffix-index and --draft-context"
+        )
 
 
 METRICS_AUTH = ("auto", "none", "token", "tls", "tls+token")

@@ -68,6 +68,29 @@ def test_suffix_index_scope_and_tenants_are_checked(argv, message, capsys) -> No
     assert parse_settings(["--suffix-index-scope", "shared"], env={}).suffix_index_scope == "shared"
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--share-answers", "localhost:6379"], "must be a Redis URL starting redis://"),
+        (["--share-answers", "http://user:secret@h/0"], "not 'h/0'"),  # never the password
+        (["--share-answers", "redis://h:port/0"], "needs a host, an optional numeric port"),
+        (["--share-answers", "redis:///0"], "needs a host"),
+        (["--share-answers", "redis://h/db"], "an optional database number"),
+        (["--share-answers", "redis://h/0", "--no-suffix-index"], "needs --suffix-index"),
+        (["--share-answers-maxlen", "0"], "--share-answers-maxlen must be at least 1, not 0"),
+        (["--share-answers-buffer", "0"], "--share-answers-buffer must be at least 1, not 0"),
+    ],
+)
+def test_the_shared_answer_stream_url_and_bounds_are_checked(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(argv, env={})
+    error = capsys.readouterr().err
+    assert message in error and "secret" not in error
+    assert parse_settings([], env={}).share_answers == ""  # off by default
+    for url in ("redis://127.0.0.1:6379/2", "rediss://:pw@cache.internal", "unix:///run/r.sock"):
+        assert parse_settings(["--share-answers", url], env={}).share_answers == url
+
+
 def test_help_says_what_a_shared_suffix_index_reveals(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--help"], env={})

@@ -77,6 +77,9 @@ class SpeculativeEngine:
         # (--suffix-index-scope shared): every request is SHARED_TENANT's.
         self.isolate_tenants = isolate_tenants
         self.recycled = recycled  # the target's recent predictions per token; learns every pass
+        # (tenant, prompt, answer) of each answer learned, on the engine thread: where the
+        # server publishes it to other replicas (server.answer_stream). It must not block.
+        self.on_learned: Callable[[str, Sequence[int], Sequence[int]], None] | None = None
         self.context_draft = ContextDraft(
             draft,
             min_match=self.context.min_match,
@@ -182,3 +185,5 @@ class SpeculativeEngine:
         if self.context.learn_prompts:
             self.suffix.add(tenant, prompt_ids)
         self.suffix.add(tenant, output_ids, prompt_ids)
+        if self.on_learned is not None:
+            self.on_learned(tenant, prompt_ids, output_ids)

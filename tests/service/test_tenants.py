@@ -125,7 +125,7 @@ async def test_the_tenant_is_the_token_whichever_api_the_call_came_through(
     assert reply.status_code == 200, reply.text
     suffix = runtime.engine.suffix
     assert suffix is not None
-    assert suffix.learned(tenant_of(f"Bearer {first}", (first.encode(),))) is not None
+    assert suffix.learned(server.serving.tenant(f"Bearer {first}")) is not None
     assert index_sources(await rounds(server, first))
     assert not index_sources(await rounds(server, second))
 
@@ -142,7 +142,7 @@ async def test_a_tenants_flood_leaves_another_tenants_answers_in_place(
     await rounds(server, second)
     suffix = runtime.engine.suffix
     assert suffix is not None
-    tenant_b = tenant_of(f"Bearer {second}", (second.encode(),))
+    tenant_b = server.serving.tenant(f"Bearer {second}")
     held = suffix.learned(tenant_b)
     assert held is not None
     before = held.tokens
@@ -150,7 +150,7 @@ async def test_a_tenants_flood_leaves_another_tenants_answers_in_place(
         await rounds(server, first, prompt=f"Flood number {number} of the index", new=120)
         assert suffix.tokens <= 1200
     assert suffix.learned(tenant_b) is held and held.tokens == before
-    flooder = suffix.learned(tenant_of(f"Bearer {first}", (first.encode(),)))
+    flooder = suffix.learned(server.serving.tenant(f"Bearer {first}"))
     assert flooder is not None and flooder.tokens <= suffix.share(len(suffix.tenants)) == 600
     assert index_sources(await rounds(server, second))
 
