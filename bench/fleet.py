@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -98,8 +99,8 @@ class _Daemon:
 class Redis(_Daemon):
     """A throwaway redis-server: loopback only, nothing saved to disk."""
 
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port  # a port: a restart in its place
         directory.mkdir(parents=True, exist_ok=True)
         command = [require("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1"]
         command += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
@@ -108,6 +109,11 @@ class Redis(_Daemon):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        """SIGKILL, as an outage does it: no shutdown, no goodbye to the clients."""
+        self.process.kill()
+        self.process.wait()
 
 
 def start_replicas(count: int, args: Sequence[str], timeout: float = 600) -> list[ServerProcess]:
@@ -156,6 +162,27 @@ def replica_log(replica: ServerProcess) -> dict:
         "warnings_and_errors": len(troubles),
         "first_warnings_and_errors": troubles[:20],
     }
+
+
+def metrics(replica: ServerProcess, prefix: str = "kenspec_") -> dict[str, float]:
+    """The replica's /metrics samples named `prefix`..., as `name{label="v",...}` -> value
+    (the replica must have been started with --metrics-port 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    event = replica.logged("metrics")
+    if event is None:
+        raise ValueError("the replica serves no /metrics: start it with --metrics-port 0")
+    port = event["address"].rsplit(":", 1)[1].split("/")[0]  # its host may be a wildcard
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 def _replace_all(pattern: str, replacement: str, text: str) -> str:

@@ -15,6 +15,10 @@
    conversations with and without the session id alternate on the same replicas, each tagged
    so that none shares a prefix with another, and which goes first alternates too; each
    replica serves a short unmeasured chat first, so that no turn pays a first request's costs.
+3. Outage: two replicas sharing answers under a mixed gRPC and HTTP load for
+   --outage-seconds, Redis SIGKILLed at 1/3 and restarted on its port at 2/3: failed
+   requests per phase, the replicas' warnings and errors, their shared-answer metrics, and
+   whether B's index catches up on A's answers after the restart (bench.outage).
 
 Each workload's configurations and each of the two chat set-ups (one replica, --replicas
 replicas) get fresh replicas, started one after another (so that their start-up calibrations
@@ -36,7 +40,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import fleet, replicas_report, routing
+from bench import fleet, outage, replicas_report, routing
 from bench.machine import machine
 from bench.suite import read_prompts
 from bench.workloads import measure_request, plan, prompt_file, summarize
@@ -220,7 +224,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help=f"only with ({SHARE_FLAG}) or only without the shared stream (default: both)",
     )
-    parser.add_argument("--parts", default="sharing,routing", help="comma-separated")
+    parser.add_argument("--parts", default="sharing,routing,outage", help="comma-separated")
+    parser.add_argument(
+        "--outage-seconds",
+        type=float,
+        default=120,
+        help="outage: the mixed run's length (Redis killed at 1/3, restarted at 2/3)",
+    )
     parser.add_argument("--workloads", default="templated,repeat", help="comma-separated")
     parser.add_argument("--prompts-dir", type=Path, default=REPO / "prompts")
     parser.add_argument("--limit", type=int, default=24, help="prompts read per workload (0: all)")
@@ -245,13 +255,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--turns must be at least 2 (turns 2.. are measured)")
     args.parts = [part for part in args.parts.split(",") if part]
     args.workloads = [workload for workload in args.workloads.split(",") if workload]
-    if unknown := set(args.parts) - {"sharing", "routing"}:
+    if unknown := set(args.parts) - {"sharing", "routing", "outage"}:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     if unknown := set(args.workloads) - {"templated", "repeat", "sequence"}:
         parser.error(f"--workloads: unknown {sorted(unknown)}")
+    if args.outage_seconds <= 0:
+        parser.error("--outage-seconds must be positive")
     sharing = "sharing" in args.parts and args.share is not False
-    if sharing and not _server_shares_answers():
-        parser.error(f"this server has no {SHARE_FLAG}: run with --no-share")
+    if (sharing or "outage" in args.parts) and not _server_shares_answers():
+        parser.error(f"this server has no {SHARE_FLAG}: run with --no-share, without outage")
     # The per-source breakdown of bench.workloads reads each round's draft source.
     args.base_server_args = ["--model", args.model, "--draft", args.draft]
     args.base_server_args += ["--report-draft-source", *args.server_args]
@@ -263,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kenspec-replicas-") as root:
         runs = run_setups(setups(args), args, Path(root))
+        if "outage" in args.parts:
+            _progress(f"outage: {args.outage_seconds:g} s, Redis killed at 1/3, back at 2/3")
+            runs["outage"] = outage.run(args, Path(root))
     record = {
         "machine": {**machine(), "cpu_flags": cpu_flags()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

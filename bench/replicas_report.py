@@ -67,7 +67,34 @@ def tables(record: dict) -> str:
                 f"| {s['replicas_per_conversation_max']} |"
             )
         lines.append("")
+    if record.get("outage"):
+        lines += outage_table(record["outage"])
     return "\n".join(lines)
+
+
+def outage_table(run: dict) -> list[str]:
+    """Requests and failures per phase; the log lines; the catch-up after the restart."""
+    catch = run["catch_up"]
+    seconds = f"{catch['seconds']:.1f} s" if catch["seconds"] is not None else "-"
+    warnings = sum(len(log["stream_warnings"]) for log in run["replica_logs"])
+    lines = [
+        f"Outage: {run['seconds']:g} s mixed run, Redis killed at {run['killed_at_s']:.0f} s, "
+        f"back at {run['restarted_at_s']:.0f} s",
+        "",
+        "| phase | requests | failed | statuses |",
+        "|---|---|---|---|",
+    ]
+    for phase, p in run["phases"].items():
+        lines.append(f"| {phase} | {p['requests']} | {p['failed']} | {p['statuses'] or '-'} |")
+    lines += [
+        "",
+        f"failed requests: {run['failed']}; request error log lines: {run['request_errors']}; "
+        f"answer stream warnings: {warnings}; caught up: {run['caught_up']} ({seconds} after "
+        f"the restart, reconnected in {catch['reconnect_s']:.1f} s; B's first round: "
+        f"{catch['b_first_round_source'] or '-'})",
+        "",
+    ]
+    return lines
 
 
 def plot(record: dict, path: Path) -> None:

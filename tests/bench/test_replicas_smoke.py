@@ -1,5 +1,6 @@
-"""bench.replicas end to end on the tiny model: two replicas and one, sharing off, and the
-chats through real nginx with deploy/nginx.conf; its output files and the fields they hold."""
+"""bench.replicas end to end on the tiny model: two replicas and one, sharing off and on, the
+chats through real nginx with deploy/nginx.conf, and Redis killed and restarted under load;
+its output files and the fields they hold."""
 
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ def test_routing_plan_alternates_and_tags_every_conversation() -> None:
     assert len({first for _, first, _ in entries}) == 4  # no two share a first message
 
 
-def test_bench_replicas_writes_its_record(tiny_model_dir, tmp_path) -> None:
+def tiny_argv(tiny_model_dir, tmp_path) -> list[str]:
+    """Every run's arguments: the tiny model on the CPU, two prompts, few tokens."""
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     (prompts / "dev.txt").write_text("The quick brown fox\nOnce upon a time\n")
-    out = tmp_path / "out"
     argv = ["--replicas", "2", "--workloads", "repeat", "--limit", "2"]
     argv += ["--prompts-dir", str(prompts), "--max-new-tokens", "4", "--conversations", "2"]
     argv += ["--model", str(tiny_model_dir), "--draft", "none", "--start-together"]
-    argv += ["--out", str(out), "--", "--device", "cpu", "--dtype", "float32", "--threads", "1"]
-    assert replicas.main([*argv, "--breaker-threshold", "0"]) == 0
+    argv += ["--out", str(tmp_path / "out"), "--", "--device", "cpu", "--dtype", "float32"]
+    return [*argv, "--threads", "1", "--breaker-threshold", "0"]
+
+
+def test_bench_replicas_writes_its_record(tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "out"
+    argv = tiny_argv(tiny_model_dir, tmp_path)
+    assert replicas.main(["--parts", "sharing,routing", *argv]) == 0
     for name in ("replicas.json", "summary.md", "replicas.png"):
         assert (out / name).stat().st_size > 0
     record = json.loads((out / "replicas.json").read_text())
@@ -87,3 +94,27 @@ def check_routing(runs: list[dict]) -> None:
             assert [t["prompt_messages"] for t in chat["turns"]] == [1, 3, 5, 7, 9]
             assert all(t["replica"] in range(run["replicas"]) for t in chat["turns"])
             assert all(t["tokens"] >= 1 and t["ttft_s"] > 0 for t in chat["turns"])
+
+
+def test_bench_replicas_outage_loses_no_request_and_catches_up(tiny_model_dir, tmp_path) -> None:
+    """Redis killed at 1/3 of a short mixed run and restarted at 2/3: no request failed in
+    any phase, no error in the replicas' logs besides the answer stream's warnings, and B's
+    index caught up on what A answered after the restart."""
+    argv = ["--parts", "outage", "--outage-seconds", "6", *tiny_argv(tiny_model_dir, tmp_path)]
+    assert replicas.main(argv) == 0
+    record = json.loads((tmp_path / "out" / "replicas.json").read_text())
+    run = record["outage"]
+    assert run["killed_at_s"] < run["restarted_at_s"]
+    assert set(run["phases"]) == {"before", "down", "after"}
+    assert all(p["requests"] >= 1 for p in run["phases"].values()), run["phases"]
+    assert {r["api"] for r in run["request_log"]} == {"grpc", "http_stream", "http_whole"}
+    assert {r["replica"] for r in run["request_log"]} == {0, 1}
+    assert run["failed"] == 0, [r for r in run["request_log"] if not r["ok"]]
+    assert run["request_errors"] == 0, [log["first_request_errors"] for log in run["replica_logs"]]
+    assert all(log["stream_warnings"] for log in run["replica_logs"])  # the outage was seen
+    assert run["caught_up"] is True, run["catch_up"]
+    assert run["catch_up"]["seconds"] >= 0
+    for metrics in run["metrics"]:
+        assert metrics["kenspec_shared_answers_published_total"] >= 1
+        assert metrics['kenspec_shared_answers_connected{link="read"}'] == 1
+    assert "caught up: True" in (tmp_path / "out" / "summary.md").read_text()
