@@ -94,6 +94,7 @@ class Load:
         self.kill_at, self.back_at = self.seconds / 3, None  # back_at: once Redis is ready
         self.requests: list[dict] = []
         self.killed_at: float | None = None
+        self.reconnected_at: float | None = None  # both replicas' links up again
         self.snapshot: list[dict[str, float]] = [{} for _ in replicas]  # taken while down
         self.start = time.monotonic()
 
@@ -138,6 +139,9 @@ class Load:
         self.snapshot = [fleet.metrics(r, PREFIX) for r in self.replicas]  # nothing moves now
         started = await asyncio.to_thread(restart)
         self.back_at = self.now()
+        # Watched under the load, not after it: how soon the replicas' links are back.
+        if await until(lambda: links_up(self.replicas)):
+            self.reconnected_at = self.now()
         return started
 
 
@@ -202,7 +206,7 @@ async def catch_up(load: Load, clients: Sequence[AsyncClient], prompt: str) -> d
     (a, b), (snap_a, snap_b) = load.replicas, load.snapshot
     reconnected = await until(lambda: links_up(load.replicas))
     back_at = load.back_at if load.back_at is not None else load.now()
-    reconnect_s = load.now() - back_at
+    reconnect_s = (load.reconnected_at or load.now()) - back_at
     published = sample(a, "published_total")
     await grpc_request(clients[0], prompt, load.args.max_new_tokens)
     sent = await until(lambda: sample(a, "published_total") > published)
