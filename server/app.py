@@ -140,7 +140,7 @@ class KenspecServer:
             scheme = "https" if self.settings.tls_cert else "http"
             log.info("http_listening", address=f"{scheme}://{self.settings.host}:{self.http_port}")
         if self.settings.metrics_port >= 0:
-            access = metrics_access(self.settings)
+            access = metrics_access(self.settings, self.serving.tokens)
             host = self.settings.metrics_host
             self.metrics_port = self.metrics.serve(host, self.settings.metrics_port, access)
             address = f"{access.scheme}://{host}:{self.metrics_port}/metrics"

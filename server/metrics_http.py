@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from server.security import bearer_token, read_tokens, token_allowed
+from server.security import bearer_token, token_allowed
 from server.settings import Settings
 
 READ_TIMEOUT_S = 10.0  # for the handshake and the request head; a scrape sends both at once
@@ -46,18 +46,18 @@ class MetricsAccess:
         return "https" if self.tls is not None else "http"
 
 
-def metrics_access(settings: Settings) -> MetricsAccess:
+def metrics_access(settings: Settings, tokens: tuple[bytes, ...]) -> MetricsAccess:
     """--metrics-auth resolved: 'auto' asks what the APIs ask (TLS with --tls-cert, a token
-    with --auth-tokens-file); parse_settings checked that what it names is configured."""
+    of `tokens`, the APIs' --auth-tokens-file as the server read it); parse_settings checked
+    that what it names is configured."""
     mode = settings.metrics_auth
     if mode == "auto":
         parts = {"tls"} if settings.tls_cert else set()
         parts |= {"token"} if settings.auth_tokens_file else set()
     else:
         parts = set(mode.split("+")) - {"none"}
-    tokens = read_tokens(settings.auth_tokens_file) if "token" in parts else ()
     tls = _tls_context(settings) if "tls" in parts else None
-    return MetricsAccess(tokens, tls)
+    return MetricsAccess(tokens if "token" in parts else (), tls)
 
 
 def _tls_context(settings: Settings) -> ssl.SSLContext:
