@@ -17,7 +17,7 @@ from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_conf
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
-from .routing import check_session_id, is_down, rendezvous_order, session_metadata
+from .routing import call_session, check_session_id, is_down, rendezvous_order, session_metadata
 from .tracing import trace_metadata
 
 # (address for errors, stub): where a call goes, best first
@@ -98,7 +98,7 @@ class AsyncClient:
         `session_id`, else the client's.
         """
         request = build_generate_request(prompt, messages, **options)
-        session = self._session(session_id)
+        session = call_session(self._session_id, session_id)
         return self._stream(request, timeout, trace_metadata(traceparent), session)
 
     async def generate_text(
@@ -171,10 +171,6 @@ class AsyncClient:
                     raise from_rpc_error(error, address) from error
             finally:
                 call.cancel()  # a no-op once the stream has ended
-
-    def _session(self, session_id: str | None) -> str | None:
-        """The call's session: its own when given ("" for none), else the client's."""
-        return self._session_id if session_id is None else check_session_id(session_id)
 
     def _routes(self, session_id: str | None) -> Routes:
         """Where a call goes: the balanced channel, or the session's addresses best first."""

@@ -49,6 +49,11 @@ def check_session_id(session_id: str | None) -> str | None:
     return session_id
 
 
+def call_session(client_session: str | None, given: str | None) -> str | None:
+    """A call's session: its own when given ("" for none, checked), else the client's."""
+    return client_session if given is None else check_session_id(given)
+
+
 def session_metadata(session_id: str | None) -> tuple[tuple[str, str], ...]:
     return ((SESSION_KEY, session_id),) if session_id else ()
 
