@@ -139,9 +139,9 @@ class Generation:
             raise RuntimeError("plan() needs an unfinished generation")
         # With n tokens left to emit, more than n - 1 drafts could never all be used.
         remaining = self._stopping.max_new_tokens - len(self._output)
-        proposal = self.speculator.propose(limit=remaining - 1)
-        self._drafts = list(proposal.token_ids)
-        self._parents = list(proposal.parents)
+        tree = self.speculator.propose(limit=remaining - 1)
+        self._drafts = list(tree.tokens)
+        self._parents = [] if tree.is_chain else list(tree.parents)
         return self._feed()
 
     def draft_gains(self) -> list[float]:

@@ -9,6 +9,7 @@ from kenspec_api.outputs import BreakerState
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.costs import chain_gains
 from server.engine.draft import DraftSession, Proposal
+from server.engine.draft_tree import NO_DRAFTS, DraftTree, Source
 from server.engine.params import SpeculationParams
 from server.engine.token_tree import build_tree, depths, reached
 
@@ -130,6 +131,7 @@ class Speculator:
         self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
         self._source = ""  # of this round's proposal
         self._proposal = _NOTHING  # this round's, as the batch cut it
+        self._tree = NO_DRAFTS  # the same, as verification gets it
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -160,10 +162,9 @@ class Speculator:
     def gains(self) -> list[float]:
         """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
         a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
-        proposal = self._proposal
-        if proposal.parents and not self._probe_due:
-            return list(proposal.probs)
-        return chain_gains(len(proposal), self.acceptance_estimate())
+        if self._probe_due:
+            return chain_gains(len(self._tree), 1.0)
+        return list(self._tree.probs)
 
     def _rate(self, source: str) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""
@@ -192,15 +193,16 @@ class Speculator:
         self._starved = self._starved + 1 if proposed and not kept else 0
         if kept < len(self._proposal):
             self._proposal = _cut(self._proposal, kept)
+            self._tree = self._tree.prefix(kept)
 
-    def propose(self, limit: int) -> Proposal:
+    def propose(self, limit: int) -> DraftTree:
         """At most min(k, limit) draft tokens (a long match's chain, or a tree, may hold more,
         never past limit); none when speculation is off or not paying."""
-        self._proposal = _NOTHING
+        self._proposal, self._tree = _NOTHING, NO_DRAFTS
         if self._session is None or limit <= 0:
-            return _NOTHING
+            return NO_DRAFTS
         if self._acceptance is not None and not self._acceptance.allows_speculation():
-            return _NOTHING
+            return NO_DRAFTS
         k = min(self.k, limit)
         source: DraftSession = self._session
         if self._tree_budget > 1:
@@ -216,7 +218,20 @@ class Speculator:
             proposal = _cut(proposal, limit)
         self._source = proposal.source
         self._proposal = proposal
-        return proposal
+        self._tree = self._as_tree(proposal)
+        return self._tree
+
+    def _as_tree(self, proposal: Proposal) -> DraftTree:
+        """The proposal as verification takes it: a tree's path probabilities, or a chain's
+        expected acceptance alpha^j (this request's rate for its source)."""
+        if proposal.parents:
+            sources = tuple(
+                tuple(Source.parse(part) for part in label.split("+"))
+                for label in proposal.node_sources
+            )
+            return DraftTree(proposal.token_ids, proposal.parents, proposal.probs, sources)
+        gains = chain_gains(len(proposal), self._rate(proposal.source))
+        return DraftTree.chain(proposal.token_ids, gains, Source.parse(proposal.source))
 
     def record(self, drafted: int, accepted: int, path: Sequence[int] = ()) -> None:
         """A round verified `drafted` drafts and accepted `accepted` (for a tree: the accepted

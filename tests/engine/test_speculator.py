@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from server.engine.draft import Proposal
+from server.engine.draft_tree import Source
 from server.engine.params import SpeculationParams
 from server.engine.speculator import AcceptanceStats, Speculator
 
@@ -24,7 +25,7 @@ def speculator(shared: AcceptanceStats) -> Speculator:
 
 
 def test_unmeasured_sources_keep_the_drafts_own_order() -> None:
-    assert speculator(AcceptanceStats()).propose(limit=10).source == "a"
+    assert speculator(AcceptanceStats()).propose(limit=10).sources[0] == (Source("a"),)
 
 
 def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() -> None:
@@ -34,7 +35,7 @@ def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() 
         shared.observe(("b", False), drafted=4, accepted=4)
     chosen = speculator(shared)
     proposal = chosen.propose(limit=10)
-    assert proposal.source == "b" and proposal.token_ids == (2, 2, 2, 2)
+    assert proposal.sources[0] == (Source("b"),) and proposal.tokens == (2, 2, 2, 2)
     assert chosen.acceptance_estimate() > 0.8  # the estimate is b's, the chosen chain's
     # A shorter alternative loses to a longer chain of the same measured acceptance.
     assert (
@@ -59,6 +60,6 @@ class LongMatch:
 def test_a_chain_past_k_is_kept_up_to_the_limit_and_never_past_it() -> None:
     params = SpeculationParams(num_draft_tokens=4, adaptive=False)
     chosen = Speculator(LongMatch(), params)
-    assert chosen.propose(limit=10).token_ids == tuple(range(10, 20))  # 12 proposed, 10 left
-    assert chosen.propose(limit=30).token_ids == tuple(range(10, 22))
-    assert chosen.propose(limit=3).token_ids == (10, 11, 12)
+    assert chosen.propose(limit=10).tokens == tuple(range(10, 20))  # 12 proposed, 10 left
+    assert chosen.propose(limit=30).tokens == tuple(range(10, 22))
+    assert chosen.propose(limit=3).tokens == (10, 11, 12)
