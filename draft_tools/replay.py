@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from server.engine.draft import Draft
 from server.engine.params import SpeculationParams
-from server.engine.sampling import chain_parents, walk
+from server.engine.sampling import walk
 from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.token_tree import depths
 
@@ -84,8 +84,8 @@ def replay(
             started = time.perf_counter()
             proposal = speculator.propose(limit=len(answer) - position - 1)
             seconds += time.perf_counter() - started
-            parents = proposal.parents or chain_parents(len(proposal))
-            emitted, path = walk(proposal.token_ids, parents, _NoRows(), _Follow(answer, position))
+            parents = proposal.parents
+            emitted, path = walk(proposal.tokens, parents, _NoRows(), _Follow(answer, position))
             node_depths = depths(parents)
             while len(drafted_at) < max(node_depths, default=0):  # long chains, deep trees
                 drafted_at.append(0)
