@@ -36,10 +36,11 @@ serve: setup  ## serve the default model and draft on 127.0.0.1:50051
 test: install tools sysdeps  ## the whole test suite (tiny models built on the fly; no download)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: install  ## ruff, and a check that the generated protobuf code is current
+lint: install  ## ruff, mypy (strict on server/engine), and a check that kenspec_api is current
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHON=$(PY) bash scripts/gen_proto.sh --check
+	$(VENV)/bin/mypy
 
 proto: install  ## regenerate kenspec_api from proto/
 	PYTHON=$(PY) bash scripts/gen_proto.sh

@@ -39,8 +39,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         return text[len(prefix) :]
 
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
 
 class StopMatcher:

@@ -45,7 +45,7 @@ class SuccessorIndex:
             arrays[f"ids_{order}"] = table.ids
             arrays[f"logprobs_{order}"] = table.logprobs
             arrays[f"backoffs_{order}"] = table.backoffs
-        np.savez_compressed(path, **arrays)
+        np.savez_compressed(path, allow_pickle=False, **arrays)  # numeric: nothing to pickle
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> SuccessorIndex:

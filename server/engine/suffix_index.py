@@ -36,6 +36,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 SUFFIX_CORPUS = "corpus.ids.gz"  # in a draft folder: the distilled answers the index starts from
 KEY_LENGTHS = (4, 2)  # longest first: a 4-token key finds long matches among common bigrams
@@ -70,7 +71,7 @@ class _Segment:
                 if len(bucket) > self.slots:
                     del bucket[0]
 
-    def match_length(self, position: int, context: array, max_match: int) -> int:
+    def match_length(self, position: int, context: array[int], max_match: int) -> int:
         """How many tokens before `position` equal the context's last ones (up to max_match)."""
         tokens = self.tokens
         low, high = 0, min(max_match, position, len(context))
@@ -82,6 +83,16 @@ class _Segment:
             else:
                 high = middle - 1
         return low
+
+
+class IndexOptions(TypedDict, total=False):
+    """SuffixIndex's keyword options, for the constructors that pass them on."""
+
+    max_tokens: int
+    max_match: int
+    slots: int
+    segment_tokens: int
+    min_probability: float
 
 
 class SuffixIndex:
@@ -153,7 +164,7 @@ class SuffixIndex:
         tokens (majority vote among equally long matches), and that match length (0: none)."""
         return propose_across((self,), context, k)
 
-    def _longest(self, tail: array) -> tuple[int, list[tuple[array, int]]]:
+    def _longest(self, tail: array[int]) -> tuple[int, list[tuple[array[int], int]]]:
         """The longest match length and its candidates (segment tokens, continuation start);
         the caller holds the lock."""
         best, found = 0, []
@@ -172,7 +183,7 @@ class SuffixIndex:
 
     @classmethod
     def for_draft(
-        cls, draft: Path | None, vocab_size: int | None = None, **options: float
+        cls, draft: Path | None, vocab_size: int | None = None, **options: Unpack[IndexOptions]
     ) -> tuple[SuffixIndex, Path | None]:
         """An index seeded with the draft folder's SUFFIX_CORPUS if it has one, else empty;
         and the corpus it was seeded from (None: none)."""
@@ -183,7 +194,7 @@ class SuffixIndex:
 
     @classmethod
     def from_corpus(
-        cls, path: Path, vocab_size: int | None = None, **options: float
+        cls, path: Path, vocab_size: int | None = None, **options: Unpack[IndexOptions]
     ) -> SuffixIndex:
         """An index seeded with a corpus of token-id lines (`corpus.ids`, optionally gzipped).
 
@@ -244,7 +255,7 @@ def propose_across(
         return _vote(found, k, first.min_probability), best
 
 
-def _vote(candidates: list[tuple[array, int]], k: int, min_probability: float) -> list[int]:
+def _vote(candidates: list[tuple[array[int], int]], k: int, min_probability: float) -> list[int]:
     """A chain by majority: at each step the most frequent next token among the candidates
     (oldest first) that agree with the chain so far, ties to the newest. The chain's
     probability is the product of each step's share of the candidates (SuffixDecoding's path
