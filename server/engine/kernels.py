@@ -5,6 +5,9 @@ batch invariance by `invariant.make_invariant`) and owned by the TargetModel; ev
 it to attention through its Packing, so two targets in one process (tests, benchmarks) each
 run their own choice. It is frozen: a new choice is a new value (`with_grouped`,
 `with_invariance`) that keeps the same scratch buffers.
+
+Batch-invariant mode's rules live here too, as values (`Padding`, `BatchInvariance`, and the
+block sizes the kernels pad to); engine.invariant measures them and switches the model.
 """
 
 from __future__ import annotations
