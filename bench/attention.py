@@ -4,12 +4,12 @@ One row of `width` queries (1: a decode step; 4, 8, 17: verify passes) against a
 length, for the default model's shape (SmolLM2-135M: 9 query heads over 3 key/value heads,
 head_dim 64, 30 layers), in bf16 and float32. Each layer has its own keys and values, views of
 a cache longer than the pass as SlotCache gives them (so 30 layers stream from memory as a
-real pass does); the mask is the packed pass's own (slot_cache.pack). Kernels:
+real pass does); the mask is the packed pass's own (engine.packing.pack). Kernels:
 
 - sdpa_expand: K/V repeated to 9 heads, then SDPA (what transformers' SDPA attention does);
 - sdpa_gqa: SDPA with enable_gqa (kenspec's SDPA path);
-- grouped: slot_cache.grouped_attention (bf16: keys and values converted into float32
-  buffers, float32 math);
+- grouped: attention.grouped_attention (bf16: keys and values converted into float32
+  buffers kept from call to call, as a target's kernels keep them; float32 math);
 - grouped_native (bf16 only): grouped_attention with upcast=False, products in bf16 in place.
 
 Reports, per dtype, width and length, the median over `--repeats` of one pass through all
@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import machine
-from server.engine.slot_cache import grouped_attention, pack, sdpa_attention
+from server.engine.attention import grouped_attention, sdpa_attention
+from server.engine.kernels import ScratchBuffers
+from server.engine.packed_pass import pack
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,16 +48,24 @@ def sdpa_expand(query, key, value, mask) -> torch.Tensor:  # type: ignore[no-unt
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
 
 
-def grouped_native(query, key, value, mask) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    return grouped_attention(query, key, value, mask, upcast=False)
+KERNEL_NAMES = ("sdpa_expand", "sdpa_gqa", "grouped", "grouped_native")
 
 
-KERNELS: dict[str, Kernel] = {
-    "sdpa_expand": sdpa_expand,
-    "sdpa_gqa": sdpa_attention,
-    "grouped": grouped_attention,
-    "grouped_native": grouped_native,
-}
+def kernels_by_name(scratch: ScratchBuffers) -> dict[str, Kernel]:
+    """The kernels of KERNEL_NAMES, the grouped ones converting into `scratch`'s buffers."""
+
+    def grouped(query, key, value, mask) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return grouped_attention(query, key, value, mask, scratch=scratch)
+
+    def grouped_native(query, key, value, mask) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return grouped_attention(query, key, value, mask, upcast=False)
+
+    return {
+        "sdpa_expand": sdpa_expand,
+        "sdpa_gqa": sdpa_attention,
+        "grouped": grouped,
+        "grouped_native": grouped_native,
+    }
 
 
 @torch.inference_mode()
@@ -82,11 +92,12 @@ def time_kernels(
     ]
     query = torch.randn(1, heads, width, head_dim, dtype=dtype)
     mask = pack([length], [[1] * width], dtype, torch.device("cpu")).packing.mask
+    by_name = kernels_by_name(ScratchBuffers())
     samples: dict[str, list[float]] = {name: [] for name in kernels}
     for repeat in range(repeats + 1):  # the first warms up and is dropped
         order = list(kernels) if repeat % 2 else list(reversed(kernels))
         for name in order:
-            kernel = KERNELS[name]
+            kernel = by_name[name]
             started = time.perf_counter()
             for key, value in caches:
                 kernel(query, key, value, mask)
@@ -103,7 +114,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[150, 1000, 2000, 4000, 6500])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8, 17])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument(
+        "--kernels", nargs="+", default=list(KERNEL_NAMES), choices=list(KERNEL_NAMES)
+    )
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)

@@ -14,6 +14,7 @@ import torch
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
 from server.engine.admission import BatchSettings
+from server.engine.attention_choice import measure_grouped
 from server.engine.costs import Calibration, PassCosts, calibrate, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.invariant import make_invariant
@@ -27,7 +28,6 @@ from server.engine.params import (
     StoppingParams,
 )
 from server.engine.recycled import RecycledPredictions
-from server.engine.slot_cache import KERNELS, measure_grouped, use_grouped
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
@@ -73,7 +73,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
             linear_padding=str(invariance.padding),
             attention="invariant",
             value_block=invariance.value_block,
-            short_keys=list(KERNELS.short_keys),
+            short_keys=list(target.kernels.short_keys),
             tree_budget=tree_budget,
         )
         skinny_rows: set[int] = set()
@@ -232,17 +232,21 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
 
 def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
     """Passes of a few queries per row through grouped products instead of SDPA, by width and
-    from the context length where timed faster (engine.slot_cache); or (--attention) SDPA
-    always, or grouped up to 16 queries per row at any length."""
+    from the context length where timed faster (engine.attention_choice); or (--attention)
+    SDPA always, or grouped up to 16 queries per row at any length. The target's kernels."""
     if mode != "auto":
-        use_grouped({} if mode == "sdpa" else {16: 0})
+        target.kernels = target.kernels.with_grouped({} if mode == "sdpa" else {16: 0})
         log.info("attention_kernels", mode=mode)
         return
     lengths = [n for n in (128, 512, 2048) if n <= target.max_context] or [target.max_context]
     chosen, timings = measure_grouped(
-        *target.attention_shape, target.dtype, target.device, kv_lengths=lengths
+        *target.attention_shape,
+        target.dtype,
+        target.device,
+        kv_lengths=lengths,
+        kernels=target.kernels,
     )
-    use_grouped(chosen)
+    target.kernels = target.kernels.with_grouped(chosen)
     log.info(
         "attention_kernels",
         grouped={str(width): length for width, length in chosen.items()},
@@ -278,7 +282,7 @@ def _breaker_and_pass_costs(
         dtype=str(target.dtype),
         device=str(target.device),
         skinny_rows=sorted(skinny_rows),
-        attention=[list(entry) for entry in KERNELS.grouped],
+        attention=[list(entry) for entry in target.kernels.grouped],
         batch_invariant=settings.batch_invariant,
         gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         k=k,

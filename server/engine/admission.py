@@ -26,8 +26,8 @@ import structlog
 
 from server.engine.events import EngineEvents
 from server.engine.generation import Generation, Round
+from server.engine.kv_cache import SlotCache
 from server.engine.prefix_cache import Prefix, PrefixCache
-from server.engine.slot_cache import SlotCache
 from server.engine.target import TargetModel
 
 log = structlog.get_logger("kenspec.batch")

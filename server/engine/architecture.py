@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from server.engine.slot_cache import SlotCache, pack
+from server.engine.kernels import Kernels
+from server.engine.kv_cache import SlotCache
+from server.engine.packed_pass import pack
 
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 _ALIBI_TYPES = {"bloom"}  # always ALiBi; MPT and Falcon say so in their configs
@@ -96,10 +98,13 @@ def served_context(config: PretrainedConfig, windows: frozenset[int]) -> int:
 
 
 @torch.inference_mode()
-def check_packed_passes(model: PreTrainedModel, implementation: str) -> frozenset[int]:
+def check_packed_passes(
+    model: PreTrainedModel, implementation: str, kernels: Kernels | None = None
+) -> frozenset[int]:
     """Switch the model's attention to `implementation` (packed attention) after checking
     that packed passes give the logits of the model's own forward; the sliding windows its
-    layers passed to packed attention.
+    layers passed to packed attention. The passes take `kernels` (the target's; None: the
+    stock choice).
 
     A prompt of _CHECK_TOKENS tokens runs through the model as shipped, then as two packed
     rows (its first 8 and first 5 tokens, then the rest of each, so the second pass reads
@@ -107,14 +112,14 @@ def check_packed_passes(model: PreTrainedModel, implementation: str) -> frozense
     """
     config = model.config
     device = next(model.parameters()).device
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[no-untyped-call]
     tokens = [(7 + 31 * index) % vocab for index in range(_CHECK_TOKENS)]
     expected = model(input_ids=torch.tensor([tokens], device=device)).logits[0].float()
     model.set_attn_implementation(implementation)
     cache = SlotCache(2, 2 * _CHECK_TOKENS)  # room for the shorter row's padding
     try:
-        first, _ = _packed_logits(model, cache, [0, 0], [tokens[:8], tokens[:5]])
-        second, windows = _packed_logits(model, cache, [8, 5], [tokens[8:], tokens[5:]])
+        first, _ = _packed_logits(model, cache, [0, 0], [tokens[:8], tokens[:5]], kernels)
+        second, windows = _packed_logits(model, cache, [8, 5], [tokens[8:], tokens[5:]], kernels)
     except NotImplementedError as error:
         raise _refusal(config, "an attention argument", str(error)) from None
     got = torch.cat([first[0], first[1], second[0], second[1]])
@@ -136,10 +141,11 @@ def _packed_logits(
     cache: SlotCache,
     lengths: Sequence[int],
     token_rows: Sequence[Sequence[int]],
+    kernels: Kernels | None,
 ) -> tuple[list[torch.Tensor], frozenset[int]]:
     """Each row's logits [tokens, vocab] in float32, and the windows the layers asked for."""
     device = next(model.parameters()).device
-    packed = pack(lengths, token_rows, model.dtype, device)
+    packed = pack(lengths, token_rows, model.dtype, device, kernels=kernels)
     cache.bind(0, packed)
     logits = model(
         input_ids=packed.input_ids,

@@ -282,7 +282,7 @@ class Batch:
         skips = [generation.prefill_remaining for generation in generations]
         gains = [generation.draft_gains() for generation in generations]
         block = self.target.tree_key_block
-        if block:  # batch invariance: keys summed in order (slot_cache.invariant_attention)
+        if block:  # batch invariance: keys summed in order (attention.invariant_attention)
             gains = [
                 g[: n.drafts_in_blocks(block)] for g, n in zip(gains, generations, strict=True)
             ]

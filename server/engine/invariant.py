@@ -10,11 +10,11 @@ pass, so speculation, batching, chunked prefill and the prefix cache change gree
   rows. Every linear layer's input is padded with zero rows to a row count the kernels treat
   alike (bf16: at least 2; float32: a multiple of 4), chosen at start-up by measurement on the
   model's own layers (`choose_padding`), so the rule follows the CPU and its libraries. The
-  whole pass is padded to such a count where the cache has room (TargetModel.pass_padding):
+  whole pass is padded to such a count where the cache has room (Kernels.pass_padding):
   one padding token instead of a padded copy in each of the model's linear layers.
 - Attention. SDPA's kernels split the work by the number of queries; `invariant_attention`
-  pads queries and keys to fixed blocks (slot_cache), and every pass, prefill included, goes
-  there.
+  pads queries and keys to fixed blocks (engine.attention), and every pass, prefill included,
+  goes there.
   A token tree's node sums its keys in the order a sequence would: its scores are reordered
   around the softmax (Packing.sequence_order), and the batch keeps only nodes whose cache
   slot lies in the same block of summed keys as their position (`value_block`, measured).
@@ -22,40 +22,22 @@ pass, so speculation, batching, chunked prefill and the prefix cache change gree
   model's own output layer, padded like the others, computes the pass's rows.
 
 Rows of zeros change no other row's result; what they cost is measured in bench/ (see
-docs/design.md, "Batch invariance").
+docs/design.md, "Batch invariance"). The mode is a property of the target's Kernels (a
+BatchInvariance in them, which every pass hands to attention), not of the process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from server.engine.slot_cache import KERNELS, KEY_BLOCK, MIN_KEYS
-
-
-@dataclass(frozen=True, slots=True)
-class Padding:
-    """Pad a product's rows to at least `minimum` and to a multiple of `multiple`; with a
-    `block`, a product of more rows runs `block` rows at a time, the last block padded."""
-
-    minimum: int = 1
-    multiple: int = 1
-    block: int = 0  # 0: any number of rows in one product
-
-    def rows(self, rows: int) -> int:
-        if self.block and rows > self.block:
-            tail = rows % self.block
-            return rows - tail + (self._padded(tail) if tail else 0)
-        return self._padded(rows)
-
-    def _padded(self, rows: int) -> int:
-        return max(self.minimum, -(-rows // self.multiple) * self.multiple)
-
+from server.engine.kernels import KEY_BLOCK, MIN_KEYS, BatchInvariance, Kernels, Padding
 
 # Tried in order; the first that makes every layer of the model invariant is used. The blocked
 # ones are for CPUs whose bf16 products switch kernels past a row count (on AMX, oneDNN gives
@@ -79,7 +61,10 @@ class InvariantError(RuntimeError):
     """No padding rule makes this machine's kernels batch-invariant."""
 
 
-def _padded(product, x: torch.Tensor, padding: Padding) -> torch.Tensor:
+Product = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, out]
+
+
+def _padded(product: Product, x: torch.Tensor, padding: Padding) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     block = padding.block if padding.block and rows > padding.block else rows
@@ -89,7 +74,7 @@ def _padded(product, x: torch.Tensor, padding: Padding) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _padded_block(product, flat: torch.Tensor, padding: Padding) -> torch.Tensor:
+def _padded_block(product: Product, flat: torch.Tensor, padding: Padding) -> torch.Tensor:
     rows = len(flat)
     wanted = padding.rows(rows)
     if wanted == rows:
@@ -119,10 +104,12 @@ _INVARIANT = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
 _STOCK = {invariant: stock for stock, invariant in _INVARIANT.items()}
 
 
-def linear_layers(model: nn.Module) -> list[nn.Module]:
+Linear = nn.Linear | Conv1D  # a linear layer, either way its weight is stored
+
+
+def linear_layers(model: nn.Module) -> list[Linear]:
     """Every linear layer, the output layer included (stock or already switched)."""
-    kinds = (nn.Linear, Conv1D)
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    return [m for m in model.modules() if isinstance(m, nn.Linear | Conv1D)]
 
 
 def use_padding(model: nn.Module, padding: Padding | None) -> None:
@@ -136,15 +123,16 @@ def use_padding(model: nn.Module, padding: Padding | None) -> None:
             layer.__dict__.pop("padding", None)
         else:
             layer.__class__ = _INVARIANT[stock]
-            layer.padding = padding
+            if isinstance(layer, InvariantLinear | InvariantConv1D):
+                layer.padding = padding
 
 
 @torch.inference_mode()
-def invariant_under(layer: nn.Module, rows: Sequence[int] = _CHECKED_ROWS) -> bool:
+def invariant_under(layer: Linear, rows: Sequence[int] = _CHECKED_ROWS) -> bool:
     """Whether `layer` (as switched now) gives each of 64 random rows the same bits computed
     among any of `rows` rows at a time."""
-    features = layer.weight.shape[0 if isinstance(layer, Conv1D) else 1]
-    weight = layer.weight
+    weight: torch.Tensor = layer.weight
+    features = weight.shape[0 if isinstance(layer, Conv1D) else 1]
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(64, features, generator=generator).to(weight.device, weight.dtype)
     reference = None
@@ -160,9 +148,10 @@ def invariant_under(layer: nn.Module, rows: Sequence[int] = _CHECKED_ROWS) -> bo
 def choose_padding(model: nn.Module) -> Padding:
     """The first candidate padding under which every distinct linear layer shape is invariant
     (switched on in the model); InvariantError if none is."""
-    layers = {}
+    layers: dict[tuple[type, tuple[int, ...]], Linear] = {}
     for layer in linear_layers(model):
-        layers.setdefault((type(layer), tuple(layer.weight.shape)), layer)
+        weight: torch.Tensor = layer.weight
+        layers.setdefault((type(layer), tuple(weight.shape)), layer)
     for padding in CANDIDATES:
         use_padding(model, padding)
         if all(invariant_under(layer) for layer in layers.values()):
@@ -241,6 +230,23 @@ def short_key_counts(device: torch.device, dim: int, rows: int = 8) -> tuple[int
     return tuple(counts)
 
 
+class InvariantTarget(Protocol):
+    """What make_invariant switches (TargetModel): its layers, kernels and output layer."""
+
+    head_t: torch.Tensor | None
+    plain_head: bool
+    kernels: Kernels
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def attention_shape(self) -> tuple[int, int, int]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Invariance:
     """What `make_invariant` switched, to report and to undo."""
@@ -252,27 +258,23 @@ class Invariance:
     plain_head: bool
 
 
-def make_invariant(target) -> Invariance:  # type: ignore[no-untyped-def]
+def make_invariant(target: InvariantTarget) -> Invariance:
     """Switch `target` (a TargetModel) to batch-invariant execution: padded linear layers and
     passes, invariant_attention for every pass, the output layer over the pass's rows, token
-    trees cut to the measured block of summed keys. Process-wide for the attention choice
-    (slot_cache.KERNELS), as that choice always is."""
+    trees cut to the measured block of summed keys. The target's own: its layers and its
+    Kernels (a new value, holding what was measured), nothing process-wide."""
     padding = choose_padding(target.model)
-    block = value_block(target.device, target.attention_shape[2])
+    dim = target.attention_shape[2]
+    block = value_block(target.device, dim)
     before = Invariance(padding, block, target.head_t, target.plain_head)
-    KERNELS.invariant = True  # invariant_attention for every pass, whatever KERNELS.grouped says
-    KERNELS.short_keys = short_key_counts(target.device, target.attention_shape[2])
+    measured = BatchInvariance(padding, block, short_key_counts(target.device, dim))
+    target.kernels = target.kernels.with_invariance(measured)
     target.head_t = None  # no lazy rows: the output layer runs as a linear layer of the pass
     target.plain_head = False
-    target.tree_key_block = block or 1  # unmeasured: a tree's nodes only where slot = position
-    target.pass_padding = padding  # whole passes padded: no per-layer padding where room
     return before
 
 
-def undo_invariant(target, before: Invariance) -> None:  # type: ignore[no-untyped-def]
+def undo_invariant(target: InvariantTarget, before: Invariance) -> None:
     use_padding(target.model, None)
-    KERNELS.invariant = False
-    KERNELS.short_keys = ()
+    target.kernels = target.kernels.with_invariance(None)
     target.head_t, target.plain_head = before.head_t, before.plain_head
-    target.tree_key_block = 0
-    target.pass_padding = None

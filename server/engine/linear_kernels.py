@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 
@@ -52,7 +53,8 @@ class SkinnyConv1D(Conv1D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows not in self.skinny_rows:
-            return super().forward(x)
+            stock: torch.Tensor = super().forward(x)  # type: ignore[no-untyped-call]
+            return stock
         out = _skinny(self.weight.t(), x.reshape(rows, x.shape[-1])) + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -61,9 +63,13 @@ _SKINNY = {nn.Linear: SkinnyLinear, Conv1D: SkinnyConv1D}  # stock class -> its 
 _STOCK = {skinny: stock for stock, skinny in _SKINNY.items()}
 
 
-def _linear_weight(layer: nn.Module) -> torch.Tensor:
+Linear = nn.Linear | Conv1D  # a linear layer, either way its weight is stored
+
+
+def _linear_weight(layer: Linear) -> torch.Tensor:
     """The layer's weight as F.linear takes it, [out, in] (a view for Conv1D)."""
-    return layer.weight.t() if isinstance(layer, Conv1D) else layer.weight
+    weight: torch.Tensor = layer.weight
+    return weight.t() if isinstance(layer, Conv1D) else weight
 
 
 def _skinny(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +77,13 @@ def _skinny(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weight @ x.t()).t().contiguous()
 
 
-def decoder_linears(model: nn.Module) -> list[nn.Module]:
+def decoder_linears(model: nn.Module) -> list[Linear]:
     """The model's linear layers (nn.Linear or Conv1D) but its output layer, in forward order."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = (
+        model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        if isinstance(model, PreTrainedModel)
+        else None
+    )
     return [m for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
 
 
@@ -85,8 +94,9 @@ def use_skinny(model: nn.Module, rows: Iterable[int]) -> None:
         stock = _STOCK.get(type(layer), type(layer))
         if chosen and stock in _SKINNY:
             layer.__class__ = _SKINNY[stock]
-            layer.skinny_rows = chosen
-        elif type(layer) in _STOCK:
+            if isinstance(layer, SkinnyLinear | SkinnyConv1D):
+                layer.skinny_rows = chosen
+        elif isinstance(layer, SkinnyLinear | SkinnyConv1D):
             layer.__class__ = stock
             del layer.skinny_rows
 
@@ -94,7 +104,9 @@ def use_skinny(model: nn.Module, rows: Iterable[int]) -> None:
 @contextmanager
 def stock_linears(model: nn.Module) -> Iterator[None]:
     """Plain nn.Linear everywhere inside the block (e.g. to time transformers as shipped)."""
-    skinny = [layer for layer in decoder_linears(model) if type(layer) in _STOCK]
+    skinny = [
+        layer for layer in decoder_linears(model) if isinstance(layer, SkinnyLinear | SkinnyConv1D)
+    ]
     rows = skinny[0].skinny_rows if skinny else frozenset()
     use_skinny(model, ())
     try:
@@ -121,7 +133,9 @@ def measure_skinny_rows(
     layers = decoder_linears(model)
     if not layers:
         return frozenset(), {}
-    weights = [(_linear_weight(layer), layer.bias) for layer in layers]
+    weights: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+        (_linear_weight(layer), layer.bias) for layer in layers
+    ]
     timings: dict[int, tuple[float, float]] = {}
     for rows in candidates:
         inputs = {

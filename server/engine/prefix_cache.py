@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.slot_cache import SlotCache
+from server.engine.kv_cache import SlotCache
 from server.engine.tenant_index import SHARED_TENANT
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jinja2
 import torch
@@ -25,11 +24,11 @@ from server.engine.architecture import (
     refuse_unsupported,
     served_context,
 )
+from server.engine.attention import PACKED_ATTENTION
+from server.engine.kernels import Kernels
+from server.engine.kv_cache import SlotCache
+from server.engine.packed_pass import pack
 from server.engine.pass_logits import PassLogits, split_pass
-from server.engine.slot_cache import PACKED_ATTENTION, SlotCache, pack
-
-if TYPE_CHECKING:
-    from server.engine.invariant import Padding
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
@@ -159,11 +158,9 @@ class TargetModel:
     plain_head: bool = False  # logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES)
     # A pass's rows in one product, its greedy tokens in one copy (PassLogits): accelerators.
     pass_rows: bool = False
-    # Batch-invariant mode (engine.invariant): a token tree's node is verified only where its
-    # cache slot and its position lie in one block of this many keys (0: anywhere); a pass is
-    # padded to a token count its linear layers treat alike (None: as it comes).
-    tree_key_block: int = 0
-    pass_padding: Padding | None = None
+    # The kernels its passes take (attention's choice, batch-invariant mode), chosen at
+    # start-up (server.runtime) and handed to attention by every pass (Packing.kernels).
+    kernels: Kernels = field(default_factory=Kernels)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
@@ -180,20 +177,14 @@ class TargetModel:
                 f"(model_type={config.model_type!r}): {error}"
             ) from error
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        model.to(resolved_device).eval()
+        model.to(resolved_device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
+        kernels = Kernels()
         try:
             refuse_unsupported(model)
-            windows = check_packed_passes(model, PACKED_ATTENTION)
+            windows = check_packed_passes(model, PACKED_ATTENTION, kernels)
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{directory}: {error}") from None
-        head_t = None
-        # float32 only: in bf16 a GEMV against a transposed copy can be far slower than
-        # transformers' own head (no native bf16 GEMV kernels on many CPUs).
-        head = model.get_output_embeddings()
-        plain_head = config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
-        # On a CPU only: an accelerator computes a pass's rows in one product (PassLogits).
-        if plain_head and resolved_dtype == torch.float32 and resolved_device.type == "cpu":
-            head_t = head.weight.detach().t().contiguous()
+        plain_head, head_t = _output_layer(model, directory)
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -206,6 +197,7 @@ class TargetModel:
             softcap=getattr(config, "final_logit_softcapping", None),
             plain_head=plain_head,
             pass_rows=resolved_device.type != "cpu",
+            kernels=kernels,
         )
 
     def synchronize(self) -> None:
@@ -213,6 +205,12 @@ class TargetModel:
         measures the pass, not its launch; nothing on a CPU."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @property
+    def tree_key_block(self) -> int:
+        """Batch-invariant mode: a token tree's node is verified only where its cache slot and
+        its position lie in one block of this many keys (0: anywhere; Kernels.tree_key_block)."""
+        return self.kernels.tree_key_block
 
     @property
     def attention_shape(self) -> tuple[int, int, int]:
@@ -282,7 +280,7 @@ class TargetModel:
         next-token logits in fp32 of its tokens after the first skips[i] (0 by default; e.g.
         prompt tokens prefilled in the same pass): a LazyLogits where the architecture allows
         it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both are indexed the same way.
-        parents[i]: None, or a token tree over row i's tokens (see slot_cache.pack).
+        parents[i]: None, or a token tree over row i's tokens (see packed_pass.pack).
         """
         skips = list(skips) if skips is not None else [0] * len(token_rows)
         hidden, starts = self._run(
@@ -349,13 +347,20 @@ class TargetModel:
     ) -> tuple[torch.Tensor, list[int]]:
         """One packed pass: hidden states [tokens, hidden] (or logits [tokens, vocab]) and
         where each row's tokens start among them."""
-        if self.pass_padding is not None:  # once here, not in each linear layer (where room)
+        padding = self.kernels.pass_padding
+        if padding is not None:  # once here, not in each linear layer (where room)
             tokens = sum(len(row) for row in token_rows)
-            wanted = self.pass_padding.rows(max(min_tokens, tokens))
+            wanted = padding.rows(max(min_tokens, tokens))
             if lengths[-1] + len(token_rows[-1]) + wanted - tokens <= self.max_context:
                 min_tokens = wanted  # pack pads the last row by wanted - tokens
         packed = pack(
-            lengths, token_rows, self.dtype, self.device, pad_to=min_tokens, parents=parents
+            lengths,
+            token_rows,
+            self.dtype,
+            self.device,
+            pad_to=min_tokens,
+            parents=parents,
+            kernels=self.kernels,
         )
         cache.bind(first_row, packed)
         inputs = {
@@ -370,6 +375,21 @@ class TargetModel:
         if logits:
             return self.model(**inputs).logits[0], packed.starts
         return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
+
+
+def _output_layer(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:
+    """Whether the logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES, no
+    bias), and the layer transposed for LazyLogits where they are computed so (or None)."""
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    if not isinstance(head, torch.nn.Linear):
+        raise TargetLoadError(f"{directory}: its output layer is not a linear layer")
+    plain_head = model.config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
+    # float32 only: in bf16 a GEMV against a transposed copy can be far slower than
+    # transformers' own head (no native bf16 GEMV kernels on many CPUs). On a CPU only: an
+    # accelerator computes a pass's rows in one product (PassLogits).
+    if plain_head and model.dtype == torch.float32 and model.device.type == "cpu":
+        return plain_head, head.weight.detach().t().contiguous()
+    return plain_head, None
 
 
 def _check_model_dir(directory: Path) -> None:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
+from server.engine import attention
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.invariant import (
     CANDIDATES,
-    Padding,
     choose_padding,
     invariant_under,
     make_invariant,
@@ -27,7 +27,7 @@ from server.engine.invariant import (
     use_padding,
     value_block,
 )
-from server.engine.slot_cache import KERNELS
+from server.engine.kernels import Padding
 from server.engine.target import TargetModel, cpu_has_native_bf16
 from server.runtime import load_runtime
 from server.settings import Settings
@@ -49,7 +49,7 @@ def wide_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(params=["bfloat16", "float32"])
 def invariant_target(request, wide_model_dir) -> Iterator[TargetModel]:
-    """The wide model in the mode; the process-wide attention choice restored after."""
+    """The wide model in the mode; its layers and kernels restored after."""
     target = TargetModel.load(wide_model_dir, device="cpu", dtype=request.param)
     before = make_invariant(target)
     yield target
@@ -217,7 +217,7 @@ def test_without_the_mode_some_logits_depend_on_the_pass(wide_model_dir) -> None
     """What the mode is for: the stock kernels give some token other bits in another pass.
     The wide pass has 40 tokens: some CPUs' kernels agree from 1 to 32 rows (oneDNN on AMX)."""
     target = TargetModel.load(wide_model_dir, device="cpu", dtype="bfloat16")
-    assert not KERNELS.invariant
+    assert not target.kernels.invariant
     differing = 0
     for prompt_text in PROMPTS:
         prompt = target.encode_prompt(prompt_text)
@@ -253,18 +253,45 @@ def test_the_server_runtime_verifies_trees_in_the_mode(wide_model_dir) -> None:
         calibration_cache="none",
         prefix_cache_mb=0,
     )
-    before = KERNELS.grouped, KERNELS.upcast
+    runtime = load_runtime(settings)
+    target = runtime.engine.target
     try:
-        runtime = load_runtime(settings)
         measured = value_block(torch.device("cpu"), 32)
         trees = settings.tree_budget if measured else 1  # no block measured: chains
         assert runtime.engine.context.tree_budget == trees and settings.tree_budget > 1
-        assert runtime.engine.target.tree_key_block == (measured or 1)
-        assert KERNELS.invariant and runtime.engine.target.head_t is None
+        assert target.tree_key_block == (measured or 1)
+        assert target.kernels.invariant and target.head_t is None
     finally:
-        use_padding(runtime.engine.target.model, None)
-        KERNELS.grouped, KERNELS.upcast = before
-        KERNELS.invariant, KERNELS.short_keys = False, ()
+        use_padding(target.model, None)
+
+
+def test_the_mode_belongs_to_its_target_not_to_the_process(wide_model_dir, monkeypatch) -> None:
+    """Batch invariance is a property of a target's kernels: a second target loaded beside
+    one in the mode keeps the stock kernels, and only the first's passes take
+    invariant_attention; undone, the first is back to the stock ones."""
+    calls: list[int] = []
+    original = attention.invariant_attention
+
+    def spy(query, *args, **options):  # type: ignore[no-untyped-def]
+        calls.append(query.shape[2])
+        return original(query, *args, **options)
+
+    monkeypatch.setattr(attention, "invariant_attention", spy)
+    invariant = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+    before = make_invariant(invariant)
+    try:
+        stock = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+        assert invariant.kernels.invariant and invariant.kernels.pass_padding is not None
+        assert not stock.kernels.invariant and stock.kernels.pass_padding is None
+        assert stock.tree_key_block == 0 < invariant.tree_key_block
+        for target in (stock, invariant):
+            cache = target.new_cache(1)
+            target.prefill(cache, 0, 0, target.encode_prompt(PROMPTS[0]))
+        # one call a layer, for one pass: the invariant target's prefill, not the stock one's
+        assert len(calls) == invariant.model.config.num_hidden_layers
+    finally:
+        undo_invariant(invariant, before)
+    assert not invariant.kernels.invariant and invariant.tree_key_block == 0
 
 
 def test_float32_greedy_in_the_mode_with_trees_is_transformers_generate(wide_model_dir) -> None:

@@ -1,4 +1,4 @@
-"""Grouped attention (slot_cache.grouped_attention): the kernel for passes of a few queries per
+"""Grouped attention (attention.grouped_attention): the kernel for passes of a few queries per
 row. It equals SDPA on causal and tree masks, GQA and MHA, float32 and bf16; reads a float32
 cache in place; gives each query the same bits whatever shares its pass; and keeps greedy
 output identical to transformers' `generate` on short and long prompts, in batches and with
@@ -13,30 +13,25 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from server.engine import slot_cache
+from server.engine import attention
 from server.engine.admission import BatchSettings
+from server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
+from server.engine.attention_choice import choose_grouped, measure_grouped
 from server.engine.batch import Batch
-from server.engine.slot_cache import (
-    KERNELS,
-    choose_grouped,
-    grouped_attention,
-    invariant_attention,
-    measure_grouped,
-    pack,
-    sdpa_attention,
-    use_grouped,
-)
+from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
+from server.engine.packed_pass import pack
+from server.engine.packing import tree_key_order
+from server.engine.target import TargetModel
 from tests import tiny
 from tests.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
 
 @pytest.fixture(autouse=True)
-def grouped_on() -> Iterator[None]:
-    """Every pass of up to 16 queries per row through the grouped kernel, at any length."""
-    saved = KERNELS.grouped
-    use_grouped({16: 0})
+def grouped_on(tiny_target: TargetModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every pass of up to 16 queries per row through the grouped kernel, at any length (the
+    tiny target's kernels, restored after)."""
+    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels.with_grouped({16: 0}))
     yield
-    KERNELS.grouped = saved
 
 
 @pytest.fixture
@@ -44,13 +39,13 @@ def grouped_calls(monkeypatch) -> list[tuple[int, int, int]]:
     """(rows, width, kv_length) of every grouped call a pass makes (packed_attention looks the
     kernel up by name, so the spy sees what the model runs)."""
     calls: list[tuple[int, int, int]] = []
-    original = slot_cache.grouped_attention
+    original = attention.grouped_attention
 
     def spy(query, key, value, mask, scaling=None, **options):  # type: ignore[no-untyped-def]
         calls.append((query.shape[0], query.shape[2], key.shape[2]))
         return original(query, key, value, mask, scaling, **options)
 
-    monkeypatch.setattr(slot_cache, "grouped_attention", spy)
+    monkeypatch.setattr(attention, "grouped_attention", spy)
     return calls
 
 
@@ -162,9 +157,10 @@ def test_the_cache_is_read_in_place(dtype: torch.dtype, upcast: bool) -> None:
     which goes into buffers kept from call to call."""
     inputs = packed_inputs(9, 3, 64, dtype, [600, 300], [1, 1])
     kv_length = inputs[1].shape[2]
-    grouped_attention(*inputs, upcast=upcast)  # the upcast buffers grow on a first call
+    scratch = ScratchBuffers()  # as a target's kernels keep them
+    grouped_attention(*inputs, upcast=upcast, scratch=scratch)  # the buffers grow on a first call
     with profile(record_shapes=True) as recorded:
-        grouped_attention(*inputs, upcast=upcast)
+        grouped_attention(*inputs, upcast=upcast, scratch=scratch)
     copies = [
         (event.name, shape)
         for event in recorded.events()
@@ -287,16 +283,12 @@ def test_the_choice_follows_the_timings() -> None:
     }
     chosen = choose_grouped(timings)
     assert chosen == {1: 128, 4: 512, 8: 2048}
-    saved = KERNELS.grouped
-    try:
-        use_grouped(chosen)
-        assert KERNELS.takes_grouped(1, 128) and not KERNELS.takes_grouped(1, 127)
-        assert KERNELS.takes_grouped(3, 512) and not KERNELS.takes_grouped(3, 400)
-        assert KERNELS.takes_grouped(8, 2048) and not KERNELS.takes_grouped(9, 4000)
-        use_grouped({})
-        assert not KERNELS.takes_grouped(1, 4000)
-    finally:
-        KERNELS.grouped = saved
+    kernels = Kernels().with_grouped(chosen)
+    assert kernels.takes_grouped(1, 128) and not kernels.takes_grouped(1, 127)
+    assert kernels.takes_grouped(3, 512) and not kernels.takes_grouped(3, 400)
+    assert kernels.takes_grouped(8, 2048) and not kernels.takes_grouped(9, 4000)
+    assert not kernels.with_grouped({}).takes_grouped(1, 4000)
+    assert kernels.with_grouped({}).scratch is kernels.scratch  # a new choice, the same buffers
     assert choose_grouped({(1, 128): (1.0, 2.0)}) == {}
 
 
@@ -310,10 +302,10 @@ def test_measure_grouped_times_every_width_and_length() -> None:
 
 
 def test_sdpa_takes_the_passes_the_choice_leaves_it(
-    tiny_target, references, partly_matching, grouped_calls
+    tiny_target, references, partly_matching, grouped_calls, monkeypatch
 ) -> None:
     ids, expected = references[tiny.PROMPTS[0]]
-    use_grouped({})
+    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels.with_grouped({}))
     generation = generate(tiny_target, partly_matching, ids, max_new_tokens=len(expected), k=4)
     list(generation)
     assert generation.output_ids == expected
@@ -409,31 +401,30 @@ def test_token_trees_are_exact(
 
 
 @pytest.mark.parametrize(("mode", "grouped"), [("sdpa", ()), ("grouped", ((16, 0),))])
-def test_the_attention_flag_fixes_the_choice(tiny_target, mode, grouped) -> None:
+def test_the_attention_flag_fixes_the_choice(tiny_target, mode, grouped, monkeypatch) -> None:
     from server import runtime
-    from server.engine import slot_cache
 
-    before = slot_cache.KERNELS.grouped
-    try:
-        runtime._choose_attention_kernels(tiny_target, mode)
-        assert slot_cache.KERNELS.grouped == grouped
-    finally:
-        slot_cache.KERNELS.grouped = before
+    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels)  # restored after
+    runtime._choose_attention_kernels(tiny_target, mode)
+    assert tiny_target.kernels.grouped == grouped
 
 
 # -- batch-invariant mode's kernel ----------------------------------------------------------
+
+
+def invariant_kernels() -> Kernels:
+    """Kernels in batch-invariant mode (no short key counts measured)."""
+    return Kernels(invariance=BatchInvariance(Padding(), value_block=None))
 
 
 def invariant_inputs(shape: str, dtype: torch.dtype, lengths, widths, parents=None):  # type: ignore[no-untyped-def]
     """packed_inputs, and the pass's packing as batch-invariant mode packs it (with the tree
     queries' sequence order)."""
     inputs = packed_inputs(*SHAPES[shape], dtype, lengths, widths, parents)
-    KERNELS.invariant = True
-    try:
-        tokens = [[1] * width for width in widths]
-        packing = pack(lengths, tokens, dtype, torch.device("cpu"), parents=parents).packing
-    finally:
-        KERNELS.invariant = False
+    tokens = [[1] * width for width in widths]
+    kernels = invariant_kernels()
+    cpu = torch.device("cpu")
+    packing = pack(lengths, tokens, dtype, cpu, parents=parents, kernels=kernels).packing
     assert torch.equal(packing.mask, inputs[3])
     return inputs, packing
 
@@ -480,8 +471,8 @@ def test_invariant_attention_soft_caps_and_takes_each_mask_it_is_given() -> None
 def test_a_tree_query_is_put_in_sequence_order() -> None:
     """A root and two children: the second child's ancestors are slots 0 and 2, so in
     sequence order its key 1 is slot 2 and key 2 is slot 1; the others are in order."""
-    assert slot_cache._sequence_order(5, [-1, 0, 0]) == [(5, 2, 1, 2), (5, 2, 2, 1)]
-    assert slot_cache._sequence_order(0, [-1, 0, 1]) == []  # a chain: slots are positions
+    assert tree_key_order(5, [-1, 0, 0]) == [(5, 2, 1, 2), (5, 2, 2, 1)]
+    assert tree_key_order(0, [-1, 0, 1]) == []  # a chain: slots are positions
 
 
 def test_sequence_order_indexes_each_tree_querys_own_scores() -> None:
@@ -489,18 +480,17 @@ def test_sequence_order_indexes_each_tree_querys_own_scores() -> None:
     flat indices move exactly each tree query's scores, within its own row, head and query,
     into its path's order (scores numbered by their place, so any other move shows)."""
     trees = {1: (5, [-1, 0, 0]), 2: (7, [-1, 0, 1, 0])}
-    KERNELS.invariant = True
-    try:
-        parents = [None, trees[1][1], trees[2][1]]
-        packing = pack(
-            [10, 5, 7],
-            [[1, 1], [1] * 3, [1] * 4],
-            torch.float32,
-            torch.device("cpu"),
-            parents=parents,
-        ).packing
-    finally:
-        KERNELS.invariant = False
+    parents = [None, trees[1][1], trees[2][1]]
+    packing = pack(
+        [10, 5, 7],
+        [[1, 1], [1] * 3, [1] * 4],
+        torch.float32,
+        torch.device("cpu"),
+        parents=parents,
+        kernels=invariant_kernels(),
+    ).packing
+    stock = pack([10], [[1] * 3], torch.float32, torch.device("cpu"), parents=[[-1, 0, 0]])
+    assert not stock.packing.reordered  # out of the mode, a tree's queries stay in slot order
     kv_heads, group, width, padded, keys = 2, 3, 4, 12, 64
     scores = torch.arange(3 * kv_heads * padded * keys, dtype=torch.float32)
     scores = scores.view(3 * kv_heads, padded, keys)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine import target as target_module
-from server.engine.slot_cache import pack
+from server.engine.packed_pass import pack
 from server.engine.target import TargetLoadError, TargetModel, resolve_dtype
 
 

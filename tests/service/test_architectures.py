@@ -24,12 +24,12 @@ from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server import runtime as runtime_module
 from server.app import KenspecServer
-from server.engine import slot_cache
+from server.engine import attention
 from server.engine.architecture import served_context
 from server.engine.batch import Batch
 from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_linears, use_skinny
+from server.engine.packed_pass import pack
 from server.engine.prefix_cache import PrefixCache
-from server.engine.slot_cache import KERNELS, pack
 from server.engine.target import TargetLoadError, TargetModel
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
@@ -93,7 +93,6 @@ def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
     )
     patch = pytest.MonkeyPatch()
     patch.setattr(runtime_module, "measure_skinny_rows", lambda model: (frozenset(range(2, 6)), {}))
-    patch.setattr(KERNELS, "grouped", KERNELS.grouped)  # restored for the other tests
     try:
         yield Served(model_type, directory, load_runtime(settings), references)
     finally:
@@ -171,7 +170,8 @@ async def test_a_solo_stream_equals_transformers_greedy(served: Served, monkeypa
     tokens, which take W @ x^T in every linear layer; attention by SDPA (soft-capped scores
     by grouped attention: SDPA has no capping). Twice: the second copies the first's keys
     and values from the prefix cache."""
-    monkeypatch.setattr(KERNELS, "grouped", ())
+    target = served.runtime.engine.target
+    monkeypatch.setattr(target, "kernels", target.kernels.with_grouped({}))
     copies: list[int] = []
     copy_into = PrefixCache.copy_into
 
@@ -325,12 +325,12 @@ def test_a_packed_pass_unlike_the_model_is_refused_at_load(
     """The load's check against the model's own forward: attention that dropped Gemma 2's
     score capping (a feature nothing else names) is caught, not served."""
     save_architecture(tmp_path, tokenizer, "gemma2")
-    uncapped = slot_cache.grouped_attention
+    uncapped = attention.grouped_attention
 
     def grouped_without_capping(*args, softcap=None, **options):  # type: ignore[no-untyped-def]
         return uncapped(*args, **options)
 
-    monkeypatch.setattr(slot_cache, "grouped_attention", grouped_without_capping)
+    monkeypatch.setattr(attention, "grouped_attention", grouped_without_capping)
     with pytest.raises(TargetLoadError, match="a packed pass's logits differ from the model's"):
         TargetModel.load(tmp_path, device="cpu", dtype="float32")
 
