@@ -14,7 +14,8 @@ import torch
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
 from server.engine.admission import BatchSettings
-from server.engine.costs import Calibration, PassCosts, calibrate, one_row_steps
+from server.engine.calibration import Calibration, calibrate
+from server.engine.costs import Costs, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
@@ -255,7 +256,7 @@ def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
 
 def _breaker_and_pass_costs(
     settings: Settings, target: TargetModel, skinny_rows: Sequence[int]
-) -> tuple[BreakerSettings, LiveCosts | PassCosts | None, Callable[[], None]]:
+) -> tuple[BreakerSettings, Costs | None, Callable[[], None]]:
     """The breaker, the pass costs batches choose widths by (measured, or read from the
     calibration cache; live unless --no-live-costs), and what saves them at shutdown."""
     breaker = BreakerSettings(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from server.engine.admission import Admission, BatchSettings, BatchStats, Deliver, Entry
-from server.engine.costs import PassCosts, choose_drafts
+from server.engine.costs import Costs, choose_drafts
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation, Round
 from server.engine.live_costs import LiveCosts
@@ -41,7 +41,7 @@ class Batch:
         target: TargetModel,
         settings: BatchSettings | None = None,
         *,
-        costs: PassCosts | LiveCosts | None = None,
+        costs: Costs | None = None,
         events: EngineEvents = NO_EVENTS,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:

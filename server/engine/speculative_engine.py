@@ -12,7 +12,7 @@ from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
-from server.engine.costs import PassCosts
+from server.engine.costs import Costs
 from server.engine.draft import Draft, DraftSession
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
@@ -60,7 +60,7 @@ class SpeculativeEngine:
         *,
         context: ContextSettings | None = None,
         batching: BatchSettings | None = None,
-        costs: PassCosts | LiveCosts | None = None,
+        costs: Costs | None = None,
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
