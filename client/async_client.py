@@ -18,7 +18,7 @@ from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
 from .routing import call_session, check_session_id, is_down, rendezvous_order, session_metadata
-from .tracing import trace_metadata
+from .trace_context import trace_metadata
 
 # (address for errors, stub): where a call goes, best first
 Routes = list[tuple[str, pb_grpc.GeneratorStub]]
