@@ -33,7 +33,7 @@ from server.engine.speculative_engine import BreakerSettings, ContextSettings, S
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.requests import Defaults, Limits, prompt_char_limit
+from server.generate_params import Defaults, Limits, prompt_char_limit
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.runtime")

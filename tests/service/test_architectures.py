@@ -23,7 +23,6 @@ from transformers.pytorch_utils import Conv1D
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server import runtime as runtime_module
-from server.app import KenspecServer
 from server.engine import slot_cache
 from server.engine.architecture import served_context
 from server.engine.batch import Batch
@@ -31,6 +30,7 @@ from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_lin
 from server.engine.prefix_cache import PrefixCache
 from server.engine.slot_cache import KERNELS, pack
 from server.engine.target import TargetLoadError, TargetModel
+from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
 from tests import tiny

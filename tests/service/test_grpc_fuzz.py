@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.requests import ROLES
+from server.generate_params import ROLES
 from tests.service.test_robustness import ServerThread
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches

@@ -22,9 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.engine.params import InvalidParameter
+from server.generate_params import Defaults, Limits
 from server.openai_api.body import InvalidBody
-from server.openai_api.requests import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIRequest, parse_request
-from server.requests import Defaults, Limits
+from server.openai_api.openai_request import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    OpenAIRequest,
+    parse_request,
+)
 from tests.service.test_robustness import ServerThread
 
 LIMITS = Limits(

@@ -193,7 +193,7 @@ async def test_tracing_off_records_nothing(start_server, exporter) -> None:
 # saying what to install.
 CHECK_IMPORTS = """
 import sys
-import server.app, server.__main__
+import server.lifecycle, server.__main__
 from server.request_spans import NO_TRACING
 from server.tracing import build_tracing
 assert build_tracing(False, "", "model") is NO_TRACING
