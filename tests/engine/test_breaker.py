@@ -196,18 +196,18 @@ def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
     first, rounds = run()
     assert first.output_ids == reference[:8]  # no error reaches the caller
     assert all(r.mode is Mode.AUTOREGRESSIVE for r in rounds)
-    assert engine.faults.state is BreakerState.OPEN
+    assert engine.fault_breaker.state is BreakerState.OPEN
     assert draft.calls == 2  # opened after fault_max faults; not called while open
     second, _ = run()  # process-wide: another request does not even try the broken draft
     assert draft.calls == 2 and second.output_ids == reference[:8]
     draft.broken = False
     clock.advance(29.0)  # the reset timeout counts on the engine's clock, not on the wall
     third, _ = run()
-    assert draft.calls == 2 and engine.faults.state is BreakerState.OPEN
+    assert draft.calls == 2 and engine.fault_breaker.state is BreakerState.OPEN
     clock.advance(1.0)
     fourth, fourth_rounds = run()
     assert draft.calls > 2  # the trial call succeeded, and later rounds drafted too
-    assert engine.faults.state is BreakerState.CLOSED
+    assert engine.fault_breaker.state is BreakerState.CLOSED
     assert fourth_rounds[0].mode is Mode.SPECULATIVE
     assert third.output_ids == fourth.output_ids == reference[:8]
 
