@@ -13,10 +13,10 @@ import torch
 
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
-from server.engine.admission import BatchSettings
 from server.engine.calibration import Calibration, calibrate
 from server.engine.costs import Costs, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
+from server.engine.intake import BatchSettings
 from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from kenspec_api.outputs import BreakerState
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
@@ -16,6 +15,7 @@ from server.engine.costs import Costs
 from server.engine.draft import Draft, DraftSession
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
+from server.engine.intake import BatchSettings
 from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions

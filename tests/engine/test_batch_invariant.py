@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
+from server.engine.intake import BatchSettings
 from server.engine.invariant import (
     CANDIDATES,
     Padding,

@@ -14,8 +14,8 @@ import torch
 from torch.profiler import profile
 
 from server.engine import slot_cache
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
+from server.engine.intake import BatchSettings
 from server.engine.slot_cache import (
     KERNELS,
     choose_grouped,
