@@ -35,7 +35,7 @@ from server.lifecycle import KenspecServer
 from server.metrics import Metrics
 from server.settings import Settings
 from tests import tiny
-from tests.service.conftest import TIMEOUT, until
+from tests.server.conftest import TIMEOUT, until
 
 
 class RedisServer:

@@ -30,7 +30,7 @@ from server.openai_api.openai_request import (
     OpenAIRequest,
     parse_request,
 )
-from tests.service.test_robustness import ServerThread
+from tests.server.test_robustness import ServerThread
 
 LIMITS = Limits(
     default_max_new_tokens=4,

@@ -34,7 +34,7 @@ from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
 from tests import tiny
-from tests.service.conftest import TIMEOUT, PassGate
+from tests.server.conftest import TIMEOUT, PassGate
 from tests.tiny_architectures import ARCHITECTURES, MODEL_LOGITS, WINDOW, save_architecture
 
 MAX_NEW = 24  # with a prompt, past the sliding windows (WINDOW positions)

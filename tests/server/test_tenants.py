@@ -27,7 +27,7 @@ from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.security import tenant_of
 from server.settings import Settings
-from tests.service.conftest import TIMEOUT
+from tests.server.conftest import TIMEOUT
 
 PROMPT = "The quick brown fox"
 
