@@ -7,7 +7,7 @@ Every refusal is an OpenAI-shaped JSON error, and every generate request is coun
 kenspec_requests_total whatever stage it ends at (a client that leaves mid-body as CANCELLED,
 logged once at info). /v1/models and /health are not counted: the counter is of generations,
 as on gRPC. /health answers without the Host check, for container probes that call the
-container's own address. The generation itself is written by generation.py.
+container's own address. The generation itself is written by generation_response.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from server.engine.params import InvalidParameter
 from server.generate_params import check_request_id
 from server.openai_api.body import InvalidBody
-from server.openai_api.generation import GenerationResponse
+from server.openai_api.generation_response import GenerationResponse
 from server.openai_api.guards import HostPolicy, HttpError, check_json_content_type
 from server.openai_api.openai_request import OpenAIRequest, parse_request
 from server.openai_api.responses import Completion
