@@ -160,7 +160,7 @@ def context_only(engine: SpeculativeEngine) -> SpeculativeEngine:
         _CONTEXT_ONLY[key] = SpeculativeEngine(
             engine.target,
             None,
-            engine.breaker,
+            engine.breaker_settings,
             context=context,
             batching=engine.batch.settings,
             costs=engine.batch.costs,

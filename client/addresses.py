@@ -10,7 +10,7 @@ addresses become one static target that the round_robin policy spreads calls ove
 
 Each entry also keeps a target of its own (`Target.endpoints`), for calls that must reach one
 chosen server: a call with a session id goes to the address the session hashes to
-(client/routing.py), on a channel to that address alone.
+(client/session_affinity.py), on a channel to that address alone.
 
 Limitations: hostnames in a list of several are resolved once, when the client is built
 (preferring IPv4), and never again; a list cannot mix IPv4 and IPv6. To follow DNS changes,

@@ -17,8 +17,14 @@ from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_conf
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
-from .routing import call_session, check_session_id, is_down, rendezvous_order, session_metadata
-from .tracing import trace_metadata
+from .session_affinity import (
+    call_session,
+    check_session_id,
+    is_down,
+    rendezvous_order,
+    session_metadata,
+)
+from .trace_context import trace_metadata
 
 # (address for errors, stub): where a call goes, best first
 Routes = list[tuple[str, pb_grpc.GeneratorStub]]
@@ -34,7 +40,7 @@ class AsyncClient:
     default deadline of every call; a generate stream must finish within it.
     `session_id` goes with every call as ``x-session-id`` metadata (a balancer such as
     deploy/nginx.conf keeps a session on one replica); with several addresses, the client
-    sends a session's calls to one of them itself (see client/routing.py). ``generate`` and
+    sends a session's calls to one of them itself (see client/session_affinity.py). ``generate`` and
     ``generate_text`` take a `session_id` of their own ("" for none) for one client serving
     many conversations. The channels open on first use, in the event loop that uses them.
     """

@@ -26,7 +26,7 @@ from .channel import DEFAULT_ADDRESS, TOKEN_ENV
 from .chat import COMMANDS, run_chat
 from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
-from .routing import new_session_id
+from .session_affinity import new_session_id
 from .stats import StreamStats
 from .sync_client import Client
 

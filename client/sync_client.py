@@ -16,8 +16,14 @@ from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_conf
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
 from .results import Completion, Round, completion_from_rounds
-from .routing import call_session, check_session_id, is_down, rendezvous_order, session_metadata
-from .tracing import trace_metadata
+from .session_affinity import (
+    call_session,
+    check_session_id,
+    is_down,
+    rendezvous_order,
+    session_metadata,
+)
+from .trace_context import trace_metadata
 
 # (address for errors, stub): where a call goes, best first
 Routes = list[tuple[str, pb_grpc.GeneratorStub]]
@@ -51,7 +57,7 @@ class Client:
         self._session_id = check_session_id(session_id)
         self._channel = _open_channel(self._spec, self._spec.target, self._spec.options)
         self._stub = pb_grpc.GeneratorStub(self._channel)
-        # one channel per address, opened on a session's first call there (client/routing.py)
+        # one channel per address, opened on a session's first call there (session_affinity.py)
         self._alone: dict[str, tuple[grpc.Channel, pb_grpc.GeneratorStub]] = {}
 
     @property

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from server.app import KenspecServer
 from server.engine.arpa import DraftFormatError
 from server.engine.target import TargetLoadError
+from server.lifecycle import KenspecServer
 from server.logs import configure_logging
 from server.settings import Settings, parse_settings
 

@@ -13,10 +13,11 @@ import torch
 
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
-from server.engine.admission import BatchSettings
 from server.engine.attention_choice import measure_grouped
-from server.engine.costs import Calibration, PassCosts, calibrate, one_row_steps
+from server.engine.calibration import Calibration, calibrate
+from server.engine.costs import Costs, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
+from server.engine.intake import BatchSettings
 from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
@@ -32,7 +33,7 @@ from server.engine.speculative_engine import BreakerSettings, ContextSettings, S
 from server.engine.suffix_index import SuffixIndex
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.requests import Defaults, Limits, prompt_char_limit
+from server.generate_params import Defaults, Limits, prompt_char_limit
 from server.settings import Settings
 
 log = structlog.get_logger("kenspec.runtime")
@@ -80,7 +81,9 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     else:
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
         _choose_attention_kernels(target, settings.attention)
-    breaker, costs, save_costs = _breaker_and_pass_costs(settings, target, sorted(skinny_rows))
+    breaker_settings, costs, save_costs = _breaker_settings_and_costs(
+        settings, target, sorted(skinny_rows)
+    )
     context = ContextSettings(
         enabled=settings.draft_context,
         min_match=settings.context_min_match,
@@ -99,7 +102,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     engine = SpeculativeEngine(
         target,
         draft,
-        breaker,
+        breaker_settings,
         context=context,
         batching=batching,
         costs=costs,
@@ -257,12 +260,12 @@ def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
     )
 
 
-def _breaker_and_pass_costs(
+def _breaker_settings_and_costs(
     settings: Settings, target: TargetModel, skinny_rows: Sequence[int]
-) -> tuple[BreakerSettings, LiveCosts | PassCosts | None, Callable[[], None]]:
-    """The breaker, the pass costs batches choose widths by (measured, or read from the
+) -> tuple[BreakerSettings, Costs | None, Callable[[], None]]:
+    """The breakers' settings, the pass costs batches choose widths by (measured, or read from the
     calibration cache; live unless --no-live-costs), and what saves them at shutdown."""
-    breaker = BreakerSettings(
+    breaker_settings = BreakerSettings(
         window_rounds=settings.breaker_window,
         threshold=max(0.0, settings.breaker_threshold),
         reset_timeout_s=settings.breaker_reset_timeout_s,
@@ -272,7 +275,7 @@ def _breaker_and_pass_costs(
     )
     speculates = settings.has_draft or settings.draft_context
     if not speculates:
-        return breaker, None, _nothing
+        return breaker_settings, None, _nothing
     k, rows = settings.num_draft_tokens, settings.max_batch_size
     long_draft_tokens = (
         max(settings.long_draft_tokens, settings.tree_budget) if settings.draft_context else 0
@@ -304,9 +307,11 @@ def _breaker_and_pass_costs(
         )
     _log_calibration(result, rows, cached=cached is not None, seconds=time.perf_counter() - started)
     fixed = settings.breaker_threshold if settings.breaker_threshold >= 0 else None
-    breaker = replace(breaker, threshold=result.threshold if fixed is None else fixed)
+    breaker_settings = replace(
+        breaker_settings, threshold=result.threshold if fixed is None else fixed
+    )
     if not settings.live_costs:
-        return breaker, result.pass_costs, _nothing
+        return breaker_settings, result.pass_costs, _nothing
     live = LiveCosts(result.pass_seconds, k=k, fixed_threshold=fixed)
 
     def save() -> None:  # on the engine thread's last call, or after it stopped
@@ -316,7 +321,7 @@ def _breaker_and_pass_costs(
                 settings.calibration_cache, key, dict(live.table.seconds), source="live"
             )
 
-    return breaker, live, save
+    return breaker_settings, live, save
 
 
 # Live costs replace the cached start-up numbers once they have seen this many passes.
@@ -374,7 +379,7 @@ WARM_UP_TENANT = "warm-up"  # no caller's: tenant_of names tenants "t" + hex, or
 def _model_info(
     settings: Settings, engine: SpeculativeEngine, limits: Limits, *, calibrated: bool
 ) -> pb.ModelInfo:
-    target, breaker = engine.target, engine.breaker
+    target, breaker_settings = engine.target, engine.breaker_settings
     draft = engine.static_draft
     return pb.ModelInfo(
         model=target.name,
@@ -389,12 +394,12 @@ def _model_info(
         min_draft_prob=settings.min_draft_prob,
         draft_context=settings.draft_context,
         breaker=pb.BreakerSettings(
-            window_rounds=breaker.window_rounds,
-            threshold=breaker.threshold,
+            window_rounds=breaker_settings.window_rounds,
+            threshold=breaker_settings.threshold,
             threshold_calibrated=calibrated and engine.draft is not None,
-            reset_timeout_s=breaker.reset_timeout_s,
-            fault_max=breaker.fault_max,
-            draft_latency_budget_ms=breaker.draft_latency_budget_s * 1000.0,
+            reset_timeout_s=breaker_settings.reset_timeout_s,
+            fault_max=breaker_settings.fault_max,
+            draft_latency_budget_ms=breaker_settings.draft_latency_budget_s * 1000.0,
         ),
         max_new_tokens_limit=limits.max_new_tokens,
         default_max_new_tokens=limits.default_max_new_tokens,

@@ -16,7 +16,12 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from kenspec_api.convert import to_proto, usage_to_proto
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
-from server.requests import check_prompt_length, check_request_id, parse_generate, parse_input
+from server.generate_params import (
+    check_prompt_length,
+    check_request_id,
+    parse_generate,
+    parse_input,
+)
 from server.runtime import Runtime
 from server.scheduler import Overloaded
 from server.serving import (

@@ -22,12 +22,12 @@ from kenspec_api.outputs import FinishReason
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
 from server.engine.tenant_index import SHARED_TENANT
+from server.generate_params import GenerateParams, Limits, check_prompt_chars, check_prompt_length
 from server.metrics import Metrics
-from server.requests import GenerateParams, Limits, check_prompt_chars, check_prompt_length
+from server.request_spans import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 from server.security import tenant_of
-from server.tracing import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
 
 log = structlog.get_logger("kenspec.service")
 

@@ -3,7 +3,7 @@
 One iteration (Orca-style, iteration-level scheduling):
 1. admit: arrivals join the waiting queue, cancelled generations leave (a decoding one's cache
    row goes to the next), and new prompts start decoding or are prefilled a chunk
-   (`Admission`);
+   (`Intake`);
 2. plan: every decoding generation drafts (its own k, breakers, sampling parameters; an open
    breaker means no drafts), and the drafts worth their cost are chosen for the whole pass
    (`costs.choose_drafts`);
@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from server.engine.admission import Admission, BatchSettings, BatchStats, Deliver, Entry
-from server.engine.costs import PassCosts, choose_drafts
+from server.engine.costs import Costs, choose_drafts
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation, Round
+from server.engine.intake import BatchSettings, BatchStats, Deliver, Entry, Intake
 from server.engine.live_costs import LiveCosts
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sampling import LogitRows
@@ -41,7 +41,7 @@ class Batch:
         target: TargetModel,
         settings: BatchSettings | None = None,
         *,
-        costs: PassCosts | LiveCosts | None = None,
+        costs: Costs | None = None,
         events: EngineEvents = NO_EVENTS,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -57,7 +57,7 @@ class Batch:
         self._cache = target.new_cache(self.settings.max_rows)
         budget = self.settings.prefix_cache_bytes
         self.prefixes = PrefixCache(budget) if budget > 0 else None
-        self._admission = Admission(
+        self._admission = Intake(
             target,
             self._cache,
             self.settings,

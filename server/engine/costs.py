@@ -1,10 +1,12 @@
-"""What a pass costs, and which drafts are worth it: calibration, break-even, draft choice.
+"""What a pass costs, and which drafts are worth it: break-even, the cost tables, draft choice.
 
 A round with per-token acceptance alpha and k drafts emits E = (1 - alpha^(k+1)) / (1 - alpha)
 tokens (Leviathan et al. 2023, eq. 1) for the price of one pass over k+1 tokens; decoding
 autoregressively emits one token per single-token pass.
 
-- `calibrate` times packed passes at start-up, by (rows, tokens): `PassCosts`.
+- `Costs`: what a packed pass of (rows, tokens) costs, as the draft choice asks it. Two tables
+  answer: `PassCosts`, the seconds `calibration.calibrate` timed at start-up, and
+  `live_costs.LiveCosts`, the same table corrected by every pass since.
 - `choose_drafts` picks, for each pass, how many of its drafts every row verifies, for the most
   expected tokens per measured second.
 - The breaker's threshold is the lowest alpha at which some draft length pays for itself in one
@@ -13,52 +15,13 @@ autoregressively emits one token per single-token pass.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from server.engine.target import TargetModel
-
-if TYPE_CHECKING:
-    from server.engine.live_costs import LiveCosts
+from typing import Protocol
 
 # A wider pass is never taken to cost less than this many steps: on a busy CPU a 2-token pass
 # can time below a 1-token one, which would set the threshold to 0 and never open a breaker.
 _MIN_RATIO = 1.05
-
-
-@dataclass(frozen=True, slots=True)
-class Calibration:
-    num_draft_tokens: int
-    step_seconds: float  # one token through the target, with a warm KV cache
-    verify_seconds: float  # k + 1 tokens in one pass (padded to a cheaper width if there is one)
-    threshold: float
-    widths: dict[int, int] = field(default_factory=dict)  # pass width -> cheaper padded width
-    pass_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens)
-
-    @classmethod
-    def from_pass_seconds(cls, k: int, pass_seconds: dict[tuple[int, int], float]) -> Calibration:
-        """The calibration a table of (rows, tokens) -> seconds implies (e.g. one from disk)."""
-        one_row = {t: s for (r, t), s in pass_seconds.items() if r == 1 and t <= k + 1}
-        padded = cheapest_widths(one_row)
-        return cls(
-            k,
-            one_row[1],
-            one_row[padded.get(k + 1, k + 1)],
-            lowest_break_even(one_row),
-            padded,
-            dict(pass_seconds),
-        )
-
-    @property
-    def cost_ratio(self) -> float:
-        return self.verify_seconds / self.step_seconds
-
-    @property
-    def pass_costs(self) -> PassCosts:
-        return PassCosts(self.pass_seconds)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
@@ -97,38 +60,6 @@ def solve_acceptance(expected: Callable[[float], float], tokens: float) -> float
         else:
             high = middle
     return (low + high) / 2
-
-
-def calibrate(
-    target: TargetModel,
-    k: int,
-    *,
-    context_tokens: int = 128,
-    repeats: int = 5,
-    rows: int = 1,
-    long_draft_tokens: int = 0,
-) -> Calibration:
-    """Time passes of 1..k+1 tokens after a context_tokens prefill (medians of repeats), for
-    one row and, when rows > 1, for batches of 2, 4 and `rows` (fewer repeats: those passes
-    are longer); with long_draft_tokens > k, also one row's passes of that many drafts and of
-    half-way (chains after long exact matches draft that far; widths between interpolate).
-    """
-    widths = list(range(1, k + 2))
-    measured = list(widths)
-    if long_draft_tokens > k:
-        measured += sorted({(k + long_draft_tokens) // 2 + 1, long_draft_tokens + 1})
-    costs = dict(
-        zip(measured, measure_pass_seconds(target, measured, context_tokens, repeats), strict=True)
-    )
-    batch_costs = {(1, width): seconds for width, seconds in costs.items()}
-    # Cost is not linear in rows (a pass of 4 rows x 1 token can cost what one row's does, see
-    # engine.linear_kernels), so a few row counts are measured and PassCosts interpolates.
-    for count in [r for r in (2, 4) if r < rows] + ([rows] if rows > 1 else []):
-        batched = measure_pass_seconds(
-            target, widths, context_tokens, max(2, repeats // 2), rows=count
-        )
-        batch_costs.update({(count, count * w): s for w, s in zip(widths, batched, strict=True)})
-    return Calibration.from_pass_seconds(k, batch_costs)
 
 
 def one_row_steps(pass_seconds: Mapping[tuple[int, int], float]) -> dict[int, float]:
@@ -174,23 +105,16 @@ def cheapest_widths(costs: dict[int, float], margin: float = 0.05) -> dict[int, 
     return padded
 
 
-def measure_pass_seconds(
-    target: TargetModel, widths: list[int], context_tokens: int, repeats: int, rows: int = 1
-) -> list[float]:
-    vocab = min(target.vocab_size, len(target.tokenizer))
-    context = [(7 + 31 * i) % vocab for i in range(min(context_tokens, target.max_context // 2))]
-    cache = target.new_cache(rows)
-    for row in range(rows):
-        target.prefill(cache, row, 0, context)
-    samples: dict[int, list[float]] = {width: [] for width in widths}
-    for _ in range(repeats + 1):  # the first pass of each width warms up and is dropped
-        for width in widths:
-            started = time.perf_counter()
-            # A pass reads at least one row of logits per sequence; the cache length stays.
-            target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
-            target.synchronize()
-            samples[width].append(time.perf_counter() - started)
-    return [statistics.median(samples[width][1:]) for width in widths]
+class Costs(Protocol):
+    """A packed forward pass's cost in seconds, by its shape: what the draft choice reads."""
+
+    def cost(self, rows: int, tokens: int) -> float:
+        """Seconds of one pass over `rows` rows with `tokens` tokens in all."""
+        ...
+
+    def pass_tokens(self, tokens: int, limit: int) -> int:
+        """For a one-row pass of `tokens`, the cheapest token count to pad it to (<= limit)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +165,7 @@ class PassCosts:
 
 def choose_drafts(
     gains: Sequence[Sequence[float]],
-    costs: PassCosts | LiveCosts | None,
+    costs: Costs | None,
     base_tokens: int | None = None,
     *,
     tokens: int | None = None,

@@ -1,6 +1,6 @@
 """Pass costs that follow the machine: start-up's table, corrected by the timing of every pass.
 
-Start-up calibration (`costs.calibrate`) is a first estimate. Taken while another process was
+Start-up calibration (`calibration.calibrate`) is a first estimate. Taken while another process was
 busy, it measured a step 6x too slow and a 7-token pass 2.4 steps instead of 1.1; kept for the
 process's life, those numbers set the breaker's threshold to 0.45 and cut almost every draft.
 Here every verify pass updates the bucket it falls in:
@@ -48,7 +48,7 @@ SHIFTED = 1.6  # a sample off by more than this has every bucket re-measured soo
 
 
 class LiveCosts:
-    """PassCosts whose seconds follow the timings of real passes (see the module docstring)."""
+    """Costs whose seconds follow the timings of real passes (see the module docstring)."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class LiveCosts:
         self._unsettled: set[tuple[int, int]] = set()
         self._threshold: float | None = None
 
-    # -- PassCosts' interface, for the batch's draft choice --------------------------------
+    # -- costs.Costs, for the batch's draft choice -----------------------------------------
 
     def cost(self, rows: int, tokens: int) -> float:
         return self.table.cost(rows, tokens)

@@ -1,4 +1,4 @@
-"""The engine: a target, an optional draft, the process-wide draft breaker and the batch."""
+"""The engine: a target, an optional draft, the process-wide draft-fault breaker and the batch."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from functools import partial
 
 from kenspec_api.outputs import BreakerState
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
-from server.engine.costs import PassCosts
+from server.engine.costs import Costs
 from server.engine.draft import Draft, DraftSession
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
+from server.engine.intake import BatchSettings
 from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
@@ -56,11 +56,11 @@ class SpeculativeEngine:
         self,
         target: TargetModel,
         draft: Draft | None,
-        breaker: BreakerSettings | None = None,
+        breaker_settings: BreakerSettings | None = None,
         *,
         context: ContextSettings | None = None,
         batching: BatchSettings | None = None,
-        costs: PassCosts | LiveCosts | None = None,
+        costs: Costs | None = None,
         events: EngineEvents = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
@@ -89,14 +89,15 @@ class SpeculativeEngine:
             suffix=suffix.view(SHARED_TENANT) if suffix is not None else None,
             recycled=recycled,
         )
-        self.breaker = breaker or BreakerSettings()
+        # Both breakers' settings: each request's acceptance breaker and the draft-fault one.
+        self.breaker_settings = breaker_settings or BreakerSettings()
         self._clock = clock  # what the breakers judge their reset timeouts by
         self._events = events
         self.acceptance_stats = AcceptanceStats()  # every request's, per draft source: priors
-        self.faults = DraftFaultBreaker(
-            fault_max=self.breaker.fault_max,
-            reset_timeout_s=self.breaker.fault_reset_timeout_s,
-            latency_budget_s=self.breaker.draft_latency_budget_s,
+        self.fault_breaker = DraftFaultBreaker(
+            fault_max=self.breaker_settings.fault_max,
+            reset_timeout_s=self.breaker_settings.fault_reset_timeout_s,
+            latency_budget_s=self.breaker_settings.draft_latency_budget_s,
             on_transition=events.observe_transition,
             clock=clock,
         )
@@ -105,12 +106,12 @@ class SpeculativeEngine:
         """The acceptance below which a request's breaker opens: the live costs' (which follow
         what passes cost now) when the batch tracks them, else the settings'."""
         live = self.batch.costs
-        return live.threshold() if isinstance(live, LiveCosts) else self.breaker.threshold
+        return live.threshold() if isinstance(live, LiveCosts) else self.breaker_settings.threshold
 
     @property
     def draft_breaker_state(self) -> BreakerState:
         """The process-wide draft-fault breaker's state."""
-        return self.faults.state
+        return self.fault_breaker.state
 
     @property
     def draft(self) -> Draft | None:
@@ -137,12 +138,13 @@ class SpeculativeEngine:
         tenant = tenant if self.isolate_tenants else SHARED_TENANT
         session = self._session(prompt_ids, speculation, tenant)
         trees = self.context.tree_budget > 1
+        settings = self.breaker_settings
         acceptance = AcceptanceBreaker(
             threshold=self.breaker_threshold,
             # A tree round is judged hit or miss (Speculator.record): less evidence per round
             # than a chain's, so the window holds TREE_WINDOW_FACTOR times as many rounds.
-            window_rounds=self.breaker.window_rounds * (TREE_WINDOW_FACTOR if trees else 1),
-            reset_timeout_s=self.breaker.reset_timeout_s,
+            window_rounds=settings.window_rounds * (TREE_WINDOW_FACTOR if trees else 1),
+            reset_timeout_s=settings.reset_timeout_s,
             request_id=request_id,
             on_transition=self._events.observe_transition,
             clock=self._clock,
@@ -151,7 +153,7 @@ class SpeculativeEngine:
             session,
             speculation,
             acceptance=acceptance,
-            faults=self.faults,
+            faults=self.fault_breaker,
             request_id=request_id,
             shared=self.acceptance_stats,
             sampled=not sampling.greedy,

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 
-from server.engine.costs import PassCosts
+from server.engine.costs import Costs
 from server.engine.draft import Proposal
 from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
-from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
@@ -120,7 +119,7 @@ def start(
     ignore_eos: bool = False,
     breaker: BreakerSettings | None = None,
     clock: Callable[[], float] = time.monotonic,
-    costs: PassCosts | LiveCosts | None = None,
+    costs: Costs | None = None,
     timer: Callable[[], float] = time.perf_counter,
     recycled: RecycledPredictions | None = None,
     tree_budget: int = 1,

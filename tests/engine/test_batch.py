@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kenspec_api.outputs import Mode
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
 from server.engine.costs import PassCosts, chain_gains, choose_drafts
 from server.engine.generation import Generation
+from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams
 from tests.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
 

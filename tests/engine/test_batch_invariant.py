@@ -16,8 +16,8 @@ import torch
 
 from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
 from server.engine import attention
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
+from server.engine.intake import BatchSettings
 from server.engine.invariant import (
     CANDIDATES,
     choose_padding,

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import pytest
 
 from kenspec_api.outputs import BreakerState, Mode
-from server.engine import costs
+from server.engine import calibration, costs
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, implied_window_acceptance
+from server.engine.calibration import calibrate
 from server.engine.costs import (
     break_even_acceptance,
-    calibrate,
     expected_tokens_per_round,
     implied_acceptance,
 )
@@ -196,18 +196,18 @@ def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
     first, rounds = run()
     assert first.output_ids == reference[:8]  # no error reaches the caller
     assert all(r.mode is Mode.AUTOREGRESSIVE for r in rounds)
-    assert engine.faults.state is BreakerState.OPEN
+    assert engine.fault_breaker.state is BreakerState.OPEN
     assert draft.calls == 2  # opened after fault_max faults; not called while open
     second, _ = run()  # process-wide: another request does not even try the broken draft
     assert draft.calls == 2 and second.output_ids == reference[:8]
     draft.broken = False
     clock.advance(29.0)  # the reset timeout counts on the engine's clock, not on the wall
     third, _ = run()
-    assert draft.calls == 2 and engine.faults.state is BreakerState.OPEN
+    assert draft.calls == 2 and engine.fault_breaker.state is BreakerState.OPEN
     clock.advance(1.0)
     fourth, fourth_rounds = run()
     assert draft.calls > 2  # the trial call succeeded, and later rounds drafted too
-    assert engine.faults.state is BreakerState.CLOSED
+    assert engine.fault_breaker.state is BreakerState.CLOSED
     assert fourth_rounds[0].mode is Mode.SPECULATIVE
     assert third.output_ids == fourth.output_ids == reference[:8]
 
@@ -411,7 +411,7 @@ def test_calibrated_threshold_comes_from_measured_costs(tiny_target, monkeypatch
         measured["widths"] = widths
         return [0.040, 0.066, 0.079, 0.072, 0.070]  # a fake cost model: 5 tokens cost 1.75 steps
 
-    monkeypatch.setattr(costs, "measure_pass_seconds", fake_costs)
+    monkeypatch.setattr(calibration, "measure_pass_seconds", fake_costs)
     result = calibrate(tiny_target, k=4)
     assert measured["widths"] == [1, 2, 3, 4, 5]
     assert result.widths == {3: 5}  # 2 is cheaper than 5; 4 -> 5 saves less than 5%
@@ -423,7 +423,7 @@ def test_calibrated_threshold_comes_from_measured_costs(tiny_target, monkeypatch
 def test_calibrated_threshold_is_the_lowest_break_even_over_widths(tiny_target, monkeypatch):
     """A cheap 2-token pass (5% over one step) makes one draft pay at 5% acceptance."""
     monkeypatch.setattr(
-        costs,
+        calibration,
         "measure_pass_seconds",
         lambda target, widths, context_tokens, repeats: [0.040, 0.042, 0.079, 0.080, 0.090],
     )
@@ -435,7 +435,7 @@ def test_calibrated_threshold_is_the_lowest_break_even_over_widths(tiny_target, 
 
 def test_a_pass_timed_cheaper_than_a_step_still_leaves_a_threshold(tiny_target, monkeypatch):
     monkeypatch.setattr(
-        costs,
+        calibration,
         "measure_pass_seconds",
         lambda target, widths, context_tokens, repeats: [0.040, 0.038, 0.079],
     )

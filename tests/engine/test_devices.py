@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
+from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams
 from server.engine.pass_logits import PassLogits, split_pass
 from server.engine.target import LazyLogits, TargetModel

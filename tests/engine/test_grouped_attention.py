@@ -14,10 +14,10 @@ import torch
 from torch.profiler import profile
 
 from server.engine import attention
-from server.engine.admission import BatchSettings
 from server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
 from server.engine.attention_choice import choose_grouped, measure_grouped
 from server.engine.batch import Batch
+from server.engine.intake import BatchSettings
 from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
 from server.engine.packed_pass import pack
 from server.engine.packing import tree_key_order

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from server.engine import live_costs
-from server.engine.costs import Calibration, lowest_break_even
+from server.engine.calibration import Calibration
+from server.engine.costs import lowest_break_even
 from server.engine.live_costs import LiveCosts
 from server.engine.target import TargetModel
 from tests.engine.drafts import OracleDraft, Solo, reference_greedy, start

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
+from server.engine.intake import BatchSettings
 from server.engine.prefix_cache import PrefixCache, _shared_length
 from server.engine.target import TargetModel
 from tests.engine.drafts import Collector, reference_greedy, start

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.admission import BatchSettings
+from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import SuffixIndex, propose_across

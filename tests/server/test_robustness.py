@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import KenspecServer
+from server.lifecycle import KenspecServer
 from tests.engine.drafts import fail_passes_fed, reference_greedy
 
 VALIDATABLE = {

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
-from server.openai_api.body import decode_body
-from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
-from server.requests import (
+from server.generate_params import (
     Defaults,
     GenerateParams,
     Limits,
     speculation_params,
     stopping_params,
 )
+from server.openai_api.body import decode_body
+from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
 
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0

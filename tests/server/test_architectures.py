@@ -23,7 +23,6 @@ from transformers.pytorch_utils import Conv1D
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server import runtime as runtime_module
-from server.app import KenspecServer
 from server.engine import attention
 from server.engine.architecture import served_context
 from server.engine.batch import Batch
@@ -31,10 +30,11 @@ from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_lin
 from server.engine.packed_pass import pack
 from server.engine.prefix_cache import PrefixCache
 from server.engine.target import TargetLoadError, TargetModel
+from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
 from tests import tiny
-from tests.service.conftest import TIMEOUT, PassGate
+from tests.server.conftest import TIMEOUT, PassGate
 from tests.tiny_architectures import ARCHITECTURES, MODEL_LOGITS, WINDOW, save_architecture
 
 MAX_NEW = 24  # with a prompt, past the sliding windows (WINDOW positions)

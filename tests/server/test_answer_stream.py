@@ -29,13 +29,13 @@ from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.answer_records import AnswerRecord, encode, model_fingerprint
 from server.answer_stream import AnswerStream, StreamSettings
-from server.app import KenspecServer
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from server.lifecycle import KenspecServer
 from server.metrics import Metrics
 from server.settings import Settings
 from tests import tiny
-from tests.service.conftest import TIMEOUT, until
+from tests.server.conftest import TIMEOUT, until
 
 
 class RedisServer:

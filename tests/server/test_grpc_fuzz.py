@@ -2,7 +2,7 @@
 bytes, on every Generator method. Every call ends OK or with a status that blames the request
 (never INTERNAL or UNKNOWN), nothing is logged as an error, and the server stays SERVING.
 
-The server runs in a thread of its own (tests.service.test_robustness.ServerThread), so
+The server runs in a thread of its own (tests.server.test_robustness.ServerThread), so
 hypothesis drives it with synchronous calls, as real clients would.
 """
 
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.requests import ROLES
-from tests.service.test_robustness import ServerThread
+from server.generate_params import ROLES
+from tests.server.test_robustness import ServerThread
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
 # What a request may be answered with: accepted, or refused for what it asked.

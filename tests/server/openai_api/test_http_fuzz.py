@@ -22,10 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.engine.params import InvalidParameter
+from server.generate_params import Defaults, Limits
 from server.openai_api.body import InvalidBody
-from server.openai_api.requests import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIRequest, parse_request
-from server.requests import Defaults, Limits
-from tests.service.test_robustness import ServerThread
+from server.openai_api.openai_request import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    OpenAIRequest,
+    parse_request,
+)
+from tests.server.test_robustness import ServerThread
 
 LIMITS = Limits(
     default_max_new_tokens=4,

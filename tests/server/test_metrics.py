@@ -13,7 +13,7 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import KenspecServer
+from server.lifecycle import KenspecServer
 
 
 @pytest.fixture

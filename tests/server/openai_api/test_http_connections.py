@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import TIMEOUT, until
+from tests.server.conftest import TIMEOUT, until
 
 BOUND = 20.0  # seconds; bounds a wait for a sub-second timeout to fire
 HOST = "127.0.0.1"

@@ -1,4 +1,7 @@
-"""Admission: how new generations get from the inbox into the batch's decoding rows.
+"""Intake: how new generations get from the inbox into the batch's decoding rows.
+
+(Which calls may start at all, the slots and their bounded queue, is `server.scheduler`'s
+admission control.)
 
 - Any thread `submit`s a generation into a locked inbox; the driving thread moves arrivals to
   the waiting queue at the start of each iteration.
@@ -90,7 +93,7 @@ def _fitting(entries: Sequence[Entry], budget: int) -> int:
     return taken
 
 
-class Admission:
+class Intake:
     """The inbox, the waiting queue and the one prompt being prefilled in chunks."""
 
     def __init__(

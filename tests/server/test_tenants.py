@@ -22,12 +22,12 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import KenspecServer
 from server.engine.tenant_index import SHARED_TENANT
+from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.security import tenant_of
 from server.settings import Settings
-from tests.service.conftest import TIMEOUT
+from tests.server.conftest import TIMEOUT
 
 PROMPT = "The quick brown fox"
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import KenspecServer
 from server.engine.target import TargetModel
-from server.requests import prompt_char_limit
+from server.generate_params import prompt_char_limit
+from server.lifecycle import KenspecServer
 from server.runtime import load_runtime
 from server.serving import LARGE_INPUT_CHARS, Serving
 

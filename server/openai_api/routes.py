@@ -2,12 +2,12 @@
 
 A generate request passes, in order: the Host and Origin check (without tokens; guards.py),
 the bearer token, its X-Request-Id, the server's readiness, the Content-Type, the body read
-(within --max-message-bytes and --http-body-timeout-s) and the body's checks (requests.py).
+(within --max-message-bytes and --http-body-timeout-s) and the body's checks (openai_request.py).
 Every refusal is an OpenAI-shaped JSON error, and every generate request is counted in
 kenspec_requests_total whatever stage it ends at (a client that leaves mid-body as CANCELLED,
 logged once at info). /v1/models and /health are not counted: the counter is of generations,
 as on gRPC. /health answers without the Host check, for container probes that call the
-container's own address. The generation itself is written by generation.py.
+container's own address. The generation itself is written by generation_response.py.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from server.engine.params import InvalidParameter
+from server.generate_params import check_request_id
 from server.openai_api.body import InvalidBody
-from server.openai_api.generation import GenerationResponse
+from server.openai_api.generation_response import GenerationResponse
 from server.openai_api.guards import HostPolicy, HttpError, check_json_content_type
-from server.openai_api.requests import OpenAIRequest, parse_request
+from server.openai_api.openai_request import OpenAIRequest, parse_request
 from server.openai_api.responses import Completion
-from server.requests import check_request_id
 from server.runtime import Runtime
 from server.security import bearer_token, token_allowed
 from server.serving import RequestRecord, Serving, Unavailable

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
 from server.engine.tenant_index import SHARED_TENANT
-from server.openai_api.requests import OpenAIRequest
+from server.openai_api.openai_request import OpenAIRequest
 from server.openai_api.responses import SSE_DONE, Completion, error_body, sse
 from server.runtime import Runtime
 from server.scheduler import Overloaded

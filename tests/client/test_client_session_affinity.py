@@ -1,5 +1,5 @@
 """Session ids: sent as x-session-id metadata on every call, and, over several addresses, the
-rendezvous choice of one address per session with its fallbacks (client/routing.py)."""
+rendezvous choice of one address per session with its fallbacks (client/session_affinity.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from client import AsyncClient, Client, ServerUnavailable
 from client.cli import main
-from client.routing import SESSION_KEY, check_session_id, rendezvous_order
+from client.session_affinity import SESSION_KEY, check_session_id, rendezvous_order
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartFake, StartThreadedFake

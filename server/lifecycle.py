@@ -24,9 +24,9 @@ from server.answer_stream import AnswerStream, StreamSettings
 from server.engine.events import EngineEvents
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
-from server.openai_api.app import GENERATE_PATHS, HttpLimits, build_app
 from server.openai_api.connections import ConnectionLimits
 from server.openai_api.http_server import HttpServer
+from server.openai_api.routes import GENERATE_PATHS, HttpLimits, build_app
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
 from server.security import BearerTokenInterceptor, read_tokens, server_credentials

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import channel_spec
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import grpc_options
+from server.lifecycle import grpc_options
 from server.settings import Settings, parse_settings
-from tests.service.conftest import TIMEOUT, until
+from tests.server.conftest import TIMEOUT, until
 
 BOUND = 20.0  # seconds; bounds a wait for a sub-second timeout to fire
 HOST = "127.0.0.1"

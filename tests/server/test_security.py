@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import AsyncClient, AuthenticationError, ServerUnavailable
 from kenspec_api import generator_pb2 as pb
 from server import security
-from server.app import KenspecServer
+from server.lifecycle import KenspecServer
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
 

@@ -27,8 +27,8 @@ from cryptography.x509.oid import NameOID
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.app import KenspecServer
 from server.engine.target import TargetModel
+from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
 

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.errors import ServerBusy, from_rpc_error
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.requests import MAX_REQUEST_ID
-from tests.service.conftest import TIMEOUT
+from server.generate_params import MAX_REQUEST_ID
+from tests.server.conftest import TIMEOUT
 
 
 async def test_request_id_at_the_limit_is_echoed(start_server, collect, prompt_request) -> None:

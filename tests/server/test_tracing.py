@@ -23,7 +23,7 @@ from kenspec_api import generator_pb2 as pb
 from kenspec_api.outputs import BreakerState, FinishReason, Mode
 from server import otel
 from server.engine.generation import Round
-from server.tracing import NO_TRACING
+from server.request_spans import NO_TRACING
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,8 +193,9 @@ async def test_tracing_off_records_nothing(start_server, exporter) -> None:
 # saying what to install.
 CHECK_IMPORTS = """
 import sys
-import server.app, server.__main__
-from server.tracing import NO_TRACING, build_tracing
+import server.lifecycle, server.__main__
+from server.request_spans import NO_TRACING
+from server.tracing import build_tracing
 assert build_tracing(False, "", "model") is NO_TRACING
 tracing = ("server.otel", "opentelemetry.sdk.trace", "opentelemetry.exporter",
            "opentelemetry.propagate")
