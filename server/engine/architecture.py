@@ -112,7 +112,7 @@ def check_packed_passes(
     """
     config = model.config
     device = next(model.parameters()).device
-    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[no-untyped-call]
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     tokens = [(7 + 31 * index) % vocab for index in range(_CHECK_TOKENS)]
     expected = model(input_ids=torch.tensor([tokens], device=device)).logits[0].float()
     model.set_attn_implementation(implementation)

@@ -55,7 +55,7 @@ class SkinnyConv1D(Conv1D):
         if rows not in self.skinny_rows:
             stock: torch.Tensor = super().forward(x)  # type: ignore[no-untyped-call]
             return stock
-        out = _skinny(self.weight.t(), x.reshape(rows, x.shape[-1])) + self.bias
+        out: torch.Tensor = _skinny(self.weight.t(), x.reshape(rows, x.shape[-1])) + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -79,11 +79,7 @@ def _skinny(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def decoder_linears(model: nn.Module) -> list[Linear]:
     """The model's linear layers (nn.Linear or Conv1D) but its output layer, in forward order."""
-    head = (
-        model.get_output_embeddings()  # type: ignore[no-untyped-call]
-        if isinstance(model, PreTrainedModel)
-        else None
-    )
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     return [m for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
 
 

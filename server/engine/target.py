@@ -227,7 +227,8 @@ class TargetModel:
         """Bytes of keys and values one position holds in a cache (all layers)."""
         _, kv_heads, head_dim = self.attention_shape
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.model.config.num_hidden_layers * kv_heads * head_dim * element
+        layers: int = self.model.config.num_hidden_layers
+        return 2 * layers * kv_heads * head_dim * element
 
     @property
     def vocab_size(self) -> int:
@@ -247,11 +248,13 @@ class TargetModel:
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.name} has no chat template; send a raw prompt instead")
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=True, tokenize=False
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the model's chat template refused the messages: {error}") from None
+        assert isinstance(text, str)  # tokenize=False: the rendered text
+        return text
 
     def encode_chat_text(self, text: str) -> list[int]:
         """Token ids of a rendered chat (its template wrote the special tokens)."""
@@ -380,7 +383,7 @@ class TargetModel:
 def _output_layer(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:
     """Whether the logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES, no
     bias), and the layer transposed for LazyLogits where they are computed so (or None)."""
-    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TargetLoadError(f"{directory}: its output layer is not a linear layer")
     plain_head = model.config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
