@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 
 if TYPE_CHECKING:
     from server.engine.live_costs import LiveCosts
@@ -187,7 +188,8 @@ def measure_pass_seconds(
         for width in widths:
             started = time.perf_counter()
             # A pass reads at least one row of logits per sequence; the cache length stays.
-            target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
+            passed = VerifyPass.sequences([len(context)] * rows, [context[:width]] * rows)
+            target.forward(cache, passed)[0][0]
             target.synchronize()
             samples[width].append(time.perf_counter() - started)
     return [statistics.median(samples[width][1:]) for width in widths]

@@ -16,6 +16,7 @@ from torch.profiler import profile
 from server.engine import slot_cache
 from server.engine.admission import BatchSettings
 from server.engine.batch import Batch
+from server.engine.pass_logits import Logits
 from server.engine.slot_cache import (
     KERNELS,
     choose_grouped,
@@ -26,6 +27,7 @@ from server.engine.slot_cache import (
     sdpa_attention,
     use_grouped,
 )
+from server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
@@ -255,11 +257,11 @@ def test_a_rows_logits_are_the_same_bits_beside_other_rows(tiny_model_dir, dtype
     other = target.encode_prompt("Speculative decoding drafts tokens and verifies them. " * 6)
     tokens = [11, 12, 13, 14, 15]
 
-    def logits(prompts: list[list[int]], rows: list[list[int]]) -> list[torch.Tensor]:
+    def logits(prompts: list[list[int]], rows: list[list[int]]) -> list[Logits]:
         cache = target.new_cache(len(prompts))
         for row, ids in enumerate(prompts):
             target.prefill(cache, row, 0, ids)
-        return target.forward(cache, [len(ids) for ids in prompts], rows)
+        return target.forward(cache, VerifyPass.sequences([len(ids) for ids in prompts], rows))
 
     alone = logits([prompt], [tokens])[0]
     beside = logits([prompt, other], [tokens, tokens[:3]])[0]
