@@ -4,11 +4,13 @@ One iteration (Orca-style, iteration-level scheduling):
 1. admit: arrivals join the waiting queue, cancelled generations leave (a decoding one's cache
    row goes to the next), and new prompts start decoding or are prefilled a chunk
    (`Admission`);
-2. plan: every decoding generation drafts (its own k, breakers, sampling parameters; an open
-   breaker means no drafts), and the drafts worth their cost are chosen for the whole pass
-   (`costs.choose_drafts`);
-3. verify: one packed forward pass scores all rows, each with its own number of tokens
-   (`SlotCache`), and each row accepts on its own logits; finished rows are freed.
+2. round: every decoding row drafts, verifies in one packed pass and accepts on its own
+   logits (`engine.round`, read top to bottom).
+
+The batch keeps the rows' bookkeeping for the round: entries[i] is in cache row i, a row
+that leaves has the last one moved into its place, a failed pass is rerun row by row so
+that a failure fails only its own request, and prompts and finished answers are kept in the
+prefix cache.
 
 A Batch is driven by one thread (`run_until_idle`, or `rounds` for a caller that drives one
 generation itself); `add` and `cancel` may be called from any.
