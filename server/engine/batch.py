@@ -174,7 +174,8 @@ class Batch:
         return self._decoding
 
     def fail(self, entry: Entry, error: BaseException) -> None:
-        self._finish_row(entry, error)
+        self._remove(self._decoding.index(entry))
+        entry.fail(error)
 
     def relocate(self, row: int, moves: Sequence[tuple[int, int]]) -> None:
         if moves:
@@ -196,12 +197,14 @@ class Batch:
 
     def finish(self, finished: list[tuple[Entry, Exception | None]]) -> None:
         for entry, error in finished:
-            if error is None and self.prefixes is not None:
-                # A conversation's next turn re-sends this prompt and answer.
-                row = self._decoding.index(entry)
+            if error is not None:
+                self.fail(entry, error)
+                continue
+            row = self._decoding.index(entry)
+            if self.prefixes is not None:  # a conversation's next turn re-sends them
                 generation = entry.generation
                 self.prefixes.store(self._cache, row, generation.cached_tokens, generation.tenant)
-            self._finish_row(entry, error)
+            self._remove(row)
 
     # -- passes -------------------------------------------------------------------------
 
@@ -245,12 +248,6 @@ class Batch:
         self._events.observe_pass(len(verify.rows), verify.tokens)
 
     # -- row bookkeeping ----------------------------------------------------------------
-
-    def _finish_row(self, entry: Entry, error: BaseException | None) -> None:
-        """Take a decoding generation out of the batch (delivering error, if any)."""
-        self._remove(self._decoding.index(entry))
-        if error is not None:
-            entry.fail(error)
 
     def _remove(self, index: int) -> None:
         """Free decoding row `index`: the last decoding row moves in, the prefilling one follows."""

@@ -25,7 +25,7 @@ log = structlog.get_logger("kenspec.batch")
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class Chosen:
     """The drafts each row keeps, and the tokens live costs asked the pass to hold (None:
     whatever the drafts kept make it)."""
 
@@ -45,7 +45,7 @@ class DraftChoice:
         self._pad_passes = pad_passes
         self._logged: dict[str, object] = {}
 
-    def choose(self, rows: Sequence[PassRow], gains: Sequence[Sequence[float]]) -> Choice:
+    def choose(self, rows: Sequence[PassRow], gains: Sequence[Sequence[float]]) -> Chosen:
         """How many of its drafts each row keeps (gains[r][i]: what draft i of row r adds)."""
         block = self._target.tree_key_block
         if block:  # batch invariance: keys summed in order (slot_cache.invariant_attention)
@@ -61,7 +61,7 @@ class DraftChoice:
             can_pad = len(rows) == 1 and self._pad_passes
             most = None if can_pad else base + sum(len(g) for g in gains)
             explore = self.live.explore(len(rows), most_tokens=most)
-        return Choice(choose_drafts(gains, self.costs, base, tokens=explore), explore)
+        return Chosen(choose_drafts(gains, self.costs, base, tokens=explore), explore)
 
     def width(self, rows: Sequence[PassRow], explore: int | None = None) -> int:
         """The tokens to pad a pass of `rows` to: at least what they hold, more for a stale

@@ -13,7 +13,7 @@ from server.engine.draft_tree import DraftTree
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
 from server.engine.pass_logits import Logits
 from server.engine.recycled import RecycledPredictions
-from server.engine.sampling import Choice, PositionalGenerator, chooser
+from server.engine.sampling import PositionalGenerator, TokenChoice, chooser
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT
@@ -42,7 +42,7 @@ class Round:
 
 
 class Generation:
-    """Decodes one request round by round.
+    """One request's state across its rounds: prompt, output, pending token, stops, finish.
 
     Cache invariant (see TargetModel): the generation's cache row holds every token of
     prompt + output except the last one, `_pending`. A round feeds [pending, d_1..d_k], so the
@@ -51,7 +51,7 @@ class Generation:
     the same loop is plain autoregressive decoding.
 
     A Batch verifies many generations in one pass (engine.round): `propose()` drafts,
-    `pass_row()` lays out what the pass scores, the walk uses `choice()`, `accept()` emits.
+    `pass_row()` lays out what the pass scores, the walk uses `token_choice()`, `accept()` emits.
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class Generation:
             prompt_tail=tuple(self._prompt[self._prefilled : len(self._prompt) - 1]),
         )
 
-    def choice(self, logits: Logits) -> Choice:
+    def token_choice(self, logits: Logits) -> TokenChoice:
         """The target's choice at each depth of this round's walk: the argmax when greedy, else
         a draw keyed by the output position it fills (see PositionalGenerator)."""
         position = len(self._output)

@@ -110,7 +110,7 @@ def _propose(rows: Rows) -> dict[int, DraftTree]:
 def _walk_and_commit(rows: Rows, index: int, entry: Entry, row: PassRow, logits: Logits) -> Round:
     generation = entry.generation
     # Walk the tree (the accept rule above): what the target emits, and the accepted nodes.
-    emitted, path = walk(row.drafts, row.draft_parents(), generation.choice(logits))
+    emitted, path = walk(row.drafts, row.draft_parents(), generation.token_choice(logits))
     if generation.recycled is not None:  # the rows the pass computed, kept as drafts
         generation.recycled.record([row.pending, *row.drafts], logits.computed(row.scored))
     # Breakers and adaptive k learn what was accepted, per draft source.

@@ -48,12 +48,12 @@ def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
-Choice = Callable[[int, int], int]
+TokenChoice = Callable[[int, int], int]
 """A walk's choice: (logits row, depth) -> the target's token there (see `walk`)."""
 
 
 def walk(
-    draft_ids: Sequence[int], parents: Sequence[int], choose: Choice
+    draft_ids: Sequence[int], parents: Sequence[int], choose: TokenChoice
 ) -> tuple[list[int], list[int]]:
     """The lossless acceptance walk over a token tree; (emitted tokens, accepted node indices).
 
@@ -111,7 +111,7 @@ def accept_sampled(
     return walk(draft_ids, tree, chooser(logits, params, generator_at))[0]
 
 
-def greedy_choice(logits: Logits) -> Choice:
+def greedy_choice(logits: Logits) -> TokenChoice:
     """A walk's choice at temperature 0: the row's argmax (on an accelerator, from the pass's
     one copy of its greedy tokens)."""
     return lambda row, _depth: logits.argmax(row)
@@ -119,7 +119,7 @@ def greedy_choice(logits: Logits) -> Choice:
 
 def chooser(
     logits: Logits, params: SamplingParams, generator_at: Callable[[int], torch.Generator]
-) -> Choice:
+) -> TokenChoice:
     """A walk's choice: the argmax when greedy, else y ~ p (warped) drawn with the generator
     of its depth."""
     if params.greedy:
