@@ -167,7 +167,7 @@ class Batch:
             "seconds": {phase: round(s, 2) for phase, s in stats.seconds.items()},
         }
 
-    # -- the round's rows (engine.round.Rows) ----------------------------------------------
+    # -- the round's rows (engine.round.BatchRows) ----------------------------------------------
 
     @property
     def entries(self) -> list[Entry]:

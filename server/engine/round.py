@@ -35,7 +35,7 @@ log = structlog.get_logger("kenspec.batch")
 Finished = list[tuple[Entry, Exception | None]]  # rows to take out, with their error if any
 
 
-class Rows(Protocol):
+class BatchRows(Protocol):
     """What a round needs of the batch's row bookkeeping (see Batch)."""
 
     @property
@@ -55,7 +55,7 @@ class Rows(Protocol):
         """Take finished or failed rows out after a round."""
 
 
-def run_round(rows: Rows, choice: DraftChoice, stats: BatchStats) -> None:
+def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
     started = time.perf_counter()
     # 1. Propose: every row drafts a tree (its own k, breakers, sampling; an open breaker
     # means none). A row whose draft raises leaves before the pass is laid out.
@@ -95,7 +95,7 @@ def run_round(rows: Rows, choice: DraftChoice, stats: BatchStats) -> None:
     stats.timed("accept", started)
 
 
-def _propose(rows: Rows) -> dict[int, DraftTree]:
+def _propose(rows: BatchRows) -> dict[int, DraftTree]:
     """Each row's draft tree, by id(entry); a row whose draft raises is failed and gone."""
     trees: dict[int, DraftTree] = {}
     for entry in list(rows.entries):
@@ -107,7 +107,9 @@ def _propose(rows: Rows) -> dict[int, DraftTree]:
     return trees
 
 
-def _walk_and_commit(rows: Rows, index: int, entry: Entry, row: PassRow, logits: Logits) -> Round:
+def _walk_and_commit(
+    rows: BatchRows, index: int, entry: Entry, row: PassRow, logits: Logits
+) -> Round:
     generation = entry.generation
     # Walk the tree (the accept rule above): what the target emits, and the accepted nodes.
     emitted, path = walk(row.drafts, row.draft_parents(), generation.token_choice(logits))
