@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.target import TargetModel
+from server.engine.verify_pass import PassRow, VerifyPass
 from server.settings import DEFAULT_MODEL
 
 PROMPT = "Explain in two sentences why the sky is blue."
@@ -106,22 +107,25 @@ def run_layout(
     try:
         if layout in ("steps", "chunked"):
             for offset, token in enumerate(tokens):
-                (row_logits,) = target.forward(cache, [len(prompt) + offset], [[token]])
+                passed = VerifyPass.sequences([len(prompt) + offset], [[token]])
+                (row_logits,) = target.forward(cache, passed)
                 logits.append(row_logits[0])
             per_pass = [[0]] * len(tokens)
         elif layout == "tree":  # the other sequences first, three tokens each
             nodes, parents = tree_with_siblings(tokens, target.vocab_size)
-            lengths = [len(o) for o in batched] + [len(prompt)]
-            token_rows = [[o[-1]] * 3 for o in batched] + [nodes]
-            trees = [None] * len(batched) + [parents]
-            *_, row_logits = target.forward(cache, lengths, token_rows, parents=trees)
+            # The tree's root is the row's first token; its other nodes, drafts under it.
+            tree = PassRow(
+                len(prompt), nodes[0], tuple(nodes[1:]), tuple(p - 1 for p in parents[1:])
+            )
+            others = [PassRow.sequence(len(o), [o[-1]] * 3) for o in batched]
+            *_, row_logits = target.forward(cache, VerifyPass((*others, tree)))
             on_branch = list(range(0, len(nodes), 2))
             logits = [row_logits[i] for i in on_branch]
             per_pass = [[3 * len(batched) + i for i in on_branch]]
         else:
             lengths = [len(prompt)] + [len(o) for o in batched]
             token_rows = [list(tokens)] + [[o[-1]] * 3 for o in batched]
-            row_logits = target.forward(cache, lengths, token_rows)
+            row_logits = target.forward(cache, VerifyPass.sequences(lengths, token_rows))
             logits = [row_logits[0][i] for i in range(len(tokens))]
             per_pass = [list(range(len(tokens)))]
     finally:
@@ -188,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target.prefill(cache, 0, 0, prompt[:-1])
     tokens, last = [], prompt[-1]
     for offset in range(args.tokens):  # the greedy continuation, one token a pass
-        (row,) = target.forward(cache, [len(prompt) - 1 + offset], [[last]])
+        (row,) = target.forward(cache, VerifyPass.sequences([len(prompt) - 1 + offset], [[last]]))
         last = int(row[0].argmax())
         tokens.append(last)
     reference, reference_logits = run_layout(target, prompt, tokens, "steps", others)

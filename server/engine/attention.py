@@ -221,7 +221,7 @@ def invariant_attention(
       and its weights back in slot order after (Packing.sequence_order). The weighted sum of
       values then differs from a sequence's only by zero terms between its own, which add
       nothing as long as each term stays in the block of keys the product sums in one run;
-      the batch keeps a tree's nodes so (invariant.value_block, Generation.drafts_in_blocks).
+      the batch keeps a tree's nodes so (invariant.value_block, PassRow.nodes_in_key_blocks).
     - Few operations (a one-token pass runs this once a layer, at some 10 us an operation):
       the queries are copied (and converted) into a padded buffer, the keys and values into
       zero-padded buffers kept from call to call, and the mask, the scale and the padding's

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from server.engine.costs import PassCosts, cheapest_widths, lowest_break_even
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,8 @@ def measure_pass_seconds(
         for width in widths:
             started = time.perf_counter()
             # A pass reads at least one row of logits per sequence; the cache length stays.
-            target.forward(cache, [len(context)] * rows, [context[:width]] * rows)[0][0]
+            passed = VerifyPass.sequences([len(context)] * rows, [context[:width]] * rows)
+            target.forward(cache, passed)[0][0]
             target.synchronize()
             samples[width].append(time.perf_counter() - started)
     return [statistics.median(samples[width][1:]) for width in widths]

@@ -1,4 +1,5 @@
-"""One generation: draft, verify in one forward pass, keep what the target agrees with, repeat."""
+"""One request's state: its prompt, output, pending token, stops and finish (engine.round
+drives its rounds)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,15 @@ from dataclasses import dataclass
 
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from server.engine.draft_tree import DraftTree
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
-from server.engine.recycled import RecycledPredictions, computed_rows
-from server.engine.sampling import (
-    HostArgmax,
-    LogitRows,
-    PositionalGenerator,
-    chain_parents,
-    chooser,
-    token_choice,
-    walk,
-)
+from server.engine.pass_logits import Logits
+from server.engine.recycled import RecycledPredictions
+from server.engine.sampling import PositionalGenerator, TokenChoice, chooser
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT
-from server.engine.token_tree import depths
+from server.engine.verify_pass import PassRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +42,7 @@ class Round:
 
 
 class Generation:
-    """Decodes one request round by round.
+    """One request's state across its rounds: prompt, output, pending token, stops, finish.
 
     Cache invariant (see TargetModel): the generation's cache row holds every token of
     prompt + output except the last one, `_pending`. A round feeds [pending, d_1..d_k], so the
@@ -55,8 +50,8 @@ class Generation:
     1 + accepted, and the round's last emitted token becomes the new pending token. With k = 0
     the same loop is plain autoregressive decoding.
 
-    A round is split in two around the forward pass so that a Batch can verify many
-    generations in one pass: `plan()` drafts, the batch runs the pass, `complete()` accepts.
+    A Batch verifies many generations in one pass (engine.round): `propose()` drafts,
+    `pass_row()` lays out what the pass scores, the walk uses `token_choice()`, `accept()` emits.
     """
 
     def __init__(
@@ -85,14 +80,12 @@ class Generation:
         self._stopping = stopping
         self.speculator = speculator
         self._on_finish = on_finish  # (prompt, output) of a finished generation, e.g. to learn
-        self._recycled = recycled  # where the pass's computed logit rows are kept as drafts
+        self.recycled = recycled  # where its passes' computed logit rows are kept as drafts
         self.tenant = tenant  # whose cached prefixes it may reuse (and its own are stored as)
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
         self._pending = prompt_ids[-1]
-        self._drafts: list[int] = []
-        self._parents: list[int] = []  # this round's token tree ([] for a chain)
         self.kv_moves: list[tuple[int, int]] = []  # cache positions the last round moved
         self._detokenizer = IncrementalDetokenizer(target.tokenizer)
         self._stops = StopMatcher(stopping.stop)
@@ -131,87 +124,47 @@ class Generation:
     def prefilled(self, count: int) -> None:
         self._prefilled += count
 
-    def plan(self) -> list[int]:
-        """Draft this round's tokens; returns what the pass must score: [pending, *drafts],
-        after the prompt tokens not yet in the cache, if any (a prompt prefilled in the same
-        pass as its first round: `prefill_remaining` tokens whose logits are not needed)."""
+    @property
+    def draft_limit(self) -> int:
+        """The most drafts a round could use: with n tokens left to emit, n - 1."""
+        return self._stopping.max_new_tokens - len(self._output) - 1
+
+    def propose(self) -> DraftTree:
+        """This round's draft tree (see Speculator.propose)."""
         if self.finished:
-            raise RuntimeError("plan() needs an unfinished generation")
-        # With n tokens left to emit, more than n - 1 drafts could never all be used.
-        remaining = self._stopping.max_new_tokens - len(self._output)
-        tree = self.speculator.propose(limit=remaining - 1)
-        self._drafts = list(tree.tokens)
-        self._parents = [] if tree.is_chain else list(tree.parents)
-        return self._feed()
+            raise RuntimeError("propose() needs an unfinished generation")
+        return self.speculator.propose(limit=self.draft_limit)
 
-    def draft_gains(self) -> list[float]:
-        """Expected accepted tokens each of this round's drafts adds (see choose_drafts)."""
-        return self.speculator.gains()
+    def pass_row(self, tree: DraftTree) -> PassRow:
+        """This generation's row of a verify pass with the drafts `tree`: the prompt tokens
+        not yet in the cache, if any (a prompt prefilled in the same pass as its first round),
+        then the pending token and the drafts."""
+        return PassRow(
+            cache_length=self.cache_length,
+            pending=self._pending,
+            drafts=tree.tokens,
+            parents=None if tree.is_chain else tree.parents,
+            prompt_tail=tuple(self._prompt[self._prefilled : len(self._prompt) - 1]),
+        )
 
-    def drafts_in_blocks(self, block: int) -> int:
-        """How many of this round's first drafts have their cache slot in the same block of
-        `block` keys as their position: a tree's node i is written at pending + 1 + i and is at
-        pending + its depth (a chain's drafts, at both)."""
-        if not self._parents:
-            return len(self._drafts)
-        pending = self.cache_length + self.prefill_remaining
-        for node, depth in enumerate(depths(self._parents)):
-            if (pending + 1 + node) // block != (pending + depth) // block:
-                return node
-        return len(self._parents)
+    def token_choice(self, logits: Logits) -> TokenChoice:
+        """The target's choice at each depth of this round's walk: the argmax when greedy, else
+        a draw keyed by the output position it fills (see PositionalGenerator)."""
+        position = len(self._output)
+        return chooser(logits, self._sampling, lambda depth: self._draws.at(position + depth))
 
-    def truncate_drafts(self, count: int) -> list[int]:
-        """Keep only the first `count` drafts of this round (a batch found more not worth it;
-        a tree's first nodes are a tree)."""
-        self.speculator.cut(len(self._drafts), min(count, len(self._drafts)))
-        del self._drafts[count:]
-        del self._parents[count:]
-        return self._feed()
-
-    def feed_parents(self) -> list[int] | None:
-        """The token tree over what the pass scores (see plan), or None for a sequence: the
-        prompt tail and the pending token each follow the one before, a draft its parent."""
-        if not self._parents:
-            return None
-        pending = self.prefill_remaining  # the pending token's index in the feed
-        return [*range(-1, pending), *(pending + 1 + parent for parent in self._parents)]
-
-    def _feed(self) -> list[int]:
-        return [
-            *self._prompt[self._prefilled : len(self._prompt) - 1],
-            self._pending,
-            *self._drafts,
-        ]
-
-    def complete(self, logits: LogitRows) -> Round:
-        """Accept against the pass's logits for [pending, *drafts]; emit the round."""
-        drafts = self._drafts
-        emitted, path = self._verify(drafts, logits)
-        if self._recycled is not None:
-            scored = [self._pending, *drafts]
-            self._recycled.record(scored, computed_rows(logits, len(scored)))
-        pending_at = self.cache_length + self.prefill_remaining  # the pending token's position
-        self._prefilled += self.prefill_remaining  # the pass wrote the rest of the prompt
+    def accept(self, row: PassRow, emitted: list[int], path: list[int]) -> Round:
+        """The pass wrote `row` and the walk accepted the nodes `path`: emit `emitted`."""
+        self._prefilled += len(row.prompt_tail)  # the pass wrote the rest of the prompt
         # A tree's accepted nodes were written at pending + 1 + node; they belong at
         # pending + 1 + depth (their rotary positions already are): the batch moves them.
+        pending_at = row.pending_position
         self.kv_moves = [
             (pending_at + 1 + node, pending_at + 1 + depth)
             for depth, node in enumerate(path)
             if node != depth
         ]
-        accepted = len(emitted) - 1
-        self.speculator.record(len(drafts), accepted, path)
-        return self._emit(emitted, drafted=len(drafts), accepted=accepted)
-
-    def _verify(self, drafts: list[int], logits: LogitRows) -> tuple[list[int], list[int]]:
-        """The walk over this round's drafts (a chain or a tree): (emitted, accepted nodes)."""
-        parents = self._parents or chain_parents(len(drafts))
-        if self._sampling.greedy and isinstance(logits, HostArgmax):
-            # On an accelerator: the pass's greedy tokens, one copy for every sequence.
-            return walk(drafts, parents, logits.argmax_ids(), token_choice)
-        position = len(self._output)
-        choose = chooser(self._sampling, lambda i: self._draws.at(position + i))
-        return walk(drafts, parents, logits, choose)
+        return self._emit(emitted, drafted=len(row.drafts), accepted=len(emitted) - 1)
 
     def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""

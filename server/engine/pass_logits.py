@@ -1,23 +1,70 @@
-"""Logits of a pass on an accelerator, read by acceptance with one device-to-host copy per pass.
+"""A pass row's next-token logits: the one logits type acceptance and recycling read.
 
-On a CPU, acceptance reads a logits row where it lies and `LazyLogits` computes only the rows
-it reads. On a GPU every read that turns into a Python int (`int(row.argmax())`) waits for the
-device and copies: a batch of 8 sequences accepting 3 drafts each would pay ~30 waits per
-pass, each one an idle GPU. There, all rows of the pass are computed in one product (a few
-dozen rows of the output layer cost the GPU what one does) and the greedy token of every row
-of the pass is copied to the host once, the first time any sequence asks: an int per position,
-not a vocabulary row. Sampled rows are still drawn one by one on the device (each draw is one
-small copy): their generator is keyed by output position (sampling.PositionalGenerator).
+Row i of a `Logits` is the target's next-token distribution (float32 logits) after the row's
+i-th scored token (see verify_pass). Its operations: `argmax(i)` (a greedy walk), `[i]` (a row
+to sample from), `computed(count)` (the rows already computed, for recycling). Where its rows
+come from depends on the device:
 
-Example: a pass of rows [pending, d1, d2] and [pending]: `argmax_ids()` on either sequence runs
-one argmax over the 4 rows and one copy of 4 ints; the other sequence's call copies nothing.
+- On a CPU with a plain output layer (`lazy_logits`), rows are computed only when read. A
+  verification reads row i only if drafts 1..i were all accepted, so on average it needs
+  "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
+  matrix of a small model. Row 0 is read by every sequence of a batched pass, so it is
+  computed for all of them in one GEMM (one read of the output layer instead of one per
+  sequence). A row past 0 is computed with the next BLOCK - 1 rows: a verification that reads
+  row 1 usually reads more, and one product of the output layer with a few rows costs about
+  what a single-row GEMV does, so a fully accepted 6-token draft reads the layer 3 times
+  instead of 7.
+- Otherwise (`computed_logits`) every row is computed already: a generic model's logits, or,
+  on an accelerator, all rows of the pass in one product (a few dozen rows of the output layer
+  cost a GPU what one does). There every read that turns into a Python int waits for the
+  device and copies: a batch of 8 sequences accepting 3 drafts each would pay ~30 waits per
+  pass. So the greedy token of every row of the pass is copied to the host once, the first
+  time any sequence asks (`one_copy`): an int per position, not a vocabulary row. Sampled
+  rows are still drawn one by one on the device (each draw one small copy), their generator
+  keyed by output position (sampling.PositionalGenerator).
+
+Example: an accelerator's pass of rows [pending, d1, d2] and [pending]: `argmax(0)` on either
+sequence runs one argmax over the 4 rows and one copy of 4 ints; the other's copies nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+BLOCK = 4  # lazy rows computed together past row 0
+
+
+def capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logits in float32, soft-capped to (-softcap, softcap) as Gemma 2's output layer does."""
+    if softcap is None:
+        return logits.float()
+    return torch.tanh(logits / softcap).mul_(softcap).float()
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLayer:
+    """A plain output layer, for rows computed from hidden states."""
+
+    weight: torch.Tensor  # [vocab, hidden_size]
+    transposed: torch.Tensor  # [hidden_size, vocab]: the weight transposed, for one-row GEMVs
+    softcap: float | None = None  # final_logit_softcapping
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of hidden [rows, hidden_size]: a GEMV for one row, else
+        weight @ hidden^T (for a wide head and a few rows, far cheaper than hidden @ weight^T
+        on CPUs; docs/design.md)."""
+        with torch.inference_mode():
+            if hidden.shape[0] == 1:
+                return capped(hidden @ self.transposed, self.softcap)
+            return capped((self.weight @ hidden.t()).t(), self.softcap)
+
+    def row(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of one hidden state [hidden_size]: a GEMV."""
+        with torch.inference_mode():
+            return capped(hidden @ self.transposed, self.softcap)
 
 
 class _PassArgmax:
@@ -33,38 +80,97 @@ class _PassArgmax:
         return self._ids
 
 
-class PassLogits:
-    """One sequence's next-token logits in a pass ([positions, vocab] float32 on the device),
-    indexed like a tensor, with its rows' greedy tokens read through the pass's one copy."""
+class Logits:
+    """One pass row's next-token logits, by scored position (see the module doc)."""
 
-    def __init__(self, logits: torch.Tensor, begin: int, end: int, argmax: _PassArgmax) -> None:
-        self._logits = logits  # the whole pass's rows; this sequence's are [begin, end)
-        self._begin, self._end = begin, end
-        self._argmax = argmax
+    def __init__(
+        self,
+        count: int,
+        *,
+        rows: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        head: OutputLayer | None = None,
+        first: torch.Tensor | None = None,
+        pass_argmax: _PassArgmax | None = None,
+        offset: int = 0,
+    ) -> None:
+        self._count = count
+        self._all = rows  # [count, vocab] when every row is computed already
+        self._hidden = hidden  # [count, hidden_size] for rows computed on access
+        self._head = head
+        self._lazy: dict[int, torch.Tensor] = {0: first} if first is not None else {}
+        self._pass_argmax = pass_argmax  # the pass's greedy tokens, in one copy
+        self._offset = offset  # this row's first in the pass's argmax
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> Logits:
+        """Logits of rows [positions, vocab] already computed."""
+        return cls(int(rows.shape[0]), rows=rows)
 
     def __len__(self) -> int:
-        return self._end - self._begin
+        return self._count
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if not 0 <= index < len(self):
-            raise IndexError(f"row {index} of a {len(self)}-position pass")
-        return self._logits[self._begin + index]
+        """Row `index` [vocab], float32 (a row to sample from)."""
+        if not 0 <= index < self._count:
+            raise IndexError(f"row {index} of a {self._count}-position pass")
+        if self._all is not None:
+            return self._all[index]
+        row = self._lazy.get(index)
+        if row is None:
+            self._compute(index)
+            row = self._lazy[index]
+        return row
 
-    def argmax_ids(self) -> list[int]:
-        """The greedy token after each position (the pass's one device-to-host copy)."""
-        return self._argmax.ids()[self._begin : self._end]
+    def argmax(self, index: int) -> int:
+        """The greedy token after scored position `index`."""
+        if self._pass_argmax is not None:
+            if not 0 <= index < self._count:
+                raise IndexError(f"row {index} of a {self._count}-position pass")
+            return self._pass_argmax.ids()[self._offset + index]
+        return int(self[index].argmax())
 
-    def computed(self) -> dict[int, torch.Tensor]:
-        """Every row (for recycling the target's predictions): the pass computed them all."""
-        return {index: self[index] for index in range(len(self))}
+    def computed(self, count: int) -> list[tuple[int, torch.Tensor]]:
+        """(index, row) of the rows among the first `count` computed so far (for recycling
+        the target's predictions): all for computed rows, those a walk read for lazy ones."""
+        if self._all is not None:
+            return [(i, self._all[i]) for i in range(min(count, self._count))]
+        return [(i, row) for i, row in sorted(self._lazy.items()) if i < count]
+
+    def _compute(self, index: int) -> None:
+        """Row `index` and the next BLOCK - 1 not yet computed, in one product."""
+        assert self._hidden is not None and self._head is not None
+        end = min(index + BLOCK, self._count)
+        while end - 1 in self._lazy:
+            end -= 1
+        if end - index == 1:
+            self._lazy[index] = self._head.row(self._hidden[index])
+            return
+        block = self._head.rows(self._hidden[index:end])  # [end - index, vocab]
+        self._lazy.update(zip(range(index, end), block, strict=True))
 
 
-def split_pass(logits: torch.Tensor, lengths: Sequence[int]) -> list[PassLogits]:
-    """PassLogits for consecutive sequences of `lengths` rows of `logits` [sum(lengths), vocab],
-    sharing one argmax copy."""
-    argmax = _PassArgmax(logits)
+def lazy_logits(
+    hidden: torch.Tensor, spans: Sequence[tuple[int, int]], head: OutputLayer
+) -> list[Logits]:
+    """Per span [begin, end) of hidden [positions, hidden_size], its rows on access; every
+    span's row 0 now, in one product (every sequence reads one)."""
+    firsts = head.rows(hidden[[begin for begin, _ in spans]])  # [spans, vocab]
+    return [
+        Logits(end - begin, hidden=hidden[begin:end], head=head, first=firsts[i])
+        for i, (begin, end) in enumerate(spans)
+    ]
+
+
+def computed_logits(
+    logits: torch.Tensor, lengths: Sequence[int], *, one_copy: bool = False
+) -> list[Logits]:
+    """Logits of consecutive sequences of `lengths` rows of logits [sum(lengths), vocab];
+    one_copy: their greedy tokens come to the host in one copy for them all (accelerators)."""
+    argmax = _PassArgmax(logits) if one_copy else None
     result, begin = [], 0
     for length in lengths:
-        result.append(PassLogits(logits, begin, begin + length, argmax))
+        rows = logits[begin : begin + length]
+        result.append(Logits(length, rows=rows, pass_argmax=argmax, offset=begin))
         begin += length
     return result

@@ -88,14 +88,3 @@ class RecycledPredictions:
             probs.append(path)
             token = following
         return tokens, probs
-
-
-def computed_rows(logits: object, count: int) -> list[tuple[int, torch.Tensor]]:
-    """The logit rows among the first `count` that a pass has already computed: all of them for
-    a tensor, the ones a verification read (and their block) for LazyLogits."""
-    if isinstance(logits, torch.Tensor):
-        return [(i, logits[i]) for i in range(min(count, logits.shape[0]))]
-    rows = getattr(logits, "computed", None)
-    if rows is None:
-        return []
-    return [(i, row) for i, row in sorted(rows().items()) if i < count]

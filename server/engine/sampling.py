@@ -14,11 +14,12 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from server.engine.draft_tree import chain_parents
 from server.engine.params import SamplingParams
+from server.engine.pass_logits import Logits
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,59 +48,33 @@ def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
-class LogitRows(Protocol):
-    """Next-token logits by position: a [positions, vocab] tensor, or LazyLogits."""
-
-    def __getitem__(self, index: int) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class HostArgmax(Protocol):
-    """Logit rows whose greedy tokens come to the host in one copy per pass (PassLogits)."""
-
-    def argmax_ids(self) -> Sequence[int]: ...
-
-
-Row = TypeVar("Row")
-_RowOut = TypeVar("_RowOut", covariant=True)
-
-
-class Rows(Protocol[_RowOut]):
-    """What a walk reads per node: logit rows, or (HostArgmax) the greedy tokens."""
-
-    def __getitem__(self, index: int, /) -> _RowOut: ...
-
-
-def chain_parents(count: int) -> tuple[int, ...]:
-    """The parents of a chain of `count` drafts: each follows the one before (-1: the root)."""
-    return tuple(range(-1, count - 1))
+TokenChoice = Callable[[int, int], int]
+"""A walk's choice: (logits row, depth) -> the target's token there (see `walk`)."""
 
 
 def walk(
-    draft_ids: Sequence[int],
-    parents: Sequence[int],
-    logits: Rows[Row],
-    choose: Callable[[Row, int], int],
+    draft_ids: Sequence[int], parents: Sequence[int], choose: TokenChoice
 ) -> tuple[list[int], list[int]]:
     """The lossless acceptance walk over a token tree; (emitted tokens, accepted node indices).
 
     Node i is draft_ids[i], a child of node parents[i] (-1: of the root, the pending token);
-    logits[i + 1] scores what follows node i, logits[0] what follows the root. From the root:
+    logits row i + 1 scores what follows node i, row 0 what follows the root. From the root:
     y = choose(row, depth) (the argmax when greedy, a draw from p when sampling); if a child
     of the current node is y, move to it and repeat; else emit y and stop. At a leaf y is the
     bonus token. The emitted tokens are y_0, y_1, ..., each drawn from the target's
     distribution given the tokens before it, exactly as plain decoding draws them; which
     children exist only decides how many draws one pass can check. A chain is the tree whose
-    every node has one child. Rows off the accepted path are never read. `logits` may hold
-    what `choose` needs of a row rather than the row: the greedy tokens of HostArgmax rows,
-    chosen by `token_choice`.
+    every node has one child. Rows off the accepted path are never read.
+
+    Example: tokens [5, 6, 7], parents [-1, -1, 1] (5 and 6 at the root, 7 after 6), the
+    target choosing 6 at the root, then 7, then 11: ([6, 7, 11], [1, 2]).
     """
     children: dict[int, dict[int, int]] = {}
     for node, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, node)
-    node, path = -1, []
+    node, path = -1, list[int]()
     while True:
-        chosen = choose(logits[node + 1], len(path))
+        chosen = choose(node + 1, len(path))
         child = children.get(node, {}).get(chosen)
         if child is None:
             return [*(draft_ids[i] for i in path), chosen], path
@@ -108,7 +83,7 @@ def walk(
 
 
 def accept_greedy(
-    draft_ids: list[int], logits: LogitRows, parents: Sequence[int] | None = None
+    draft_ids: list[int], logits: Logits, parents: Sequence[int] | None = None
 ) -> list[int]:
     """Tokens a greedy round emits: the matching draft path plus the target's own next token.
 
@@ -116,12 +91,12 @@ def accept_greedy(
     of a chain); rows past the first mismatch are never read.
     """
     tree = chain_parents(len(draft_ids)) if parents is None else parents
-    return walk(draft_ids, tree, logits, greedy_choice)[0]
+    return walk(draft_ids, tree, greedy_choice(logits))[0]
 
 
 def accept_sampled(
     draft_ids: list[int],
-    logits: LogitRows,
+    logits: Logits,
     params: SamplingParams,
     generator_at: Callable[[int], torch.Generator],
     parents: Sequence[int] | None = None,
@@ -133,27 +108,23 @@ def accept_sampled(
     mismatch is computed or drawn. y_i is drawn with generator_at(i).
     """
     tree = chain_parents(len(draft_ids)) if parents is None else parents
-    return walk(draft_ids, tree, logits, chooser(params, generator_at))[0]
+    return walk(draft_ids, tree, chooser(logits, params, generator_at))[0]
 
 
-def greedy_choice(row: torch.Tensor, _depth: int) -> int:
-    """A walk's choice at temperature 0: the argmax."""
-    return int(row.argmax())
-
-
-def token_choice(token: int, _depth: int) -> int:
-    """A walk's choice at temperature 0 over rows' argmaxes already on the host."""
-    return token
+def greedy_choice(logits: Logits) -> TokenChoice:
+    """A walk's choice at temperature 0: the row's argmax (on an accelerator, from the pass's
+    one copy of its greedy tokens)."""
+    return lambda row, _depth: logits.argmax(row)
 
 
 def chooser(
-    params: SamplingParams, generator_at: Callable[[int], torch.Generator]
-) -> Callable[[torch.Tensor, int], int]:
+    logits: Logits, params: SamplingParams, generator_at: Callable[[int], torch.Generator]
+) -> TokenChoice:
     """A walk's choice: the argmax when greedy, else y ~ p (warped) drawn with the generator
     of its depth."""
     if params.greedy:
-        return greedy_choice
-    return lambda row, depth: _sample(row, params, generator_at(depth))
+        return greedy_choice(logits)
+    return lambda row, depth: _sample(logits[row], params, generator_at(depth))
 
 
 class PositionalGenerator:

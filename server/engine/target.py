@@ -28,7 +28,8 @@ from server.engine.attention import PACKED_ATTENTION
 from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
-from server.engine.pass_logits import PassLogits, split_pass
+from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
+from server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
@@ -40,67 +41,6 @@ _PLAIN_HEAD_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "phi3", "gemma2"}
     | {"gemma3_text", "gpt2", "gpt_neox", "opt", "starcoder2", "gpt_bigcode", "mixtral"}
 )
-
-
-class LazyLogits:
-    """Next-token logits of one sequence's positions in a pass, one row at a time, on access.
-
-    A verification reads row i only if drafts 1..i were all accepted, so on average it needs
-    "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
-    matrix of a small model. Row 0 is read by every sequence of a batched pass, so it is
-    computed for all of them in one GEMM (one read of the output layer instead of one per
-    sequence). A row past 0 is computed with the next BLOCK - 1 rows: a verification that
-    reads row 1 usually reads more, and one product of the output layer with a few rows costs
-    about what a single-row GEMV does, so a fully accepted 6-token draft reads the layer 3
-    times instead of 7.
-    """
-
-    BLOCK = 4
-
-    def __init__(
-        self,
-        hidden: torch.Tensor,
-        head_t: torch.Tensor,
-        first: torch.Tensor,
-        head: torch.Tensor | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        self._hidden = hidden  # [positions, hidden_size]
-        self._head_t = head_t  # [hidden_size, vocab]
-        self._head = head  # [vocab, hidden_size] (None: one GEMV per row)
-        self._softcap = softcap  # final_logit_softcapping (`first` is capped already)
-        self._rows: dict[int, torch.Tensor] = {0: first}
-
-    def __len__(self) -> int:
-        return int(self._hidden.shape[0])
-
-    def computed(self) -> dict[int, torch.Tensor]:
-        """The rows computed so far (for recycling the target's predictions)."""
-        return dict(self._rows)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        row = self._rows.get(index)
-        if row is None:
-            if not 0 <= index < len(self):
-                raise IndexError(f"row {index} of a {len(self)}-position pass")
-            end = min(index + self.BLOCK, len(self))
-            while end - 1 in self._rows:
-                end -= 1
-            with torch.inference_mode():
-                if end - index == 1 or self._head is None:
-                    self._rows[index] = capped(self._hidden[index] @ self._head_t, self._softcap)
-                else:
-                    block = capped((self._head @ self._hidden[index:end].t()).t(), self._softcap)
-                    self._rows.update(zip(range(index, end), block, strict=True))
-            row = self._rows[index]
-        return row
-
-
-def capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Logits in float32, soft-capped to (-softcap, softcap) as Gemma 2's output layer does."""
-    if softcap is None:
-        return logits.float()
-    return torch.tanh(logits / softcap).mul_(softcap).float()
 
 
 class TargetLoadError(RuntimeError):
@@ -153,10 +93,10 @@ class TargetModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     max_context: int
-    head_t: torch.Tensor | None = None  # transposed output layer for LazyLogits (None: generic)
+    head_t: torch.Tensor | None = None  # transposed output layer for lazy logits (None: generic)
     softcap: float | None = None  # final_logit_softcapping, applied to the lazy rows
     plain_head: bool = False  # logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES)
-    # A pass's rows in one product, its greedy tokens in one copy (PassLogits): accelerators.
+    # A pass's rows in one product, its greedy tokens in one copy (pass_logits): accelerators.
     pass_rows: bool = False
     # The kernels its passes take (attention's choice, batch-invariant mode), chosen at
     # start-up (server.runtime) and handed to attention by every pass (Packing.kernels).
@@ -184,7 +124,7 @@ class TargetModel:
             windows = check_packed_passes(model, PACKED_ATTENTION, kernels)
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{directory}: {error}") from None
-        plain_head, head_t = _output_layer(model, directory)
+        plain_head, head_t = _plain_head(model, directory)
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -233,7 +173,7 @@ class TargetModel:
     @property
     def vocab_size(self) -> int:
         """Rows of the output layer (may exceed the tokenizer's size)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return int(self._head_weight().shape[0])
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -265,71 +205,54 @@ class TargetModel:
         return SlotCache(rows, self.max_context + _MAX_PASS_OVERHANG)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        cache: SlotCache,
-        lengths: Sequence[int],
-        token_rows: Sequence[Sequence[int]],
-        *,
-        first_row: int = 0,
-        min_tokens: int = 0,
-        skips: Sequence[int] | None = None,
-        parents: Sequence[Sequence[int] | None] | None = None,
-    ) -> list[LazyLogits] | list[torch.Tensor] | list[PassLogits]:
-        """Append token_rows[i] to cache row first_row + i, whose valid length is lengths[i].
+    def forward(self, cache: SlotCache, verify: VerifyPass) -> list[Logits]:
+        """Append each row's tokens to its cache row (see VerifyPass); per row, the logits of
+        its scored tokens (the pending token and its drafts).
 
         Rows may differ in length: the pass packs them into one sequence (see SlotCache), padded
-        to min_tokens if that is more (the padding is scored, never read). Returns, per row, the
-        next-token logits in fp32 of its tokens after the first skips[i] (0 by default; e.g.
-        prompt tokens prefilled in the same pass): a LazyLogits where the architecture allows
-        it, else a tensor [len(token_rows[i]) - skips[i], vocab]; both are indexed the same way.
-        parents[i]: None, or a token tree over row i's tokens (see packed_pass.pack).
+        to verify.width if that is more. Where the architecture allows it on a CPU, a row's
+        logits are computed as they are read; on an accelerator, all rows in one product.
         """
-        skips = list(skips) if skips is not None else [0] * len(token_rows)
+        rows = verify.rows
         hidden, starts = self._run(
             cache,
-            lengths,
-            token_rows,
-            first_row,
-            min_tokens,
+            [row.cache_length for row in rows],
+            [row.tokens for row in rows],
+            verify.first_row,
+            verify.width,
             logits=not self.plain_head if self.pass_rows else self.head_t is None,
-            parents=parents,
+            parents=[row.feed_parents() for row in rows],
         )
-        spans = [
-            (start + skip, start + len(row))
-            for start, skip, row in zip(starts, skips, token_rows, strict=True)
+        spans = [  # [begin, end) of each row's scored tokens among the pass's
+            (start + len(row.prompt_tail), start + len(row.tokens))
+            for start, row in zip(starts, rows, strict=True)
         ]
         if self.pass_rows:
             return self._pass_rows(hidden, spans)
-        if self.head_t is None:
-            return [hidden[begin:end].float() for begin, end in spans]
-        firsts = self._first_rows(hidden[[begin for begin, _ in spans]])  # every row reads one
-        head = self.model.get_output_embeddings().weight
-        return [
-            LazyLogits(hidden[begin:end], self.head_t, firsts[i], head, self.softcap)
-            for i, (begin, end) in enumerate(spans)
-        ]
+        if self.head_t is None:  # hidden holds the model's logits [tokens, vocab]
+            return [Logits.of(hidden[begin:end].float()) for begin, end in spans]
+        return lazy_logits(hidden, spans, self._output_layer())
 
-    def _pass_rows(
-        self, outputs: torch.Tensor, spans: Sequence[tuple[int, int]]
-    ) -> list[PassLogits]:
+    def _output_layer(self) -> OutputLayer:
+        assert self.head_t is not None
+        return OutputLayer(self._head_weight(), self.head_t, self.softcap)
+
+    def _head_weight(self) -> torch.Tensor:
+        """The output layer's weight [vocab, hidden_size]."""
+        head: torch.nn.Module = self.model.get_output_embeddings()
+        weight = head.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def _pass_rows(self, outputs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[Logits]:
         """On an accelerator: the rows the pass's sequences may read, in one product of the
         output layer (or cut from the model's logits), their greedy tokens copied in one go."""
         rows = torch.cat([outputs[begin:end] for begin, end in spans])  # [rows read, hidden]
         if self.plain_head:
-            head = self.model.get_output_embeddings().weight
-            logits = capped(torch.nn.functional.linear(rows, head), self.softcap)
+            logits = capped(torch.nn.functional.linear(rows, self._head_weight()), self.softcap)
         else:
             logits = rows.float()
-        return split_pass(logits, [end - begin for begin, end in spans])
-
-    def _first_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of one position per row: a GEMV for one row, else head @ hidden^T (for a
-        wide head and a few rows, far cheaper than hidden @ head^T on CPUs; docs/design.md)."""
-        if hidden.shape[0] == 1:
-            return capped(hidden @ self.head_t, self.softcap)
-        head = self.model.get_output_embeddings().weight
-        return capped((head @ hidden.t()).t(), self.softcap)
+        return computed_logits(logits, [end - begin for begin, end in spans], one_copy=True)
 
     @torch.inference_mode()
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
@@ -380,16 +303,16 @@ class TargetModel:
         return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
 
 
-def _output_layer(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:
+def _plain_head(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:
     """Whether the logits are the output layer of the hidden state (_PLAIN_HEAD_TYPES, no
-    bias), and the layer transposed for LazyLogits where they are computed so (or None)."""
+    bias), and the layer transposed for lazy logits where they are computed so (or None)."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TargetLoadError(f"{directory}: its output layer is not a linear layer")
     plain_head = model.config.model_type in _PLAIN_HEAD_TYPES and head.bias is None
     # float32 only: in bf16 a GEMV against a transposed copy can be far slower than
     # transformers' own head (no native bf16 GEMV kernels on many CPUs). On a CPU only: an
-    # accelerator computes a pass's rows in one product (PassLogits).
+    # accelerator computes a pass's rows in one product (pass_logits).
     if plain_head and model.dtype == torch.float32 and model.device.type == "cpu":
         return plain_head, head.weight.detach().t().contiguous()
     return plain_head, None

@@ -174,16 +174,15 @@ def fail_passes_fed(monkeypatch, poison: int) -> None:
     """Make every forward pass that feeds `poison` first in a row raise (a kernel failure).
 
     A round feeds its pending token first (after the prompt's tail, in a first round that
-    prefills it: `skips`), so a request whose prompt ends in `poison` fails from its first
-    round on, and a batched pass that holds it fails as a whole.
+    prefills it), so a request whose prompt ends in `poison` fails from its first round on,
+    and a batched pass that holds it fails as a whole.
     """
     original = TargetModel.forward
 
-    def failing_forward(self, cache, lengths, token_rows, **options):  # type: ignore[no-untyped-def]
-        skips = options.get("skips") or [0] * len(token_rows)
-        if any(row[skip] == poison for row, skip in zip(token_rows, skips, strict=True)):
+    def failing_forward(self, cache, verify):  # type: ignore[no-untyped-def]
+        if any(row.pending == poison for row in verify.rows):
             raise RuntimeError("simulated kernel failure")
-        return original(self, cache, lengths, token_rows, **options)
+        return original(self, cache, verify)
 
     monkeypatch.setattr(TargetModel, "forward", failing_forward)
 

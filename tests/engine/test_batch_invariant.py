@@ -29,6 +29,7 @@ from server.engine.invariant import (
 )
 from server.engine.kernels import Padding
 from server.engine.target import TargetModel, cpu_has_native_bf16
+from server.engine.verify_pass import PassRow, VerifyPass
 from server.runtime import load_runtime
 from server.settings import Settings
 from tests import tiny
@@ -85,7 +86,7 @@ def test_a_tree_summed_across_a_block_of_keys_differs_which_is_why_the_batch_cut
     slot lies past a block's end while its position does not is summed in another order than
     a decode step sums it. Placed so that the branch's nodes straddle the boundary, the tree
     layout differs; placed before it, it does not; and the batch's cut keeps only the nodes
-    before such a straddle (Generation.drafts_in_blocks). In float32: the tiny model's bf16
+    before such a straddle (PassRow.nodes_in_key_blocks). In float32: the tiny model's bf16
     layer outputs round such differences away."""
     target = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
     before = make_invariant(target)
@@ -121,15 +122,12 @@ def _check_block_boundary(target: TargetModel) -> None:
     # pending one), scored in a pass of its own: on the branch, the decode steps' bits.
     nodes, parents = tree_with_siblings(tokens, target.vocab_size)
     prompt = _long_prompt(target, block - 6)
-    _, generation = start(target, None, prompt, max_new_tokens=4)
-    generation._drafts, generation._parents = list(nodes), list(parents)
-    kept = generation.drafts_in_blocks(block)
+    row = PassRow(len(prompt) - 1, prompt[-1], tuple(nodes), tuple(parents))
+    kept = row.nodes_in_key_blocks(block)
     assert 0 < kept < len(nodes)
     cache = target.new_cache(1)
     target.prefill(cache, 0, 0, prompt[:-1])
-    feed = [prompt[-1], *nodes[:kept]]
-    tree = [-1, *(parent + 1 for parent in parents[:kept])]
-    (logits,) = target.forward(cache, [len(prompt) - 1], [feed], parents=[tree])
+    (logits,) = target.forward(cache, VerifyPass((row.prefix(kept),)))
     on_branch = range(0, kept, 2)  # tokens[j] is node 2j, fed at 1 + 2j
     got = torch.stack([logits[1 + node] for node in on_branch])
     assert torch.equal(got, steps_logits[: len(on_branch)])

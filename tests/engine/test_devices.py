@@ -3,9 +3,9 @@ a batch equal their solo output, seeded samples do not depend on drafts or batch
 output follows the target's distribution.
 
 Each runs on cpu always and on cuda where a CUDA device exists (scripts/gpu_check.sh runs them
-with `-m cuda`), and with both ways acceptance reads logits: row by row where they lie (CPU:
-LazyLogits), or every row of a pass in one product with the pass's greedy tokens copied to the
-host in one go (PassLogits, the default on accelerators), so a CPU-only run covers the code
+with `-m cuda`), and with both ways acceptance reads logits (engine.pass_logits): row by row
+as they are read (CPU), or every row of a pass in one product with the pass's greedy tokens
+copied to the host in one go (the default on accelerators), so a CPU-only run covers the code
 the GPU takes.
 """
 
@@ -21,8 +21,9 @@ from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
 from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams
-from server.engine.pass_logits import PassLogits, split_pass
-from server.engine.target import LazyLogits, TargetModel
+from server.engine.pass_logits import computed_logits
+from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.engine.drafts import (
     Branching,
@@ -82,24 +83,26 @@ class CountingLogits:
 
 def test_a_pass_copies_its_greedy_tokens_to_the_host_once() -> None:
     logits = CountingLogits([2, 0, 1, 4, 3])
-    first, second = split_pass(logits, [3, 2])  # type: ignore[arg-type]
+    first, second = computed_logits(logits, [3, 2], one_copy=True)  # type: ignore[arg-type]
     assert (len(first), len(second), logits.argmaxes) == (3, 2, 0)  # nothing read yet
-    assert second.argmax_ids() == [4, 3]
-    assert first.argmax_ids() == [2, 0, 1]
+    assert [second.argmax(i) for i in range(2)] == [4, 3]
+    assert [first.argmax(i) for i in range(3)] == [2, 0, 1]
     assert logits.argmaxes == 1
     assert int(second[1].argmax()) == 3
-    assert sorted(first.computed()) == [0, 1, 2]
+    assert [i for i, _ in first.computed(3)] == [0, 1, 2]
     with pytest.raises(IndexError):
         second[2]
 
 
 def test_a_pass_gives_the_logits_its_path_reads(device_target: TargetModel, device: str) -> None:
     ids = device_target.encode_prompt(tiny.PROMPTS[0])
-    rows = device_target.forward(device_target.new_cache(2), [0, 0], [ids, ids[:3]])
-    if device_target.pass_rows:
-        assert all(isinstance(row, PassLogits) for row in rows)
-    elif device == "cpu":
-        assert all(isinstance(row, LazyLogits) for row in rows)
+    passed = VerifyPass.sequences([0, 0], [ids, ids[:3]])
+    rows = device_target.forward(device_target.new_cache(2), passed)
+    computed = [len(row.computed(len(row))) for row in rows]
+    if device_target.pass_rows:  # every row in one product
+        assert computed == [len(ids), 3]
+    elif device == "cpu":  # lazily: only row 0 of each
+        assert computed == [1, 1]
     assert [len(row) for row in rows] == [len(ids), 3]
     assert rows[0][0].device.type == device_target.device.type
 

@@ -95,10 +95,10 @@ def test_generic_logits_path_and_padded_passes_are_exact(
     padded: list[int] = []
     forward = TargetModel.forward
 
-    def recording_forward(self, cache, lengths, token_rows, **options):  # type: ignore[no-untyped-def]
-        if 1 < len(token_rows[0]) < options.get("min_tokens", 0):
-            padded.append(len(token_rows[0]))
-        return forward(self, cache, lengths, token_rows, **options)
+    def recording_forward(self, cache, verify):  # type: ignore[no-untyped-def]
+        if 1 < len(verify.rows[0].tokens) < verify.width:
+            padded.append(len(verify.rows[0].tokens))
+        return forward(self, cache, verify)
 
     monkeypatch.setattr(TargetModel, "forward", recording_forward)
     for ids, expected in list(references.values())[:8]:

@@ -21,7 +21,9 @@ from server.engine.intake import BatchSettings
 from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
 from server.engine.packed_pass import pack
 from server.engine.packing import tree_key_order
+from server.engine.pass_logits import Logits
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
@@ -251,11 +253,11 @@ def test_a_rows_logits_are_the_same_bits_beside_other_rows(tiny_model_dir, dtype
     other = target.encode_prompt("Speculative decoding drafts tokens and verifies them. " * 6)
     tokens = [11, 12, 13, 14, 15]
 
-    def logits(prompts: list[list[int]], rows: list[list[int]]) -> list[torch.Tensor]:
+    def logits(prompts: list[list[int]], rows: list[list[int]]) -> list[Logits]:
         cache = target.new_cache(len(prompts))
         for row, ids in enumerate(prompts):
             target.prefill(cache, row, 0, ids)
-        return target.forward(cache, [len(ids) for ids in prompts], rows)
+        return target.forward(cache, VerifyPass.sequences([len(ids) for ids in prompts], rows))
 
     alone = logits([prompt], [tokens])[0]
     beside = logits([prompt, other], [tokens, tokens[:3]])[0]

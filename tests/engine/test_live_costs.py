@@ -127,10 +127,10 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeyp
     )
     forward = TargetModel.forward
 
-    def timed_forward(self, cache, lengths, rows, **options):
-        tokens = max(sum(len(row) for row in rows), options.get("min_tokens", 0))
+    def timed_forward(self, cache, verify):
+        tokens = max(verify.tokens, verify.width)
         clock["now"] += 0.020 + clock["per_token"] * (tokens - 1)
-        return forward(self, cache, lengths, rows, **options)
+        return forward(self, cache, verify)
 
     monkeypatch.setattr(TargetModel, "forward", timed_forward)
     widths, tokens = [], []

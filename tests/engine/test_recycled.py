@@ -8,9 +8,9 @@ import torch
 
 from kenspec_api.outputs import BreakerState
 from server.engine.context_draft import ContextDraft
-from server.engine.recycled import RecycledPredictions, computed_rows
+from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
+from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings
-from server.engine.target import LazyLogits
 from tests.engine.drafts import generate
 
 
@@ -69,13 +69,13 @@ def test_a_tree_takes_recycled_predictions_below_its_nodes_and_not_as_a_chain_to
 def test_only_rows_a_pass_computed_are_recycled() -> None:
     hidden = torch.randn(5, 4)
     head = torch.randn(6, 4)
-    logits = LazyLogits(hidden, head.t(), hidden[0] @ head.t(), head)
-    assert [i for i, _ in computed_rows(logits, 5)] == [0]
-    logits[1]  # computes rows 1..4 in one block (LazyLogits.BLOCK)
-    rows = computed_rows(logits, 3)
+    (logits,) = lazy_logits(hidden, [(0, 5)], OutputLayer(head, head.t()))
+    assert [i for i, _ in logits.computed(5)] == [0]
+    logits[1]  # computes rows 1..4 in one block (pass_logits.BLOCK)
+    rows = logits.computed(3)
     assert [i for i, _ in rows] == [0, 1, 2]
     assert torch.allclose(rows[2][1], hidden[2] @ head.t(), atol=1e-5)
-    assert len(computed_rows(torch.zeros(3, 6), 2)) == 2
+    assert len(Logits.of(torch.zeros(3, 6)).computed(2)) == 2
 
 
 def test_serving_fills_the_table_with_the_targets_own_greedy_choices(

@@ -8,18 +8,21 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from server.engine import round as round_module
 from server.engine.draft import Proposal
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.engine.pass_logits import Logits
 from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 from tests.engine.drafts import FixedDraft, generate
 
 
-def logits_with_argmax(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
+def logits_with_argmax(argmaxes: list[int], vocab: int = 8, scale: float = 1.0) -> Logits:
     """Fake logits whose row i has its maximum at argmaxes[i] (as vLLM's tests build them)."""
     logits = torch.zeros(len(argmaxes), vocab)
-    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
-    return logits
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0 * scale
+    return Logits.of(logits)
 
 
 @pytest.mark.parametrize(
@@ -37,28 +40,30 @@ def test_accept_greedy(drafts: list[int], argmaxes: list[int], emitted: list[int
 
 
 def test_accept_sampled_with_one_hot_target_is_deterministic() -> None:
-    logits = logits_with_argmax([5, 7, 2, 4]) * 100  # all mass on the argmax after softmax
+    logits = logits_with_argmax([5, 7, 2, 4], scale=100)  # all mass on the argmax after softmax
     generator = torch.Generator().manual_seed(0)
     draws = lambda _: generator  # noqa: E731
     assert accept_sampled([5, 7, 1], logits, SamplingParams(1.0), draws) == [5, 7, 2]
 
 
-class CountingRows:
+class CountingRows(Logits):
     """Logit rows that record which positions were read."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits, self.read = logits, []
+    def __init__(self, logits: Logits) -> None:
+        rows = torch.stack([logits[i] for i in range(len(logits))])
+        super().__init__(len(logits), rows=rows)
+        self.read: list[int] = []
 
     def __getitem__(self, index: int) -> torch.Tensor:
         self.read.append(index)
-        return self.logits[index]
+        return super().__getitem__(index)
 
 
 def test_rows_past_the_first_mismatch_are_never_read() -> None:
     rows = CountingRows(logits_with_argmax([5, 6, 1, 4]))
     assert accept_greedy([5, 7, 1], rows) == [5, 6]
     assert rows.read == [0, 1]
-    rows = CountingRows(logits_with_argmax([5, 6, 1, 4]) * 100)
+    rows = CountingRows(logits_with_argmax([5, 6, 1, 4], scale=100))
     generator = torch.Generator()
     assert accept_sampled([5, 7, 1], rows, SamplingParams(1.0), lambda _: generator) == [5, 6]
     assert rows.read == [0, 1]
@@ -130,11 +135,13 @@ def exact_joint(target: TargetModel, prompt_ids: list[int], params: SamplingPara
 
 
 def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
-    return target.forward(target.new_cache(), [0], [ids])[0][len(ids) - 1][None]
+    return target.forward(target.new_cache(), VerifyPass.sequences([0], [ids]))[0][len(ids) - 1][
+        None
+    ]
 
 
 def speculative_samples(
-    target, prompt_ids, params, draft, *, rule=None, tree_budget: int = 1
+    target, prompt_ids, params, draft, *, tree_budget: int = 1
 ) -> list[tuple[int, int]]:
     samples = []
     for seed in range(SAMPLES):
@@ -149,9 +156,6 @@ def speculative_samples(
             ignore_eos=True,
             tree_budget=tree_budget,
         )
-        if rule is not None:
-            # A deliberately wrong acceptance rule, to show the test has power.
-            generation.generation._verify = rule
         list(generation)
         samples.append(tuple(generation.output_ids[:2]))
     return samples
@@ -202,18 +206,19 @@ def test_speculative_sampling_follows_target_distribution(word_target, params) -
     assert chi_square_pvalue(samples, joint) > 1e-3
 
 
-def test_distribution_check_rejects_an_always_accept_rule(word_target) -> None:
+def test_distribution_check_rejects_an_always_accept_rule(word_target, monkeypatch) -> None:
     """The same check on a wrong rule (accept every draft) must fail: the test has power."""
     params = SamplingParams(temperature=1.0)
     prompt_ids = word_target.encode_prompt(PROMPT)
     joint = exact_joint(word_target, prompt_ids, params)
     draft = likely_draft(word_target, prompt_ids, params)
 
-    def always_accept(drafts, logits):
-        bonus = torch.multinomial(warp_logits(logits[len(drafts)][None], params), 1).item()
-        return [*drafts, bonus], list(range(len(drafts)))
+    def always_accept(drafts, parents, choose):  # a chain's drafts, all kept, then a draw
+        return [*drafts, choose(len(drafts), len(drafts))], list(range(len(drafts)))
 
-    samples = speculative_samples(word_target, prompt_ids, params, draft, rule=always_accept)
+    # A deliberately wrong acceptance rule in the round, to show the test has power.
+    monkeypatch.setattr(round_module, "walk", always_accept)
+    samples = speculative_samples(word_target, prompt_ids, params, draft)
     assert chi_square_pvalue(samples, joint) < 1e-6
 
 
@@ -313,18 +318,18 @@ def test_token_tree_sampling_follows_target_distribution(word_target) -> None:
     assert chi_square_pvalue(samples, joint) > 1e-3
 
 
-def test_distribution_check_rejects_taking_the_best_child_whatever_was_drawn(word_target) -> None:
+def test_distribution_check_rejects_taking_the_best_child_whatever_was_drawn(
+    word_target, monkeypatch
+) -> None:
     """A wrong tree rule, moving to the best-scored child without drawing y, must fail."""
     params = SamplingParams(temperature=1.0)
     prompt_ids = word_target.encode_prompt(PROMPT)
     joint = exact_joint(word_target, prompt_ids, params)
     draft = two_chains(word_target, prompt_ids, params)
 
-    def best_child(drafts, logits):
-        bonus = torch.multinomial(warp_logits(logits[1][None], params), 1).item()
-        return [drafts[0], bonus], [0]
+    def best_child(drafts, parents, choose):  # node 0, then a draw after it
+        return [drafts[0], choose(1, 1)], [0]
 
-    samples = speculative_samples(
-        word_target, prompt_ids, params, draft, rule=best_child, tree_budget=4
-    )
+    monkeypatch.setattr(round_module, "walk", best_child)
+    samples = speculative_samples(word_target, prompt_ids, params, draft, tree_budget=4)
     assert chi_square_pvalue(samples, joint) < 1e-6

@@ -11,6 +11,7 @@ import torch
 from server.engine import target as target_module
 from server.engine.packed_pass import pack
 from server.engine.target import TargetLoadError, TargetModel, resolve_dtype
+from server.engine.verify_pass import VerifyPass
 
 
 def test_missing_directory(tmp_path: Path) -> None:
@@ -55,11 +56,13 @@ def test_rollback_restores_the_cache_exactly(tiny_target: TargetModel) -> None:
     prompt = tiny_target.encode_prompt("The quick brown fox")
     rolled = tiny_target.new_cache()
     tiny_target.prefill(rolled, 0, 0, prompt)
-    tiny_target.forward(rolled, [len(prompt)], [[5, 6, 7]])  # then rolled back: length stays
+    tiny_target.forward(
+        rolled, VerifyPass.sequences([len(prompt)], [[5, 6, 7]])
+    )  # then rolled back: length stays
     fresh = tiny_target.new_cache()
     tiny_target.prefill(fresh, 0, 0, prompt)
-    after_rollback = tiny_target.forward(rolled, [len(prompt)], [[9, 10]])[0]
-    never_seen = tiny_target.forward(fresh, [len(prompt)], [[9, 10]])[0]
+    after_rollback = tiny_target.forward(rolled, VerifyPass.sequences([len(prompt)], [[9, 10]]))[0]
+    never_seen = tiny_target.forward(fresh, VerifyPass.sequences([len(prompt)], [[9, 10]]))[0]
     for row in range(2):
         torch.testing.assert_close(after_rollback[row], never_seen[row])
 
@@ -85,11 +88,13 @@ def test_rows_of_a_batch_score_as_they_would_alone(tiny_target: TargetModel) -> 
     batch = tiny_target.new_cache(rows=len(prompts))
     for row, prompt in enumerate(prompts):
         tiny_target.prefill(batch, row, 0, prompt)
-    together = tiny_target.forward(batch, [len(p) for p in prompts], feeds, min_tokens=9)
+    together = tiny_target.forward(
+        batch, VerifyPass.sequences([len(p) for p in prompts], feeds, width=9)
+    )
     for prompt, feed, rows in zip(prompts, feeds, together, strict=True):
         alone = tiny_target.new_cache()
         tiny_target.prefill(alone, 0, 0, prompt)
-        solo = tiny_target.forward(alone, [len(prompt)], [feed])[0]
+        solo = tiny_target.forward(alone, VerifyPass.sequences([len(prompt)], [feed]))[0]
         assert len(rows) == len(feed)
         for position in range(len(feed)):
             torch.testing.assert_close(rows[position], solo[position], rtol=1e-5, atol=1e-5)
@@ -100,10 +105,12 @@ def test_moved_rows_keep_their_keys_and_values(tiny_target: TargetModel) -> None
     cache = tiny_target.new_cache(rows=3)
     tiny_target.prefill(cache, 2, 0, prompt)
     cache.move(2, 0, len(prompt))
-    moved = tiny_target.forward(cache, [len(prompt)], [[9]])[0][0]
+    moved = tiny_target.forward(cache, VerifyPass.sequences([len(prompt)], [[9]]))[0][0]
     alone = tiny_target.new_cache()
     tiny_target.prefill(alone, 0, 0, prompt)
-    torch.testing.assert_close(moved, tiny_target.forward(alone, [len(prompt)], [[9]])[0][0])
+    torch.testing.assert_close(
+        moved, tiny_target.forward(alone, VerifyPass.sequences([len(prompt)], [[9]]))[0][0]
+    )
 
 
 def test_cache_grows_and_refuses_passes_past_its_length(tiny_target: TargetModel) -> None:
@@ -121,31 +128,6 @@ def test_lazy_transposed_head_only_in_float32(
     bf16 = TargetModel.load(tiny_model_dir, device="cpu", dtype="bfloat16")
     assert bf16.head_t is None  # transformers' own head, as `generate` uses it
     ids = bf16.encode_prompt("Hello")
-    logits = bf16.forward(bf16.new_cache(), [0], [ids])[0]
-    assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32
-
-
-@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5, 6], [6, 1, 3, 0, 5, 2, 4], [2, 1, 0]])
-def test_lazy_rows_equal_the_full_output_layer_in_any_order(tiny_target, order) -> None:
-    """Rows come one at a time or in blocks; every one equals the head applied to all rows."""
-    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
-    weight = tiny_target.model.lm_head.weight
-    with torch.inference_mode():
-        full = hidden @ weight.t()
-    lazy = target_module.LazyLogits(hidden, tiny_target.head_t, full[0], weight)
-    for index in order:
-        torch.testing.assert_close(lazy[index], full[index], rtol=1e-5, atol=1e-5)
-    with pytest.raises(IndexError):
-        lazy[7]
-
-
-def test_lazy_rows_past_the_first_are_read_in_blocks(tiny_target) -> None:
-    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
-    weight = tiny_target.model.lm_head.weight
-    lazy = target_module.LazyLogits(hidden, tiny_target.head_t, hidden[0] @ weight.t(), weight)
-    lazy[1]
-    assert sorted(lazy._rows) == [0, 1, 2, 3, 4]  # row 1 came with the next BLOCK - 1 rows
-    lazy[6]
-    assert sorted(lazy._rows) == [0, 1, 2, 3, 4, 6]  # the last row: a GEMV of its own
-    lazy[5]
-    assert len(lazy._rows) == 7
+    logits = bf16.forward(bf16.new_cache(), VerifyPass.sequences([0], [ids]))[0]
+    assert len(logits.computed(len(ids))) == len(ids)  # every row computed, by the model
+    assert logits[0].dtype == torch.float32

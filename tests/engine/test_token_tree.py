@@ -10,10 +10,13 @@ import torch
 
 from kenspec_api.outputs import BreakerState
 from server.engine.draft import Proposal
+from server.engine.draft_tree import chain_parents
 from server.engine.params import SamplingParams
-from server.engine.sampling import chain_parents, greedy_choice, walk
+from server.engine.pass_logits import Logits
+from server.engine.sampling import greedy_choice, walk
 from server.engine.speculative_engine import BreakerSettings
 from server.engine.token_tree import build_tree, depths, reached
+from server.engine.verify_pass import PassRow, VerifyPass
 from tests.engine.drafts import Branching, generate
 
 # -- construction ------------------------------------------------------------------------
@@ -89,10 +92,10 @@ def test_expansion_adds_branches_below_any_node() -> None:
 # -- the walk ----------------------------------------------------------------------------
 
 
-def one_hot_rows(argmaxes: list[int], vocab: int = 16) -> torch.Tensor:
+def one_hot_rows(argmaxes: list[int], vocab: int = 16) -> Logits:
     rows = torch.zeros(len(argmaxes), vocab)
     rows[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 1.0
-    return rows
+    return Logits.of(rows)
 
 
 def test_the_walk_follows_the_child_the_target_chose_and_emits_its_own_token() -> None:
@@ -100,9 +103,9 @@ def test_the_walk_follows_the_child_the_target_chose_and_emits_its_own_token() -
     tokens, parents = [5, 6, 7, 9], [-1, -1, 1, 0]
     # Rows: after root, after node 0, 1, 2, 3. The target chooses 6, then 7, then 11 (bonus).
     logits = one_hot_rows([6, 9, 7, 11, 3])
-    assert walk(tokens, parents, logits, greedy_choice) == ([6, 7, 11], [1, 2])
-    assert walk(tokens, parents, one_hot_rows([4, 0, 0, 0, 0]), greedy_choice) == ([4], [])
-    assert walk(tokens, parents, one_hot_rows([5, 9, 0, 0, 2]), greedy_choice) == (
+    assert walk(tokens, parents, greedy_choice(logits)) == ([6, 7, 11], [1, 2])
+    assert walk(tokens, parents, greedy_choice(one_hot_rows([4, 0, 0, 0, 0]))) == ([4], [])
+    assert walk(tokens, parents, greedy_choice(one_hot_rows([5, 9, 0, 0, 2]))) == (
         [5, 9, 2],
         [0, 3],
     )
@@ -121,23 +124,21 @@ def test_a_tree_pass_scores_every_node_as_if_its_path_were_decoded_alone(tiny_ta
     cache = tiny_target.new_cache(2)
     tiny_target.prefill(cache, 0, 0, other[:-1])
     tiny_target.prefill(cache, 1, 0, prompt[:-1])
-    feed = [prompt[-1], *tokens]
-    feed_parents = [-1, *(1 + p for p in parents)]
-    logits = tiny_target.forward(
-        cache,
-        [len(other) - 1, len(prompt) - 1],
-        [other[-1:], feed],
-        parents=[None, feed_parents],
-    )
+    tree = PassRow(len(prompt) - 1, prompt[-1], tuple(tokens), tuple(parents))
+    logits = tiny_target.forward(cache, VerifyPass((PassRow(len(other) - 1, other[-1]), tree)))
     for node in range(-1, len(tokens)):
         path, at = [], node
         while at >= 0:
             path.insert(0, tokens[at])
             at = parents[at]
-        alone = tiny_target.forward(tiny_target.new_cache(), [0], [prompt + path])[0]
+        alone = tiny_target.forward(
+            tiny_target.new_cache(), VerifyPass.sequences([0], [prompt + path])
+        )[0]
         expected = alone[len(prompt) + len(path) - 1]
         assert torch.allclose(logits[1][node + 1], expected, atol=1e-4), node
-    alone_other = tiny_target.forward(tiny_target.new_cache(), [0], [other])[0]
+    alone_other = tiny_target.forward(tiny_target.new_cache(), VerifyPass.sequences([0], [other]))[
+        0
+    ]
     assert torch.allclose(logits[0][0], alone_other[len(other) - 1], atol=1e-4)
 
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import datetime
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -154,7 +154,7 @@ class Pass:
     """One forward pass the batch asked of the target: a row of tokens per stream in it."""
 
     rows: list[list[int]]
-    skips: list[int]  # per row, the prompt tokens prefilled in the pass before its own
+    prompt_tails: list[int]  # per row, the prompt tokens prefilled in the pass before its own
 
 
 class PassGate:
@@ -167,15 +167,15 @@ class PassGate:
         self._allowed = 0  # passes that may go through, from the first
         self.arrived: list[Pass] = []
 
-    def through(self, target: TargetModel, cache, lengths, token_rows: Sequence, **options):  # type: ignore[no-untyped-def]
-        skips = options.get("skips") or [0] * len(token_rows)
+    def through(self, target: TargetModel, cache, verify):  # type: ignore[no-untyped-def]
+        tails = [len(row.prompt_tail) for row in verify.rows]
         with self._condition:
             index = len(self.arrived)
-            self.arrived.append(Pass([list(row) for row in token_rows], list(skips)))
+            self.arrived.append(Pass([row.tokens for row in verify.rows], tails))
             self._condition.notify_all()
             if not self._condition.wait_for(lambda: index < self._allowed, 5 * TIMEOUT):
                 raise RuntimeError("a pass was held at the gate and never let through")
-        return self._forward(target, cache, lengths, token_rows, **options)
+        return self._forward(target, cache, verify)
 
     def allow(self, passes: int = 1) -> None:
         """Let `passes` more passes through."""

@@ -30,6 +30,7 @@ from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_lin
 from server.engine.packed_pass import pack
 from server.engine.prefix_cache import PrefixCache
 from server.engine.target import TargetLoadError, TargetModel
+from server.engine.verify_pass import VerifyPass
 from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.settings import Settings
@@ -202,7 +203,7 @@ def test_output_rows_equal_the_shipped_logits(served: Served) -> None:
     with torch.inference_mode():
         expected = shipped(torch.tensor([ids])).logits[0]
         cache = target.new_cache()
-        (rows,) = target.forward(cache, [0], [ids])
+        (rows,) = target.forward(cache, VerifyPass.sequences([0], [ids]))
         got = torch.stack([rows[i] for i in range(len(ids))])
     assert torch.allclose(got, expected, atol=1e-4 * float(expected.abs().max()))
     # What the prefix cache budget and the attention timing assume, the cache holds.

@@ -84,10 +84,10 @@ async def test_unexpected_error_is_internal_with_request_id(
 ) -> None:
     server, stub = await start_server()
 
-    def broken_round(self, logits):
+    def broken_round(self, row, emitted, path):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr("server.engine.generation.Generation.complete", broken_round)
+    monkeypatch.setattr("server.engine.generation.Generation.accept", broken_round)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(stub.Generate(pb.GenerateRequest(prompt="x", request_id="rid-7")))
     assert error.value.code() == grpc.StatusCode.INTERNAL

@@ -140,7 +140,7 @@ async def test_cancellation_frees_the_slot_and_stops_within_a_round(
     assert all(len(p.rows) == 1 for p in passes)
     prompt = tiny_target.encode_prompt("The quick brown fox")
     assert passes[0].rows[0][-1] == prompt[-1]
-    assert passes[0].rows[0] == prompt[len(prompt) - 1 - passes[0].skips[0] :]
+    assert passes[0].rows[0] == prompt[len(prompt) - 1 - passes[0].prompt_tails[0] :]
     streamed = [r.token_ids[-1] for r in received]
     assert [p.rows[0] for p in passes[1:]] == [[token] for token in streamed]
     # The server keeps serving.

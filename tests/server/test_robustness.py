@@ -224,10 +224,10 @@ def test_oom_is_resource_exhausted(served, monkeypatch) -> None:
 
     _, stub, _ = served
 
-    def out_of_memory(self, logits):
+    def out_of_memory(self, row, emitted, path):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(Generation, "complete", out_of_memory)
+    monkeypatch.setattr(Generation, "accept", out_of_memory)
     request = pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=4))
     assert call(stub, request) == grpc.StatusCode.RESOURCE_EXHAUSTED
     monkeypatch.undo()

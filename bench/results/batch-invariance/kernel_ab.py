@@ -9,6 +9,7 @@ import time
 
 from server.engine.invariant import make_invariant, undo_invariant
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 from server.settings import DEFAULT_MODEL
 
 t = TargetModel.load(str(DEFAULT_MODEL), device="cpu", dtype="bfloat16")
@@ -23,7 +24,7 @@ def timed(width, reps=5):
     out = []
     for _ in range(reps):
         s = time.perf_counter()
-        logits = t.forward(cache, [len(prompt)], [[100] * width])
+        logits = t.forward(cache, VerifyPass.sequences([len(prompt)], [[100] * width]))
         _ = logits[0][0]
         _ = logits[0][width - 1]
         out.append(time.perf_counter() - s)

@@ -1,0 +1,52 @@
+"""The one logits type: rows computed on access (CPU) or all at once with one greedy copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
+
+
+def _lazy(tiny_target, hidden: torch.Tensor) -> Logits:
+    weight = tiny_target.model.lm_head.weight
+    head = OutputLayer(weight, tiny_target.head_t)
+    (logits,) = lazy_logits(hidden, [(0, hidden.shape[0])], head)
+    return logits
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5, 6], [6, 1, 3, 0, 5, 2, 4], [2, 1, 0]])
+def test_lazy_rows_equal_the_full_output_layer_in_any_order(tiny_target, order) -> None:
+    """Rows come one at a time or in blocks; every one equals the head applied to all rows."""
+    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
+    weight = tiny_target.model.lm_head.weight
+    with torch.inference_mode():
+        full = hidden @ weight.t()
+    lazy = _lazy(tiny_target, hidden)
+    for index in order:
+        torch.testing.assert_close(lazy[index], full[index], rtol=1e-5, atol=1e-5)
+        assert lazy.argmax(index) == int(full[index].argmax())
+    with pytest.raises(IndexError):
+        lazy[7]
+
+
+def test_lazy_rows_past_the_first_are_read_in_blocks(tiny_target) -> None:
+    lazy = _lazy(tiny_target, torch.randn(7, tiny_target.model.config.hidden_size))
+    assert [i for i, _ in lazy.computed(7)] == [0]  # row 0: every sequence reads one
+    lazy[1]
+    assert [i for i, _ in lazy.computed(7)] == [0, 1, 2, 3, 4]  # with the next BLOCK - 1 rows
+    lazy[6]
+    assert [i for i, _ in lazy.computed(7)] == [0, 1, 2, 3, 4, 6]  # the last: a GEMV of its own
+    lazy[5]
+    assert len(lazy.computed(7)) == 7
+    assert [i for i, _ in lazy.computed(3)] == [0, 1, 2]  # only those asked for
+
+
+def test_computed_rows_are_all_there() -> None:
+    rows = torch.nn.functional.one_hot(torch.tensor([2, 0, 1]), 5).float()
+    logits = Logits.of(rows)
+    assert len(logits) == 3 and logits.argmax(0) == 2
+    assert [i for i, _ in logits.computed(2)] == [0, 1]
+    torch.testing.assert_close(logits[1], rows[1])
+    with pytest.raises(IndexError):
+        logits[3]
