@@ -85,7 +85,7 @@ def replay(
             proposal = speculator.propose(limit=len(answer) - position - 1)
             seconds += time.perf_counter() - started
             parents = proposal.parents
-            emitted, path = walk(proposal.tokens, parents, _NoRows(), _Follow(answer, position))
+            emitted, path = walk(proposal.tokens, parents, _Follow(answer, position))
             node_depths = depths(parents)
             while len(drafted_at) < max(node_depths, default=0):  # long chains, deep trees
                 drafted_at.append(0)
@@ -126,12 +126,5 @@ class _Follow:
         self._answer = answer
         self._position = position
 
-    def __call__(self, _row: object, depth: int) -> int:
+    def __call__(self, _row: int, depth: int) -> int:
         return self._answer[self._position + depth]
-
-
-class _NoRows:
-    """Logit rows for a replayed walk: the answer decides, the rows are never looked at."""
-
-    def __getitem__(self, index: int) -> None:
-        return None
