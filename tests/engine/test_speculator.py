@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from server.engine.draft import Proposal
+from collections.abc import Sequence
+
+from server.engine.draft import Candidates, Chain, DraftSession
 from server.engine.draft_tree import Source
 from server.engine.params import SpeculationParams
 from server.engine.speculator import AcceptanceStats, Speculator
 
+A, B = Source("a"), Source("b")
 
-class TwoSources:
-    """Proposes a chain from source "a", with one from source "b" as its alternative."""
 
-    def propose(self, k: int) -> Proposal:
-        b = Proposal((2,) * k, (1.0,) * k, source="b")
-        return Proposal((1,) * k, (1.0,) * k, source="a", alternatives=(b,))
+class TwoSources(DraftSession):
+    """Proposes a chain from source "a", then one from source "b"."""
 
-    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+    def propose(self, k: int) -> Candidates:
+        return (Chain((1,) * k, (1.0,) * k, A), Chain((2,) * k, (1.0,) * k, B))
+
+    def extend(self, token_ids: Sequence[int]) -> None:
         pass
 
 
@@ -31,8 +34,8 @@ def test_unmeasured_sources_keep_the_drafts_own_order() -> None:
 def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() -> None:
     shared = AcceptanceStats()
     for _ in range(20):
-        shared.observe(("a", False), drafted=4, accepted=0)
-        shared.observe(("b", False), drafted=4, accepted=4)
+        shared.observe((A, False), drafted=4, accepted=0)
+        shared.observe((B, False), drafted=4, accepted=4)
     chosen = speculator(shared)
     proposal = chosen.propose(limit=10)
     assert proposal.sources[0] == (Source("b"),) and proposal.tokens == (2, 2, 2, 2)
@@ -40,20 +43,20 @@ def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() 
     # A shorter alternative loses to a longer chain of the same measured acceptance.
     assert (
         max(
-            (Proposal((1,) * 4, source="b"), Proposal((1,), source="b")),
+            (Chain((1,) * 4, source=B), Chain((1,), source=B)),
             key=chosen._expected_accepted,
-        ).token_ids
+        ).tokens
         == (1,) * 4
     )
 
 
-class LongMatch:
+class LongMatch(DraftSession):
     """A chain longer than k, as a long exact match drafts."""
 
-    def propose(self, k: int) -> Proposal:
-        return Proposal(tuple(range(10, 10 + 3 * k)), (1.0,) * (3 * k), source="suffix:16")
+    def propose(self, k: int) -> Candidates:
+        return (Chain(tuple(range(10, 10 + 3 * k)), (1.0,) * (3 * k), Source("suffix", 16)),)
 
-    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+    def extend(self, token_ids: Sequence[int]) -> None:
         pass
 
 
