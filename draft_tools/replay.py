@@ -71,7 +71,7 @@ def replay(
     pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt);
     tree_budget > 1 drafts token trees of that many nodes (the walk follows the answer, as a
     greedy target would; every node is verified, no cost model cuts any)."""
-    k_max = params.num_draft_tokens
+    k_max = params.k
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0

@@ -3,8 +3,9 @@
 The speculator alone turns a session's candidate chains into the round's `DraftTree`: the
 chain with the most expected accepted tokens, or a token tree over all of them
 (`token_tree.build_tree`, with the session's branching), inside the draft-fault breaker so a
-source that raises or stalls while the tree grows trips it like any draft. A chain is cut to
-the tokens left (`limit`); a tree is never deeper.
+source that raises or stalls while the tree grows trips it like any draft. Then it cuts the
+draft once to the request's cap (`SpeculationParams.num_draft_tokens`, nodes) and the tokens
+left (`limit`, depth).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Speculator:
     """Drafts through the breakers and adapts the draft length k to recent acceptance.
 
     Adaptive k follows transformers' "heuristic" schedule: +2 after a fully accepted round,
-    -1 after a rejection, within [1, num_draft_tokens].
+    -1 after a rejection, within [1, params.k] (chain_tokens within the cap).
     """
 
     def __init__(
@@ -85,7 +86,7 @@ class Speculator:
         self._acceptance = acceptance
         self._faults = faults
         self._request_id = request_id
-        self.k = params.num_draft_tokens
+        self.k = params.k
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
         self._probe_every = PROBE_AFTER
         self._probing = False
@@ -151,8 +152,8 @@ class Speculator:
         self._tree = self._tree.prefix(kept)
 
     def propose(self, limit: int) -> DraftTree:
-        """At most min(k, limit) draft tokens (a long match's chain, or a tree, may hold more,
-        never deeper than limit); none when speculation is off or not paying."""
+        """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
+        tokens left); none when speculation is off or not paying."""
         self._tree = NO_DRAFTS
         if self._session is None or limit <= 0:
             return NO_DRAFTS
@@ -167,10 +168,11 @@ class Speculator:
         return self._tree
 
     def _draft(self, session: DraftSession, k: int, limit: int) -> tuple[DraftTree, Source]:
-        """The session's candidates as one draft tree (see the module doc)."""
+        """The session's candidates as one draft tree, cut to the cap (see the module doc)."""
+        cap = self._params.num_draft_tokens
         candidates = session.propose(k)
-        tree, source = self._as_tree(session, candidates, self._tree_budget, limit)
-        return tree.within(len(tree), limit), source  # a long match's chain: not past limit
+        tree, source = self._as_tree(session, candidates, min(self._tree_budget, cap), limit)
+        return tree.within(cap, limit), source  # the one cut: nodes and depth
 
     def _as_tree(
         self, session: DraftSession, candidates: Candidates, budget: int, limit: int
@@ -216,7 +218,7 @@ class Speculator:
             self._acceptance.record(*judged)
         if self._params.adaptive:
             grown = self.k + 2 if full else self.k - 1
-            self.k = max(1, min(self._params.num_draft_tokens, grown))
+            self.k = max(1, min(self._params.k, grown))
 
     def _learn_tree(
         self, tree: DraftTree, accepted: int, path: Sequence[int]

@@ -15,7 +15,12 @@ from server.engine.draft_tree import Source
 from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.live_costs import LiveCosts
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    DRAFT_TOKENS,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
@@ -161,7 +166,13 @@ def start(
         prompt_ids,
         sampling=sampling or SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop=stop, ignore_eos=ignore_eos),
-        speculation=SpeculationParams(enabled=enabled, num_draft_tokens=k, adaptive=adaptive),
+        # Chains of k; the cap lets trees and long matches through, as the defaults do.
+        speculation=SpeculationParams(
+            enabled=enabled,
+            num_draft_tokens=max(k, DRAFT_TOKENS),
+            chain_tokens=k,
+            adaptive=adaptive,
+        ),
     )
     return engine, generation
 

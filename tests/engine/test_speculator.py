@@ -61,8 +61,35 @@ class LongMatch(DraftSession):
 
 
 def test_a_chain_past_k_is_kept_up_to_the_limit_and_never_past_it() -> None:
-    params = SpeculationParams(num_draft_tokens=4, adaptive=False)
+    params = SpeculationParams(chain_tokens=4)
     chosen = Speculator(LongMatch(), params)
     assert chosen.propose(limit=10).tokens == tuple(range(10, 20))  # 12 proposed, 10 left
     assert chosen.propose(limit=30).tokens == tuple(range(10, 22))
     assert chosen.propose(limit=3).tokens == (10, 11, 12)
+
+
+def test_num_draft_tokens_caps_a_long_match_and_k() -> None:
+    """The cap is on the round's draft tokens, whatever drafted them: a long match's chain is
+    cut to it, and k never exceeds it."""
+    capped = Speculator(LongMatch(), SpeculationParams(num_draft_tokens=5, chain_tokens=4))
+    assert capped.propose(limit=30).tokens == tuple(range(10, 15))  # 12 proposed, cap 5
+    assert Speculator(LongMatch(), SpeculationParams(num_draft_tokens=3)).k == 3
+
+
+class Forked(DraftSession):
+    """Two chains that share their first token, for a token tree."""
+
+    def propose(self, k: int) -> Candidates:
+        return (Chain((1, 2, 3, 4), (1.0,) * 4, A), Chain((1, 5, 6), (1.0,) * 3, B))
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        pass
+
+
+def test_a_tree_holds_at_most_num_draft_tokens_nodes() -> None:
+    budget = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=30)
+    assert len(budget) == 6 and not budget.is_chain and budget.sources[0] == (A, B)
+    capped = Speculator(Forked(), SpeculationParams(num_draft_tokens=4), tree_budget=16)
+    assert capped.propose(limit=30) == budget.prefix(4)  # the best 4 of the same tree
+    shallow = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=2)
+    assert max(shallow.depths()) == 2 and len(shallow) == 3  # 1, then 2 and 5
