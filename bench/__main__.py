@@ -175,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--device",
             args.device,
             "--num-draft-tokens",
+            str(max(args.k, DRAFT_TOKENS)),
+            "--chain-tokens",
             str(args.k),
             "--max-concurrent-streams",
             str(max(args.concurrency)),
