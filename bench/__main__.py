@@ -21,7 +21,7 @@ from bench.runners import Mode, context_only
 from bench.suite import greedy_agreement, read_prompts, run_case, summarize
 from draft_tools.replay import replay
 from server.engine.context_draft import ContextDraft
-from server.engine.params import SpeculationParams
+from server.engine.params import DRAFT_TOKENS, SpeculationParams
 from server.runtime import load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
 
@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 draft=args.draft,
                 dtype=dtype,
                 device=args.device,
-                num_draft_tokens=args.k,
+                num_draft_tokens=max(args.k, DRAFT_TOKENS),  # chains of k under the cap
+                chain_tokens=args.k,
                 calibration_cache="none",  # measured now, as the log quotes it
             )
         )
@@ -174,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--device",
             args.device,
             "--num-draft-tokens",
+            str(max(args.k, DRAFT_TOKENS)),
+            "--chain-tokens",
             str(args.k),
             "--max-concurrent-streams",
             str(max(args.concurrency)),
@@ -234,7 +237,7 @@ def replay_drafts(engine, prompts, runs, k: int) -> dict[str, float]:  # type: i
         "context_only": context_only(engine).context_draft,
         "kenlm+context": kenlm_and_context,
     }
-    params = SpeculationParams(num_draft_tokens=k)
+    params = SpeculationParams(num_draft_tokens=max(k, DRAFT_TOKENS), chain_tokens=k, adaptive=True)
     ordered = [answers[index] for index in range(len(prompts))]
     return {
         name: replay(draft, prompts, ordered, params).tokens_per_round

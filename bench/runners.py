@@ -19,7 +19,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from kenspec_api.outputs import BreakerState
 from server.engine.linear_kernels import stock_linears
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    DRAFT_TOKENS,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.speculative_engine import SpeculativeEngine
 
 
@@ -128,7 +133,8 @@ def run_kenspec(
         stopping=StoppingParams(max_new_tokens=max_new_tokens),
         speculation=SpeculationParams(
             enabled=mode.k > 0,
-            num_draft_tokens=max(mode.k, 1),
+            num_draft_tokens=max(mode.k, DRAFT_TOKENS),  # chains of k; trees, long matches
+            chain_tokens=max(mode.k, 1),  # as the server's defaults
             adaptive=mode.adaptive,
             draft_context=mode.draft_context,
         ),

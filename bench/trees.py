@@ -108,7 +108,7 @@ def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -
     import torch
 
     from bench.suite import read_prompts
-    from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+    from server.engine.params import SamplingParams, StoppingParams
     from server.runtime import load_runtime
     from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
@@ -130,7 +130,7 @@ def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -
                 ids,
                 sampling=SamplingParams(),
                 stopping=StoppingParams(max_new_tokens=max_new_tokens),
-                speculation=SpeculationParams(num_draft_tokens=settings.num_draft_tokens),
+                speculation=settings.speculation,
             )
             served = list(engine.batch.rounds(generation))
             with torch.inference_mode():

@@ -161,7 +161,7 @@ def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
         "--num-draft-tokens",
         type=int,
         default=0,
-        help="most draft tokens per round; 0 = the server's default",
+        help="most draft tokens (nodes) a round verifies; 0 = the server's default",
     )
     group.add_argument(
         "--adaptive",

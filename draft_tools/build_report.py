@@ -38,7 +38,7 @@ def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> 
     server drafts by default: the request's own tokens and the suffix index seeded from the
     draft's corpus; chains, not trees, which no cost model would cut in a replay)."""
     served = {
-        "k": settings.num_draft_tokens,
+        "k": settings.speculation.k,
         "adaptive": settings.adaptive,
         "min_draft_prob": settings.min_draft_prob,
     }
@@ -56,7 +56,7 @@ def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> 
     return CheckResult(
         answers=alone.answers,
         tokens=alone.tokens,
-        k=settings.num_draft_tokens,
+        k=settings.speculation.k,
         min_draft_prob=settings.min_draft_prob,
         tokens_per_round=round(alone.tokens_per_round, 4),
         acceptance=round(alone.acceptance, 4),

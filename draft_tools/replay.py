@@ -17,7 +17,6 @@ from server.engine.draft import Draft
 from server.engine.params import SpeculationParams
 from server.engine.sampling import walk
 from server.engine.speculator import AcceptanceStats, Speculator
-from server.engine.token_tree import depths
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,7 @@ def replay(
     pass would have read: answer[position - 1 .. position + emitted - 2] after the prompt);
     tree_budget > 1 drafts token trees of that many nodes (the walk follows the answer, as a
     greedy target would; every node is verified, no cost model cuts any)."""
-    k_max = params.num_draft_tokens
+    k_max = params.k
     drafted_at, accepted_at = [0] * k_max, [0] * k_max
     rounds = speculative = drafted = accepted = tokens = 0
     seconds = 0.0
@@ -82,11 +81,10 @@ def replay(
         position = 0
         while position < len(answer):
             started = time.perf_counter()
-            proposal = speculator.propose(limit=len(answer) - position - 1)
+            tree = speculator.propose(limit=len(answer) - position - 1)
             seconds += time.perf_counter() - started
-            parents = proposal.parents
-            emitted, path = walk(proposal.tokens, parents, _Follow(answer, position))
-            node_depths = depths(parents)
+            emitted, path = walk(tree.tokens, tree.parents, _Follow(answer, position))
+            node_depths = tree.depths()
             while len(drafted_at) < max(node_depths, default=0):  # long chains, deep trees
                 drafted_at.append(0)
                 accepted_at.append(0)
@@ -94,14 +92,14 @@ def replay(
             for node, depth in enumerate(node_depths):  # per depth (a chain: per position)
                 drafted_at[depth - 1] += 1
                 accepted_at[depth - 1] += node in on_path
-            speculator.record(len(proposal), len(path), path)
+            speculator.record(len(tree), len(path), path)
             speculator.extend(emitted)
             if on_round is not None:
                 on_round(number, position, len(emitted))
             position += len(emitted)
             rounds += 1
-            speculative += len(proposal) > 0
-            drafted += len(proposal)
+            speculative += len(tree) > 0
+            drafted += len(tree)
             accepted += len(path)
         tokens += len(answer)
         if learn is not None:

@@ -236,7 +236,7 @@ class Build:
         inputs = {
             "draft": self.stamps.get("fit"),
             "answers": file_digest(answers),
-            "k": settings.num_draft_tokens,
+            "k": settings.speculation.k,
             "min_draft_prob": settings.min_draft_prob,
         }
         result_path = self.work / "check.json"

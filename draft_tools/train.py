@@ -223,7 +223,10 @@ def evaluate(
         )
     if draft is None:
         raise ValueError("nothing to evaluate: give a draft, or context=True")
-    params = SpeculationParams(num_draft_tokens=k, adaptive=adaptive)
+    # Chains of k; the cap on a round's nodes lets every shape asked for through (a long
+    # match's chain, a tree), as the server's default cap does its defaults.
+    cap = max(k, long_draft_tokens if context else 0, tree_budget)
+    params = SpeculationParams(num_draft_tokens=cap, chain_tokens=k, adaptive=adaptive)
     learner = index.add if learn and index is not None else None
     return replay(
         draft,

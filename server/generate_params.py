@@ -7,7 +7,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kenspec_api import generator_pb2 as pb
-from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    CHAIN_TOKENS,
+    InvalidParameter,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 128  # characters; the id is echoed in every streamed message and logged
@@ -27,8 +33,9 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class Defaults:
-    num_draft_tokens: int
+    num_draft_tokens: int  # the cap on a round's draft tokens (nodes)
     adaptive: bool
+    chain_tokens: int = CHAIN_TOKENS  # k, an ordinary chain's length
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +214,7 @@ def speculation_params(
     return SpeculationParams(
         enabled=enabled,
         num_draft_tokens=k,
+        chain_tokens=defaults.chain_tokens,
         adaptive=defaults.adaptive if adaptive is None else adaptive,
         draft_context=draft_context,
     )

@@ -129,7 +129,11 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         max_stop_length=settings.max_stop_length,
         max_draft_tokens=MAX_DRAFT_TOKENS,
     )
-    defaults = Defaults(num_draft_tokens=settings.num_draft_tokens, adaptive=settings.adaptive)
+    defaults = Defaults(
+        num_draft_tokens=settings.num_draft_tokens,
+        adaptive=settings.adaptive,
+        chain_tokens=settings.chain_tokens,
+    )
     info = _model_info(settings, engine, limits, calibrated=settings.breaker_threshold < 0)
     log.info("ready", seconds=round(time.perf_counter() - started, 2))
     return Runtime(
@@ -276,9 +280,11 @@ def _breaker_settings_and_costs(
     speculates = settings.has_draft or settings.draft_context
     if not speculates:
         return breaker_settings, None, _nothing
-    k, rows = settings.num_draft_tokens, settings.max_batch_size
+    k, rows = settings.speculation.k, settings.max_batch_size  # chains of k, within the cap
     long_draft_tokens = (
-        max(settings.long_draft_tokens, settings.tree_budget) if settings.draft_context else 0
+        min(max(settings.long_draft_tokens, settings.tree_budget), settings.num_draft_tokens)
+        if settings.draft_context
+        else 0
     )
     key = calibration_cache.cache_key(
         settings.model,
@@ -362,7 +368,7 @@ def _warm_up(engine: SpeculativeEngine) -> None:
         prompt,
         sampling=SamplingParams(),
         stopping=StoppingParams(max_new_tokens=4),
-        speculation=SpeculationParams(num_draft_tokens=2),
+        speculation=SpeculationParams(chain_tokens=2, adaptive=True),
         request_id="warm-up",
         tenant=WARM_UP_TENANT,
     )

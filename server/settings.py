@@ -14,7 +14,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from server.engine.params import MAX_DRAFT_TOKENS
+from server.engine.params import (
+    MAX_DRAFT_TOKENS,
+    InvalidParameter,
+    SpeculationParams,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -48,8 +52,10 @@ class Settings:
     allowed_hosts: str = ""
     http_body_timeout_s: float = 10.0
     # speculation
-    num_draft_tokens: int = 6
-    adaptive: bool = False
+    # One default per knob: a request's SpeculationParams' (cap 16 nodes, chains of 6, fixed k).
+    num_draft_tokens: int = SpeculationParams().num_draft_tokens
+    chain_tokens: int = SpeculationParams().chain_tokens
+    adaptive: bool = SpeculationParams().adaptive
     min_draft_prob: float = 0.4
     pad_verify: bool = True
     skinny_gemm: bool = True
@@ -116,6 +122,15 @@ class Settings:
     def has_draft(self) -> bool:
         return self.draft.lower() not in ("", "none", "off")
 
+    @property
+    def speculation(self) -> SpeculationParams:
+        """What a request drafts when it asks nothing: these flags' draft lengths."""
+        return SpeculationParams(
+            num_draft_tokens=self.num_draft_tokens,
+            chain_tokens=self.chain_tokens,
+            adaptive=self.adaptive,
+        )
+
 
 _HELP = {
     "model": "target model: a local Hugging Face causal-LM folder (default: the bundled SmolLM2)",
@@ -153,8 +168,13 @@ _HELP = {
     "tokens the token is the check and no name is. /health is never checked",
     "http_body_timeout_s": "seconds an HTTP request has to send its whole body; past it, 408 "
     "and the connection is closed",
-    "num_draft_tokens": "maximum draft tokens per round (k); requests may ask for fewer",
-    "adaptive": "grow k after fully accepted rounds and shrink it after rejections",
+    "num_draft_tokens": "the most draft tokens (nodes) a round verifies per request (1-64), "
+    "whatever drafted them: token trees, long matches and chains all stay within it; requests "
+    "may ask for fewer",
+    "chain_tokens": "draft tokens of an ordinary chain (k: KenLM's, a short match's), within "
+    "--num-draft-tokens",
+    "adaptive": "grow k after fully accepted rounds and shrink it after rejections (within "
+    "--chain-tokens)",
     "min_draft_prob": "stop a KenLM chain at the first n-gram step below this probability (in "
     "a token tree, 0.05: the tree's learned path probability decides)",
     "pad_verify": "measure pass costs at start-up and pad verify passes to a wider width "
@@ -177,11 +197,12 @@ _HELP = {
     "context_min_match": "shortest suffix match (tokens) that makes the context draft propose",
     "context_max_match": "longest suffix match (tokens) the context draft looks for",
     "tree_budget": "with context drafting, verify a token tree of up to this many draft nodes "
-    "merging every source's candidates (KenLM n-best, context and suffix-index matches, "
-    "recycled predictions), best path probability first; the batch keeps the nodes worth "
-    "their cost; 1: one chain per round",
+    "(within --num-draft-tokens) merging every source's candidates (KenLM n-best, context and "
+    "suffix-index matches, recycled predictions), best path probability first; the batch "
+    "keeps the nodes worth their cost; 1: one chain per round",
     "long_draft_tokens": "how far a chain after a long exact match (context or suffix index) "
-    "may draft: as many tokens as the match is long, up to this (at least k)",
+    "may draft: as many tokens as the match is long, up to this (at least k; within "
+    "--num-draft-tokens)",
     "suffix_index": "with context drafting, also draft from an index of past answers "
     "(seeded from the draft folder's corpus.ids.gz, learning every finished response, per "
     "tenant: see --suffix-index-scope): the longest exact match of the stream's last tokens, "
@@ -297,11 +318,12 @@ def parse_settings(
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
-    if not 1 <= namespace.num_draft_tokens <= MAX_DRAFT_TOKENS:
-        parser.error(
-            f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], "
-            f"not {namespace.num_draft_tokens}"
+    try:  # the draft lengths are checked where a request's are: SpeculationParams
+        SpeculationParams(
+            num_draft_tokens=namespace.num_draft_tokens, chain_tokens=namespace.chain_tokens
         )
+    except InvalidParameter as error:
+        parser.error(f"{_flag(error.field)} {error.message}")
     if not 1 <= namespace.tree_budget <= MAX_DRAFT_TOKENS:
         parser.error(
             f"--tree-budget must be in [1, {MAX_DRAFT_TOKENS}], not {namespace.tree_budget}"

@@ -29,13 +29,15 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from typing import TypeVar, cast
 
 import pybreaker
 import structlog
 
 from kenspec_api.outputs import BreakerState
 from server.engine.costs import expected_tokens_per_round, solve_acceptance
-from server.engine.draft import DraftSession, Proposal
+from server.engine.draft import Candidates, DraftSession
 
 log = structlog.get_logger("kenspec.breaker")
 
@@ -55,11 +57,14 @@ class DraftHung(Exception):
 
 
 class DraftTooSlow(Exception):
-    """The draft answered, but past its latency budget: a fault, though its proposal is usable."""
+    """The draft answered, but past its latency budget: a fault, though its answer is usable."""
 
-    def __init__(self, seconds: float, proposal: Proposal) -> None:
+    def __init__(self, seconds: float, answer: object) -> None:
         super().__init__(f"draft took {seconds * 1000:.1f} ms")
-        self.proposal = proposal
+        self.answer = answer
+
+
+Drafted = TypeVar("Drafted")  # what a timed draft call returns (candidates, a draft tree)
 
 
 TransitionHook = Callable[[str, BreakerState], None]  # (scope, new state), e.g. for metrics
@@ -298,34 +303,39 @@ class DraftFaultBreaker:
     def reset_timeout_s(self) -> float:
         return self._clocked.reset_timeout_s
 
-    def propose(self, session: DraftSession, k: int, request_id: str = "") -> Proposal | None:
-        """The session's proposal, or None when the breaker is open or the draft failed."""
+    def propose(self, session: DraftSession, k: int, request_id: str = "") -> Candidates | None:
+        """The session's candidates, or None when the breaker is open or the draft failed."""
+        return self.call(partial(session.propose, k), request_id)
+
+    def call(self, draft: Callable[[], Drafted], request_id: str = "") -> Drafted | None:
+        """What `draft()` returns (on the draft thread, timed), or None when the breaker is
+        open or the draft failed: raised, hung, or (counted, but its answer used) ran slow."""
         if not self._clocked.half_open_if_due():
             return None  # open: the draft is not even called
         try:
-            return self._breaker.call(self._timed, session, k)
+            return cast(Drafted, self._breaker.call(self._timed, draft))
         except pybreaker.CircuitBreakerError as error:
             cause = error.__context__
             if isinstance(cause, DraftTooSlow):
-                return cause.proposal
+                return cast(Drafted, cause.answer)
             return None
         except DraftTooSlow as slow:
             log.warning("draft_slow", request_id=request_id, error=str(slow))
-            return slow.proposal
+            return cast(Drafted, slow.answer)
         except Exception as error:  # any draft failure must not fail the request
             log.warning("draft_fault", request_id=request_id, error=repr(error))
             return None
 
-    def _timed(self, session: DraftSession, k: int) -> Proposal:
+    def _timed(self, draft: Callable[[], Drafted]) -> Drafted:
         started = self._clock()
-        future = self._runner.submit(session.propose, k)
+        future = self._runner.submit(draft)
         try:
-            proposal = future.result(timeout=self.hang_timeout_s)
+            answer = future.result(timeout=self.hang_timeout_s)
         except FutureTimeout:
             self._runner.shutdown(wait=False)  # leave the hung thread behind, start afresh
             self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-draft")
             raise DraftHung(f"draft gave no answer within {self.hang_timeout_s:g} s") from None
         elapsed = self._clock() - started
         if elapsed > self.latency_budget_s:
-            raise DraftTooSlow(elapsed, proposal)
-        return proposal
+            raise DraftTooSlow(elapsed, answer)
+        return answer

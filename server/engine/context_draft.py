@@ -19,7 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from server.engine.draft import Draft, DraftSession, Proposal
+from server.engine.draft import (
+    Branching,
+    Candidates,
+    Chain,
+    DraftSession,
+    StaticDraft,
+    StaticSession,
+)
+from server.engine.draft_tree import Source
 from server.engine.recycled import RecycledPredictions
 from server.engine.suffix_index import SuffixIndex
 from server.engine.tenant_index import TenantView
@@ -66,7 +74,7 @@ class ContextDraft:
 
     def __init__(
         self,
-        static: Draft | None,
+        static: StaticDraft | None,
         *,
         min_match: int = 1,
         max_match: int = 16,
@@ -106,14 +114,14 @@ class ContextDraft:
         return ContextSession(self, index, static, suffix if suffix is not None else self.suffix)
 
 
-class ContextSession:
+class ContextSession(DraftSession, Branching):
     """One generation's context index and static session; the rest is its draft's."""
 
     def __init__(
         self,
         draft: ContextDraft,
         index: ContextIndex,
-        static: DraftSession | None,
+        static: StaticSession | None,
         suffix: SuffixIndex | TenantView | None = None,
     ) -> None:
         self._index = index
@@ -124,28 +132,16 @@ class ContextSession:
         self._long = draft.long_draft_tokens
         self._branches = draft.branches
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int) -> Candidates:
         """The chain of the longest match (own context, or the suffix index if longer; a tie
-        goes to the request's own), else the static draft's; the other sources' chains ride
-        along as alternatives, for the speculator to weigh by their measured acceptance.
+        goes to the request's own) first, else the static draft's; then the other sources'
+        chains, for the speculator to weigh by their measured acceptance.
 
         A matched chain drafts as far as its match is long, up to `long_draft_tokens` (at
         least k): after 12 tokens that matched exactly, the next 12 are likely to as well
-        (SuffixDecoding's match-proportional speculation; the caller cuts chains to its limit)."""
-        chains: list[tuple[int, Proposal]] = []  # (match length, chain)
-        longest = max(k, self._long)
-        tokens, matched = self._index.continuation(longest)
-        if matched:
-            reach = self._reach(k, matched)
-            chain = self._chain(tokens[:reach], reach, _source("context", matched))
-            chains.append((matched, chain))
-        if self._suffix is not None:
-            found, length = self._suffix.propose(self._index.tokens, longest)
-            if found:
-                reach = self._reach(k, length)
-                chains.append(
-                    (length, self._chain(found[:reach], reach, _source("suffix", length)))
-                )
+        (SuffixDecoding's match-proportional speculation; the speculator cuts chains to the
+        round's cap)."""
+        chains = self._matched_chains(k)
         if self._static is not None:
             chains.append((0, self._labelled(self._static_chain(k))))
         # In a token tree, recycled predictions come in below every node (`expand`); their
@@ -153,57 +149,77 @@ class ContextSession:
         if self._recycled is not None and not self._branches:
             found, probs = self._recycled.chain(self._index.tokens[-1], k, self._recycled_min_prob)
             if found:
-                chains.append((0, Proposal(tuple(found), tuple(probs), source="recycled")))
+                chains.append((0, Chain(tuple(found), tuple(probs), RECYCLED)))
         chains += [(0, chain) for chain in self._alternatives_at_root()]
         if not chains:
-            return Proposal(source=_source("context", 0))
+            return (Chain(source=_source("context", 0)),)
         chains.sort(key=lambda chain: -chain[0])  # stable: the context before an equal suffix
         first, *others = (chain for _, chain in chains)
-        others = [chain for chain in others if len(chain)]
-        return replace(first, alternatives=tuple(others)) if others else first
+        return (first, *(chain for chain in others if len(chain)))
+
+    def _matched_chains(self, k: int) -> list[tuple[int, Chain]]:
+        """(match length, chain) of the request's own context and of the suffix index."""
+        chains: list[tuple[int, Chain]] = []
+        longest = max(k, self._long)
+        tokens, matched = self._index.continuation(longest)
+        if matched:
+            reach = self._reach(k, matched)
+            chains.append(
+                (matched, self._chain(tokens[:reach], reach, _source("context", matched)))
+            )
+        if self._suffix is not None:
+            found, length = self._suffix.propose(self._index.tokens, longest)
+            if found:
+                reach = self._reach(k, length)
+                chains.append(
+                    (length, self._chain(found[:reach], reach, _source("suffix", length)))
+                )
+        return chains
+
+    def branching(self) -> Branching:
+        """A token tree branches below any node on the target's recycled predictions."""
+        return self
 
     @property
-    def last_token(self) -> int:
+    def root_token(self) -> int:
         """The stream's last token (the pending one): a token tree's root."""
         return self._index.tokens[-1]
 
-    def expand(self, token: int) -> list[tuple[int, str]]:
+    def expand(self, token: int) -> list[tuple[int, Source]]:
         """Candidate children of a tree node whose token is `token`: the target's recycled top
         next tokens after it, each labelled by its probability's decile (acceptance is learned
         per decile: the table's probabilities were the target's in another context)."""
         if self._recycled is None:
             return []
         return [
-            (following, f"recycled:{_decile(probability)}")
+            (following, Source("recycled", _decile(probability)))
             for following, probability in self._recycled.next_tokens(token)
             if probability >= self._recycled_min_prob
         ]
 
-    def _static_chain(self, k: int) -> Proposal:
+    def _static_chain(self, k: int) -> Chain:
         """The static draft's chain; for a token tree gated at TREE_MIN_DRAFT_PROB only, not
         at the draft's own min_draft_prob (tuned for chains): the tree's path probability,
         learned per n-gram probability decile, decides how far it is worth verifying."""
-        gated = getattr(self._static, "propose_gated", None)
-        if self._branches and gated is not None:
-            return gated(k, TREE_MIN_DRAFT_PROB)
-        return self._static.propose(k)
+        assert self._static is not None
+        return self._static.chain(k, TREE_MIN_DRAFT_PROB if self._branches else None)
 
-    def _labelled(self, chain: Proposal) -> Proposal:
+    def _labelled(self, chain: Chain) -> Chain:
         """For a token tree, the static chain's tokens each labelled by their n-gram
         probability's decile, like its n-best alternatives: acceptance is learned per decile."""
-        if not self._branches or not chain.probs:
+        if not self._branches or not chain.confidences:
             return chain
-        return replace(chain, node_sources=tuple(f"ngram:{_decile(p)}" for p in chain.probs))
+        labels = tuple(Source("ngram", _decile(p)) for p in chain.confidences)
+        return replace(chain, token_sources=labels)
 
-    def _alternatives_at_root(self) -> list[Proposal]:
+    def _alternatives_at_root(self) -> list[Chain]:
         """The static draft's next best tokens after its first, one-token chains labelled by
         probability decile, for a token tree to branch on."""
-        n_best = getattr(self._static, "n_best", None)
-        if not self._branches or n_best is None:
+        if not self._branches or self._static is None:
             return []
         return [
-            Proposal((token,), (probability,), source=f"ngram:{_decile(probability)}")
-            for token, probability in n_best(self._branches + 1)[1:]
+            Chain((token,), (probability,), Source("ngram", _decile(probability)))
+            for token, probability in self._static.n_best(self._branches + 1)[1:]
         ]
 
     def _reach(self, k: int, matched: int) -> int:
@@ -211,26 +227,20 @@ class ContextSession:
         match is longer, up to the long-draft cap."""
         return max(k, min(matched, self._long))
 
-    def _chain(self, tokens: list[int], k: int, source: str) -> Proposal:
+    def _chain(self, tokens: list[int], k: int, source: Source) -> Chain:
         """A matched continuation, which the static draft continues where it runs out (the
         earlier occurrence runs into the present, or an answer ended)."""
         if self._static is not None and len(tokens) < k:
-            tokens = [*tokens, *self._static_after(tokens, k - len(tokens))]
-        return Proposal(tuple(tokens), tuple(1.0 for _ in tokens), source=source)
+            tokens = [*tokens, *self._static.chain_after(tokens, k - len(tokens)).tokens]
+        return Chain(tuple(tokens), tuple(1.0 for _ in tokens), source)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._index.extend(token_ids)
         if self._static is not None:
             self._static.extend(token_ids)
 
-    def _static_after(self, drafted: list[int], k: int) -> list[int]:
-        """The static draft's proposal as if `drafted` had been accepted (session untouched)."""
-        propose_after = getattr(self._static, "propose_after", None)
-        if propose_after is None:
-            return []
-        return list(propose_after(drafted, k).token_ids)
 
-
+RECYCLED = Source("recycled")  # the recycled predictions' chain (a tree's: per decile)
 _BUCKETS = (16, 8, 5, 4, 3, 2, 1)
 
 
@@ -238,9 +248,9 @@ def _decile(probability: float) -> int:
     return min(9, max(0, int(probability * 10)))
 
 
-def _source(kind: str, matched: int) -> str:
-    """Where a proposal came from and its match length, bucketed (1, 2, 3, 4, 5-7, 8-15, 16+):
+def _source(kind: str, matched: int) -> Source:
+    """Where a chain came from and its match length, bucketed (1, 2, 3, 4, 5-7, 8-15, 16+):
     the length predicts acceptance, so acceptance is tracked per bucket. Replayed on the
     default model's greedy answers, per-token acceptance of the context draft after a 1-token
     match was 0.29-0.59 (by prompt set), 2: 0.56-0.79, 3: 0.65-0.82, 4 or more: 0.94-0.95."""
-    return f"{kind}:{next((edge for edge in _BUCKETS if matched >= edge), 0)}"
+    return Source(kind, next((edge for edge in _BUCKETS if matched >= edge), 0))

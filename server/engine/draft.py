@@ -1,50 +1,102 @@
-"""The draft interface: anything that proposes the next few target token ids cheaply."""
+"""The draft interfaces: anything that proposes the next few target token ids cheaply.
+
+A draft session offers candidate chains each round (`Candidates`, best first); the speculator
+alone turns them into the round's `DraftTree` (the best chain, or a token tree over all of
+them). Every ability a session may have is declared here:
+
+- `DraftSession`: `propose` and `extend`, and `branching()`, the way a token tree may branch
+  below any node (None for a session that offers chains only);
+- `StaticSession`: a static draft's (KenLM's) session, which a context draft also asks for a
+  chain behind another gate, its n-best next tokens and a chain after given tokens.
+
+A session class that subclasses a protocol inherits its defaults (`branching` -> None).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+from server.engine.draft_tree import Source
+
+UNNAMED = Source("")  # the source of a chain from a draft that does not name one
 
 
 @dataclass(frozen=True, slots=True)
-class Proposal:
-    """Up to k drafted token ids.
+class Chain:
+    """One candidate continuation: each token follows the one before.
 
-    probs are the draft's own confidences (for gating, metrics and the breaker). A deterministic
-    draft such as KenLM proposes tokens, not a distribution, so its q is one-hot and the
-    verification rule needs nothing more. A draft that samples from a distribution (a neural or a
-    sampled n-gram draft) must also fill `distributions` ([len(token_ids), vocab] q rows) so the
-    full rule with the residual (p - q)+ can be applied (Leviathan et al. 2023, Alg. 1).
+    `confidences` are the draft's own per token (KenLM's n-gram probability, 1.0 for a copied
+    match): a deterministic draft proposes tokens, not a distribution, so verification needs
+    nothing more. `source` is who proposed it, the bucket its acceptance is learned in;
+    `token_sources`, where given, label each token apart (a token tree learns KenLM's tokens
+    per n-gram probability decile).
+
+    Example: KenLM's two tokens after "the", as a tree labels them:
+
+        Chain((5, 7), (0.62, 0.31), Source("kenlm"), (Source("ngram", 6), Source("ngram", 3)))
     """
 
-    token_ids: tuple[int, ...] = ()
-    probs: tuple[float, ...] = ()
-    distributions: torch.Tensor | None = field(default=None, compare=False)
-    # Where the proposal came from ("kenlm", "context:3", ...): acceptance is tracked per
-    # source, because sources differ far more than rounds of one source do.
-    source: str = ""
-    # Other chains from other sources, for the caller to choose among by their sources' measured
-    # acceptance (Speculator.propose); empty for a single-source draft.
-    alternatives: tuple[Proposal, ...] = field(default=(), compare=False)
-    # A token tree (engine.token_tree): node i is a child of node parents[i] (-1: of the
-    # pending token), parents before children; probs are then each node's path probability and
-    # node_sources who proposed it. Empty for a chain, where each token follows the one before.
-    parents: tuple[int, ...] = ()
-    node_sources: tuple[str, ...] = field(default=(), compare=False)
+    tokens: tuple[int, ...] = ()
+    confidences: tuple[float, ...] = ()
+    source: Source = UNNAMED
+    token_sources: tuple[Source, ...] = ()
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.tokens)
+
+    def labels(self) -> tuple[Source, ...]:
+        """The source of each token: `token_sources`, else `source` for every one."""
+        return self.token_sources or (self.source,) * len(self.tokens)
+
+
+Candidates = tuple[Chain, ...]
+"""A session's chains for one round, best first (the first may be empty; the others are not)."""
+
+
+class Branching(Protocol):
+    """Where a token tree may branch below any node (the target's recycled predictions)."""
+
+    @property
+    def root_token(self) -> int:
+        """The stream's last token (the pending one): the tree's root."""
+        ...
+
+    def expand(self, token: int) -> list[tuple[int, Source]]:
+        """Candidate children (token, source) of a node whose token is `token`, best first."""
+        ...
 
 
 class DraftSession(Protocol):
     """Per-generation draft state, fed every accepted token (incremental, never rebuilt)."""
 
-    def propose(self, k: int) -> Proposal: ...
+    def propose(self, k: int) -> Candidates:
+        """This round's candidate chains, best first: up to k tokens each (a chain after a
+        long exact match may hold more; the speculator cuts to the round's cap)."""
+        ...
 
     def extend(self, token_ids: Sequence[int]) -> None: ...
+
+    def branching(self) -> Branching | None:
+        """How a token tree may branch below its nodes; None: the chains alone."""
+        return None
+
+
+class StaticSession(DraftSession, Protocol):
+    """A static draft's session (KenLM): what a context draft asks of it besides `propose`."""
+
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
+        """Up to k tokens, gated at `min_prob` (None: the draft's own gate)."""
+        ...
+
+    def n_best(self, n: int) -> list[tuple[int, float]]:
+        """The n most likely next tokens now and their probabilities, best first."""
+        ...
+
+    def chain_after(self, drafted: Sequence[int], k: int) -> Chain:
+        """The chain as if `drafted` were already accepted (the session is not changed)."""
+        ...
 
 
 class Draft(Protocol):
@@ -54,3 +106,12 @@ class Draft(Protocol):
     def name(self) -> str: ...
 
     def start(self, prompt_ids: Sequence[int]) -> DraftSession: ...
+
+
+class StaticDraft(Protocol):
+    """A draft whose sessions are static sessions (KenLM): what a context draft combines."""
+
+    @property
+    def name(self) -> str: ...
+
+    def start(self, prompt_ids: Sequence[int]) -> StaticSession: ...

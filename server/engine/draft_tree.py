@@ -89,6 +89,21 @@ class DraftTree:
             self.tokens[:count], self.parents[:count], self.probs[:count], self.sources[:count]
         )
 
+    def within(self, nodes: int, depth: int) -> DraftTree:
+        """The first `nodes` nodes, less those deeper than `depth` (a tree too: a kept node's
+        parent is shallower, so kept). For a chain, its first min(nodes, depth) tokens."""
+        first = self.depths()[:nodes]
+        keep = [node for node, node_depth in enumerate(first) if node_depth <= depth]
+        if len(keep) == len(first):
+            return self.prefix(nodes)
+        renumbered = {-1: -1, **{old: new for new, old in enumerate(keep)}}
+        return DraftTree(
+            tuple(self.tokens[node] for node in keep),
+            tuple(renumbered[self.parents[node]] for node in keep),
+            tuple(self.probs[node] for node in keep),
+            tuple(self.sources[node] for node in keep),
+        )
+
     def depths(self) -> list[int]:
         """Each node's depth (1: a child of the root)."""
         result: list[int] = []

@@ -18,10 +18,12 @@ from pathlib import Path
 import kenlm
 
 from server.engine.arpa import SENTENCE_END, SENTENCE_START, DraftFormatError, read_arpa
-from server.engine.draft import Proposal
+from server.engine.draft import Candidates, Chain, StaticSession
+from server.engine.draft_tree import Source
 from server.engine.successors import SuccessorIndex
 
 DRAFT_MANIFEST = "draft.json"
+KENLM = Source("kenlm")  # where a KenLM chain comes from: acceptance is learned for it apart
 # Slack for comparing the index's ARPA log-probs with KenLM's own floats when pruning.
 _PRUNE_SLACK = 1e-3
 
@@ -96,9 +98,7 @@ class KenLMDraft:
     def start(self, prompt_ids: Sequence[int]) -> KenLMSession:
         return KenLMSession(self)
 
-    def propose(
-        self, context_ids: Sequence[int], k: int, min_prob: float | None = None
-    ) -> Proposal:
+    def chain(self, context_ids: Sequence[int], k: int, min_prob: float | None = None) -> Chain:
         """Up to k greedy n-gram tokens after context_ids (the tokens generated so far).
 
         Stops early at </s> (proposed as end_token_id when set) and at the first step whose
@@ -123,21 +123,19 @@ class KenLMDraft:
             if step.token_id == self.end_token_id:
                 break
             state, history = step.state, self._trim((*history, step.token_id))
-        return Proposal(tuple(tokens), tuple(probs), source="kenlm")
+        return Chain(tuple(tokens), tuple(probs), KENLM)
 
     def n_best(self, context_ids: Sequence[int], n: int) -> list[tuple[int, float]]:
         """The n most likely next tokens after context_ids and their probabilities, best first
         (</s> as end_token_id, or left out without one): candidates for a token tree."""
         state, history = self._state_after(context_ids)
-        steps = self.top_next(state, history, n)
-        return [
-            (
-                self.end_token_id if step.token_id == SENTENCE_END else step.token_id,
-                10**step.logprob,
-            )
-            for step in steps
-            if step.token_id != SENTENCE_END or self.end_token_id is not None
-        ]
+        best: list[tuple[int, float]] = []
+        for step in self.top_next(state, history, n):
+            if step.token_id != SENTENCE_END:
+                best.append((step.token_id, 10**step.logprob))
+            elif self.end_token_id is not None:
+                best.append((self.end_token_id, 10**step.logprob))
+        return best
 
     def best_next(self, state: kenlm.State, history: tuple[int, ...]) -> _Step | None:
         """The vocabulary argmax of p(w | history), ties to the smaller id, from the index."""
@@ -210,34 +208,35 @@ class KenLMDraft:
         return history[len(history) - window :] if window else ()
 
 
-class KenLMSession:
+class KenLMSession(StaticSession):
     """One generation's draft state: the tokens generated so far."""
 
     def __init__(self, draft: KenLMDraft) -> None:
         self._draft = draft
         self._generated: list[int] = []
 
-    def propose(self, k: int) -> Proposal:
-        return self._draft.propose(self._generated, k)
+    def propose(self, k: int) -> Candidates:
+        return (self.chain(k),)
 
-    def propose_gated(self, k: int, min_prob: float) -> Proposal:
-        """The proposal with another confidence gate than the draft's min_draft_prob."""
-        return self._draft.propose(self._generated, k, min_prob=min_prob)
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
+        """Up to k tokens, gated at `min_prob` (None: the draft's min_draft_prob)."""
+        return self._draft.chain(self._generated, k, min_prob=min_prob)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._generated.extend(token_ids)
 
     def n_best(self, n: int) -> list[tuple[int, float]]:
         """The n most likely next tokens now and their n-gram probabilities, best first."""
-        window = self._draft.order - 1
-        recent = self._generated[len(self._generated) - window :] if window else []
-        return self._draft.n_best(recent, n)
+        return self._draft.n_best(self._recent(), n)
 
-    def propose_after(self, drafted: Sequence[int], k: int) -> Proposal:
-        """The proposal as if `drafted` were already accepted (the session is not changed)."""
+    def chain_after(self, drafted: Sequence[int], k: int) -> Chain:
+        """The chain as if `drafted` were already accepted (the session is not changed)."""
+        return self._draft.chain([*self._recent(), *drafted], k)
+
+    def _recent(self) -> list[int]:
+        """The tokens the n-gram's next word depends on (the last order - 1)."""
         window = self._draft.order - 1
-        recent = self._generated[len(self._generated) - window :] if window else []
-        return self._draft.propose([*recent, *drafted], k)
+        return self._generated[len(self._generated) - window :] if window else []
 
 
 def _load_files(

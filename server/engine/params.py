@@ -15,6 +15,8 @@ class InvalidParameter(ValueError):
 
 
 MAX_DRAFT_TOKENS = 64  # draft tokens one round may verify, whatever a request asks
+DRAFT_TOKENS = 16  # the default cap: a round's token tree (16 nodes) or long match (16 tokens)
+CHAIN_TOKENS = 6  # an ordinary chain's length k (a short match's, KenLM's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +66,33 @@ class StoppingParams:
 
 @dataclass(frozen=True, slots=True)
 class SpeculationParams:
-    """How much to draft. enabled=False is plain autoregressive decoding."""
+    """How much to draft. enabled=False is plain autoregressive decoding.
+
+    `num_draft_tokens` is the cap on the draft tokens (nodes) one round verifies for the
+    request, whatever drafted them: a token tree's nodes (`--tree-budget`), a chain after a
+    long exact match (`--long-draft-tokens`) and an ordinary chain of k tokens are all cut to
+    it, in one place (`Speculator.propose`). `chain_tokens` is k, an ordinary chain's length;
+    adaptive k moves within [1, min(chain_tokens, num_draft_tokens)].
+
+    Example: the defaults verify trees of up to 16 nodes, long matches of up to 16 tokens and
+    chains of 6; num_draft_tokens=4 makes every round's draft at most 4 tokens.
+    """
 
     enabled: bool = True
-    num_draft_tokens: int = 4
-    adaptive: bool = True
+    num_draft_tokens: int = DRAFT_TOKENS
+    chain_tokens: int = CHAIN_TOKENS
+    adaptive: bool = False
     draft_context: bool | None = None  # also draft from the request's context; None: default
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidParameter(
-                "num_draft_tokens",
-                f"must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}",
-            )
+        for name, value in (
+            ("num_draft_tokens", self.num_draft_tokens),
+            ("chain_tokens", self.chain_tokens),
+        ):
+            if not 1 <= value <= MAX_DRAFT_TOKENS:
+                raise InvalidParameter(name, f"must be in [1, {MAX_DRAFT_TOKENS}], got {value}")
+
+    @property
+    def k(self) -> int:
+        """The longest ordinary chain: chain_tokens, within the cap."""
+        return min(self.chain_tokens, self.num_draft_tokens)

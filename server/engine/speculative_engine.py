@@ -12,7 +12,7 @@ from server.engine.batch import Batch
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
 from server.engine.costs import Costs
-from server.engine.draft import Draft, DraftSession
+from server.engine.draft import Draft, DraftSession, StaticDraft
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
 from server.engine.intake import BatchSettings
@@ -55,7 +55,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: TargetModel,
-        draft: Draft | None,
+        draft: StaticDraft | None,
         breaker_settings: BreakerSettings | None = None,
         *,
         context: ContextSettings | None = None,

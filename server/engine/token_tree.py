@@ -22,7 +22,9 @@ it): SuffixDecoding's best-first expansion with a heap, stopped at the budget or
 path probability.
 
 Nodes are numbered in the order they were taken, so the first n of a tree are a tree too: a
-batch that can afford only n of them keeps a prefix (`costs.choose_drafts`).
+batch that can afford only n of them keeps a prefix (`costs.choose_drafts`). The speculator
+builds the tree over a session's candidate chains (`draft.Chain`); this module knows nothing of
+sessions.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from server.engine.draft import Proposal
+from server.engine.draft import Chain
+from server.engine.draft_tree import DraftTree, Source
 
 MIN_PATH_PROBABILITY = 0.01  # nodes less likely than this are not worth a slot of the pass
+
+Expand = Callable[[int], list[tuple[int, Source]]]  # a node's token -> (child, source), best first
 
 
 @dataclass(slots=True)
@@ -41,7 +46,7 @@ class _Candidate:
     token: int
     depth: int  # 1 for a child of the root
     misses: float = 1.0  # prod(1 - p_s) over the sources proposing it
-    sources: list[str] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
     children: dict[int, _Candidate] = field(default_factory=dict)
     expanded: bool = False  # recycled children added
 
@@ -49,7 +54,7 @@ class _Candidate:
     def chance(self) -> float:
         return 1.0 - self.misses
 
-    def propose(self, token: int, source: str, rate: float) -> _Candidate:
+    def propose(self, token: int, source: Source, rate: float) -> _Candidate:
         """The child `token`, proposed (once more) by `source` with chance `rate`."""
         child = self.children.get(token)
         if child is None:
@@ -60,31 +65,37 @@ class _Candidate:
         return child
 
 
+def _trie(
+    chains: Sequence[Chain], rate: Callable[[Source], float], root_token: int, max_depth: int
+) -> _Candidate:
+    """Every chain inserted from the root, each token labelled by its source."""
+    root = _Candidate(root_token, 0)
+    for chain in chains:
+        node = root
+        for token, source in zip(chain.tokens[:max_depth], chain.labels(), strict=False):
+            node = node.propose(token, source, rate(source))
+    return root
+
+
 def build_tree(
-    chains: Sequence[Proposal],
-    rate: Callable[[str], float],
+    chains: Sequence[Chain],
+    rate: Callable[[Source], float],
     *,
     budget: int,
     max_depth: int,
     root_token: int,
-    expand: Callable[[int], list[tuple[int, str]]] | None = None,
+    expand: Expand | None = None,
     min_path_probability: float = MIN_PATH_PROBABILITY,
-) -> Proposal:
-    """The best `budget` nodes over the candidates (see module doc), as a Proposal whose
-    `parents` give the tree, `probs` each node's path probability and `node_sources` the
-    sources that proposed it (joined by "+"). `expand(token)`: candidate children (token,
-    source) of a node whose token is `token`, best first; `rate(source)`: that source's
-    conditional acceptance. Depth is at most max_depth."""
-    root = _Candidate(root_token, 0)
-    for chain in chains:
-        node = root
-        labels = chain.node_sources or (chain.source,) * len(chain)
-        for token, source in zip(chain.token_ids[:max_depth], labels, strict=False):
-            node = node.propose(token, source, rate(source))
+) -> DraftTree:
+    """The best `budget` nodes over the candidates (see module doc): each node's path
+    probability and the sources that proposed it, in the order they did. `expand(token)`:
+    candidate children (token, source) of a node whose token is `token`, best first;
+    `rate(source)`: that source's conditional acceptance. Depth is at most max_depth."""
+    root = _trie(chains, rate, root_token, max_depth)
     tokens: list[int] = []
     parents: list[int] = []
     paths: list[float] = []
-    sources: list[str] = []
+    sources: list[tuple[Source, ...]] = []
     heap: list[tuple[float, int, int, _Candidate]] = []  # (-path, order, parent index, node)
     order = 0
 
@@ -112,15 +123,9 @@ def build_tree(
         tokens.append(node.token)
         parents.append(parent)
         paths.append(-negative)
-        sources.append("+".join(node.sources))
+        sources.append(tuple(node.sources))
         push_children(node, index, -negative)
-    return Proposal(
-        tuple(tokens),
-        tuple(paths),
-        source="tree",
-        parents=tuple(parents),
-        node_sources=tuple(sources),
-    )
+    return DraftTree(tuple(tokens), tuple(parents), tuple(paths), tuple(sources))
 
 
 def depths(parents: Sequence[int]) -> list[int]:

@@ -99,12 +99,12 @@ def test_one_command_writes_a_loadable_draft_checked_on_held_out_prompts(
     manifest = json.loads((out / "draft.json").read_text())
     check = manifest["heldout_check"]
     served = Settings()
-    assert (check["k"], check["min_draft_prob"]) == (served.num_draft_tokens, served.min_draft_prob)
+    assert (check["k"], check["min_draft_prob"]) == (served.speculation.k, served.min_draft_prob)
     replayed = train_draft.evaluate(
         tiny_model_dir,
         out,
         out / "work" / "heldout.ids",
-        k=served.num_draft_tokens,
+        k=served.speculation.k,
         adaptive=served.adaptive,
         min_draft_prob=served.min_draft_prob,
     )

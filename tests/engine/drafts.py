@@ -9,10 +9,17 @@ from pathlib import Path
 import torch
 
 from server.engine.costs import Costs
-from server.engine.draft import Proposal
+from server.engine.draft import Branching as TreeBranching
+from server.engine.draft import Candidates, Chain, DraftSession, StaticSession
+from server.engine.draft_tree import Source
 from server.engine.generation import Generation, Round
 from server.engine.kenlm_draft import KenLMDraft
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    DRAFT_TOKENS,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
@@ -45,20 +52,37 @@ class OracleDraft:
         return _ListSession(self._continuation)
 
 
-class _ListSession:
+class StaticDouble(StaticSession):
+    """A test draft's session, usable as a context draft's static one: one chain, which
+    ignores the gate; no n-best alternatives; nothing after drafted tokens."""
+
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
+        raise NotImplementedError
+
+    def propose(self, k: int) -> Candidates:
+        return (self.chain(k),)
+
+    def n_best(self, n: int) -> list[tuple[int, float]]:
+        return []
+
+    def chain_after(self, drafted: Sequence[int], k: int) -> Chain:
+        return Chain()
+
+
+class _ListSession(StaticDouble):
     def __init__(self, continuation: list[int]) -> None:
         self._continuation = continuation
         self._position = 0
 
-    def propose(self, k: int) -> Proposal:
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
         tokens = self._continuation[self._position : self._position + k]
-        return Proposal(tuple(tokens), tuple(1.0 for _ in tokens))
+        return Chain(tuple(tokens), tuple(1.0 for _ in tokens))
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._position += len(token_ids)
 
 
-class FixedDraft:
+class FixedDraft(StaticDouble):
     """Always proposes the same tokens, whatever the context."""
 
     name = "fixed"
@@ -70,9 +94,9 @@ class FixedDraft:
     def start(self, prompt_ids: Sequence[int]) -> FixedDraft:
         return self
 
-    def propose(self, k: int) -> Proposal:
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
         tokens = self.tokens[:k]
-        return Proposal(tokens, tuple(1.0 for _ in tokens), source=self.source)
+        return Chain(tokens, tuple(1.0 for _ in tokens), Source.parse(self.source))
 
     def extend(self, token_ids: Sequence[int]) -> None:
         pass
@@ -141,7 +165,13 @@ def start(
         prompt_ids,
         sampling=sampling or SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop=stop, ignore_eos=ignore_eos),
-        speculation=SpeculationParams(enabled=enabled, num_draft_tokens=k, adaptive=adaptive),
+        # Chains of k; the cap lets trees and long matches through, as the defaults do.
+        speculation=SpeculationParams(
+            enabled=enabled,
+            num_draft_tokens=max(k, DRAFT_TOKENS),
+            chain_tokens=k,
+            adaptive=adaptive,
+        ),
     )
     return engine, generation
 
@@ -202,24 +232,29 @@ class Branching:
         return _BranchingSession(self)
 
 
-class _BranchingSession:
+class _BranchingSession(DraftSession, TreeBranching):
     def __init__(self, draft: Branching) -> None:
         self._draft = draft
         self._position = 0
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int) -> Candidates:
         right = self._draft.reference[self._position : self._position + k]
         if not right:
-            return Proposal()
+            return (Chain(),)
         wrong = [(right[0] + 1) % self._draft.vocab, *right[1:]]
-        return Proposal(
-            tuple(wrong),
-            (1.0,) * len(wrong),
-            source="wrong",
-            alternatives=(Proposal(tuple(right), (1.0,) * len(right), source="right"),),
+        return (
+            Chain(tuple(wrong), (1.0,) * len(wrong), Source("wrong")),
+            Chain(tuple(right), (1.0,) * len(right), Source("right")),
         )
 
-    def expand(self, token: int) -> list[tuple[int, str]]:
+    def branching(self) -> TreeBranching:
+        return self
+
+    @property
+    def root_token(self) -> int:
+        return -1  # this double knows no stream: the root's token is none
+
+    def expand(self, token: int) -> list[tuple[int, Source]]:
         if self._draft.fail:
             raise RuntimeError("corrupt branch table")
         return []

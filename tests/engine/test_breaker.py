@@ -20,7 +20,8 @@ from server.engine.costs import (
     expected_tokens_per_round,
     implied_acceptance,
 )
-from server.engine.draft import Proposal
+from server.engine.draft import Candidates, Chain, DraftSession
+from server.engine.draft_tree import Source
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
 from server.engine.speculator import Speculator
@@ -54,22 +55,22 @@ class SwitchingDraft:
         return _SwitchingSession(self)
 
 
-class _SwitchingSession:
+class _SwitchingSession(DraftSession):
     def __init__(self, draft: SwitchingDraft) -> None:
         self.draft, self.position = draft, 0
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int) -> Candidates:
         k = min(k, self.draft.width or k)
         if self.position < self.draft.bad_tokens:
-            return Proposal((self.draft.wrong,) * k, (1.0,) * k)
+            return (Chain((self.draft.wrong,) * k, (1.0,) * k),)
         tokens = tuple(self.draft.reference[self.position : self.position + k])
-        return Proposal(tokens, (1.0,) * len(tokens))
+        return (Chain(tokens, (1.0,) * len(tokens)),)
 
     def extend(self, token_ids) -> None:
         self.position += len(token_ids)
 
 
-class FlakyDraft:
+class FlakyDraft(DraftSession):
     """Raises while `broken` is set, else proposes a fixed token; counts its calls."""
 
     name = "flaky"
@@ -80,11 +81,11 @@ class FlakyDraft:
     def start(self, prompt_ids):
         return self
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int) -> Candidates:
         self.calls += 1
         if self.broken:
             raise RuntimeError("kenlm model corrupted")
-        return Proposal((self.token,), (1.0,))
+        return (Chain((self.token,), (1.0,)),)
 
     def extend(self, token_ids) -> None:
         pass
@@ -189,7 +190,7 @@ def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
             ids,
             sampling=SamplingParams(),
             stopping=StoppingParams(max_new_tokens=8),
-            speculation=SpeculationParams(num_draft_tokens=4),
+            speculation=SpeculationParams(num_draft_tokens=4, adaptive=True),
         )
         return generation, list(engine.batch.rounds(generation))
 
@@ -212,16 +213,16 @@ def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
     assert third.output_ids == fourth.output_ids == reference[:8]
 
 
-class TimedSession:
+class TimedSession(DraftSession):
     """A draft session whose every proposal takes `seconds` on the given fake clock."""
 
     def __init__(self, clock, seconds: float) -> None:
         self.clock, self.seconds, self.calls = clock, seconds, 0
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int) -> Candidates:
         self.calls += 1
         self.clock.advance(self.seconds)
-        return Proposal((1,), (1.0,))
+        return (Chain((1,), (1.0,)),)
 
     def extend(self, token_ids) -> None:
         pass
@@ -231,11 +232,11 @@ def test_slow_draft_counts_as_a_fault_but_its_proposal_is_used(clock) -> None:
     faults = DraftFaultBreaker(fault_max=2, reset_timeout_s=60, latency_budget_s=0.5, clock=clock)
     on_budget, slow = TimedSession(clock, 0.5), TimedSession(clock, 1.0)
     for _ in range(3):
-        assert faults.propose(on_budget, 1) == Proposal((1,), (1.0,))  # within: no fault
+        assert faults.propose(on_budget, 1) == (Chain((1,), (1.0,)),)  # within: no fault
     assert faults.state is BreakerState.CLOSED
-    assert faults.propose(slow, 1) == Proposal((1,), (1.0,))
+    assert faults.propose(slow, 1) == (Chain((1,), (1.0,)),)
     assert faults.state is BreakerState.CLOSED
-    assert faults.propose(slow, 1) == Proposal((1,), (1.0,))
+    assert faults.propose(slow, 1) == (Chain((1,), (1.0,)),)
     assert faults.state is BreakerState.OPEN
     assert faults.propose(slow, 1) is None
     assert slow.calls == 2  # open: the draft is not called at all
@@ -246,8 +247,12 @@ def test_acceptance_is_judged_per_request(tiny_target, case, clock) -> None:
     ids, reference, wrong = case
     engine = SpeculativeEngine(tiny_target, None, settings(), clock=clock)
     params = dict(sampling=SamplingParams(), stopping=StoppingParams(max_new_tokens=MAX_NEW))
-    good = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
-    bad = engine.start(ids, speculation=SpeculationParams(num_draft_tokens=4), **params)
+    good = engine.start(
+        ids, speculation=SpeculationParams(num_draft_tokens=4, adaptive=True), **params
+    )
+    bad = engine.start(
+        ids, speculation=SpeculationParams(num_draft_tokens=4, adaptive=True), **params
+    )
     # Same engine and breaker settings; each generation gets its own draft session.
     good.speculator._session = OracleDraft(reference).start(ids)
     bad.speculator._session = FixedDraft([wrong] * 8)
@@ -465,11 +470,11 @@ def test_hanging_draft_is_abandoned_and_counted_as_a_fault(clock) -> None:
     release = threading.Event()
     returned = []
 
-    class HangingSession:
-        def propose(self, k: int) -> Proposal:
+    class HangingSession(DraftSession):
+        def propose(self, k: int) -> Candidates:
             release.wait(60)  # until the test ends (60 s only if the breaker waited for it)
             returned.append(k)
-            return Proposal((1,), (1.0,))
+            return (Chain((1,), (1.0,)),)
 
         def extend(self, token_ids) -> None:
             pass
@@ -491,7 +496,7 @@ def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() ->
 
     shared = AcceptanceStats()
     draft = FixedDraft([1] * 8, source="long-match")
-    params = SpeculationParams(num_draft_tokens=6)
+    params = SpeculationParams(num_draft_tokens=6, adaptive=True)
     first = Speculator(draft, params, shared=shared)
     first.propose(6)
     assert first.acceptance_estimate() == 0.5  # nothing seen: the unseen prior
@@ -509,12 +514,12 @@ def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() ->
 
     second = Speculator(draft, params, shared=shared)  # a new request: the shared prior
     second.propose(6)
-    assert second.acceptance_estimate() == pytest.approx(shared.rate(("long-match", False)))
+    assert second.acceptance_estimate() == pytest.approx(shared.rate((Source("long-match"), False)))
     assert second.acceptance_estimate() > 0.85
     second.record(6, 0)  # one early failure moves it, but does not decide it alone
     assert 0.2 < second.acceptance_estimate() < 0.85
     assert second.acceptance_estimate() == pytest.approx(
-        PRIOR_TRIES * shared.rate(("long-match", False)) / (1 + PRIOR_TRIES)
+        PRIOR_TRIES * shared.rate((Source("long-match"), False)) / (1 + PRIOR_TRIES)
     )
     sampled = Speculator(draft, params, shared=shared, sampled=True)
     sampled.propose(6)
@@ -524,7 +529,9 @@ def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() ->
 def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
     from server.engine.speculator import PROBE_AFTER
 
-    speculator = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6))
+    speculator = Speculator(
+        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=True)
+    )
     speculator.propose(6)
     for _ in range(8):
         speculator.record(6, 0)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from server.engine.context_draft import ContextDraft, ContextIndex
+from server.engine.draft_tree import Source
 from tests.engine.drafts import FixedDraft
 
 
@@ -37,19 +38,19 @@ def test_index_agrees_with_brute_force_as_tokens_arrive() -> None:
 def test_context_alone_copies_what_followed_the_match() -> None:
     draft = ContextDraft(None, min_match=2, max_match=4, long_draft_tokens=0)
     session = draft.start([10, 11, 12, 13, 14, 99, 10, 11])
-    assert session.propose(3).token_ids == (12, 13, 14)
+    assert session.propose(3)[0].tokens == (12, 13, 14)
     session.extend([12, 13])
-    assert session.propose(2).token_ids == (14, 99)
+    assert session.propose(2)[0].tokens == (14, 99)
     session.extend([50, 51])  # never seen: no proposal
-    assert session.propose(4).token_ids == ()
+    assert session.propose(4)[0].tokens == ()
 
 
 def test_static_draft_when_no_match_and_to_continue_a_short_match() -> None:
     static = FixedDraft([7, 7, 7, 7])
     draft = ContextDraft(static, min_match=2, max_match=4)
-    assert draft.start([1, 2, 3]).propose(3).token_ids == (7, 7, 7)  # no match: the n-gram
+    assert draft.start([1, 2, 3]).propose(3)[0].tokens == (7, 7, 7)  # no match: the n-gram
     session = draft.start([5, 6, 8, 5, 6])
-    assert session.propose(2).token_ids == (8, 5)  # matched: context first
+    assert session.propose(2)[0].tokens == (8, 5)  # matched: context first
     with pytest.raises(ValueError, match="min_match"):
         ContextDraft(None, min_match=4, max_match=2)
 
@@ -57,11 +58,15 @@ def test_static_draft_when_no_match_and_to_continue_a_short_match() -> None:
 def test_proposals_say_where_they_came_from_by_match_length() -> None:
     """The batch's width choice tracks acceptance per source; match length predicts it."""
     draft = ContextDraft(FixedDraft([7, 7], source="static"), min_match=1, max_match=8)
-    assert draft.start([1, 2, 3]).propose(2).source == "static"  # no match: the static draft
-    assert draft.start([1, 2, 9, 2]).propose(2).source == "context:1"
-    assert draft.start([1, 2, 9, 1, 2]).propose(2).source == "context:2"
-    assert draft.start([4, 1, 2, 3, 9, 4, 1, 2, 3]).propose(2).source == "context:4"
-    assert draft.start([5, 4, 1, 2, 3, 9, 5, 4, 1, 2, 3]).propose(2).source == "context:5"
+    assert draft.start([1, 2, 3]).propose(2)[0].source == Source(
+        "static"
+    )  # no match: the static draft
+    assert draft.start([1, 2, 9, 2]).propose(2)[0].source == Source("context", 1)
+    assert draft.start([1, 2, 9, 1, 2]).propose(2)[0].source == Source("context", 2)
+    assert draft.start([4, 1, 2, 3, 9, 4, 1, 2, 3]).propose(2)[0].source == Source("context", 4)
+    assert draft.start([5, 4, 1, 2, 3, 9, 5, 4, 1, 2, 3]).propose(2)[0].source == Source(
+        "context", 5
+    )
 
 
 def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
@@ -69,13 +74,13 @@ def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
     long_draft_tokens; the static draft does not stretch."""
     text = [*range(1, 13), 0, *range(1, 13), 0]
     draft = ContextDraft(FixedDraft([7] * 12), min_match=1, max_match=16, long_draft_tokens=6)
-    assert draft.start([1, 2, 0, 1]).propose(2).token_ids == (2, 0)  # 1-token match: k = 2
+    assert draft.start([1, 2, 0, 1]).propose(2)[0].tokens == (2, 0)  # 1-token match: k = 2
     session = draft.start(text[:17])  # 1..12 0 1 2 3 4: the last 4 tokens matched
-    assert session.propose(2).token_ids == (5, 6, 7, 8)  # reach 4
-    assert draft.start(text[:22]).propose(2).token_ids == (10, 11, 12, 0, 1, 2)  # cap 6
-    assert draft.start([3, 4]).propose(2).token_ids == (7, 7)  # no match: the static draft, k
+    assert session.propose(2)[0].tokens == (5, 6, 7, 8)  # reach 4
+    assert draft.start(text[:22]).propose(2)[0].tokens == (10, 11, 12, 0, 1, 2)  # cap 6
+    assert draft.start([3, 4]).propose(2)[0].tokens == (7, 7)  # no match: the static draft, k
     never = ContextDraft(None, min_match=1, max_match=16, long_draft_tokens=0)
-    assert never.start(text[:22]).propose(2).token_ids == (10, 11)
+    assert never.start(text[:22]).propose(2)[0].tokens == (10, 11)
 
 
 def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
@@ -87,9 +92,9 @@ def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
     path = tiny.train_arpa(tmp_path / "m.arpa", sentences, range(12), order=2)
     draft = ContextDraft(KenLMDraft.load(path, vocab_size=12), min_match=2, max_match=4)
     session = draft.start([3, 5, 3, 5])  # the match [3, 5] continues with [3, 5] then the present
-    proposal = session.propose(4)
-    assert proposal.token_ids[:2] == (3, 5)
-    assert len(proposal.token_ids) == 4  # KenLM continued after the copied tokens
+    chain = session.propose(4)[0]
+    assert chain.tokens[:2] == (3, 5)
+    assert len(chain.tokens) == 4  # KenLM continued after the copied tokens
 
 
 def test_for_trees_kenlm_offers_its_next_best_tokens_and_labels_tokens_by_decile(
@@ -103,13 +108,12 @@ def test_for_trees_kenlm_offers_its_next_best_tokens_and_labels_tokens_by_decile
 
     path = tiny.unigram_arpa(tmp_path / "u.arpa", {3: 0.3, 4: 0.25, 5: 0.2}, range(12))
     kenlm = KenLMDraft.load(path, vocab_size=12, min_draft_prob=0.5)
-    assert ContextDraft(kenlm).start([9]).propose(2).token_ids == ()  # 0.3 < 0.5: no chain
+    assert ContextDraft(kenlm).start([9]).propose(2)[0].tokens == ()  # 0.3 < 0.5: no chain
     draft = ContextDraft(kenlm, branches=2)
-    proposal = draft.start([9]).propose(2)
-    chains = [proposal, *proposal.alternatives]
+    chains = draft.start([9]).propose(2)
     by_source = {chain.source: chain for chain in chains}
-    assert by_source["kenlm"].token_ids == (3, 3)
-    assert by_source["kenlm"].node_sources == ("ngram:2", "ngram:2")
-    alternatives = [chain for chain in chains if chain.source.startswith("ngram:")]
-    assert [c.token_ids for c in alternatives] == [(4,), (5,)]
-    assert [c.source for c in alternatives] == ["ngram:2", "ngram:1"]
+    assert by_source[Source("kenlm")].tokens == (3, 3)
+    assert by_source[Source("kenlm")].token_sources == (Source("ngram", 2),) * 2
+    alternatives = [chain for chain in chains if chain.source.kind == "ngram"]
+    assert [c.tokens for c in alternatives] == [(4,), (5,)]
+    assert [c.source for c in alternatives] == [Source("ngram", 2), Source("ngram", 1)]

@@ -57,12 +57,12 @@ def test_successor_index_agrees_with_brute_force_argmax(draft: KenLMDraft) -> No
         )
 
 
-def test_propose_chains_exact_argmaxes(draft: KenLMDraft) -> None:
+def test_a_chain_is_the_exact_argmaxes(draft: KenLMDraft) -> None:
     context = [0, 1]
-    proposal = draft.propose(context, 6)
-    assert 1 <= len(proposal) <= 6
+    chain = draft.chain(context, 6)
+    assert 1 <= len(chain) <= 6
     history = list(context)
-    for token, prob in zip(proposal.token_ids, proposal.probs, strict=True):
+    for token, prob in zip(chain.tokens, chain.confidences, strict=True):
         state, _ = draft._state_after(history)
         expected_token, expected_score = brute_force_best(draft._model, state)
         assert token == expected_token
@@ -71,15 +71,14 @@ def test_propose_chains_exact_argmaxes(draft: KenLMDraft) -> None:
 
 
 def test_confidence_gate_stops_at_low_probability(arpa_path: Path) -> None:
-    ungated = KenLMDraft.load(arpa_path, vocab_size=VOCAB).propose([3], 8)
-    cutoff = sorted(ungated.probs)[len(ungated.probs) // 2]
-    gated = KenLMDraft.load(arpa_path, vocab_size=VOCAB, min_draft_prob=cutoff).propose([3], 8)
-    first_low = next(i for i, p in enumerate(ungated.probs) if p < cutoff)
-    assert gated.token_ids == ungated.token_ids[:first_low]
-    assert all(p >= cutoff for p in gated.probs)
+    ungated = KenLMDraft.load(arpa_path, vocab_size=VOCAB).chain([3], 8)
+    cutoff = sorted(ungated.confidences)[len(ungated.confidences) // 2]
+    gated = KenLMDraft.load(arpa_path, vocab_size=VOCAB, min_draft_prob=cutoff).chain([3], 8)
+    first_low = next(i for i, p in enumerate(ungated.confidences) if p < cutoff)
+    assert gated.tokens == ungated.tokens[:first_low]
+    assert all(p >= cutoff for p in gated.confidences)
     assert (
-        KenLMDraft.load(arpa_path, vocab_size=VOCAB, min_draft_prob=1.0).propose([3], 8).token_ids
-        == ()
+        KenLMDraft.load(arpa_path, vocab_size=VOCAB, min_draft_prob=1.0).chain([3], 8).tokens == ()
     )
 
 
@@ -99,9 +98,9 @@ def test_sentence_end_stops_drafting_or_becomes_eos(tmp_path: Path) -> None:
         ],
     )
     plain = KenLMDraft.load(path, vocab_size=10)
-    assert plain.propose([], 5).token_ids == (4, 5)
+    assert plain.chain([], 5).tokens == (4, 5)
     with_eos = KenLMDraft.load(path, vocab_size=10, end_token_id=9)
-    assert with_eos.propose([], 5).token_ids == (4, 5, 9)
+    assert with_eos.chain([], 5).tokens == (4, 5, 9)
 
 
 def test_sentence_start_context_is_used(draft: KenLMDraft) -> None:
@@ -142,7 +141,7 @@ def test_draft_directory_loads_and_checks_tokenizer(arpa_path: Path, tmp_path: P
         arpa_path, tmp_path / "d", vocab_size=VOCAB, tokenizer_fingerprint="abc"
     )
     loaded = KenLMDraft.load(directory, vocab_size=VOCAB, fingerprint="abc")
-    assert loaded.propose([0, 1], 4) == KenLMDraft.load(arpa_path).propose([0, 1], 4)
+    assert loaded.chain([0, 1], 4) == KenLMDraft.load(arpa_path).chain([0, 1], 4)
     with pytest.raises(DraftFormatError, match="another tokenizer"):
         KenLMDraft.load(directory, vocab_size=VOCAB, fingerprint="xyz")
     with pytest.raises(DraftFormatError, match="vocabulary of"):
@@ -197,4 +196,16 @@ def test_n_best_reports_probabilities_and_maps_sentence_end(arpa_path: Path) -> 
     assert len(best) == 61 and 0.9 < sum(p for _, p in best) <= 1.0  # the rest is <unk>'s
     assert [p for _, p in best] == sorted((p for _, p in best), reverse=True)
     assert len(without_end.n_best(context, 61)) == 60  # </s> left out without an EOS id
-    assert best[0][0] == with_end.propose(context, 1).token_ids[0]
+    assert best[0][0] == with_end.chain(context, 1).tokens[0]
+
+
+def test_a_session_offers_what_a_context_draft_asks_of_a_static_draft(draft: KenLMDraft) -> None:
+    """KenLMSession is a StaticSession: its candidates are its one chain, which it also gives
+    behind another gate, after given tokens, and its n-best next tokens."""
+    session = draft.start([1, 2])  # the prompt is not the n-gram's context
+    session.extend([3, 4, 5, 6])
+    assert session.propose(3) == (draft.chain([3, 4, 5, 6], 3),)
+    assert session.chain(3, 1.0) == draft.chain([3, 4, 5, 6], 3, min_prob=1.0)
+    assert session.chain_after([7], 2) == draft.chain([5, 6, 7], 2)
+    assert session.n_best(3) == draft.n_best([4, 5, 6], 3)
+    assert session.branching() is None  # chains only

@@ -8,6 +8,7 @@ import torch
 
 from kenspec_api.outputs import BreakerState
 from server.engine.context_draft import ContextDraft
+from server.engine.draft_tree import Source
 from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings
@@ -58,12 +59,11 @@ def test_a_tree_takes_recycled_predictions_below_its_nodes_and_not_as_a_chain_to
     be the best child of each node a second time, counted as a second source that agrees."""
     table = RecycledPredictions(vocab_size=10)
     table.record([1, 2], [(0, row(10, {2: 10.0})), (1, row(10, {3: 10.0}))])
-    chain = ContextDraft(None, recycled=table).start([7, 1]).propose(4)
-    assert (chain.token_ids, chain.source, chain.alternatives) == ((2, 3), "recycled", ())
+    chains = ContextDraft(None, recycled=table).start([7, 1]).propose(4)
+    assert [(c.tokens, c.source) for c in chains] == [((2, 3), Source("recycled"))]
     tree = ContextDraft(None, recycled=table, branches=5).start([7, 1])
-    proposal = tree.propose(4)
-    assert all(c.source != "recycled" for c in (proposal, *proposal.alternatives))
-    assert tree.expand(1) == [(2, "recycled:9")]  # the same prediction, below the node
+    assert all(c.source.kind != "recycled" for c in tree.propose(4))
+    assert tree.expand(1) == [(2, Source("recycled", 9))]  # the same prediction, below the node
 
 
 def test_only_rows_a_pass_computed_are_recycled() -> None:

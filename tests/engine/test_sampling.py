@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from server.engine import round as round_module
-from server.engine.draft import Proposal
+from server.engine.draft import Candidates, Chain, DraftSession
+from server.engine.draft_tree import Source
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
 from server.engine.pass_logits import Logits
 from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
@@ -249,7 +250,7 @@ def test_context_draft_sampling_follows_target_distribution(word_target) -> None
     prompt_ids = word_target.encode_prompt("the cat runs and the")
     joint = exact_joint(word_target, prompt_ids, params)
     draft = ContextDraft(likely_draft(word_target, prompt_ids, params), min_match=1, max_match=3)
-    assert draft.start(prompt_ids).propose(2).token_ids[0] == word_target.encode_prompt("cat")[0]
+    assert draft.start(prompt_ids).propose(2)[0].tokens[0] == word_target.encode_prompt("cat")[0]
     samples = speculative_samples(word_target, prompt_ids, params, draft)
     assert chi_square_pvalue(samples, joint) > 1e-3
 
@@ -266,14 +267,14 @@ def test_suffix_index_sampling_follows_target_distribution(word_target) -> None:
     index.add(word_target.encode_prompt("red and the dog sleeps"))
     joint = exact_joint(word_target, prompt_ids, params)
     draft = ContextDraft(None, min_match=1, max_match=3, suffix=index)
-    proposal = draft.start(prompt_ids).propose(2)
-    assert proposal.source == "suffix:2"
-    assert list(proposal.token_ids) == word_target.encode_prompt("dog sleeps")
+    chain = draft.start(prompt_ids).propose(2)[0]
+    assert chain.source == Source("suffix", 2)
+    assert list(chain.tokens) == word_target.encode_prompt("dog sleeps")
     samples = speculative_samples(word_target, prompt_ids, params, draft)
     assert chi_square_pvalue(samples, joint) > 1e-3
 
 
-class TwoChains:
+class TwoChains(DraftSession):
     """Two chains from the root: the most likely first token and the second most likely one,
     each followed by its most likely next token (a 2-token answer keeps only the root's two
     children: a tree is never deeper than the tokens left to emit, minus one)."""
@@ -286,9 +287,11 @@ class TwoChains:
     def start(self, prompt_ids):  # type: ignore[no-untyped-def]
         return self
 
-    def propose(self, k: int) -> Proposal:
-        other = Proposal(self.second[:k], (1.0,) * k, source="b")
-        return Proposal(self.first[:k], (1.0,) * k, source="a", alternatives=(other,))
+    def propose(self, k: int) -> Candidates:
+        return (
+            Chain(self.first[:k], (1.0,) * k, Source("a")),
+            Chain(self.second[:k], (1.0,) * k, Source("b")),
+        )
 
     def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
         pass

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from server.engine.draft import Proposal
+from collections.abc import Sequence
+
+from server.engine.draft import Candidates, Chain, DraftSession
 from server.engine.draft_tree import Source
 from server.engine.params import SpeculationParams
 from server.engine.speculator import AcceptanceStats, Speculator
 
+A, B = Source("a"), Source("b")
 
-class TwoSources:
-    """Proposes a chain from source "a", with one from source "b" as its alternative."""
 
-    def propose(self, k: int) -> Proposal:
-        b = Proposal((2,) * k, (1.0,) * k, source="b")
-        return Proposal((1,) * k, (1.0,) * k, source="a", alternatives=(b,))
+class TwoSources(DraftSession):
+    """Proposes a chain from source "a", then one from source "b"."""
 
-    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+    def propose(self, k: int) -> Candidates:
+        return (Chain((1,) * k, (1.0,) * k, A), Chain((2,) * k, (1.0,) * k, B))
+
+    def extend(self, token_ids: Sequence[int]) -> None:
         pass
 
 
@@ -31,8 +34,8 @@ def test_unmeasured_sources_keep_the_drafts_own_order() -> None:
 def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() -> None:
     shared = AcceptanceStats()
     for _ in range(20):
-        shared.observe(("a", False), drafted=4, accepted=0)
-        shared.observe(("b", False), drafted=4, accepted=4)
+        shared.observe((A, False), drafted=4, accepted=0)
+        shared.observe((B, False), drafted=4, accepted=4)
     chosen = speculator(shared)
     proposal = chosen.propose(limit=10)
     assert proposal.sources[0] == (Source("b"),) and proposal.tokens == (2, 2, 2, 2)
@@ -40,26 +43,53 @@ def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() 
     # A shorter alternative loses to a longer chain of the same measured acceptance.
     assert (
         max(
-            (Proposal((1,) * 4, source="b"), Proposal((1,), source="b")),
+            (Chain((1,) * 4, source=B), Chain((1,), source=B)),
             key=chosen._expected_accepted,
-        ).token_ids
+        ).tokens
         == (1,) * 4
     )
 
 
-class LongMatch:
+class LongMatch(DraftSession):
     """A chain longer than k, as a long exact match drafts."""
 
-    def propose(self, k: int) -> Proposal:
-        return Proposal(tuple(range(10, 10 + 3 * k)), (1.0,) * (3 * k), source="suffix:16")
+    def propose(self, k: int) -> Candidates:
+        return (Chain(tuple(range(10, 10 + 3 * k)), (1.0,) * (3 * k), Source("suffix", 16)),)
 
-    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+    def extend(self, token_ids: Sequence[int]) -> None:
         pass
 
 
 def test_a_chain_past_k_is_kept_up_to_the_limit_and_never_past_it() -> None:
-    params = SpeculationParams(num_draft_tokens=4, adaptive=False)
+    params = SpeculationParams(chain_tokens=4)
     chosen = Speculator(LongMatch(), params)
     assert chosen.propose(limit=10).tokens == tuple(range(10, 20))  # 12 proposed, 10 left
     assert chosen.propose(limit=30).tokens == tuple(range(10, 22))
     assert chosen.propose(limit=3).tokens == (10, 11, 12)
+
+
+def test_num_draft_tokens_caps_a_long_match_and_k() -> None:
+    """The cap is on the round's draft tokens, whatever drafted them: a long match's chain is
+    cut to it, and k never exceeds it."""
+    capped = Speculator(LongMatch(), SpeculationParams(num_draft_tokens=5, chain_tokens=4))
+    assert capped.propose(limit=30).tokens == tuple(range(10, 15))  # 12 proposed, cap 5
+    assert Speculator(LongMatch(), SpeculationParams(num_draft_tokens=3)).k == 3
+
+
+class Forked(DraftSession):
+    """Two chains that share their first token, for a token tree."""
+
+    def propose(self, k: int) -> Candidates:
+        return (Chain((1, 2, 3, 4), (1.0,) * 4, A), Chain((1, 5, 6), (1.0,) * 3, B))
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        pass
+
+
+def test_a_tree_holds_at_most_num_draft_tokens_nodes() -> None:
+    budget = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=30)
+    assert len(budget) == 6 and not budget.is_chain and budget.sources[0] == (A, B)
+    capped = Speculator(Forked(), SpeculationParams(num_draft_tokens=4), tree_budget=16)
+    assert capped.propose(limit=30) == budget.prefix(4)  # the best 4 of the same tree
+    shallow = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=2)
+    assert max(shallow.depths()) == 2 and len(shallow) == 3  # 1, then 2 and 5

@@ -10,6 +10,7 @@ import pytest
 from kenspec_api.outputs import BreakerState
 from server import runtime
 from server.engine.context_draft import ContextDraft
+from server.engine.draft_tree import Source
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.suffix_index import LEAD_TOKENS, CorpusError, SuffixIndex
@@ -92,9 +93,9 @@ def test_the_context_draft_takes_the_longer_of_its_own_and_the_global_match() ->
     index.add([1, 2, 3, 4, 5, 6])
     draft = ContextDraft(None, min_match=1, max_match=8, suffix=index)
     own = draft.start([9, 5, 9, 1, 2, 3, 4, 5])  # own context: [5] -> 9; global: 5 tokens
-    proposal = own.propose(2)
-    assert proposal.token_ids == (6,) and proposal.source == "suffix:5"
-    assert draft.start([7, 3, 4, 8, 3, 4]).propose(1).source == "context:2"  # a tie: own
+    chain = own.propose(2)[0]
+    assert chain.tokens == (6,) and chain.source == Source("suffix", 5)
+    assert draft.start([7, 3, 4, 8, 3, 4]).propose(1)[0].source == Source("context", 2)  # a tie
 
 
 def engine_with_index(tiny_target, index: TenantSuffixIndex, **breaker) -> SpeculativeEngine:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kenspec_api.outputs import BreakerState
-from server.engine.draft import Proposal
-from server.engine.draft_tree import chain_parents
+from server.engine.draft import Chain
+from server.engine.draft_tree import Source, chain_parents
 from server.engine.params import SamplingParams
 from server.engine.pass_logits import Logits
 from server.engine.sampling import greedy_choice, walk
@@ -22,11 +22,12 @@ from tests.engine.drafts import Branching, generate
 # -- construction ------------------------------------------------------------------------
 
 
-def chain(tokens: Sequence[int], source: str) -> Proposal:
-    return Proposal(tuple(tokens), (1.0,) * len(tokens), source=source)
+def chain(tokens: Sequence[int], source: str) -> Chain:
+    return Chain(tuple(tokens), (1.0,) * len(tokens), Source(source))
 
 
-RATES = {"a": 0.8, "b": 0.5, "c": 0.3}
+a, b, c, r = Source("a"), Source("b"), Source("c"), Source("r")
+RATES = {a: 0.8, b: 0.5, c: 0.3}
 
 
 def test_chains_merge_into_one_trie_best_path_first() -> None:
@@ -42,10 +43,10 @@ def test_chains_merge_into_one_trie_best_path_first() -> None:
     )
     # Path probabilities: 1 -> 0.9; below it 2 -> 0.9 * 0.8 and 4 -> 0.9 * min(0.5, 0.2);
     # 3 -> 0.72 * 0.8; 5 -> 0.1.
-    assert tree.token_ids == (1, 2, 3, 4, 5)
+    assert tree.tokens == (1, 2, 3, 4, 5)
     assert tree.parents == (-1, 0, 1, 0, -1)
     assert tree.probs == pytest.approx([0.9, 0.72, 0.576, 0.18, 0.1])
-    assert tree.node_sources == ("a+b", "a", "a", "b", "c")
+    assert tree.sources == ((a, b), (a,), (a,), (b,), (c,))
     assert list(tree.probs) == sorted(tree.probs, reverse=True)  # a prefix is the best subtree
     assert all(parent < node for node, parent in enumerate(tree.parents))
 
@@ -53,40 +54,37 @@ def test_chains_merge_into_one_trie_best_path_first() -> None:
 def test_budget_depth_and_minimum_probability_bound_the_tree() -> None:
     chains = [chain([1, 2, 3, 4], "a"), chain([5, 6], "c")]
     small = build_tree(chains, RATES.__getitem__, budget=2, max_depth=10, root_token=0)
-    assert small.token_ids == (1, 2)
+    assert small.tokens == (1, 2)
     shallow = build_tree(chains, RATES.__getitem__, budget=10, max_depth=1, root_token=0)
-    assert sorted(shallow.token_ids) == [1, 5] and max(depths(shallow.parents)) == 1
+    assert sorted(shallow.tokens) == [1, 5] and max(shallow.depths()) == 1
     likely = build_tree(
         chains, RATES.__getitem__, budget=10, max_depth=10, root_token=0, min_path_probability=0.25
     )
     # The root's children: 1 -> 0.8, 5 -> min(0.3, 1 - 0.8) = 0.2 (below the minimum); then
     # 2, 3, 4 -> 0.64, 0.51, 0.41.
-    assert likely.token_ids == (1, 2, 3, 4)
+    assert likely.tokens == (1, 2, 3, 4)
 
 
 def test_expansion_adds_branches_below_any_node() -> None:
     """expand(token) gives a node's children: here, recycled predictions after each token."""
-    table = {0: [(7, "r")], 7: [(8, "r")], 1: [(9, "r")]}
+    table = {0: [(7, r)], 7: [(8, r)], 1: [(9, r)]}
     tree = build_tree(
         [chain([1], "a")],
-        {"a": 0.8, "r": 0.5}.__getitem__,
+        {a: 0.8, r: 0.5}.__getitem__,
         budget=5,
         max_depth=3,
         root_token=0,
         expand=lambda token: table.get(token, []),
         min_path_probability=0.0,
     )
-    nodes = dict(
-        zip(tree.token_ids, zip(tree.parents, tree.node_sources, strict=True), strict=True)
-    )
-    assert nodes[1] == (-1, "a") and nodes[7] == (
-        -1,
-        "r",
-    )  # the root's children: 0.8 / 1.3, 0.5 / 1.3
-    assert tree.token_ids[nodes[9][0]] == 1 and tree.token_ids[nodes[8][0]] == 7
-    assert reached(tree.parents, [tree.token_ids.index(1)]) == [
-        i for i, p in enumerate(tree.parents) if p in (-1, tree.token_ids.index(1))
+    nodes = dict(zip(tree.tokens, zip(tree.parents, tree.sources, strict=True), strict=True))
+    assert nodes[1] == (-1, (a,)) and nodes[7] == (-1, (r,))  # the root's children
+    assert tree.tokens[nodes[9][0]] == 1 and tree.tokens[nodes[8][0]] == 7
+    assert tree.reached([tree.tokens.index(1)]) == [
+        i for i, p in enumerate(tree.parents) if p in (-1, tree.tokens.index(1))
     ]
+    assert reached(tree.parents, [0]) == tree.reached([0])  # the verification side's
+    assert depths(tree.parents) == tree.depths()
 
 
 # -- the walk ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from server.engine.params import SpeculationParams
 from server.settings import Settings, parse_settings
 
 
@@ -38,8 +39,21 @@ def test_a_negative_prefix_cache_is_refused_and_zero_turns_it_off(capsys) -> Non
 def test_draft_tokens_outside_the_one_limit_are_refused(value, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--num-draft-tokens", value], env={})
-    assert f"--num-draft-tokens must be in [1, 64], not {value}" in capsys.readouterr().err
+    assert f"--num-draft-tokens must be in [1, 64], got {value}" in capsys.readouterr().err
     assert parse_settings(["--num-draft-tokens", "64"], env={}).num_draft_tokens == 64
+    with pytest.raises(SystemExit):
+        parse_settings(["--chain-tokens", "0"], env={})
+    assert "--chain-tokens must be in [1, 64], got 0" in capsys.readouterr().err
+
+
+def test_the_served_draft_lengths_are_a_requests_defaults() -> None:
+    """One default per knob: what a request drafts when it asks nothing is what the flags say
+    by default (a cap of 16 nodes a round, chains of 6, fixed k)."""
+    assert parse_settings([], env={}).speculation == SpeculationParams()
+    assert (SpeculationParams().num_draft_tokens, SpeculationParams().k) == (16, 6)
+    assert not SpeculationParams().adaptive
+    capped = parse_settings(["--num-draft-tokens", "4", "--adaptive"], env={}).speculation
+    assert (capped.num_draft_tokens, capped.k, capped.adaptive) == (4, 4, True)
 
 
 def test_suffix_index_bounds_are_checked(capsys) -> None:
