@@ -28,7 +28,6 @@ class Limits:
     tokenize_concurrency: int  # large inputs tokenized at once (serving.LARGE_INPUT_CHARS)
     max_stop_sequences: int
     max_stop_length: int
-    max_draft_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +92,7 @@ def parse_generate(
         messages=messages,
         sampling=_sampling(request.sampling),
         stopping=_stopping(request.stopping, limits),
-        speculation=_speculation(request.speculation, limits, defaults),
+        speculation=_speculation(request.speculation, defaults),
     )
 
 
@@ -172,9 +171,7 @@ def stopping_params(
     return StoppingParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
 
 
-def _speculation(
-    speculation: pb.SpeculationParameters, limits: Limits, defaults: Defaults
-) -> SpeculationParams:
+def _speculation(speculation: pb.SpeculationParameters, defaults: Defaults) -> SpeculationParams:
     if speculation.mode not in pb.SpeculationMode.values():
         raise InvalidParameter("speculation.mode", f"unknown mode {speculation.mode}")
     if speculation.draft_context not in pb.DraftContext.values():
@@ -190,7 +187,6 @@ def _speculation(
         num_draft_tokens=speculation.num_draft_tokens or None,
         adaptive=adaptive,
         draft_context=context,
-        limits=limits,
         defaults=defaults,
     )
 
@@ -201,19 +197,13 @@ def speculation_params(
     num_draft_tokens: int | None,
     adaptive: bool | None,
     draft_context: bool | None,
-    limits: Limits,
     defaults: Defaults,
 ) -> SpeculationParams:
-    """How much to draft, checked against the server's limits (both APIs); None: the server's
+    """How much to draft (both APIs), range-checked by SpeculationParams; None: the server's
     default (for draft_context, decided per request by the engine)."""
-    k = num_draft_tokens or defaults.num_draft_tokens
-    if k > limits.max_draft_tokens:
-        raise InvalidParameter(
-            "num_draft_tokens", f"{k} exceeds the server limit of {limits.max_draft_tokens}"
-        )
-    return SpeculationParams(
+    return SpeculationParams(  # its range is checked there, once, for flags and requests alike
         enabled=enabled,
-        num_draft_tokens=k,
+        num_draft_tokens=num_draft_tokens or defaults.num_draft_tokens,
         chain_tokens=defaults.chain_tokens,
         adaptive=defaults.adaptive if adaptive is None else adaptive,
         draft_context=draft_context,

@@ -23,7 +23,6 @@ from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.linear_kernels import measure_skinny_rows, use_skinny
 from server.engine.live_costs import LiveCosts
 from server.engine.params import (
-    MAX_DRAFT_TOKENS,
     SamplingParams,
     SpeculationParams,
     StoppingParams,

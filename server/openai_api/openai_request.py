@@ -157,7 +157,7 @@ def _request(
         messages=messages,
         sampling=_sampling(body),
         stopping=_stopping(body, integer(body, tokens_field, minimum=1), tokens_field, limits),
-        speculation=_speculation(body, limits, defaults),
+        speculation=_speculation(body, defaults),
     )
     return OpenAIRequest(
         model=model,
@@ -248,7 +248,7 @@ def _stopping(
     return stopping_params(max_tokens, stops, ignore_eos, limits, tokens_field=tokens_field)
 
 
-def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> SpeculationParams:
+def _speculation(body: Mapping[str, Any], defaults: Defaults) -> SpeculationParams:
     mode = body.get("speculation", "auto")
     if not isinstance(mode, str) or mode not in ("auto", "off"):
         raise InvalidParameter("speculation", f"must be 'auto' or 'off', not {shown(mode)}")
@@ -261,6 +261,5 @@ def _speculation(body: Mapping[str, Any], limits: Limits, defaults: Defaults) ->
         num_draft_tokens=integer(body, "num_draft_tokens", minimum=1),
         adaptive=None if adaptive is None else boolean(body, "adaptive"),
         draft_context=context,
-        limits=limits,
         defaults=defaults,
     )

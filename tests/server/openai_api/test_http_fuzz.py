@@ -40,7 +40,6 @@ LIMITS = Limits(
     tokenize_concurrency=2,
     max_stop_sequences=8,
     max_stop_length=128,
-    max_draft_tokens=64,
 )
 DEFAULTS = Defaults(num_draft_tokens=4, adaptive=False)
 MAX_MESSAGE = 1000  # characters of an error message, whatever the body held
