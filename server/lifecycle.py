@@ -9,6 +9,7 @@ so the v1 service is the same handler under the v1 name).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -148,7 +149,9 @@ class KenspecServer:
         return self.port
 
     async def load(self) -> None:
-        """Load and warm the model off the event loop, then report SERVING."""
+        """Load and warm the model off the event loop, then report SERVING (and log `ready`:
+        a request sent after that line is served, not refused as still loading)."""
+        started = time.perf_counter()
         # On the engine thread itself: a second thread running torch kernels leaves a second
         # OpenMP pool behind, which slows every later multi-token pass.
         events = self.tracing.engine_events(self.metrics)
@@ -158,6 +161,7 @@ class KenspecServer:
         if self.settings.share_answers:
             await self._share_answers(runtime)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("ready", seconds=round(time.perf_counter() - started, 2))
 
     async def _share_answers(self, runtime: Runtime) -> None:
         """Publish the answers the engine learns and learn the other replicas' (before

@@ -126,7 +126,6 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         tokenize_concurrency=settings.tokenize_concurrency,
         max_stop_sequences=settings.max_stop_sequences,
         max_stop_length=settings.max_stop_length,
-        max_draft_tokens=MAX_DRAFT_TOKENS,
     )
     defaults = Defaults(
         num_draft_tokens=settings.num_draft_tokens,
@@ -134,7 +133,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         chain_tokens=settings.chain_tokens,
     )
     info = _model_info(settings, engine, limits, calibrated=settings.breaker_threshold < 0)
-    log.info("ready", seconds=round(time.perf_counter() - started, 2))
+    log.info("loaded", seconds=round(time.perf_counter() - started, 2))
     return Runtime(
         engine=engine, limits=limits, defaults=defaults, info=info, save_costs=save_costs
     )
