@@ -54,7 +54,12 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     started = time.perf_counter()
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
-    target = TargetModel.load(settings.model, device=settings.device, dtype=settings.dtype)
+    target = TargetModel.load(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        gguf_cache=settings.gguf_cache,
+    )
     draft = _load_draft(settings, target)
     log.info(
         "model_loaded",

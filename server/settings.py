@@ -27,6 +27,7 @@ class Settings:
     # model and draft
     model: str = str(DEFAULT_MODEL)
     draft: str = str(DEFAULT_DRAFT)
+    gguf_cache: str = "~/.cache/kenspec/gguf"
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
@@ -118,7 +119,10 @@ class Settings:
 
 
 _HELP = {
-    "model": "target model: a local Hugging Face causal-LM folder (default: the bundled SmolLM2)",
+    "model": "target model: a local Hugging Face causal-LM folder, or a GGUF file (or a folder "
+    "holding one), dequantized to --dtype (default: the bundled SmolLM2)",
+    "gguf_cache": "folder that keeps a GGUF --model dequantized, as a Hugging Face folder per "
+    "file checksum, dtype and kenspec/transformers versions, so a restart loads it at once",
     "draft": "draft: a KenLM draft folder or ARPA file; 'none' decodes autoregressively only",
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
