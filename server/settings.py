@@ -65,6 +65,7 @@ class Settings:
     suffix_index_tokens: int = 1_000_000
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
+    suffix_corpus: str = ""
     suffix_index_scope: str = "tenant"
     suffix_index_tenants: int = 16
     share_answers: str = ""  # redis://host:port/db; empty: this replica's answers are its own
@@ -195,6 +196,10 @@ _HELP = {
     "per million); 0: keep no answers",
     "suffix_max_match": "longest match (tokens) the suffix index looks for",
     "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
+    "suffix_corpus": "a plain-text file (UTF-8) the suffix index is seeded from at start-up, "
+    "each passage (lines up to a blank line) tokenized with the target's tokenizer, shared by "
+    "every tenant like the draft's corpus: drafts for a new model before any draft is trained "
+    "(--draft none); empty: none",
     "suffix_index_scope": "tenant: each bearer token (every caller, without --auth-tokens-file) "
     "drafts from the seeded corpus and its own past answers only, and reuses its own cached "
     "prefixes only; shared: every caller drafts from every caller's answers and prefixes, "
@@ -330,6 +335,7 @@ def parse_settings(
             f"--suffix-index-tenants must be at least 1, not {namespace.suffix_index_tenants}"
         )
     _check_share_answers(parser, namespace)
+    _check_suffix_corpus(parser, namespace)
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
@@ -401,6 +407,20 @@ def _check_share_answers(parser: argparse.ArgumentParser, namespace: argparse.Na
         parser.error(
             "--share-answers shares the suffix index: it needs --suffix-index and --draft-context"
         )
+
+
+def _check_suffix_corpus(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    corpus = namespace.suffix_corpus
+    if not corpus:
+        return
+    if not Path(corpus).expanduser().is_file():
+        parser.error(f"--suffix-corpus {corpus}: no such file")
+    if not (namespace.suffix_index and namespace.draft_context):
+        parser.error(
+            "--suffix-corpus seeds the suffix index: it needs --suffix-index and --draft-context"
+        )
+    if namespace.suffix_index_tokens == 0:
+        parser.error("--suffix-corpus needs room in the suffix index: --suffix-index-tokens is 0")
 
 
 METRICS_AUTH = ("auto", "none", "token", "tls", "tls+token")
