@@ -25,11 +25,12 @@ import numpy as np
 import torch
 import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from server import __version__
+from server.engine.architecture import UnsupportedArchitecture, refuse_unsupported
 
 GGUF_SUFFIX = ".gguf"
 DEFAULT_GGUF_CACHE = "~/.cache/kenspec/gguf"
@@ -140,6 +141,7 @@ def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     folder = cache_dir.expanduser() / cache_key(path, dtype, digest)
     if (folder / CACHE_MANIFEST).is_file():
         return folder
+    _refuse_for_kenspec(path)
     # Written under another name and renamed when complete: a crash leaves no half folder.
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -158,6 +160,19 @@ def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     except OSError:  # another process finished the same conversion first
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _refuse_for_kenspec(path: Path) -> None:
+    """Refuse what kenspec's engine cannot serve (ALiBi, attention of its own, non-attention
+    layers: architecture.refuse_unsupported) from the file's config alone, on a model without
+    weights, before minutes of dequantizing and a cached copy that would never be served."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+    try:
+        refuse_unsupported(skeleton)
+    except UnsupportedArchitecture as error:
+        raise GgufRefused(f"{path}: {error}") from None
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Tokenizer]:

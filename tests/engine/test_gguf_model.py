@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,26 @@ def test_an_unsupported_architecture_is_refused_with_the_reason(tmp_path: Path) 
     with pytest.raises(TargetLoadError, match="GGUF architecture 'bert' is not one transformers"):
         TargetModel.load(path, gguf_cache=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
+@pytest.mark.parametrize(
+    ("architecture", "reason"),
+    [
+        ("falcon", "attention code of its own"),
+        ("mamba", "layer types ['linear_attention']"),
+        ("bloom", "ALiBi position biases"),
+    ],
+)
+def test_an_architecture_kenspec_refuses_is_refused_before_converting(
+    tmp_path: Path, architecture: str, reason: str
+) -> None:
+    """transformers loads these from GGUF; kenspec's engine cannot serve them exactly."""
+    path = write_header_only_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    with pytest.raises(TargetLoadError, match=re.escape(f"{path}: model_type '{architecture}'")):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+    with pytest.raises(TargetLoadError, match=re.escape(reason)):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_unsupported_quantization_type_is_refused_with_the_reason(tmp_path: Path) -> None:
