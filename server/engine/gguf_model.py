@@ -136,11 +136,11 @@ def cache_key(path: Path, dtype: torch.dtype, digest: str) -> str:
 
 def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     """The Hugging Face folder of the dequantized model, converted now unless cached already."""
-    info = inspect(path)
-    digest = sha256_file(path)
+    digest = sha256_file(path)  # a quarter of a second for 250 MB: every load
     folder = cache_dir.expanduser() / cache_key(path, dtype, digest)
     if (folder / CACHE_MANIFEST).is_file():
         return folder
+    info = inspect(path)  # seconds for a large vocabulary (its header is parsed in Python)
     _refuse_for_kenspec(path)
     # Written under another name and renamed when complete: a crash leaves no half folder.
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
