@@ -193,7 +193,7 @@ class TargetModel:
             windows = check_packed_passes(model, PACKED_ATTENTION, kernels)
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{name}: {error}") from None
-        plain_head, head_t = _output_layer(model, directory)
+        plain_head, head_t = _output_layer(model, Path(name))
         return cls(
             model=model,
             tokenizer=tokenizer,

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from server.engine import gguf_model
 from server.engine.target import TargetLoadError, TargetModel
+from server.settings import Settings
 from tests import tiny
 from tests.engine.drafts import generate
 from tests.gguf_files import write_header_only_gguf, write_llama_gguf
@@ -137,3 +138,7 @@ def test_the_plain_copy_keeps_tied_embeddings_tied_and_drops_the_gguf_claim() ->
     assert copy.lm_head.weight.data_ptr() != source.lm_head.weight.data_ptr()
     for name, tensor in source.state_dict().items():
         assert torch.equal(copy.state_dict()[name], tensor), name
+
+
+def test_the_server_default_cache_is_the_loader_default() -> None:
+    assert Settings().gguf_cache == gguf_model.DEFAULT_GGUF_CACHE
