@@ -60,6 +60,9 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         dtype=settings.dtype,
         gguf_cache=settings.gguf_cache,
     )
+    if settings.chat_template:
+        template = Path(settings.chat_template).expanduser().read_text(encoding="utf-8")
+        target.tokenizer.chat_template = template
     draft = _load_draft(settings, target)
     log.info(
         "model_loaded",

@@ -28,6 +28,7 @@ class Settings:
     model: str = str(DEFAULT_MODEL)
     draft: str = str(DEFAULT_DRAFT)
     gguf_cache: str = "~/.cache/kenspec/gguf"
+    chat_template: str = ""
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
@@ -124,6 +125,9 @@ _HELP = {
     "holding one), dequantized to --dtype (default: the bundled SmolLM2)",
     "gguf_cache": "folder that keeps a GGUF --model dequantized, as a Hugging Face folder per "
     "file checksum, dtype and kenspec/transformers versions, so a restart loads it at once",
+    "chat_template": "a Jinja chat template file that the model's tokenizer uses instead of "
+    "its own, or gives a model without one (many GGUF files of base models carry none); "
+    "empty: the model's",
     "draft": "draft: a KenLM draft folder or ARPA file; 'none' decodes autoregressively only",
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
@@ -336,6 +340,8 @@ def parse_settings(
         )
     _check_share_answers(parser, namespace)
     _check_suffix_corpus(parser, namespace)
+    if namespace.chat_template and not Path(namespace.chat_template).expanduser().is_file():
+        parser.error(f"--chat-template {namespace.chat_template}: no such file")
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
