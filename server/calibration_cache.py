@@ -37,10 +37,11 @@ def cache_key(model_dir: str | Path, **measured: object) -> dict[str, object]:
     k, rows, the skinny rows chosen, ...)."""
     folder = Path(model_dir).expanduser().resolve()
     config = folder / "config.json"
+    files = [folder] if folder.is_file() else list(folder.iterdir())  # a GGUF --model: one file
     weights = sorted(
         (path.name, path.stat().st_size)
-        for path in folder.iterdir()
-        if path.suffix in (".safetensors", ".bin", ".pt")
+        for path in files
+        if path.suffix in (".safetensors", ".bin", ".pt", ".gguf")
     )
     return {
         "format": FORMAT,

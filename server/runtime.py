@@ -29,7 +29,7 @@ from server.engine.params import (
 )
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import SuffixIndex
+from server.engine.suffix_index import SuffixIndex, add_text_corpus
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 from server.generate_params import Defaults, Limits, prompt_char_limit
@@ -53,7 +53,15 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     started = time.perf_counter()
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
-    target = TargetModel.load(settings.model, device=settings.device, dtype=settings.dtype)
+    target = TargetModel.load(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        gguf_cache=settings.gguf_cache,
+    )
+    if settings.chat_template:
+        template = Path(settings.chat_template).expanduser().read_text(encoding="utf-8")
+        target.tokenizer.chat_template = template
     draft = _load_draft(settings, target)
     log.info(
         "model_loaded",
@@ -106,7 +114,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         batching=batching,
         costs=costs,
         events=events,
-        suffix=_load_suffix_index(settings, target.vocab_size),
+        suffix=_load_suffix_index(settings, target),
         isolate_tenants=settings.suffix_index_scope == "tenant",
         recycled=(
             RecycledPredictions(target.vocab_size)
@@ -152,18 +160,24 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
     )
 
 
-def _load_suffix_index(settings: Settings, vocab_size: int) -> TenantSuffixIndex | None:
-    """The index of past answers: the draft folder's corpus if it has one (shared by every
-    tenant, never evicted), and each tenant's learned answers within what the bound leaves."""
+def _load_suffix_index(settings: Settings, target: TargetModel) -> TenantSuffixIndex | None:
+    """The index of past answers: the draft folder's corpus if it has one and the text of
+    --suffix-corpus (shared by every tenant, never evicted), and each tenant's learned answers
+    within what the bound leaves."""
     if not (settings.suffix_index and settings.draft_context):
         return None
     started = time.perf_counter()
     seeded, corpus = SuffixIndex.for_draft(
         Path(settings.draft) if settings.has_draft else None,
-        vocab_size,
+        target.vocab_size,
         max_tokens=settings.suffix_index_tokens,
         max_match=settings.suffix_max_match,
     )
+    text_tokens = 0
+    if settings.suffix_corpus:
+        text_tokens = add_text_corpus(
+            seeded, Path(settings.suffix_corpus).expanduser(), _batch_encoder(target)
+        )
     shared = settings.suffix_index_scope == "shared"
     index = TenantSuffixIndex(
         seeded,
@@ -173,6 +187,8 @@ def _load_suffix_index(settings: Settings, vocab_size: int) -> TenantSuffixIndex
     log.info(
         "suffix_index",
         corpus=str(corpus) if corpus else None,
+        text_corpus=settings.suffix_corpus or None,
+        text_corpus_tokens=text_tokens,
         tokens=index.tokens,
         max_tokens=index.max_tokens,
         learned_tokens=index.learned_budget,  # for every tenant together
@@ -181,6 +197,17 @@ def _load_suffix_index(settings: Settings, vocab_size: int) -> TenantSuffixIndex
         seconds=round(time.perf_counter() - started, 2),
     )
     return index
+
+
+def _batch_encoder(target: TargetModel) -> Callable[[list[str]], list[list[int]]]:
+    """Token ids of many texts in one tokenizer call (no special tokens: passages of text)."""
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(ids) for ids in target.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return encode
 
 
 # --prefix-cache-mb -1: room for this many full contexts, within this share of free memory.

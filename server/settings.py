@@ -31,6 +31,8 @@ class Settings:
     # model and draft
     model: str = str(DEFAULT_MODEL)
     draft: str = str(DEFAULT_DRAFT)
+    gguf_cache: str = "~/.cache/kenspec/gguf"
+    chat_template: str = ""
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
@@ -70,6 +72,7 @@ class Settings:
     suffix_index_tokens: int = 1_000_000
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
+    suffix_corpus: str = ""
     suffix_index_scope: str = "tenant"
     suffix_index_tenants: int = 16
     share_answers: str = ""  # redis://host:port/db; empty: this replica's answers are its own
@@ -133,7 +136,13 @@ class Settings:
 
 
 _HELP = {
-    "model": "target model: a local Hugging Face causal-LM folder (default: the bundled SmolLM2)",
+    "model": "target model: a local Hugging Face causal-LM folder, or a GGUF file (or a folder "
+    "holding one), dequantized to --dtype (default: the bundled SmolLM2)",
+    "gguf_cache": "folder that keeps a GGUF --model dequantized, as a Hugging Face folder per "
+    "file checksum, dtype and kenspec/transformers versions, so a restart loads it at once",
+    "chat_template": "a Jinja chat template file that the model's tokenizer uses instead of "
+    "its own, or gives a model without one (many GGUF files of base models carry none); "
+    "empty: the model's",
     "draft": "draft: a KenLM draft folder or ARPA file; 'none' decodes autoregressively only",
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
@@ -212,6 +221,10 @@ _HELP = {
     "per million); 0: keep no answers",
     "suffix_max_match": "longest match (tokens) the suffix index looks for",
     "suffix_learn_prompts": "the suffix index also learns each finished request's prompt",
+    "suffix_corpus": "a plain-text file (UTF-8) the suffix index is seeded from at start-up, "
+    "each passage (lines up to a blank line) tokenized with the target's tokenizer, shared by "
+    "every tenant like the draft's corpus: drafts for a new model before any draft is trained "
+    "(--draft none); empty: none",
     "suffix_index_scope": "tenant: each bearer token (every caller, without --auth-tokens-file) "
     "drafts from the seeded corpus and its own past answers only, and reuses its own cached "
     "prefixes only; shared: every caller drafts from every caller's answers and prefixes, "
@@ -348,6 +361,9 @@ def parse_settings(
             f"--suffix-index-tenants must be at least 1, not {namespace.suffix_index_tenants}"
         )
     _check_share_answers(parser, namespace)
+    _check_suffix_corpus(parser, namespace)
+    if namespace.chat_template and not Path(namespace.chat_template).expanduser().is_file():
+        parser.error(f"--chat-template {namespace.chat_template}: no such file")
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
@@ -419,6 +435,20 @@ def _check_share_answers(parser: argparse.ArgumentParser, namespace: argparse.Na
         parser.error(
             "--share-answers shares the suffix index: it needs --suffix-index and --draft-context"
         )
+
+
+def _check_suffix_corpus(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    corpus = namespace.suffix_corpus
+    if not corpus:
+        return
+    if not Path(corpus).expanduser().is_file():
+        parser.error(f"--suffix-corpus {corpus}: no such file")
+    if not (namespace.suffix_index and namespace.draft_context):
+        parser.error(
+            "--suffix-corpus seeds the suffix index: it needs --suffix-index and --draft-context"
+        )
+    if namespace.suffix_index_tokens == 0:
+        parser.error("--suffix-corpus needs room in the suffix index: --suffix-index-tokens is 0")
 
 
 METRICS_AUTH = ("auto", "none", "token", "tls", "tls+token")

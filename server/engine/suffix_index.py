@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import re
 import threading
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -42,6 +43,8 @@ SUFFIX_CORPUS = "corpus.ids.gz"  # in a draft folder: the distilled answers the 
 KEY_LENGTHS = (4, 2)  # longest first: a 4-token key finds long matches among common bigrams
 LEAD_TOKENS = 16  # of a prompt's end, indexed before its answer
 _SEPARATOR = -1  # between answers: no continuation runs from one answer into the next
+TEXT_PIECE_TOKENS = 4096  # a plain-text corpus's passages are indexed in pieces of this many
+_BLANK_LINES = re.compile(r"\n\s*\n")
 
 
 class _Segment:
@@ -218,6 +221,30 @@ class SuffixIndex:
                 "draft_tools, remove it, or start with --no-suffix-index"
             ) from error
         return index
+
+
+def add_text_corpus(
+    index: SuffixIndex, path: Path, encode: Callable[[list[str]], list[list[int]]]
+) -> int:
+    """Seed `index` with a plain-text file: each passage (its lines up to a blank line) encoded
+    by `encode` (the target's tokenizer, many passages per call) and added as an answer, cut in
+    pieces of at most TEXT_PIECE_TOKENS (an answer longer than a segment would lose its start).
+    Returns the token ids added; CorpusError names a file that is unreadable or not UTF-8.
+
+        >>> add_text_corpus(index, Path("notes.txt"), encode)  # "a b\nc\n\nd e" -> 2 passages
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CorpusError(f"suffix corpus {path} is unusable: {error}") from error
+    passages = [block.strip() for block in _BLANK_LINES.split(text) if block.strip()]
+    added = 0
+    for ids in encode(passages):
+        for start in range(0, len(ids), TEXT_PIECE_TOKENS):
+            piece = ids[start : start + TEXT_PIECE_TOKENS]
+            index.add(piece)
+            added += len(piece)
+    return added
 
 
 class CorpusError(ValueError):

@@ -25,6 +25,7 @@ from server.engine.architecture import (
     served_context,
 )
 from server.engine.attention import PACKED_ATTENTION
+from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
 from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
@@ -103,11 +104,19 @@ class TargetModel:
     kernels: Kernels = field(default_factory=Kernels)
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto") -> TargetModel:
-        directory = Path(path)
-        _check_model_dir(directory)
+    def load(
+        cls,
+        path: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        gguf_cache: str | Path = DEFAULT_GGUF_CACHE,
+    ) -> TargetModel:
+        """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
+        `dtype` once and kept as a folder under `gguf_cache` (see gguf_model)."""
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
+        name = str(Path(path))
+        directory = _model_folder(Path(path), resolved_dtype, Path(gguf_cache))
         config = AutoConfig.from_pretrained(directory)
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolved_dtype)
@@ -123,12 +132,12 @@ class TargetModel:
             refuse_unsupported(model)
             windows = check_packed_passes(model, PACKED_ATTENTION, kernels)
         except UnsupportedArchitecture as error:
-            raise TargetLoadError(f"{directory}: {error}") from None
-        plain_head, head_t = _plain_head(model, directory)
+            raise TargetLoadError(f"{name}: {error}") from None
+        plain_head, head_t = _plain_head(model, Path(name))
         return cls(
             model=model,
             tokenizer=tokenizer,
-            name=str(directory),
+            name=name,
             device=resolved_device,
             dtype=resolved_dtype,
             eos_token_ids=_eos_ids(model, tokenizer),
@@ -318,13 +327,25 @@ def _plain_head(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Te
     return plain_head, None
 
 
+def _model_folder(path: Path, dtype: torch.dtype, gguf_cache: Path) -> Path:
+    """The Hugging Face folder to load: `path` itself, or a GGUF file's converted copy."""
+    try:
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return cached_folder(gguf_file, dtype, gguf_cache)
+    except GgufRefused as error:
+        raise TargetLoadError(str(error)) from None
+    _check_model_dir(path)
+    return path
+
+
 def _check_model_dir(directory: Path) -> None:
     if not directory.is_dir():
         raise TargetLoadError(f"model directory {directory} does not exist")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise TargetLoadError(
-            f"{directory} has no config.json; expected a Hugging Face model folder"
+            f"{directory} has no config.json; expected a Hugging Face model folder or a GGUF file"
         )
     try:
         architectures = json.loads(config_file.read_text()).get("architectures") or []

@@ -13,7 +13,13 @@ from server.engine.context_draft import ContextDraft
 from server.engine.draft_tree import Source
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import LEAD_TOKENS, CorpusError, SuffixIndex
+from server.engine.suffix_index import (
+    LEAD_TOKENS,
+    TEXT_PIECE_TOKENS,
+    CorpusError,
+    SuffixIndex,
+    add_text_corpus,
+)
 from server.engine.tenant_index import TenantSuffixIndex
 from server.settings import Settings
 from tests.engine.drafts import generate
@@ -185,7 +191,9 @@ def test_a_chain_stops_where_its_path_probability_falls_below_the_minimum() -> N
         (gzip.compress(b"10 -3 12\n"), "token id -3"),
     ],
 )
-def test_an_unusable_corpus_is_refused_naming_the_file(tmp_path, content, names) -> None:
+def test_an_unusable_corpus_is_refused_naming_the_file(
+    tmp_path, tiny_target, content, names
+) -> None:
     corpus = tmp_path / "corpus.ids.gz"
     corpus.write_bytes(content)
     with pytest.raises(CorpusError) as error:
@@ -194,4 +202,36 @@ def test_an_unusable_corpus_is_refused_naming_the_file(tmp_path, content, names)
     # The server refuses to start with it, with the same message (python -m server exits 1).
     settings = Settings(draft=str(tmp_path), draft_context=True, suffix_index=True)
     with pytest.raises(CorpusError, match=r"corpus\.ids\.gz"):
-        runtime._load_suffix_index(settings, vocab_size=1000)
+        runtime._load_suffix_index(settings, tiny_target)
+
+
+def test_a_text_corpus_is_indexed_by_passage(tmp_path, tiny_target) -> None:
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("The quick brown fox\njumps over the lazy dog.\n\n \nOne pass.\n")
+    seen: list[list[str]] = []
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        seen.append(texts)
+        return [
+            tiny_target.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts
+        ]
+
+    index = SuffixIndex()
+    added = add_text_corpus(index, corpus, encode)
+    assert seen == [["The quick brown fox\njumps over the lazy dog.", "One pass."]]
+    assert added == sum(len(ids) for ids in encode(seen[0]))
+    fox = encode(["The quick brown fox\njumps"])[0]
+    found, length = index.propose(fox[:-1], 3)
+    assert length >= 2 and found[:1] == fox[-1:]
+    corpus.write_bytes(b"caf\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(CorpusError, match=r"notes\.txt is unusable"):
+        add_text_corpus(SuffixIndex(), corpus, encode)
+
+
+def test_a_long_passage_is_indexed_in_pieces_and_keeps_its_start(tmp_path) -> None:
+    corpus = tmp_path / "long.txt"
+    corpus.write_text("x")
+    long_ids = list(range(10, 10 + 3 * TEXT_PIECE_TOKENS))
+    index = SuffixIndex(max_tokens=10 * TEXT_PIECE_TOKENS, segment_tokens=TEXT_PIECE_TOKENS + 8)
+    assert add_text_corpus(index, corpus, lambda texts: [long_ids]) == len(long_ids)
+    assert index.propose([10, 11, 12, 13], 2) == ([14, 15], 4)

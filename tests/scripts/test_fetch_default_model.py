@@ -1,7 +1,8 @@
 """scripts/fetch_default_model.py without the network: checksums, caching, manifest, conversion.
 
-The conversion test swaps the GGUF loader for a tiny tied-embedding Llama, so the real save,
-reload and greedy comparison run in about a second.
+The conversion test swaps the GGUF loader (server/engine/gguf_model.py's, which the script
+uses) for a tiny tied-embedding Llama, so the real save, reload and greedy comparison run in
+about a second.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from server.engine import gguf_model
 from tests import tiny
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_default_model.py"
@@ -179,19 +181,6 @@ def _tiny_tied_model(tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def test_plain_copy_keeps_weights_and_tied_embeddings() -> None:
-    source = _tiny_tied_model(tiny.build_byte_tokenizer())
-    copy = fdm.plain_copy(source)
-    assert not hasattr(copy.config, "quantization_config")
-    assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
-    assert copy.lm_head.weight.data_ptr() != source.lm_head.weight.data_ptr()
-    fdm.assert_same_weights(copy, source.state_dict())
-    with torch.no_grad():
-        copy.model.norm.weight[0] += 1.0
-    with pytest.raises(RuntimeError, match="differ"):
-        fdm.assert_same_weights(copy, source.state_dict())
-
-
 def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
     tmp_path: Path, monkeypatch
 ) -> None:
@@ -199,7 +188,7 @@ def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
     tokenizer.chat_template = None  # as a GGUF without tokenizer.chat_template
     tokenizer.pad_token = None  # or padding id
     model = _tiny_tied_model(tokenizer)
-    monkeypatch.setattr(fdm, "load_gguf", lambda gguf: (model, tokenizer))
+    monkeypatch.setattr(gguf_model, "load_gguf", lambda gguf, dtype: (model, tokenizer))
     dest = tmp_path / "models" / "tiny"
     fdm.convert(fdm.DEFAULT_SOURCE, tmp_path / "unused.gguf", dest, verify_tokens=6)
 

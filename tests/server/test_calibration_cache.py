@@ -108,3 +108,13 @@ def test_the_automatic_prefix_cache_holds_four_contexts_within_a_tenth_of_memory
     )
     monkeypatch.setattr(runtime, "_available_memory_bytes", lambda: 10 * per_position)
     assert runtime._prefix_cache_bytes(-1, tiny_target) == per_position  # a tenth of it
+
+
+def test_the_key_of_a_gguf_model_is_its_file(tmp_path) -> None:
+    """--model may be a GGUF file (or a folder holding one): the key follows that file."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    assert calibration_cache.cache_key(gguf)["weights"] == [("model.gguf", 40)]
+    assert calibration_cache.cache_key(tmp_path)["weights"] == [("model.gguf", 40)]
+    gguf.write_bytes(b"GGUF" * 11)
+    assert calibration_cache.cache_key(gguf)["weights"] == [("model.gguf", 44)]

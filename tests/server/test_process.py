@@ -10,11 +10,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gguf import GGMLQuantizationType
 
 from harness.server_process import server_command
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from tests.engine.drafts import reference_greedy
+from tests.gguf_files import write_header_only_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,3 +105,17 @@ def test_bad_model_path_fails_startup_with_a_clear_message(tmp_path) -> None:
     )
     assert result.returncode == 1
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unsupported_gguf_fails_startup_with_its_reason(tmp_path) -> None:
+    gguf = write_header_only_gguf(tmp_path / "q.gguf", "llama", GGMLQuantizationType.Q8_1)
+    result = subprocess.run(
+        server_command(["--model", str(gguf), "--draft", "none", "--gguf-cache", str(tmp_path)]),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "tensor types Q8_1 cannot be dequantized" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,206 @@
+"""A GGUF file as a target: checked, dequantized by transformers, cached as a safetensors folder.
+
+transformers reads GGUF files (`from_pretrained(folder, gguf_file=name)`) and dequantizes every
+tensor on load, which takes many seconds for even a small model; so the first load saves the
+dequantized model, its tokenizer and chat template as a plain Hugging Face folder under a cache
+directory, and later loads read that folder. The folder's name holds the file's checksum, the
+dtype and the kenspec and transformers versions, so a changed file or an upgrade converts again.
+
+    >>> find_gguf(Path("models/smollm2-135m-instruct"))  # a Hugging Face folder: None
+    >>> find_gguf(Path("gemma-3-270m-q4_k_m.gguf"))
+    PosixPath('gemma-3-270m-q4_k_m.gguf')
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedTokenizerBase as Tokenizer
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+from server import __version__
+from server.engine.architecture import UnsupportedArchitecture, refuse_unsupported
+
+GGUF_SUFFIX = ".gguf"
+DEFAULT_GGUF_CACHE = "~/.cache/kenspec/gguf"
+CACHE_MANIFEST = "kenspec-gguf.json"
+# Architectures transformers' GGUF loader knows that are not causal LMs (or no GGUF type at all).
+_NOT_CAUSAL = frozenset({"general", "tokenizer", "t5", "umt5", "t5encoder"})
+
+
+class GgufRefused(ValueError):
+    """The GGUF file cannot be served; the message says why and what would work."""
+
+
+@dataclass(frozen=True, slots=True)
+class GgufFile:
+    """What a GGUF file's header says, read without reading its tensors."""
+
+    path: Path
+    architecture: str
+    tensor_types: frozenset[str]  # GGML quantization type names, e.g. {"Q4_K", "F32"}
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the only .gguf in a folder that has no
+    config.json. None: `path` is something else (a Hugging Face folder, or missing)."""
+    if path.is_file():
+        if path.suffix != GGUF_SUFFIX:
+            raise GgufRefused(
+                f"{path} is a file but not a {GGUF_SUFFIX} file; --model takes a "
+                "GGUF file or a Hugging Face model folder"
+            )
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    if len(files) > 1:
+        names = ", ".join(file.name for file in files)
+        raise GgufRefused(f"{path} holds {len(files)} GGUF files ({names}); name one as --model")
+    return files[0] if files else None
+
+
+def inspect(path: Path) -> GgufFile:
+    """Read the header and refuse a file transformers cannot load as a causal LM."""
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as error:
+        raise GgufRefused(f"{path} is not a readable GGUF file: {error}") from None
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if not isinstance(architecture, str):
+        raise GgufRefused(f"{path} has no general.architecture; it is not a model GGUF file")
+    types = frozenset(GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
+    info = GgufFile(path=path, architecture=architecture, tensor_types=types)
+    _refuse_architecture(info)
+    _refuse_tensor_types(info)
+    return info
+
+
+def _refuse_architecture(info: GgufFile) -> None:
+    known = set(GGUF_SUPPORTED_ARCHITECTURES) - _NOT_CAUSAL
+    if info.architecture not in known:
+        raise GgufRefused(
+            f"{info.path}: GGUF architecture {info.architecture!r} is not one transformers "
+            f"{transformers.__version__} loads from GGUF as a causal LM (it loads "
+            f"{', '.join(sorted(known))}); convert the original checkpoint to a Hugging Face "
+            "folder instead"
+        )
+
+
+def _refuse_tensor_types(info: GgufFile) -> None:
+    unknown = sorted(name for name in info.tensor_types if not _dequantizable(name))
+    if unknown:
+        raise GgufRefused(
+            f"{info.path}: tensor types {', '.join(unknown)} cannot be dequantized by the gguf "
+            "package installed here; use a file quantized otherwise (F32, F16, BF16, Q8_0, "
+            "Q4_K, ... all work) or upgrade gguf"
+        )
+
+
+def _dequantizable(type_name: str) -> bool:
+    """Whether gguf's dequantize handles this type: tried on one block of zeros."""
+    qtype = GGMLQuantizationType[type_name]
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def cache_key(path: Path, dtype: torch.dtype, digest: str) -> str:
+    """The cached folder's name: the file, its checksum, the dtype, the versions that wrote it."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (
+        f"{path.stem}-{digest[:16]}-{dtype_name}"
+        f"-kenspec{__version__}-transformers{transformers.__version__}"
+    )
+
+
+def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
+    """The Hugging Face folder of the dequantized model, converted now unless cached already."""
+    digest = sha256_file(path)  # a quarter of a second for 250 MB: every load
+    folder = cache_dir.expanduser() / cache_key(path, dtype, digest)
+    if (folder / CACHE_MANIFEST).is_file():
+        return folder
+    info = inspect(path)  # seconds for a large vocabulary (its header is parsed in Python)
+    _refuse_for_kenspec(path)
+    # Written under another name and renamed when complete: a crash leaves no half folder.
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model, tokenizer = load_gguf(path, dtype)
+    save_plain(model, tokenizer, partial)
+    manifest = {
+        "source": str(path.resolve()),
+        "sha256": digest,
+        "architecture": info.architecture,
+        "tensor_types": sorted(info.tensor_types),
+        "dtype": str(dtype),
+    }
+    (partial / CACHE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def _refuse_for_kenspec(path: Path) -> None:
+    """Refuse what kenspec's engine cannot serve (ALiBi, attention of its own, non-attention
+    layers: architecture.refuse_unsupported) from the file's config alone, on a model without
+    weights, before minutes of dequantizing and a cached copy that would never be served."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+    try:
+        refuse_unsupported(skeleton)
+    except UnsupportedArchitecture as error:
+        raise GgufRefused(f"{path}: {error}") from None
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Tokenizer]:
+    """The model dequantized to `dtype` and its tokenizer (with the file's chat template)."""
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=dtype
+    )
+    model.eval()
+    return model, tokenizer
+
+
+def plain_copy(gguf_model: PreTrainedModel) -> PreTrainedModel:
+    """The same weights in a freshly built model: `save_pretrained` refuses a GGUF-loaded one,
+    and the copy's config no longer claims to be GGUF-quantized. Tied embeddings stay tied."""
+    config = copy.deepcopy(gguf_model.config)
+    vars(config).pop("quantization_config", None)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=gguf_model.dtype)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = copy.deepcopy(gguf_model.generation_config)
+    model.eval()
+    return model
+
+
+def save_plain(model: PreTrainedModel, tokenizer: Tokenizer, folder: Path) -> None:
+    """Save as a Hugging Face folder: safetensors, configs, tokenizer and chat template."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    plain_copy(model).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for file in folder.iterdir():
+        file.chmod(0o644)  # safetensors writes 0600; containers may read as another user

@@ -1,0 +1,144 @@
+"""A GGUF file as --model: served exactly, refused with the reason, converted once and cached."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from server.engine import gguf_model
+from server.engine.target import TargetLoadError, TargetModel
+from server.settings import Settings
+from tests import tiny
+from tests.engine.drafts import generate
+from tests.gguf_files import write_header_only_gguf, write_llama_gguf
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tiny_target: TargetModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("gguf")
+    return write_llama_gguf(folder / "tiny.gguf", tiny_target.model, tiny_target.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def gguf_target(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    cache = tmp_path_factory.mktemp("gguf-cache")
+    return TargetModel.load(gguf_path, device="cpu", dtype="float32", gguf_cache=cache)
+
+
+def test_a_gguf_file_serves_what_generate_gives_on_the_same_weights(
+    tiny_target, gguf_target, references, partly_matching
+) -> None:
+    """float32 greedy through the engine, speculating, equals transformers generate on the
+    model the file was written from (its tokenizer and chat template came through the file)."""
+    assert gguf_target.tokenizer.chat_template == tiny_target.tokenizer.chat_template
+    assert gguf_target.eos_token_ids == tiny_target.eos_token_ids
+    drafted = 0
+    for prompt, (ids, expected) in references.items():
+        assert gguf_target.encode_prompt(prompt) == ids
+        generation = generate(gguf_target, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
+        rounds = list(generation)
+        assert generation.output_ids == expected
+        drafted += rounds[-1].usage.drafted_tokens
+    assert drafted > 0  # speculation really ran
+
+
+def test_the_weights_come_through_bit_for_bit(tiny_target, gguf_target) -> None:
+    reference = tiny_target.model.state_dict()
+    for name, tensor in gguf_target.model.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_the_second_load_reads_the_cache(gguf_path: Path, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    first = TargetModel.load(gguf_path, device="cpu", dtype="float32", gguf_cache=cache)
+    (folder,) = cache.iterdir()
+    assert (folder / gguf_model.CACHE_MANIFEST).is_file()
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    assert first.name == str(gguf_path)
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_model, "load_gguf", no_conversion)
+    second = TargetModel.load(gguf_path.parent, device="cpu", dtype="float32", gguf_cache=cache)
+    assert list(cache.iterdir()) == [folder] and second.name == str(gguf_path.parent)
+    with pytest.raises(AssertionError, match="converted again"):  # another dtype: another copy
+        TargetModel.load(gguf_path, device="cpu", dtype="bfloat16", gguf_cache=cache)
+
+
+def test_an_unsupported_architecture_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
+    with pytest.raises(TargetLoadError, match="GGUF architecture 'bert' is not one transformers"):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
+@pytest.mark.parametrize(
+    ("architecture", "reason"),
+    [
+        ("falcon", "attention code of its own"),
+        ("mamba", "layer types ['linear_attention']"),
+        ("bloom", "ALiBi position biases"),
+    ],
+)
+def test_an_architecture_kenspec_refuses_is_refused_before_converting(
+    tmp_path: Path, architecture: str, reason: str
+) -> None:
+    """transformers loads these from GGUF; kenspec's engine cannot serve them exactly."""
+    path = write_header_only_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    with pytest.raises(TargetLoadError, match=re.escape(f"{path}: model_type '{architecture}'")):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+    with pytest.raises(TargetLoadError, match=re.escape(reason)):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_unsupported_quantization_type_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = write_header_only_gguf(tmp_path / "q.gguf", "llama", GGMLQuantizationType.Q8_1)
+    with pytest.raises(TargetLoadError, match="tensor types Q8_1 cannot be dequantized"):
+        TargetModel.load(path, gguf_cache=tmp_path / "cache")
+
+
+def test_a_folder_of_several_gguf_files_and_a_foreign_file_are_refused(tmp_path: Path) -> None:
+    for name in ("a.gguf", "b.gguf"):
+        write_header_only_gguf(tmp_path / name, "llama")
+    with pytest.raises(TargetLoadError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
+        TargetModel.load(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(TargetLoadError, match=r"not a \.gguf file"):
+        TargetModel.load(tmp_path / "weights.bin")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(TargetLoadError, match="not a readable GGUF file"):
+        TargetModel.load(tmp_path / "junk.gguf")
+
+
+def test_the_plain_copy_keeps_tied_embeddings_tied_and_drops_the_gguf_claim() -> None:
+    tokenizer = tiny.build_byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    config.quantization_config = {"quant_method": "gguf"}  # as a GGUF-loaded config carries
+    source = LlamaForCausalLM(config).eval()
+    copy = gguf_model.plain_copy(source)
+    assert "quantization_config" not in vars(copy.config)
+    assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
+    assert copy.lm_head.weight.data_ptr() != source.lm_head.weight.data_ptr()
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], tensor), name
+
+
+def test_the_server_default_cache_is_the_loader_default() -> None:
+    assert Settings().gguf_cache == gguf_model.DEFAULT_GGUF_CACHE

@@ -1,0 +1,121 @@
+"""GGUF files written in a test from a tiny Llama, laid out as llama.cpp's converter writes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+# Hugging Face parameter name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _permuted(weight: torch.Tensor, heads: int) -> np.ndarray:
+    """llama.cpp's rotary layout of q and k (transformers undoes it on load)."""
+    rows = weight.shape[0]
+    grouped = weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape).numpy()
+
+
+def _tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    config = model.config
+    state = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"].numpy(),
+        "output_norm.weight": state["model.norm.weight"].numpy(),
+        "output.weight": state["lm_head.weight"].numpy(),
+    }
+    for layer in range(config.num_hidden_layers):
+        for hf_name, gguf_name in _LAYER_NAMES.items():
+            weight = state[f"model.layers.{layer}.{hf_name}"]
+            if gguf_name == "attn_q.weight":
+                array = _permuted(weight, config.num_attention_heads)
+            elif gguf_name == "attn_k.weight":
+                array = _permuted(weight, config.num_key_value_heads)
+            else:
+                array = weight.numpy()
+            tensors[f"blk.{layer}.{gguf_name}"] = array
+    return tensors
+
+
+def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> None:
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [TokenType.CONTROL if token in special else TokenType.NORMAL for token in tokens]
+    )
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def write_llama_gguf(
+    path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
+) -> Path:
+    """The model's weights in F32 (exact) with its tokenizer and chat template."""
+    config = model.config
+    writer = GGUFWriter(path, "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(0)  # all F32
+    _add_tokenizer(writer, tokenizer)
+    for name, array in _tensors(model).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    _finish(writer)
+    return path
+
+
+def write_header_only_gguf(
+    path: Path, architecture: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+) -> Path:
+    """A GGUF file with one tensor of the given type: enough for the checks made at load."""
+    writer = GGUFWriter(path, architecture)
+    if qtype == GGMLQuantizationType.F32:
+        writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    else:  # the raw bytes of one block per row, as the type lays them out
+        from gguf import GGML_QUANT_SIZES
+
+        _, block_bytes = GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((4, block_bytes), dtype=np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
+    _finish(writer)
+    return path
+
+
+def _finish(writer: GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
