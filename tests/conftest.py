@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.server_process import ServerProcess
 from server.engine.target import TargetModel
 from tests import tiny
-from tests.engine.drafts import reference_greedy
+from tests.server.engine.drafts import reference_greedy
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
 

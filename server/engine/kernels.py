@@ -25,7 +25,7 @@ import torch
 # same sums whatever the number of zero-weighted keys after a row's own. So the attention
 # kernels pad queries to QUERY_BLOCK rows per product and the values to MIN_KEYS keys: a
 # query's output does not depend on how many queries or rows share its pass, nor on their
-# lengths (tests/engine/test_grouped_attention).
+# lengths (tests/server/engine/test_grouped_attention).
 QUERY_BLOCK = 4
 # Exact batch invariance (invariant_attention) needs more: the score product gives a key other
 # bits in the last, partial block of 16 columns than in a full one, and the softmax's

@@ -25,7 +25,7 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.settings import Settings
 from tests import tiny
-from tests.engine.drafts import reference_greedy
+from tests.server.engine.drafts import reference_greedy
 
 FLAGS = ["--max-new-tokens", "16", "--batch-size", "4", "--threads", "1", "--memory", "32M"]
 FLAGS += ["--order", "3", "--heldout", "0.2"]

@@ -12,7 +12,7 @@ from server.engine.arpa import DraftFormatError
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.engine.params import SpeculationParams
 from tests import tiny
-from tests.engine.drafts import reference_greedy
+from tests.server.engine.drafts import reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_replay_equals_live_speculative_rounds(tiny_model_dir, tiny_target, answ
     prompts, replies = train_draft.load_answers(tiny_model_dir, corpus)
     params = SpeculationParams(num_draft_tokens=4, adaptive=True)
     stats = train_draft.replay(draft, prompts, replies, params)
-    from tests.engine.drafts import generate
+    from tests.server.engine.drafts import generate
 
     live_rounds = live_accepted = 0
     for prompt_ids, reply in zip(prompts, replies, strict=True):

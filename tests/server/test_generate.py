@@ -13,7 +13,7 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from server.engine.batch import Batch
-from tests.engine.drafts import reference_greedy
+from tests.server.engine.drafts import reference_greedy
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
 

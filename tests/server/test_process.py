@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType
 from harness.server_process import server_command
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from tests.engine.drafts import reference_greedy
 from tests.gguf_files import write_header_only_gguf
+from tests.server.engine.drafts import reference_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.lifecycle import KenspecServer
-from tests.engine.drafts import fail_passes_fed, reference_greedy
+from tests.server.engine.drafts import fail_passes_fed, reference_greedy
 
 VALIDATABLE = {
     grpc.StatusCode.OK,

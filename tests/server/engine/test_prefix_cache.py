@@ -9,7 +9,7 @@ from server.engine.batch import Batch
 from server.engine.intake import BatchSettings
 from server.engine.prefix_cache import PrefixCache, _shared_length
 from server.engine.target import TargetModel
-from tests.engine.drafts import Collector, reference_greedy, start
+from tests.server.engine.drafts import Collector, reference_greedy, start
 
 SYSTEM = "You are a helpful assistant. Answer briefly. "
 

@@ -25,7 +25,7 @@ from server.engine.pass_logits import Logits
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
 from tests import tiny
-from tests.engine.drafts import Branching, Collector, generate, reference_greedy, start
+from tests.server.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from server.engine.suffix_index import (
 )
 from server.engine.tenant_index import TenantSuffixIndex
 from server.settings import Settings
-from tests.engine.drafts import generate
+from tests.server.engine.drafts import generate
 
 
 def test_the_longest_match_wins_over_a_more_recent_shorter_one() -> None:

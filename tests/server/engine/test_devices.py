@@ -25,7 +25,7 @@ from server.engine.pass_logits import computed_logits
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
 from tests import tiny
-from tests.engine.drafts import (
+from tests.server.engine.drafts import (
     Branching,
     Collector,
     OracleDraft,
@@ -33,8 +33,8 @@ from tests.engine.drafts import (
     reference_greedy,
     start,
 )
-from tests.engine.test_batch import drive, mixed_generations
-from tests.engine.test_sampling import (
+from tests.server.engine.test_batch import drive, mixed_generations
+from tests.server.engine.test_sampling import (
     PROMPT,
     SAMPLES,
     chi_square_pvalue,

@@ -17,7 +17,7 @@ from server.engine.sampling import greedy_choice, walk
 from server.engine.speculative_engine import BreakerSettings
 from server.engine.token_tree import build_tree, depths, reached
 from server.engine.verify_pass import PassRow, VerifyPass
-from tests.engine.drafts import Branching, generate
+from tests.server.engine.drafts import Branching, generate
 
 # -- construction ------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from server.engine.calibration import Calibration
 from server.engine.costs import lowest_break_even
 from server.engine.live_costs import LiveCosts
 from server.engine.target import TargetModel
-from tests.engine.drafts import OracleDraft, Solo, reference_greedy, start
+from tests.server.engine.drafts import OracleDraft, Solo, reference_greedy, start
 
 # One row's passes of 1..7 tokens and of 12 and 17; two rows' of 2..14.
 QUIET = {(1, t): 0.020 * (1 + 0.02 * (t - 1)) for t in (*range(1, 8), 12, 17)}

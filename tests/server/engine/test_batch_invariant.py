@@ -33,7 +33,7 @@ from server.engine.verify_pass import PassRow, VerifyPass
 from server.runtime import load_runtime
 from server.settings import Settings
 from tests import tiny
-from tests.engine.drafts import Branching, Collector, OracleDraft, reference_greedy, start
+from tests.server.engine.drafts import Branching, Collector, OracleDraft, reference_greedy, start
 
 PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time there", "1, 2, 3, 4,")
 NEW_TOKENS = 16

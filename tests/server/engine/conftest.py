@@ -9,7 +9,7 @@ import torch
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.target import TargetModel
 from tests import tiny
-from tests.engine.drafts import never_matching_kenlm, reference_greedy
+from tests.server.engine.drafts import never_matching_kenlm, reference_greedy
 
 REFERENCE_TOKENS = 24
 

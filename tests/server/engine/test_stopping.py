@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kenspec_api.outputs import FinishReason
-from tests.engine.drafts import OracleDraft, generate, reference_greedy
+from tests.server.engine.drafts import OracleDraft, generate, reference_greedy
 
 PROMPT = "The quick brown fox"
 

@@ -12,7 +12,7 @@ from server.engine.draft_tree import Source
 from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings
-from tests.engine.drafts import generate
+from tests.server.engine.drafts import generate
 
 
 def row(vocab: int, scores: dict[int, float]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from server.engine.costs import PassCosts, chain_gains, choose_drafts
 from server.engine.generation import Generation
 from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams
-from tests.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
+from tests.server.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
 
 MAX_NEW = 20
 

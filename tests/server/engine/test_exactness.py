@@ -12,7 +12,7 @@ from server.engine.costs import PassCosts
 from server.engine.linear_kernels import decoder_linears, use_skinny
 from server.engine.target import TargetModel
 from tests import tiny
-from tests.engine.drafts import OracleDraft, generate, reference_greedy
+from tests.server.engine.drafts import OracleDraft, generate, reference_greedy
 
 MAX_NEW = 24
 

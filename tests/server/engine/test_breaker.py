@@ -25,7 +25,13 @@ from server.engine.draft_tree import Source
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
 from server.engine.speculator import Speculator
-from tests.engine.drafts import Collector, FixedDraft, OracleDraft, generate, reference_greedy
+from tests.server.engine.drafts import (
+    Collector,
+    FixedDraft,
+    OracleDraft,
+    generate,
+    reference_greedy,
+)
 
 MAX_NEW = 40
 

@@ -14,8 +14,8 @@ from server.engine import gguf_model
 from server.engine.target import TargetLoadError, TargetModel
 from server.settings import Settings
 from tests import tiny
-from tests.engine.drafts import generate
 from tests.gguf_files import write_header_only_gguf, write_llama_gguf
+from tests.server.engine.drafts import generate
 
 MAX_NEW = 24
 

@@ -8,7 +8,7 @@ import pytest
 
 from server.engine.context_draft import ContextDraft, ContextIndex
 from server.engine.draft_tree import Source
-from tests.engine.drafts import FixedDraft
+from tests.server.engine.drafts import FixedDraft
 
 
 def brute_force_continuation(

@@ -16,7 +16,7 @@ from server.engine.pass_logits import Logits
 from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
-from tests.engine.drafts import FixedDraft, generate
+from tests.server.engine.drafts import FixedDraft, generate
 
 
 def logits_with_argmax(argmaxes: list[int], vocab: int = 8, scale: float = 1.0) -> Logits:
