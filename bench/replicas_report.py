@@ -89,7 +89,8 @@ def outage_table(run: dict) -> list[str]:
     lines += [
         "",
         f"failed requests: {run['failed']}; request error log lines: {run['request_errors']}; "
-        f"answer stream warnings: {warnings}; caught up: {run['caught_up']} ({seconds} after "
+        f"answer stream warnings: {warnings}; slow drafts: {run.get('slow_drafts', 0)}; "
+        f"caught up: {run['caught_up']} ({seconds} after "
         f"the restart, reconnected in {catch['reconnect_s']:.1f} s; B's first round: "
         f"{catch['b_first_round_source'] or '-'})",
         "",

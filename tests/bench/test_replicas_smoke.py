@@ -5,8 +5,9 @@ its output files and the fields they hold."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
-from bench import replicas, routing
+from bench import outage, replicas, routing
 
 
 def test_round_robin_sends_a_repeat_to_another_replica() -> None:
@@ -118,3 +119,20 @@ def test_bench_replicas_outage_loses_no_request_and_catches_up(tiny_model_dir, t
         assert metrics["kenspec_shared_answers_published_total"] >= 1
         assert metrics['kenspec_shared_answers_connected{link="read"}'] == 1
     assert "caught up: True" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_outage_log_troubles_keep_slow_drafts_apart_from_request_errors() -> None:
+    """A slow draft (a busy machine's, its answer used) is counted, not taken for an error."""
+    events = [
+        {"level": "warning", "event": "shared_answers_unreachable", "link": "read"},
+        {"level": "warning", "event": "draft_slow", "error": "draft took 199.7 ms"},
+        {"level": "warning", "event": "draft_fault", "error": "RuntimeError()"},
+        {"level": "error", "event": "generate_failed"},
+        {"level": "info", "event": "request_done"},
+    ]
+    troubles = outage.log_troubles(SimpleNamespace(events=events))
+    assert troubles["stream_warnings"] == [("shared_answers_unreachable", "read")]
+    assert troubles["slow_drafts"] == 1
+    assert troubles["request_errors"] == 2
+    errors = [e["event"] for e in troubles["first_request_errors"]]
+    assert errors == ["draft_fault", "generate_failed"]
