@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 # Hugging Face parameter name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.")
 _LAYER_NAMES = {
@@ -22,6 +22,24 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+
+
+def gguf_loaded_tied_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """A tiny Llama with tied embeddings whose config claims GGUF quantization, as a model
+    transformers loaded from a GGUF file carries (what the plain copy must drop)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    config.quantization_config = {"quant_method": "gguf"}
+    return LlamaForCausalLM(config).eval()
 
 
 def _permuted(weight: torch.Tensor, heads: int) -> np.ndarray:

@@ -17,11 +17,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from server.engine import gguf_model
 from tests import tiny
+from tests.gguf_files import gguf_loaded_tied_llama
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_default_model.py"
 
@@ -165,29 +165,13 @@ def test_main_refuses_to_overwrite_a_foreign_directory(tmp_path: Path, monkeypat
     assert (foreign / "notes.txt").exists()
 
 
-def _tiny_tied_model(tokenizer) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    config.quantization_config = {"quant_method": "gguf"}  # as a GGUF-loaded config carries
-    return LlamaForCausalLM(config).eval()
-
-
 def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
     tmp_path: Path, monkeypatch
 ) -> None:
     tokenizer = tiny.build_byte_tokenizer()
     tokenizer.chat_template = None  # as a GGUF without tokenizer.chat_template
     tokenizer.pad_token = None  # or padding id
-    model = _tiny_tied_model(tokenizer)
+    model = gguf_loaded_tied_llama(tokenizer)
     monkeypatch.setattr(gguf_model, "load_gguf", lambda gguf, dtype: (model, tokenizer))
     dest = tmp_path / "models" / "tiny"
     fdm.convert(fdm.DEFAULT_SOURCE, tmp_path / "unused.gguf", dest, verify_tokens=6)

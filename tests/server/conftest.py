@@ -78,6 +78,33 @@ def runtime(base_settings: Settings) -> Runtime:
     return load_runtime(base_settings)
 
 
+class Servers:
+    """KenspecServers a test starts, each started and loaded, all stopped when it ends."""
+
+    def __init__(self) -> None:
+        self._started: list[KenspecServer] = []
+
+    async def start(self, settings: Settings, loader: Callable | None = None) -> KenspecServer:
+        """A started, loaded server (`loader`: e.g. serve_loaded(runtime); None: its own)."""
+        server = KenspecServer(settings) if loader is None else KenspecServer(settings, loader)
+        self._started.append(server)
+        await server.start()
+        await server.load()
+        return server
+
+    async def stop_all(self) -> None:
+        for server in self._started:
+            await server.stop(0)
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Servers]:
+    """Servers.start(settings, loader=None) -> a started, loaded server, stopped afterwards."""
+    started = Servers()
+    yield started
+    await started.stop_all()
+
+
 @pytest.fixture
 async def start_server(base_settings, runtime) -> AsyncIterator[Callable]:
     """start_server(**setting_overrides) -> (server, stub); every server is stopped afterwards."""

@@ -16,7 +16,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from server.lifecycle import KenspecServer
 from server.metrics import Metrics
 from server.settings import Settings
 from tests import tiny
-from tests.server.conftest import TIMEOUT, until
+from tests.server.conftest import TIMEOUT, Servers, until
 
 
 class RedisServer:
@@ -95,10 +95,9 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-async def replica(base_settings: Settings, redis_server) -> AsyncIterator[Callable]:
+async def replica(base_settings: Settings, redis_server, servers: Servers) -> Callable:
     """replica(share=True, **settings) -> a started, loaded KenspecServer with its own runtime,
     sharing answers through redis_server (or not)."""
-    started: list[KenspecServer] = []
 
     async def start(share: bool = True, **overrides: object) -> KenspecServer:
         settings = replace(
@@ -108,15 +107,9 @@ async def replica(base_settings: Settings, redis_server) -> AsyncIterator[Callab
             share_answers=redis_server.url if share else "",
             **overrides,
         )
-        server = KenspecServer(settings)  # load_runtime: a runtime of its own
-        started.append(server)
-        await server.start()
-        await server.load()
-        return server
+        return await servers.start(settings)  # load_runtime: a runtime of its own
 
-    yield start
-    for server in started:
-        await server.stop(0)
+    return start
 
 
 async def rounds(server: KenspecServer, prompt: str, token: str = "") -> list[pb.GenerateResponse]:

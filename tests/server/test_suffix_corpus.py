@@ -4,7 +4,7 @@ so that a round's source is one source. Without the corpus the same first round 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.lifecycle import KenspecServer
 from server.settings import Settings, parse_settings
-from tests.server.conftest import TIMEOUT
+from tests.server.conftest import TIMEOUT, Servers
 
 PROMPT = "Speculative decoding"
 CORPUS = (
@@ -26,9 +26,8 @@ CORPUS = (
 
 
 @pytest.fixture
-async def undrafted(base_settings: Settings, tmp_path: Path) -> AsyncIterator[Callable]:
+async def undrafted(base_settings: Settings, tmp_path: Path, servers: Servers) -> Callable:
     """undrafted(corpus: bool) -> a started, loaded server with --draft none (its own runtime)."""
-    started: list[KenspecServer] = []
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS, encoding="utf-8")
 
@@ -41,15 +40,9 @@ async def undrafted(base_settings: Settings, tmp_path: Path) -> AsyncIterator[Ca
             recycled_predictions=False,
             suffix_corpus=str(corpus) if with_corpus else "",
         )
-        server = KenspecServer(settings)
-        started.append(server)
-        await server.start()
-        await server.load()
-        return server
+        return await servers.start(settings)
 
-    yield start
-    for server in started:
-        await server.stop(0)
+    return start
 
 
 async def first_round_source(server: KenspecServer) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from server.lifecycle import KenspecServer
 from server.runtime import Runtime, load_runtime
 from server.security import tenant_of
 from server.settings import Settings
-from tests.server.conftest import TIMEOUT
+from tests.server.conftest import TIMEOUT, Servers
 
 PROMPT = "The quick brown fox"
 
@@ -53,20 +53,13 @@ def tokens(tmp_path: Path) -> tuple[Path, str, str]:
 
 
 @pytest.fixture
-async def serve(base_settings, serve_loaded) -> AsyncIterator[Callable]:
+async def serve(base_settings, serve_loaded, servers: Servers) -> Callable:
     """serve(runtime, **settings) -> a started, loaded KenspecServer over `runtime`."""
-    started: list[KenspecServer] = []
 
     async def start(runtime: Runtime, **overrides: object) -> KenspecServer:
-        server = KenspecServer(replace(base_settings, **overrides), loader=serve_loaded(runtime))
-        started.append(server)
-        await server.start()
-        await server.load()
-        return server
+        return await servers.start(replace(base_settings, **overrides), serve_loaded(runtime))
 
-    yield start
-    for server in started:
-        await server.stop(0)
+    return start
 
 
 async def rounds(server: KenspecServer, token: str, prompt: str = PROMPT, new: int = 24) -> list:

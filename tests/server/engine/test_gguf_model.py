@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from server.engine import gguf_model
 from server.engine.target import TargetLoadError, TargetModel
 from server.settings import Settings
 from tests import tiny
-from tests.gguf_files import write_header_only_gguf, write_llama_gguf
+from tests.gguf_files import gguf_loaded_tied_llama, write_header_only_gguf, write_llama_gguf
 from tests.server.engine.drafts import generate
 
 MAX_NEW = 24
@@ -120,18 +119,7 @@ def test_a_folder_of_several_gguf_files_and_a_foreign_file_are_refused(tmp_path:
 
 
 def test_the_plain_copy_keeps_tied_embeddings_tied_and_drops_the_gguf_claim() -> None:
-    tokenizer = tiny.build_byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    config.quantization_config = {"quant_method": "gguf"}  # as a GGUF-loaded config carries
-    source = LlamaForCausalLM(config).eval()
+    source = gguf_loaded_tied_llama(tiny.build_byte_tokenizer())
     copy = gguf_model.plain_copy(source)
     assert "quantization_config" not in vars(copy.config)
     assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
