@@ -41,6 +41,14 @@ class Source:
         return cls(kind, int(bucket) if bucket else 0)
 
 
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1: a child of the root), for parents that come before children."""
+    result: list[int] = []
+    for parent in parents:
+        result.append(1 if parent < 0 else result[parent] + 1)
+    return result
+
+
 def chain_parents(count: int) -> tuple[int, ...]:
     """The parents of a chain of `count` drafts: each follows the one before (-1: the root)."""
     return tuple(range(-1, count - 1))
@@ -106,10 +114,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Each node's depth (1: a child of the root)."""
-        result: list[int] = []
-        for parent in self.parents:
-            result.append(1 if parent < 0 else result[parent] + 1)
-        return result
+        return depths(self.parents)
 
     def reached(self, path: Sequence[int]) -> list[int]:
         """The nodes a walk that accepted `path` tried: the children of the root and of every

@@ -126,18 +126,3 @@ def build_tree(
         sources.append(tuple(node.sources))
         push_children(node, index, -negative)
     return DraftTree(tuple(tokens), tuple(parents), tuple(paths), tuple(sources))
-
-
-def depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth (1: a child of the root); parents come before their children."""
-    result: list[int] = []
-    for parent in parents:
-        result.append(1 if parent < 0 else result[parent] + 1)
-    return result
-
-
-def reached(parents: Sequence[int], path: Sequence[int]) -> list[int]:
-    """The nodes a walk that accepted `path` tried: the children of the root and of every
-    accepted node (each was accepted or rejected; the others were never looked at)."""
-    on_path = {-1, *path}
-    return [node for node, parent in enumerate(parents) if parent in on_path]

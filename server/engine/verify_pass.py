@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from server.engine.draft_tree import chain_parents
+from server.engine.draft_tree import chain_parents, depths
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +87,8 @@ class PassRow:
         if self.parents is None:
             return len(self.drafts)
         pending = self.pending_position
-        depths: list[int] = []
-        for node, parent in enumerate(self.parents):
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-            if (pending + 1 + node) // block != (pending + depths[node]) // block:
+        for node, depth in enumerate(depths(self.parents)):
+            if (pending + 1 + node) // block != (pending + depth) // block:
                 return node
         return len(self.parents)
 
