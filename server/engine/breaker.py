@@ -29,7 +29,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from functools import partial
 from typing import TypeVar, cast
 
 import pybreaker
@@ -37,7 +36,6 @@ import structlog
 
 from kenspec_api.outputs import BreakerState
 from server.engine.costs import expected_tokens_per_round, solve_acceptance
-from server.engine.draft import Candidates, DraftSession
 
 log = structlog.get_logger("kenspec.breaker")
 
@@ -302,10 +300,6 @@ class DraftFaultBreaker:
     @property
     def reset_timeout_s(self) -> float:
         return self._clocked.reset_timeout_s
-
-    def propose(self, session: DraftSession, k: int, request_id: str = "") -> Candidates | None:
-        """The session's candidates, or None when the breaker is open or the draft failed."""
-        return self.call(partial(session.propose, k), request_id)
 
     def call(self, draft: Callable[[], Drafted], request_id: str = "") -> Drafted | None:
         """What `draft()` returns (on the draft thread, timed), or None when the breaker is

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 
 import pytest
 
@@ -237,14 +238,16 @@ class TimedSession(DraftSession):
 def test_slow_draft_counts_as_a_fault_but_its_proposal_is_used(clock) -> None:
     faults = DraftFaultBreaker(fault_max=2, reset_timeout_s=60, latency_budget_s=0.5, clock=clock)
     on_budget, slow = TimedSession(clock, 0.5), TimedSession(clock, 1.0)
-    for _ in range(3):
-        assert faults.propose(on_budget, 1) == (Chain((1,), (1.0,)),)  # within: no fault
+    for _ in range(3):  # within: no fault
+        assert faults.call(partial(on_budget.propose, 1)) == (
+            Chain((1,), (1.0,)),
+        )  # within: no fault
     assert faults.state is BreakerState.CLOSED
-    assert faults.propose(slow, 1) == (Chain((1,), (1.0,)),)
+    assert faults.call(partial(slow.propose, 1)) == (Chain((1,), (1.0,)),)
     assert faults.state is BreakerState.CLOSED
-    assert faults.propose(slow, 1) == (Chain((1,), (1.0,)),)
+    assert faults.call(partial(slow.propose, 1)) == (Chain((1,), (1.0,)),)
     assert faults.state is BreakerState.OPEN
-    assert faults.propose(slow, 1) is None
+    assert faults.call(partial(slow.propose, 1)) is None
     assert slow.calls == 2  # open: the draft is not called at all
     assert faults.reset_timeout_s == 60.0 and faults.fault_max == 2  # as configured
 
@@ -489,8 +492,8 @@ def test_hanging_draft_is_abandoned_and_counted_as_a_fault(clock) -> None:
         fault_max=2, reset_timeout_s=60, latency_budget_s=0.001, hang_timeout_s=0.2, clock=clock
     )
     try:
-        assert faults.propose(HangingSession(), 2) is None
-        assert faults.propose(HangingSession(), 2) is None
+        assert faults.call(partial(HangingSession().propose, 2)) is None
+        assert faults.call(partial(HangingSession().propose, 2)) is None
         assert returned == []  # both drafts still hang: the engine went on without them
         assert faults.state is BreakerState.OPEN
     finally:
