@@ -13,10 +13,12 @@ import torch
 
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
+from server.engine import cpu_gemv
 from server.engine.attention_choice import measure_grouped
 from server.engine.calibration import Calibration, calibrate
 from server.engine.costs import Costs, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
+from server.engine.fast_step import LlamaStep, Unsupported
 from server.engine.intake import BatchSettings
 from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
@@ -86,6 +88,8 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         )
         skinny_rows: set[int] = set()
     else:
+        if settings.fast_step:
+            _choose_fast_step(target)
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
         _choose_attention_kernels(target, settings.attention)
     breaker_settings, costs, save_costs = _breaker_settings_and_costs(
@@ -262,6 +266,32 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
     return set(rows)
 
 
+def _choose_fast_step(target: TargetModel) -> None:
+    """A bfloat16 Llama-family target on a CPU: the lean decoder loop, its products' kernels
+    timed by row count (engine.fast_step), where it supports the model."""
+    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+        return
+    started = time.perf_counter()
+    try:
+        step = LlamaStep(target.model, cpu_gemv.load())
+    except Unsupported as reason:
+        log.info("fast_step", used=False, reason=str(reason))
+        return
+    timings = step.measure()
+    target.fast_step = step
+    log.info(
+        "fast_step",
+        used=True,
+        decoder=step.products.plan.describe(),
+        head=step.head.plan.describe(),
+        seconds=round(time.perf_counter() - started, 2),
+        ms={
+            part: {rows: {k: round(s * 1000, 2) for k, s in by.items()} for rows, by in t.items()}
+            for part, t in timings.items()
+        },
+    )
+
+
 def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
     """Passes of a few queries per row through grouped products instead of SDPA, by width and
     from the context length where timed faster (engine.attention_choice); or (--attention)
@@ -316,6 +346,7 @@ def _breaker_settings_and_costs(
         dtype=str(target.dtype),
         device=str(target.device),
         skinny_rows=sorted(skinny_rows),
+        fast_step=None if target.fast_step is None else target.fast_step.describe(),
         attention=[list(entry) for entry in target.kernels.grouped],
         batch_invariant=settings.batch_invariant,
         gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,

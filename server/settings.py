@@ -61,6 +61,7 @@ class Settings:
     min_draft_prob: float = 0.4
     pad_verify: bool = True
     skinny_gemm: bool = True
+    fast_step: bool = True
     attention: str = "auto"
     batch_invariant: bool = False
     draft_context: bool = True
@@ -190,6 +191,10 @@ _HELP = {
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
     "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-5 tokens "
     "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
+    "fast_step": "on CPU in bfloat16, run Llama, Mistral and Qwen2 models through kenspec's "
+    "lean decoder loop (fused products, each product's kernel timed at start-up by row "
+    "count: an AVX512-BF16 GEMV, oneDNN with packed weights, or torch's); --no-fast-step "
+    "keeps transformers' forward",
     "attention": "attention of passes with a few queries per row: auto (grouped products over "
     "the cache where timed faster than SDPA at start-up, by queries per row and context "
     "length), sdpa (torch's scaled_dot_product_attention always) or grouped (always, up to "

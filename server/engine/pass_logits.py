@@ -29,7 +29,7 @@ sequence runs one argmax over the 4 rows and one copy of 4 ints; the other's cop
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,21 +49,29 @@ class OutputLayer:
     """A plain output layer, for rows computed from hidden states."""
 
     weight: torch.Tensor  # [vocab, hidden_size]
-    transposed: torch.Tensor  # [hidden_size, vocab]: the weight transposed, for one-row GEMVs
+    transposed: torch.Tensor | None  # [hidden_size, vocab]: for one-row GEMVs (None: product)
     softcap: float | None = None  # final_logit_softcapping
+    # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step)
+    product: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of hidden [rows, hidden_size]: a GEMV for one row, else
         weight @ hidden^T (for a wide head and a few rows, far cheaper than hidden @ weight^T
         on CPUs; docs/design.md)."""
         with torch.inference_mode():
-            if hidden.shape[0] == 1:
+            if self.product is not None:
+                return capped(self.product(hidden), self.softcap)
+            if hidden.shape[0] == 1 and self.transposed is not None:
                 return capped(hidden @ self.transposed, self.softcap)
             return capped((self.weight @ hidden.t()).t(), self.softcap)
 
     def row(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of one hidden state [hidden_size]: a GEMV."""
         with torch.inference_mode():
+            if self.product is not None:
+                return capped(self.product(hidden[None]), self.softcap)[0]
+            if self.transposed is None:
+                return capped(self.weight @ hidden, self.softcap)
             return capped(hidden @ self.transposed, self.softcap)
 
 

@@ -25,6 +25,7 @@ from server.engine.architecture import (
     served_context,
 )
 from server.engine.attention import PACKED_ATTENTION
+from server.engine.fast_step import LlamaStep
 from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
 from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
@@ -102,6 +103,9 @@ class TargetModel:
     # The kernels its passes take (attention's choice, batch-invariant mode), chosen at
     # start-up (server.runtime) and handed to attention by every pass (Packing.kernels).
     kernels: Kernels = field(default_factory=Kernels)
+    # The lean decoder passes run through instead of the model's own (engine.fast_step), with
+    # the output layer's product; None: transformers' forward (chosen at start-up, runtime).
+    fast_step: LlamaStep | None = None
 
     @classmethod
     def load(
@@ -229,7 +233,7 @@ class TargetModel:
             [row.tokens for row in rows],
             verify.first_row,
             verify.width,
-            logits=not self.plain_head if self.pass_rows else self.head_t is None,
+            logits=not self.plain_head if self.pass_rows else not self._lazy_rows,
             parents=[row.feed_parents() for row in rows],
         )
         spans = [  # [begin, end) of each row's scored tokens among the pass's
@@ -238,13 +242,18 @@ class TargetModel:
         ]
         if self.pass_rows:
             return self._pass_rows(hidden, spans)
-        if self.head_t is None:  # hidden holds the model's logits [tokens, vocab]
+        if not self._lazy_rows:  # hidden holds the model's logits [tokens, vocab]
             return [Logits.of(hidden[begin:end].float()) for begin, end in spans]
         return lazy_logits(hidden, spans, self._output_layer())
 
+    @property
+    def _lazy_rows(self) -> bool:
+        """Rows of logits computed from hidden states as read (a plain head on a CPU)."""
+        return self.fast_step is not None or self.head_t is not None
+
     def _output_layer(self) -> OutputLayer:
-        assert self.head_t is not None
-        return OutputLayer(self._head_weight(), self.head_t, self.softcap)
+        product = None if self.fast_step is None else self.fast_step.logits
+        return OutputLayer(self._head_weight(), self.head_t, self.softcap, product)
 
     def _head_weight(self) -> torch.Tensor:
         """The output layer's weight [vocab, hidden_size]."""
@@ -309,6 +318,10 @@ class TargetModel:
         }
         if logits:
             return self.model(**inputs).logits[0], packed.starts
+        if self.fast_step is not None:
+            return self.fast_step(
+                packed.input_ids, packed.positions, cache, packed.packing
+            ), packed.starts
         return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
 
 

@@ -1,0 +1,316 @@
+"""The target's step without transformers' layers: a lean forward for the Llama family.
+
+A bfloat16 decoding step of a small model through transformers' eager layers spends about
+half its time outside the weight products: ~500 small tensor operations and the Python around
+them (docs/design.md, "The target's step"). `LlamaStep` runs the same computation with
+fewer: q/k/v as one product and gate/up as one, rotary and normalisation from the model's
+own modules, kenspec's packed attention and cache as before, and each product through the
+kernel measured fastest for its row count (`Products`):
+
+- `gemv`: csrc/gemv.c, one pass over the weights (cpu_gemv), on CPUs with AVX512-BF16;
+- `packed`: oneDNN with the weights laid out once at start-up for it (AMX where present);
+- `stock`: torch's `F.linear`.
+
+It serves only what it reproduces: Llama, Mistral and Qwen2 models (model types in
+`FAMILIES`) without sliding windows, on a CPU, in bfloat16. Anything else keeps the stock
+forward, and float32 always does, so float32 output stays identical to transformers'
+`generate`. In bfloat16 a product summed by another kernel differs in its last bits, as any two
+GEMM kernels do; speculation's output still equals plain decoding through the same step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from server.engine import cpu_gemv
+from server.engine.attention import packed_attention
+from server.engine.kv_cache import SlotCache
+from server.engine.packing import Packing
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+KERNELS = ("stock", "packed", "gemv")
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's products take
+
+
+class Unsupported(ValueError):
+    """The model is not one LlamaStep reproduces (the reason is the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """Which kernel takes a product of `rows` rows: the one measured fastest at the largest
+    measured row count at or below it (below the first: stock)."""
+
+    choices: tuple[tuple[int, str], ...] = ((1, "stock"),)  # (from rows, kernel), ascending
+
+    def kernel(self, rows: int) -> str:
+        chosen = "stock"
+        for first, name in self.choices:
+            if rows < first:
+                break
+            chosen = name
+        return chosen
+
+    @classmethod
+    def fastest(cls, timings: dict[int, dict[str, float]], margin: float = 0.03) -> RowPlan:
+        """The plan taking, at each measured row count, the fastest kernel (stock unless
+        another is `margin` faster). timings: {rows: {kernel: seconds}}, stock included."""
+        choices: list[tuple[int, str]] = []
+        for count in sorted(timings):
+            seconds = timings[count]
+            best = min(seconds, key=seconds.__getitem__)
+            if seconds[best] > seconds["stock"] * (1 - margin):
+                best = "stock"
+            if not choices or choices[-1][1] != best:
+                choices.append((count, best))
+        return cls(tuple(choices))
+
+    def describe(self) -> str:
+        """E.g. "1:gemv 2:packed 64:stock" (from which row count each kernel takes over)."""
+        return " ".join(f"{first}:{name}" for first, name in self.choices)
+
+    @property
+    def kernels(self) -> frozenset[str]:
+        return frozenset(name for _, name in self.choices)
+
+
+@dataclass(eq=False)
+class Product:
+    """x @ weight^T (+ bias) for x [rows, in]: one linear layer, or several side by side."""
+
+    weight: torch.Tensor  # [out, in], contiguous
+    bias: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's layout of weight, once a plan uses it
+
+    @classmethod
+    def of(cls, layers: Sequence[nn.Linear]) -> Product:
+        weight = torch.cat([layer.weight for layer in layers]).contiguous()
+        biases = [layer.bias for layer in layers]
+        if all(bias is None for bias in biases):
+            return cls(weight)
+        bias = torch.cat(
+            [
+                b if b is not None else layer.weight.new_zeros(layer.out_features)
+                for b, layer in zip(biases, layers, strict=True)
+            ]
+        )
+        return cls(weight, bias)
+
+    def pack(self) -> None:
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+
+    def run(self, x: torch.Tensor, kernel: str, gemv: cpu_gemv.Gemv | None) -> torch.Tensor:
+        if kernel == "gemv" and gemv is not None:
+            out = gemv(x, self.weight)
+            return out if self.bias is None else out.add_(self.bias)
+        if kernel == "packed" and self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            assert isinstance(out, torch.Tensor)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(eq=False)
+class Products:
+    """The step's products and the kernel plan they share."""
+
+    products: list[Product] = field(default_factory=list)
+    plan: RowPlan = field(default_factory=RowPlan)
+    gemv: cpu_gemv.Gemv | None = None
+
+    def __call__(self, product: Product, x: torch.Tensor) -> torch.Tensor:
+        return product.run(x, self.plan.kernel(x.shape[0]), self.gemv)
+
+    def add(self, layers: Sequence[nn.Linear]) -> Product:
+        product = Product.of(layers)
+        self.products.append(product)
+        return product
+
+    def candidates(self) -> tuple[str, ...]:
+        """Kernels this machine can run for bfloat16 products on a CPU."""
+        found = ["stock"]
+        try:
+            probe = torch.ops.mkldnn._reorder_linear_weight(
+                torch.zeros(8, 32, dtype=torch.bfloat16), 1
+            )
+            torch.ops.mkldnn._linear_pointwise(
+                torch.zeros(1, 32, dtype=torch.bfloat16), probe, None, "none", [], ""
+            )
+            found.append("packed")
+        except (RuntimeError, AttributeError):
+            pass
+        if self.gemv is not None:
+            found.append("gemv")
+        return tuple(found)
+
+    @torch.inference_mode()
+    def measure(
+        self, rows: Iterable[int] = MEASURED_ROWS, *, repeats: int = 3, margin: float = 0.03
+    ) -> dict[int, dict[str, float]]:
+        """Time every candidate kernel over the whole stack of products (which streams the
+        weights from memory, as a step does) at each row count, alternating; the plan becomes
+        the fastest at each (stock unless another is `margin` faster). {rows: {kernel: s}}."""
+        kernels = self.candidates()
+        if "packed" in kernels:
+            for product in self.products:
+                product.pack()
+        timings: dict[int, dict[str, float]] = {}
+        for count in rows:
+            inputs = {
+                size: torch.randn(count, size, dtype=self.products[0].weight.dtype)
+                for size in {p.weight.shape[1] for p in self.products}
+            }
+            samples: dict[str, list[float]] = {name: [] for name in kernels}
+            for repeat in range(repeats + 1):  # the first of each warms up and is dropped
+                for name in kernels if repeat % 2 else reversed(kernels):
+                    started = time.perf_counter()
+                    for product in self.products:
+                        product.run(inputs[product.weight.shape[1]], name, self.gemv)
+                    samples[name].append(time.perf_counter() - started)
+            timings[count] = {name: statistics.median(s[1:]) for name, s in samples.items()}
+        self.plan = RowPlan.fastest(timings, margin)
+        if "packed" not in self.plan.kernels:
+            for product in self.products:
+                product.packed = None  # oneDNN's copy of the weights is not kept unused
+        return timings
+
+
+@dataclass(eq=False)
+class _Layer:
+    attention: nn.Module  # the model's own, for packed_attention's arguments
+    input_norm: nn.Module
+    post_norm: nn.Module
+    qkv: Product
+    out: Product
+    gate_up: Product
+    down: Product
+    splits: tuple[int, int, int]
+    heads: tuple[int, int, int]  # query heads, key/value heads, head dim
+    act: nn.Module
+
+
+class LlamaStep:
+    """The decoder of a Llama-family model as one lean loop (see the module's doc)."""
+
+    def __init__(self, model: PreTrainedModel, gemv: cpu_gemv.Gemv | None) -> None:
+        check(model)
+        config = model.config
+        inner = model.base_model
+        self.embed: nn.Module = inner.get_submodule("embed_tokens")
+        self.rotary: nn.Module = inner.get_submodule("rotary_emb")
+        self.norm: nn.Module = inner.get_submodule("norm")
+        self.products = Products(gemv=gemv)
+        heads = config.num_attention_heads
+        kv_heads = config.num_key_value_heads or heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.layers: list[_Layer] = []
+        decoder = inner.get_submodule("layers")
+        assert isinstance(decoder, nn.ModuleList)
+        for layer in decoder:
+            attn, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.get_submodule("input_layernorm"),
+                    post_norm=layer.get_submodule("post_attention_layernorm"),
+                    qkv=self.products.add(
+                        [_linear(attn, n) for n in ("q_proj", "k_proj", "v_proj")]
+                    ),
+                    out=self.products.add([_linear(attn, "o_proj")]),
+                    gate_up=self.products.add([_linear(mlp, "gate_proj"), _linear(mlp, "up_proj")]),
+                    down=self.products.add([_linear(mlp, "down_proj")]),
+                    splits=(heads * dim, kv_heads * dim, kv_heads * dim),
+                    heads=(heads, kv_heads, dim),
+                    act=mlp.get_submodule("act_fn"),
+                    attention=attn,
+                )
+            )
+        self.scaling = dim**-0.5  # transformers' Llama attention scale
+        self.head = Products(gemv=gemv)  # the output layer: its own shape, its own plan
+        head = model.get_output_embeddings()
+        assert isinstance(head, nn.Linear)
+        self._head = self.head.add([head])
+
+    def measure(self) -> dict[str, dict[int, dict[str, float]]]:
+        """Choose each product's kernel by row count (Products.measure); the timings."""
+        return {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
+
+    def describe(self) -> str:
+        """The kernel plans, e.g. for the calibration cache's key."""
+        return f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""
+        return self.head(self._head, hidden.contiguous())
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: SlotCache,
+        packing: Packing,
+    ) -> torch.Tensor:
+        """The final hidden states [tokens, hidden] of a packed pass (as the base model's
+        last_hidden_state[0]); writes the pass's keys and values into the bound cache rows."""
+        hidden = self.embed(input_ids)  # [1, tokens, hidden]
+        cos, sin = self.rotary(hidden, position_ids)
+        tokens = hidden.shape[1]
+        run = self.products
+        for index, layer in enumerate(self.layers):
+            x = layer.input_norm(hidden)[0]
+            heads, kv_heads, dim = layer.heads
+            q, k, v = run(layer.qkv, x).split(layer.splits, dim=-1)
+            q = q.view(1, tokens, heads, dim).transpose(1, 2)
+            k = k.view(1, tokens, kv_heads, dim).transpose(1, 2)
+            v = v.view(1, tokens, kv_heads, dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys, values = cache.update(k, v, index)
+            attended, _ = packed_attention(
+                layer.attention, q, keys, values, packing.mask, self.scaling, packing=packing
+            )
+            hidden = hidden + run(layer.out, attended.reshape(tokens, heads * dim))[None]
+            x = layer.post_norm(hidden)[0]
+            gate, up = run(layer.gate_up, x).chunk(2, dim=-1)
+            hidden = hidden + run(layer.down, layer.act(gate) * up)[None]
+        out: torch.Tensor = self.norm(hidden)[0]
+        return out
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    layer = module.get_submodule(name)
+    assert isinstance(layer, nn.Linear)  # check() saw to it
+    return layer
+
+
+def check(model: PreTrainedModel) -> None:
+    """Raise Unsupported unless LlamaStep computes what the model's own forward does."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        raise Unsupported(
+            f"model type {config.model_type!r} (the fast step serves {sorted(FAMILIES)})"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise Unsupported("sliding-window attention")
+    if getattr(config, "mlp_bias", False):
+        raise Unsupported("biased MLP layers")
+    inner = model.base_model
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb"):
+        raise Unsupported("no decoder layers or rotary embedding where Llama keeps them")
+    for layer in layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if type(getattr(attn, name, None)) is not nn.Linear:
+                raise Unsupported(f"{name} is not a plain linear layer")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if type(getattr(layer.mlp, name, None)) is not nn.Linear:
+                raise Unsupported(f"mlp.{name} is not a plain linear layer")

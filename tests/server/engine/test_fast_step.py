@@ -1,0 +1,210 @@
+"""The lean decoder loop (engine.fast_step) and its kernels: the same function as
+transformers' layers, the GEMV's sums independent of the row count, kernel plans by row
+count, and the models and machines it is refused for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from server.engine import cpu_gemv
+from server.engine.fast_step import LlamaStep, Product, RowPlan, Unsupported
+from server.engine.kenlm_draft import KenLMDraft
+from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
+from tests import tiny
+from tests.server.engine.drafts import generate
+from tests.tiny_architectures import save_architecture
+
+GEMV = cpu_gemv.load()
+NO_GEMV = pytest.mark.skipif(GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)")
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
+
+
+def test_row_plan_takes_the_kernel_measured_at_or_below() -> None:
+    plan = RowPlan(((1, "gemv"), (2, "packed"), (34, "stock")))
+    assert [plan.kernel(rows) for rows in (1, 2, 17, 33, 34, 500)] == [
+        "gemv", "packed", "packed", "packed", "stock", "stock"
+    ]  # fmt: skip
+    assert RowPlan().kernel(7) == "stock"
+    assert RowPlan(((4, "packed"),)).kernel(3) == "stock"  # below the first measured count
+    assert plan.describe() == "1:gemv 2:packed 34:stock"
+
+
+def test_plan_is_the_fastest_kernel_by_row_count() -> None:
+    timings = {
+        1: {"stock": 20.0, "packed": 13.0, "gemv": 11.0},
+        2: {"stock": 20.0, "packed": 13.0, "gemv": 15.0},
+        8: {"stock": 20.0, "packed": 13.5, "gemv": 27.0},
+        64: {"stock": 25.0, "packed": 24.9, "gemv": 130.0},  # within the margin: stock
+    }
+    assert RowPlan.fastest(timings).describe() == "1:gemv 2:packed 64:stock"
+
+
+def test_fused_product_is_its_layers_side_by_side() -> None:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(24, n, bias=b) for n, b in ((16, True), (8, False), (8, True))]
+    product = Product.of(layers)
+    x = torch.randn(5, 24)
+    expected = torch.cat([layer(x) for layer in layers], dim=-1)
+    torch.testing.assert_close(product.run(x, "stock", None), expected)
+    product.pack()
+    torch.testing.assert_close(product.run(x, "packed", None), expected, rtol=1e-5, atol=1e-5)
+
+
+@NO_GEMV
+@pytest.mark.parametrize("k", [576, 77, 32, 1])
+def test_gemv_is_the_product_rounded_once(k: int) -> None:
+    """Each output is the exact dot product (float64) up to float32 summation, rounded to
+    bf16 once: within one bf16 step of the float64 result."""
+    assert GEMV is not None
+    torch.manual_seed(k)
+    x, w = torch.randn(9, k).bfloat16(), torch.randn(300, k).bfloat16()
+    exact = x.double() @ w.double().t()
+    got = GEMV(x, w).double()
+    step = exact.abs().clamp(min=1e-30) * 2.0**-7  # a bf16 step (8 significant bits)
+    assert bool(((got - exact).abs() <= step + 1e-6 * k).all())
+
+
+@NO_GEMV
+def test_gemv_row_bits_do_not_depend_on_the_row_count() -> None:
+    """A row's outputs are bit-identical alone or among 1..17 rows: one summation order."""
+    assert GEMV is not None
+    torch.manual_seed(1)
+    x, w = torch.randn(17, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    alone = torch.cat([GEMV(x[i : i + 1], w) for i in range(17)])
+    for rows in (2, 3, 4, 5, 8, 17):
+        assert torch.equal(GEMV(x[:rows], w), alone[:rows])
+
+
+def test_gemv_refused_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_gemv.load.cache_clear()
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    try:
+        assert cpu_gemv.load() is None
+    finally:
+        cpu_gemv.load.cache_clear()
+
+
+def test_gemv_build_failure_is_refused_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A compiler that fails leaves the server on torch's kernels (load() is None)."""
+    cpu_gemv.load.cache_clear()
+    failing = tmp_path / "cc"
+    failing.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\nexit 1\n')
+    failing.chmod(0o755)
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(cpu_gemv, "CACHE", tmp_path / "kernels")
+    monkeypatch.setenv("CC", str(failing))
+    try:
+        assert cpu_gemv.load() is None
+    finally:
+        cpu_gemv.load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return tiny.build_byte_tokenizer()
+
+
+def _served(directory: Path, dtype: str, plan: RowPlan | None) -> TargetModel:
+    target = TargetModel.load(directory, device="cpu", dtype=dtype)
+    if plan is not None:
+        target.fast_step = LlamaStep(target.model, GEMV)
+        if "packed" in plan.kernels:
+            for product in (*target.fast_step.products.products, *target.fast_step.head.products):
+                product.pack()
+        target.fast_step.products.plan = target.fast_step.head.plan = plan
+    return target
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("plan", [RowPlan(), RowPlan(((1, "packed"),))], ids=["stock", "packed"])
+def test_float32_greedy_with_speculation_is_transformers_generate(
+    model_type: str, plan: RowPlan, tokenizer, tmp_path: Path
+) -> None:
+    """Through the lean loop (fused products, its own kernels), speculation with a partly
+    matching draft gives transformers' own greedy output, token for token (float32)."""
+    directory = save_architecture(tmp_path / model_type, tokenizer, model_type)
+    shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    served = _served(directory, "float32", plan)
+    references = {}
+    for prompt in PROMPTS:
+        ids = served.encode_prompt(prompt)
+        output = shipped.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=20,
+        )  # fmt: skip
+        references[prompt] = (ids, output[0, len(ids) :].tolist())
+    arpa = tiny.train_arpa(
+        tmp_path / "draft.arpa",
+        [continuation[:10] for _, continuation in references.values()],
+        range(len(tokenizer)),
+        order=3,
+    )
+    draft = KenLMDraft.load(arpa, vocab_size=served.vocab_size)
+    for ids, expected in references.values():
+        generation = generate(served, draft, ids, max_new_tokens=20, k=4, tree_budget=8)
+        for _ in generation:
+            pass
+        assert generation.output_ids == expected
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [RowPlan(((1, "packed"),)), pytest.param(RowPlan(((1, "gemv"),)), marks=NO_GEMV)],
+    ids=["packed", "gemv"],
+)
+def test_bfloat16_pass_logits_match_transformers_layers(
+    plan: RowPlan, tokenizer, tmp_path: Path
+) -> None:
+    """A bf16 pass of 1 and of 7 tokens through the lean loop gives transformers' bf16 logits
+    up to bf16 rounding (other kernels sum in another order), and the same argmax."""
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama")
+    stock = _served(directory, "bfloat16", None)
+    fast = _served(directory, "bfloat16", plan)
+    ids = stock.encode_prompt("The quick brown fox jumps over")
+    for width in (1, 7):
+        rows = []
+        for target in (stock, fast):
+            cache = target.new_cache(1)
+            target.prefill(cache, 0, 0, ids[: len(ids) - width])
+            verify = VerifyPass.sequences([len(ids) - width], [ids[len(ids) - width :]])
+            logits = target.forward(cache, verify)[0]
+            rows.append(torch.stack([logits[i] for i in range(width)]))
+        torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
+        assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("gemma2", "model type 'gemma2'"), ("mistral", "sliding-window"), ("gpt2", "gpt2")],
+)
+def test_models_it_does_not_reproduce_are_refused(
+    model_type: str, reason: str, tokenizer, tmp_path: Path
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(
+        save_architecture(tmp_path / model_type, tokenizer, model_type)
+    )
+    with pytest.raises(Unsupported, match=reason):
+        LlamaStep(model, GEMV)
+
+
+def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> None:
+    """The served bf16 target runs the lean loop (a plan measured at start-up, whatever it
+    chose); float32 and --no-fast-step keep transformers' forward."""
+    from dataclasses import replace
+
+    from server.runtime import load_runtime
+
+    settings = replace(base_settings, draft="none", draft_context=False)
+    bf16 = load_runtime(replace(settings, dtype="bfloat16")).engine.target
+    assert isinstance(bf16.fast_step, LlamaStep)
+    assert bf16.fast_step.products.plan.choices[0][0] == 1
+    assert load_runtime(settings).engine.target.fast_step is None  # float32
+    off = load_runtime(replace(settings, dtype="bfloat16", fast_step=False))
+    assert off.engine.target.fast_step is None
