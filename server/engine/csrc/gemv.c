@@ -15,6 +15,12 @@
 #define OUT_BLOCK 4
 #endif
 #define ROW_BLOCK 4
+/* Bytes ahead of each weight row's next load to prefetch: about 14 rows of a 576-wide layer.
+ * Measured on a 2-core Xeon (AVX-512, AMX): a one-row pass through SmolLM2's 212 MB of layers
+ * 12.9 ms without, 9.5 ms with (2,048: 11.6; 4,096: 10.2; 32,768: 10.1). */
+#ifndef PREFETCH
+#define PREFETCH 16384
+#endif
 
 static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch does */
   uint32_t bits;
@@ -41,6 +47,7 @@ static void columns(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows
         for (int j = 0; j < rb; j++)
           xs[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (r0 + j) * k + c);
         for (int i = 0; i < nb; i++) {
+          _mm_prefetch((const char *)(w + (o + i) * k + c) + PREFETCH, _MM_HINT_T0);
           const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (o + i) * k + c);
           for (int j = 0; j < rb; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ws, xs[j]);
         }
