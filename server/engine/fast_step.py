@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from server.engine import cpu_gemv
 from server.engine.attention import packed_attention
@@ -262,17 +261,21 @@ class LlamaStep:
         """The final hidden states [tokens, hidden] of a packed pass (as the base model's
         last_hidden_state[0]); writes the pass's keys and values into the bound cache rows."""
         hidden = self.embed(input_ids)  # [1, tokens, hidden]
-        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = self.rotary(hidden, position_ids)  # [1, tokens, dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, dim]: over every head
         tokens = hidden.shape[1]
         run = self.products
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)[0]
             heads, kv_heads, dim = layer.heads
-            q, k, v = run(layer.qkv, x).split(layer.splits, dim=-1)
-            q = q.view(1, tokens, heads, dim).transpose(1, 2)
-            k = k.view(1, tokens, kv_heads, dim).transpose(1, 2)
-            v = v.view(1, tokens, kv_heads, dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            qkv = run(layer.qkv, x)
+            # Rotary on the queries and keys at once, as transformers' apply_rotary_pos_emb
+            # computes each (the same elementwise operations on the same values).
+            qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, dim]
+            k = qk[:, heads:].transpose(0, 1)[None]
+            v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).transpose(0, 1)[None]
             keys, values = cache.update(k, v, index)
             attended, _ = packed_attention(
                 layer.attention, q, keys, values, packing.mask, self.scaling, packing=packing
@@ -283,6 +286,11 @@ class LlamaStep:
             hidden = hidden + run(layer.down, layer.act(gate) * up)[None]
         out: torch.Tensor = self.norm(hidden)[0]
         return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
