@@ -31,8 +31,9 @@ RUN KENSPEC_SKIP_APT=1 KENSPEC_PYTHON=/opt/venv/bin/python KENSPEC_TOOLS_DIR=/op
 RUN /opt/venv/bin/python scripts/fetch_default_model.py --dest /opt/models/smollm2-135m-instruct
 
 FROM python:3.11-slim-bookworm AS runtime
+# gcc: the bf16 GEMV (server/engine/csrc/gemv.c) is compiled at the first start-up.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 zlib1g libbz2-1.0 liblzma5 \
+ && apt-get install -y --no-install-recommends libgomp1 zlib1g libbz2-1.0 liblzma5 gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 kenspec
 COPY --from=build /opt/venv /opt/venv
