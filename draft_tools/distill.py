@@ -2,10 +2,12 @@
 
 The best n-gram draft corpus is what the target itself writes on the workload's prompts
 (docs/design.md, "The default draft"). This runs the target, batched and
-greedy, on each prompt rendered as a chat user message, and writes:
+greedy, on each prompt rendered as a chat user message (a raw prompt for a model without a chat
+template, as the server takes it), and writes:
 
     corpus.ids    one answer per line, token ids as decimal words ("504 2251 30"): lmplz input
-    corpus.jsonl  the same lines: prompt index, prompt, stop reason, token count, decoded text
+    corpus.jsonl  the same lines: prompt index, prompt, its rendered ids, stop reason, token
+                  count, decoded text
     corpus.txt    the decoded answers, newlines shown as "\\n", for reading
 
 The three files stay line-aligned. The run is resumable: prompts already in corpus.jsonl are
@@ -24,12 +26,14 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draft_tools.progress import bar
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +45,7 @@ class Answer:
     token_ids: list[int]  # generated ids, without padding and without the final EOS
     stop: str  # "eos" or "length"
     text: str
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as the target saw it
 
 
 # --- pure helpers ---------------------------------------------------------------------------
@@ -98,6 +103,10 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt as the server encodes it: a chat user message, or, for a model without a
+    chat template (a base model), the raw prompt with the tokenizer's special tokens."""
+    if not tokenizer.chat_template:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     messages = [{"role": "user", "content": prompt}]
     return list(
         tokenizer.apply_chat_template(
@@ -249,11 +258,16 @@ def check_run_settings(meta_path: Path, settings: dict[str, Any]) -> None:
 # --- driver ---------------------------------------------------------------------------------
 
 
-def load_target(model_dir: Path, device: str, dtype: str) -> tuple[Any, Any]:
+def load_target(
+    model_dir: Path, device: str, dtype: str, chat_template: str | None = None
+) -> tuple[Any, Any]:
+    """(model, tokenizer); `chat_template` replaces the folder's, as the server's flag does."""
     resolved = "cuda" if device == "auto" and torch.cuda.is_available() else device
     if resolved == "auto":
         resolved = "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
     return model.to(resolved).eval(), tokenizer
 
@@ -266,10 +280,10 @@ def distill(
     *,
     batch_size: int,
     max_new_tokens: int,
+    progress: bool = True,
 ) -> tuple[int, int, float]:
-    """Answer every prompt not yet in the corpus; returns (prompts, tokens, seconds)."""
-    from tqdm import tqdm
-
+    """Answer every prompt not yet in the corpus, `batch_size` prompts a pass (a bar with an
+    ETA on a terminal unless not `progress`); returns (prompts, tokens, seconds)."""
     pending = {i: p for i, p in prompts if i not in writer.done}
     rendered = {i: render_prompt(tokenizer, p) for i, p in pending.items()}
     batches = plan_batches({i: len(ids) for i, ids in rendered.items()}, batch_size)
@@ -281,18 +295,19 @@ def distill(
         file=sys.stderr,
     )
     tokens, start = 0, time.monotonic()
-    with tqdm(total=len(pending), unit="prompt", dynamic_ncols=True, mininterval=5) as bar:
+    with bar(len(pending), "prompt", enabled=progress) as shown:
         for batch in batches:
             rows = [rendered[i] for i in batch]
             results = generate_batch(
                 model, rows, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens
             )
             for i, (ids, stop) in zip(batch, results, strict=True):
-                writer.write(Answer(i, pending[i], ids, stop, tokenizer.decode(ids)))
+                text = tokenizer.decode(ids)
+                writer.write(Answer(i, pending[i], ids, stop, text, rendered[i]))
             writer.flush()
             tokens += sum(len(ids) for ids, _ in results)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - start):.1f}", tokens=tokens)
+            shown.update(len(batch))
+            shown.set_postfix(tok_s=f"{tokens / (time.monotonic() - start):.1f}", tokens=tokens)
     return len(pending), tokens, time.monotonic() - start
 
 
