@@ -37,6 +37,7 @@ from draft_tools import distill
 from draft_tools.kenlm_tools import ToolsError
 from draft_tools.stages import BuildError, gguf_model, read_prompt_lines, run
 from server.engine.gguf_model import DEFAULT_GGUF_CACHE
+from server.logs import configure_logging
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -128,9 +129,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     target.add_argument(
         "--max-new-tokens", type=int, default=256, help="longest answer to a prompt (256)"
     )
-    target.add_argument("--batch-size", type=int, default=16, help="prompts answered at once (16)")
+    target.add_argument(
+        "--batch-size", type=int, default=16, help="answers a pass of the engine (16)"
+    )
     target.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    target.add_argument("--dtype", default="float32", choices=sorted(distill._DTYPES))
+    target.add_argument("--dtype", default="float32", choices=distill.DTYPES)
     target.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     fit = parser.add_argument_group("n-gram")
     fit.add_argument("--order", type=int, default=4, help="n-gram order, 2..6 (4)")
@@ -154,6 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(level="warning")  # the engine's warnings on stderr; stdout: the summary
     try:
         check_inputs(args)
         report = run(args)

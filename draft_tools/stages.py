@@ -74,7 +74,7 @@ class Build:
         self._started = 0.0
         self._skipped = False
         self.times: list[StageTime] = []
-        self._target: tuple[Any, Any] | None = None
+        self._target: distill.Target | None = None
         self.tools: tuple[Path, Path] | None = None
         self.check: CheckResult | None = None
 
@@ -163,16 +163,14 @@ class Build:
             return
         prompts = distill.read_prompts(prompts_file)
         self._reuse_answers(ids, settings, prompts)
-        model, tokenizer = self.target()
+        target = self.target()
         writer = distill.CorpusWriter(ids).open()
         distill.check_run_settings(ids.with_suffix(".meta.json"), settings)
         try:
             distill.distill(
-                model,
-                tokenizer,
+                target,
                 prompts,
                 writer,
-                batch_size=self.args.batch_size,
                 max_new_tokens=self.args.max_new_tokens,
                 progress=not self.args.quiet,
             )
@@ -291,20 +289,21 @@ class Build:
             self.stamps.record("check", inputs)
         self.check = CheckResult.from_json(json.loads(result_path.read_text()))
 
-    def target(self) -> tuple[Any, Any]:
-        """(model, tokenizer), loaded on first use: a rerun with nothing to distil never does."""
+    def target(self) -> distill.Target:
+        """The server's engine over the target, loaded on first use: a rerun with nothing to
+        distil never loads it."""
         if self._target is None:
-            if self.args.threads > 0:
-                torch.set_num_threads(self.args.threads)
-            template = self.args.chat_template
             with self._model_errors():
                 self._target = distill.load_target(
                     self.model_dir,
                     self.args.device,
                     self.args.dtype,
-                    chat_template=template.read_text(encoding="utf-8") if template else None,
+                    rows=self.args.batch_size,
+                    chat_template=self.args.chat_template,
+                    threads=self.args.threads,
                 )
-            self.say(f"loaded the target on {self._target[0].device} ({self.args.dtype})")
+            device = self._target.engine.target.device
+            self.say(f"loaded the target's engine on {device} ({self.args.dtype})")
         return self._target
 
     @contextlib.contextmanager

@@ -187,7 +187,7 @@ def test_added_prompts_cost_only_the_answers_not_given_before(
     old_sides = split_prompts(tiny.PROMPTS, 0.2)
     new_sides = split_prompts(new_prompts, 0.2)
     moved = sum(len(set(new) - set(old)) for new, old in zip(new_sides, old_sides, strict=True))
-    to_go = [int(n) for n in re.findall(r"(\d+) to go in", stderr)]
+    to_go = [int(n) for n in re.findall(r"(\d+) to go,", stderr)]
     assert sum(to_go) == moved and 1 <= moved <= 2
     assert sorted(answered_prompts(copy / "work" / "train.ids")) == sorted(new_sides[0])
     assert sorted(answered_prompts(copy / "work" / "heldout.ids")) == sorted(new_sides[1])
@@ -213,20 +213,20 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(
 ) -> None:
     _, full, _, _ = built
     out = tmp_path / "draft"
-    generate, calls = distill.generate_batch, []
+    write, calls = distill.CorpusWriter.write, []
 
-    def interrupted(*args, **kwargs):
+    def interrupted(writer, answer):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 9:
             raise KeyboardInterrupt
-        return generate(*args, **kwargs)
+        return write(writer, answer)
 
-    monkeypatch.setattr(distill, "generate_batch", interrupted)
+    monkeypatch.setattr(distill.CorpusWriter, "write", interrupted)
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
     assert code == 130 and "run the same command again to resume" in stderr
-    assert len((out / "work" / "train.ids").read_text().splitlines()) == 2 * 4  # two batches
+    assert len((out / "work" / "train.ids").read_text().splitlines()) == 8  # each one kept
 
-    monkeypatch.setattr(distill, "generate_batch", generate)
+    monkeypatch.setattr(distill.CorpusWriter, "write", write)
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
     assert code == 0, stderr
     training = len(split_prompts(tiny.PROMPTS, 0.2)[0])
