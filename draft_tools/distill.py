@@ -36,7 +36,12 @@ from typing import Any, TextIO
 from draft_tools.progress import bar
 from kenspec_api.outputs import FinishReason
 from server.engine.generation import Generation, Round
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    InvalidParameter,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.speculative_engine import SpeculativeEngine
 from server.logs import configure_logging
 from server.runtime import load_runtime
@@ -80,6 +85,14 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
 # --- generation -----------------------------------------------------------------------------
 
 
+class PromptRefused(ValueError):
+    """The engine refuses a prompt (too long for the model's context with max_new_tokens)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """The server's engine over the target (no trained draft: the prompt's own tokens and the
@@ -120,13 +133,19 @@ def answer_all(
                 on_answer(first, *done.pop(first))
 
     stopping = StoppingParams(max_new_tokens=max_new_tokens)
-    for index in order:
-        generation = target.engine.start(
-            rows[index],
-            sampling=SamplingParams(),
-            stopping=stopping,
-            speculation=target.speculation,
-        )
+    generations = []
+    for index in order:  # every prompt checked before any is answered
+        try:
+            generation = target.engine.start(
+                rows[index],
+                sampling=SamplingParams(),
+                stopping=stopping,
+                speculation=target.speculation,
+            )
+        except InvalidParameter as error:
+            raise PromptRefused(index, str(error)) from None
+        generations.append((index, generation))
+    for index, generation in generations:
         target.engine.batch.add(generation, partial(deliver, index, generation))
     target.engine.batch.run_until_idle()
     if failures:

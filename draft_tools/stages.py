@@ -174,6 +174,12 @@ class Build:
                 max_new_tokens=self.args.max_new_tokens,
                 progress=not self.args.quiet,
             )
+        except distill.PromptRefused as error:
+            prompt = dict(prompts)[error.index]
+            raise BuildError(
+                f"the prompt {prompt[:40]!r}... is refused: {error}; shorten it or lower "
+                "--max-new-tokens"
+            ) from None
         finally:
             writer.close()
         self.stamps.record(name, settings)

@@ -468,3 +468,19 @@ def test_a_gguf_file_the_server_refuses_ends_the_build_in_one_line(prompts_file,
     last = stderr.splitlines()[-1]
     assert last.startswith(f"error: cannot load the model from {model}: ")
     assert "GGUF architecture 'bert' is not one transformers" in last
+
+
+def test_a_prompt_too_long_for_the_context_ends_the_build_in_one_line(tiny_target, tmp_path):
+    words = ["fox"]
+    while len(tiny_target.encode_chat([{"role": "user", "content": " ".join(words)}])) < (
+        tiny_target.max_context
+    ):
+        words *= 2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n" + " ".join(words) + "\n")
+    argv = build_argv(tiny_target.name, prompts, tmp_path / "draft", "--heldout", "0")
+    code, stdout, stderr = run_build(argv)
+    assert code == 1 and stdout == "" and "Traceback" not in stderr
+    last = stderr.splitlines()[-1]
+    assert last.startswith("error: the prompt 'fox fox") and "exceeds the model's context" in last
+    assert not (tmp_path / "draft" / "work" / "train.ids").read_text()  # none answered
