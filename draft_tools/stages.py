@@ -91,10 +91,15 @@ class Build:
         print(f"[{number}/{len(self._names)}] {name}: {what}", file=sys.stderr)
 
     def end(self) -> None:
-        """Close the running stage's clock (begin does, for the one before it)."""
+        """Close the running stage's clock (begin does, for the one before it) and keep the
+        times so far in OUT/work/times.json: an interrupted build still tells them."""
         if self._stage and all(t.stage != self._stage for t in self.times):
             seconds = time.perf_counter() - self._started
             self.times.append(StageTime(self._stage, round(seconds, 2), self._skipped))
+            self.work.mkdir(parents=True, exist_ok=True)
+            (self.work / "times.json").write_text(
+                json.dumps([t.to_json() for t in self.times], indent=2) + "\n"
+            )
 
     def say(self, message: str) -> None:
         print(f"    {message}", file=sys.stderr)
@@ -356,9 +361,6 @@ def run(args: argparse.Namespace) -> str:
     if "check" in names:
         build.check_heldout(build.work / "heldout.ids")
     build.end()
-    (build.work / "times.json").write_text(
-        json.dumps([t.to_json() for t in build.times], indent=2) + "\n"
-    )
     return summary(_serve_flags(args), args.out, build.check, build.times)
 
 

@@ -225,6 +225,8 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
     assert code == 130 and "run the same command again to resume" in stderr
     assert len((out / "work" / "train.ids").read_text().splitlines()) == 8  # each one kept
+    times = json.loads((out / "work" / "times.json").read_text())  # the stages before
+    assert [t["stage"] for t in times] == ["tools", "split"]
 
     monkeypatch.setattr(distill.CorpusWriter, "write", write)
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
