@@ -7,9 +7,10 @@ answers, the suffix index, learn as they would in service):
 - `templated`: prompts/templated.txt, a few task templates with different parameters; the
   first --warm prompts are served (learned) unmeasured, the rest measured.
 
-Each measured prompt is sent with speculation on (server defaults) and then off, greedy, so
-both give the same answer; the figures are per prompt (tokens/s, tokens per round) and their
-medians, with the ratio on/off per prompt. Extra arguments after `--` go to the server.
+Each measured prompt is sent (as a chat user message; `--raw`: as a raw prompt, for a base
+model) with speculation on (server defaults) and then off, greedy, so both give the same
+answer; the figures are per prompt (tokens/s, tokens per round) and their medians, with the
+ratio on/off per prompt. Extra arguments after `--` go to the server.
 
 Rounds are also split by the draft source the server names for each (`kenlm`, `context`,
 `suffix`, `recycled`, `none` when nothing was drafted): per prompt the rounds, tokens, drafted,
@@ -49,16 +50,17 @@ def source_family(draft_source: str) -> str:
 
 
 async def measure_request(
-    client: AsyncClient, prompt: str, max_new_tokens: int, speculation: str
+    client: AsyncClient, prompt: str, max_new_tokens: int, speculation: str, raw: bool = False
 ) -> dict:
-    """One greedy chat request, streamed: tokens, rounds, drafted, accepted, seconds, tokens/s,
-    tokens per round and the rounds split by draft source."""
+    """One greedy chat request (`raw`: the prompt as it is), streamed: tokens, rounds, drafted,
+    accepted, seconds, tokens/s, tokens per round and the rounds split by draft source."""
     started = time.perf_counter()
     previous = started
     rounds = tokens = drafted = accepted = 0
     sources: dict[str, dict] = {}
+    request = {"prompt": prompt} if raw else {"messages": [("user", prompt)]}
     async for round_ in client.generate(
-        messages=[("user", prompt)],
+        **request,
         max_new_tokens=max_new_tokens,
         speculation=speculation,
         timeout=600,
@@ -91,16 +93,20 @@ async def measure_request(
 
 
 async def run_workload(
-    address: str, warm: Sequence[str], measured: Sequence[str], max_new_tokens: int
+    address: str,
+    warm: Sequence[str],
+    measured: Sequence[str],
+    max_new_tokens: int,
+    raw: bool = False,
 ) -> list[dict]:
     """Serve `warm` (speculation on, unmeasured), then each of `measured` on and off."""
     async with AsyncClient(address) as client:
         for prompt in warm:
-            await measure_request(client, prompt, max_new_tokens, "auto")
+            await measure_request(client, prompt, max_new_tokens, "auto", raw)
         results = []
         for prompt in measured:
-            on = await measure_request(client, prompt, max_new_tokens, "auto")
-            off = await measure_request(client, prompt, max_new_tokens, "off")
+            on = await measure_request(client, prompt, max_new_tokens, "auto", raw)
+            off = await measure_request(client, prompt, max_new_tokens, "off", raw)
             results.append({"prompt": prompt, "on": on, "off": off})
         return results
 
@@ -248,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warm", type=int, default=12, help="templated: unmeasured first ones")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--label", default="kenspec")
+    parser.add_argument(
+        "--raw", action="store_true", help="send raw prompts, not chat messages (a base model)"
+    )
     parser.add_argument("--out", type=Path, help="append the result as one JSON line here")
     parser.add_argument(
         "--prompt-lookup",
@@ -268,7 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibrated = server.logged("calibrated")
         loaded = server.logged("model_loaded") or {}
         print(f"server calibrated: {json.dumps(calibrated)}", file=sys.stderr, flush=True)
-        results = asyncio.run(run_workload(server.address, warm, measured, args.max_new_tokens))
+        results = asyncio.run(
+            run_workload(server.address, warm, measured, args.max_new_tokens, args.raw)
+        )
     finally:
         server.stop()
     lookup_setup = None

@@ -1,9 +1,12 @@
 """One command from a model to a draft: distil, fit and check a KenLM draft.
 
     python -m draft_tools build --model MODEL_DIR --prompts prompts.txt --out drafts/mymodel
+    python -m draft_tools build --model model.gguf --prompts prompts.txt --out drafts/mymodel
 
 Stages, each skipped on a rerun that finds it done with the same inputs (OUT/work/stages.json):
 
+    model    a GGUF --model (a file, or a folder holding one): dequantized to float32 and kept
+             under --gguf-cache, as the server keeps it (a rerun, and the server, read it at once)
     tools    find lmplz and build_binary (--tools, tools/kenlm/bin, PATH), or build them once
     split    hold out --heldout of the distinct prompts for the check, by a hash of their text
     distill  the target's greedy answers to the training prompts (resumes mid-way)
@@ -13,6 +16,11 @@ Stages, each skipped on a rerun that finds it done with the same inputs (OUT/wor
              and corpus.ids.gz (the corpus, which seeds the server's suffix index)
     check    replay the held-out answers: acceptance and tokens per round, as a greedy server
              would get them (exact at temperature 0, without running the target)
+
+Prompts are rendered with the model's chat template (or --chat-template FILE), as the server
+renders a chat request; a model without one (a base model) is given them as raw prompts. The
+summary ends with the time each stage took; long stages draw a progress bar with an ETA on a
+terminal (--quiet: none).
 
 The folder OUT is what `python -m server --draft OUT` loads; OUT/work holds what a rerun
 resumes from and is not needed to serve.
@@ -27,16 +35,24 @@ from pathlib import Path
 
 from draft_tools import distill
 from draft_tools.kenlm_tools import ToolsError
-from draft_tools.stages import BuildError, read_prompt_lines, run
+from draft_tools.stages import BuildError, gguf_model, read_prompt_lines, run
+from server.engine.gguf_model import DEFAULT_GGUF_CACHE
+from server.logs import configure_logging
 
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Refuse bad inputs before any stage runs (a typo should not cost a distillation)."""
     model: Path = args.model
-    if not model.is_dir():
-        raise BuildError(f"--model {model}: no such folder")
-    if not (model / "config.json").is_file():
-        raise BuildError(f"--model {model} is not a model folder (it has no config.json)")
+    if gguf_model(model) is None:
+        if not model.is_dir():
+            raise BuildError(f"--model {model}: no such file or folder")
+        if not (model / "config.json").is_file():
+            raise BuildError(
+                f"--model {model} is not a model folder (it has no config.json) and holds no "
+                "GGUF file"
+            )
+    if args.chat_template and not args.chat_template.is_file():
+        raise BuildError(f"--chat-template {args.chat_template}: no such file")
     if args.out.exists() and not args.out.is_dir():
         raise BuildError(f"--out {args.out} is a file; give a folder for the draft")
     if args.text and not _has_text(args.text, "--text"):
@@ -72,8 +88,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", type=Path, required=True, help="the target's folder")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="the target: a Hugging Face folder, or a GGUF file (or a folder holding one)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the draft folder to write")
+    parser.add_argument(
+        "--gguf-cache",
+        type=Path,
+        default=Path(DEFAULT_GGUF_CACHE),
+        help=f"where a GGUF --model is kept dequantized, as the server does ({DEFAULT_GGUF_CACHE})",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a Jinja chat template file to render the prompts with (as the server's flag)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bars (none when stderr is no terminal)"
+    )
     data = parser.add_argument_group("what to learn from (one or both)")
     data.add_argument("--prompts", type=Path, help="prompts of your workload, one a line")
     data.add_argument("--text", type=Path, help="plain text, one document a line")
@@ -94,9 +129,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     target.add_argument(
         "--max-new-tokens", type=int, default=256, help="longest answer to a prompt (256)"
     )
-    target.add_argument("--batch-size", type=int, default=16, help="prompts answered at once (16)")
+    target.add_argument(
+        "--batch-size", type=int, default=16, help="answers a pass of the engine (16)"
+    )
     target.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    target.add_argument("--dtype", default="float32", choices=sorted(distill._DTYPES))
+    target.add_argument("--dtype", default="float32", choices=distill.DTYPES)
     target.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     fit = parser.add_argument_group("n-gram")
     fit.add_argument("--order", type=int, default=4, help="n-gram order, 2..6 (4)")
@@ -120,6 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(level="warning")  # the engine's warnings on stderr; stdout: the summary
     try:
         check_inputs(args)
         report = run(args)

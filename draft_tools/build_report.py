@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,21 @@ class CheckResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckResult:
         return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class StageTime:
+    """How long one stage of a build took; `skipped`: it found its work done before."""
+
+    stage: str
+    seconds: float
+    skipped: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.stage} {_duration(self.seconds)}" + " (done before)" * self.skipped
 
 
 def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> CheckResult:
@@ -64,8 +80,14 @@ def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> 
     )
 
 
-def summary(model: Path, draft: Path, check: CheckResult | None) -> str:
-    """Where the draft is, how big, how good on held-out answers, and the command to serve it."""
+def summary(
+    serve_flags: Sequence[str],
+    draft: Path,
+    check: CheckResult | None,
+    times: Sequence[StageTime] = (),
+) -> str:
+    """Where the draft is, how big, how good on held-out answers, the time each stage took
+    and the command to serve it (`serve_flags`: the server's --model and what goes with it)."""
     manifest = json.loads((draft / DRAFT_MANIFEST).read_text())
     files = sorted(p for p in draft.iterdir() if p.is_file())
     sizes = ", ".join(f"{p.name} {_size(p.stat().st_size)}" for p in files)
@@ -87,12 +109,27 @@ def summary(model: Path, draft: Path, check: CheckResult | None) -> str:
             f"    with context drafting (the server's default): "
             f"{check.context_tokens_per_round:.2f} tokens/round",
         ]
+    if times:
+        total = _duration(sum(t.seconds for t in times))
+        lines.append(f"time by stage ({total} in all): " + ", ".join(map(str, times)))
+    command = ["python", "-m", "server", *serve_flags, "--draft", str(draft)]
     lines += [
         "serve it:",
-        f"  python -m server --model {shlex.quote(str(model))} --draft {shlex.quote(str(draft))}",
+        "  " + shlex.join(command),
         f"({draft / 'work'} only serves to resume or re-check; the server does not read it)",
     ]
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    """
+    >>> _duration(0.042), _duration(75.3), _duration(4000)
+    ('0.04 s', '1 min 15 s', '66 min 40 s')
+    """
+    if seconds < 60:
+        return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
 
 
 def _size(count: int) -> str:

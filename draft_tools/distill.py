@@ -1,11 +1,15 @@
 """Self-distillation corpus: the target's own greedy answers, as token ids, to train the draft.
 
 The best n-gram draft corpus is what the target itself writes on the workload's prompts
-(docs/design.md, "The default draft"). This runs the target, batched and
-greedy, on each prompt rendered as a chat user message, and writes:
+(docs/design.md, "The default draft"). This runs the target through the server's own engine
+(greedy, --batch-size answers a pass with continuous batching, speculating from each prompt
+and from the answers given before, as `--draft none` serves), on each prompt rendered as a chat
+user message (a raw prompt for a model without a chat template, as the server takes it), and
+writes:
 
     corpus.ids    one answer per line, token ids as decimal words ("504 2251 30"): lmplz input
-    corpus.jsonl  the same lines: prompt index, prompt, stop reason, token count, decoded text
+    corpus.jsonl  the same lines: prompt index, prompt, its rendered ids, stop reason, token
+                  count, decoded text
     corpus.txt    the decoded answers, newlines shown as "\\n", for reading
 
 The three files stay line-aligned. The run is resumable: prompts already in corpus.jsonl are
@@ -23,15 +27,27 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from draft_tools.progress import bar
+from kenspec_api.outputs import FinishReason
+from server.engine.generation import Generation, Round
+from server.engine.params import (
+    InvalidParameter,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
+from server.engine.speculative_engine import SpeculativeEngine
+from server.logs import configure_logging
+from server.runtime import load_runtime
+from server.settings import parse_settings
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +57,7 @@ class Answer:
     token_ids: list[int]  # generated ids, without padding and without the final EOS
     stop: str  # "eos" or "length"
     text: str
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as the target saw it
 
 
 # --- pure helpers ---------------------------------------------------------------------------
@@ -52,52 +69,11 @@ def read_prompts(path: Path) -> list[tuple[int, str]]:
     return [(i, line.strip()) for i, line in enumerate(lines) if line.strip()]
 
 
-def plan_batches(lengths: dict[int, int], batch_size: int) -> list[list[int]]:
-    """Prompt indices grouped by similar length, longest first, so little padding is wasted
-    and the slowest batches come first (an early, pessimistic ETA)."""
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad to the longest row: decoder-only models continue from the last column.
-
-    >>> left_pad([[5, 6, 7], [8]], pad_id=0)[0].tolist()
-    [[5, 6, 7], [0, 0, 8]]
-    """
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [batch, width]
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        if row:
-            input_ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attention_mask[r, width - len(row) :] = 1
-    return input_ids, attention_mask
-
-
-def cut_answer(generated: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int], str]:
-    """The answer up to (not including) the first EOS; after it generate() only pads.
-
-    >>> cut_answer([504, 30, 2, 2, 2], frozenset({2}))
-    ([504, 30], 'eos')
-    """
-    for position, token in enumerate(generated):
-        if token in eos_ids:
-            return list(generated[:position]), "eos"
-    return list(generated), "length"
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("the model has no EOS token; answers would never end")
-    return frozenset(ids)
-
-
 def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt as the server encodes it: a chat user message, or, for a model without a
+    chat template (a base model), the raw prompt with the tokenizer's special tokens."""
+    if not tokenizer.chat_template:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     messages = [{"role": "user", "content": prompt}]
     return list(
         tokenizer.apply_chat_template(
@@ -109,27 +85,80 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
 # --- generation -----------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def generate_batch(
-    model: Any,
-    rows: Sequence[Sequence[int]],
-    *,
-    pad_id: int,
-    eos_ids: frozenset[int],
+class PromptRefused(ValueError):
+    """The engine refuses a prompt (too long for the model's context with max_new_tokens)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The server's engine over the target (no trained draft: the prompt's own tokens and the
+    suffix index of the answers given so far draft), and the speculation it serves with."""
+
+    engine: SpeculativeEngine
+    speculation: SpeculationParams
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.target.tokenizer
+
+
+def answer_all(
+    target: Target,
+    rows: Mapping[int, Sequence[int]],
     max_new_tokens: int,
-) -> list[tuple[list[int], str]]:
-    """Greedy answers for a batch of rendered prompts: [(answer ids, stop reason)]."""
-    input_ids, attention_mask = left_pad(rows, pad_id)
-    device = model.device
-    output = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-    )
-    new_tokens = output[:, input_ids.shape[1] :].tolist()  # [batch, <= max_new_tokens]
-    return [cut_answer(row, eos_ids) for row in new_tokens]
+    on_answer: Callable[[int, list[int], str], None],
+) -> None:
+    """Greedy answers to every row (index -> rendered prompt ids) through the engine, its
+    --max-batch-size rows a pass (continuous batching: a finished row's place is taken at
+    once). on_answer(index, answer ids without the final EOS, "eos" or "length") in index
+    order, as soon as an answer and all before it are done, so a corpus does not depend on
+    which answer finished first."""
+    done: dict[int, tuple[list[int], str]] = {}
+    order = sorted(rows)
+    failures: list[BaseException] = []
+
+    def deliver(index: int, generation: Generation, item: Round | BaseException) -> None:
+        if isinstance(item, BaseException):
+            failures.append(item)
+        elif item.finish_reason is not None:
+            ids = generation.output_ids
+            ended = item.finish_reason == FinishReason.EOS
+            done[index] = (ids[:-1], "eos") if ended else (ids, "length")
+            while order and order[0] in done:
+                first = order.pop(0)
+                on_answer(first, *done.pop(first))
+
+    stopping = StoppingParams(max_new_tokens=max_new_tokens)
+    generations = []
+    for index in order:  # every prompt checked before any is answered
+        try:
+            generation = target.engine.start(
+                rows[index],
+                sampling=SamplingParams(),
+                stopping=stopping,
+                speculation=target.speculation,
+            )
+        except InvalidParameter as error:
+            raise PromptRefused(index, str(error)) from None
+        generations.append((index, generation))
+    for index, generation in generations:
+        target.engine.batch.add(generation, partial(deliver, index, generation))
+    target.engine.batch.run_until_idle()
+    if failures:
+        raise failures[0]
+
+
+def greedy_answers(
+    target: Target, rows: Mapping[int, Sequence[int]], max_new_tokens: int
+) -> dict[int, tuple[list[int], str]]:
+    """answer_all's answers, collected: {index: (answer ids, stop)}."""
+    answers: dict[int, tuple[list[int], str]] = {}
+    answer_all(target, rows, max_new_tokens, lambda i, ids, stop: answers.update({i: (ids, stop)}))
+    return answers
 
 
 class CorpusWriter:
@@ -249,81 +278,89 @@ def check_run_settings(meta_path: Path, settings: dict[str, Any]) -> None:
 # --- driver ---------------------------------------------------------------------------------
 
 
-def load_target(model_dir: Path, device: str, dtype: str) -> tuple[Any, Any]:
-    resolved = "cuda" if device == "auto" and torch.cuda.is_available() else device
-    if resolved == "auto":
-        resolved = "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
-    return model.to(resolved).eval(), tokenizer
+def load_target(
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    *,
+    rows: int,
+    chat_template: Path | None = None,
+    threads: int = 0,
+) -> Target:
+    """The engine the server would run on `model_dir` (greedy, float32 exact), `rows` answers
+    a pass, with `chat_template` instead of the folder's as the server's flag gives it.
+    Calibration is measured afresh and not kept (the cache is the server's)."""
+    argv = ["--model", str(model_dir), "--draft", "none", "--device", device]
+    argv += ["--dtype", dtype, "--max-batch-size", str(rows), "--threads", str(threads)]
+    argv += ["--calibration-cache", "none"]
+    if chat_template is not None:
+        argv += ["--chat-template", str(chat_template)]
+    settings = parse_settings(argv, env={})
+    return Target(load_runtime(settings).engine, settings.speculation)
 
 
 def distill(
-    model: Any,
-    tokenizer: Any,
+    target: Target,
     prompts: Sequence[tuple[int, str]],
     writer: CorpusWriter,
     *,
-    batch_size: int,
     max_new_tokens: int,
+    progress: bool = True,
 ) -> tuple[int, int, float]:
-    """Answer every prompt not yet in the corpus; returns (prompts, tokens, seconds)."""
-    from tqdm import tqdm
-
+    """Answer every prompt not yet in the corpus (a bar with an ETA on a terminal unless not
+    `progress`); returns (prompts, tokens, seconds)."""
+    tokenizer = target.tokenizer
     pending = {i: p for i, p in prompts if i not in writer.done}
     rendered = {i: render_prompt(tokenizer, p) for i, p in pending.items()}
-    batches = plan_batches({i: len(ids) for i, ids in rendered.items()}, batch_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos_ids = eos_token_ids(model, tokenizer)
+    rows = target.engine.batch.settings.max_rows
     print(
-        f"{len(writer.done)} prompts done before, {len(pending)} to go in {len(batches)} "
-        f"batches of <= {batch_size}",
+        f"{len(writer.done)} prompts done before, {len(pending)} to go, <= {rows} a pass",
         file=sys.stderr,
     )
     tokens, start = 0, time.monotonic()
-    with tqdm(total=len(pending), unit="prompt", dynamic_ncols=True, mininterval=5) as bar:
-        for batch in batches:
-            rows = [rendered[i] for i in batch]
-            results = generate_batch(
-                model, rows, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens
-            )
-            for i, (ids, stop) in zip(batch, results, strict=True):
-                writer.write(Answer(i, pending[i], ids, stop, tokenizer.decode(ids)))
+    with bar(len(pending), "prompt", enabled=progress) as shown:
+
+        def write(index: int, ids: list[int], stop: str) -> None:
+            nonlocal tokens
+            text = tokenizer.decode(ids)
+            writer.write(Answer(index, pending[index], ids, stop, text, rendered[index]))
             writer.flush()
-            tokens += sum(len(ids) for ids, _ in results)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - start):.1f}", tokens=tokens)
+            tokens += len(ids)
+            shown.update(1)
+            shown.set_postfix(tok_s=f"{tokens / (time.monotonic() - start):.1f}", tokens=tokens)
+
+        answer_all(target, rendered, max_new_tokens, write)
     return len(pending), tokens, time.monotonic() - start
 
 
-def check_batched(
-    model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int
-) -> list[int]:
-    """Greedy answers batched (left-padded) vs one at a time; returns each common prefix length.
+def check_batched(target: Target, prompts: Sequence[str], max_new_tokens: int) -> list[int]:
+    """Greedy answers batched vs one at a time; returns each common prefix length.
 
-    Padding changes the shapes of the matmuls, so logits can differ in the last bits and a
-    near-tie can flip; in fp32 that should be rare.
+    Packed rows change the shapes of the matmuls, so logits can differ in the last bits and a
+    near-tie can flip; in float32 that should be rare.
     """
-    rows = [render_prompt(tokenizer, p) for p in prompts]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    kwargs = {"pad_id": pad_id, "eos_ids": eos_token_ids(model, tokenizer)}
-    batched = generate_batch(model, rows, max_new_tokens=max_new_tokens, **kwargs)
+    tokenizer = target.tokenizer
+    rows = {i: render_prompt(tokenizer, p) for i, p in enumerate(prompts)}
+    batched = greedy_answers(target, rows, max_new_tokens)
     prefixes = []
-    for prompt, row, (together, _) in zip(prompts, rows, batched, strict=True):
-        [(alone, _)] = generate_batch(model, [row], max_new_tokens=max_new_tokens, **kwargs)
-        same = next(
-            (k for k, (a, b) in enumerate(zip(together, alone, strict=False)) if a != b),
-            min(len(together), len(alone)),
+    for i, prompt in enumerate(prompts):
+        (together, _), (single, _) = (
+            batched[i],
+            greedy_answers(target, {i: rows[i]}, max_new_tokens)[i],
         )
-        equal = together == alone
-        prefixes.append(len(alone) if equal else same)
+        same = next(
+            (k for k, (a, b) in enumerate(zip(together, single, strict=False)) if a != b),
+            min(len(together), len(single)),
+        )
+        equal = together == single
+        prefixes.append(len(single) if equal else same)
         print(
-            f"[{'same' if equal else 'DIFF'}] {prompt[:50]!r} ({len(row)} prompt tokens): "
-            f"batched {len(together)} tokens, alone {len(alone)}, first {prefixes[-1]} identical"
+            f"[{'same' if equal else 'DIFF'}] {prompt[:50]!r} ({len(rows[i])} prompt tokens): "
+            f"batched {len(together)} tokens, alone {len(single)}, first {prefixes[-1]} identical"
         )
         if not equal:
             print(f"    batched: {tokenizer.decode(together[same : same + 12])!r}")
-            print(f"    alone  : {tokenizer.decode(alone[same : same + 12])!r}")
+            print(f"    alone  : {tokenizer.decode(single[same : same + 12])!r}")
     return prefixes
 
 
@@ -339,10 +376,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=Path, required=True, help="one prompt per line")
     parser.add_argument("--out", type=Path, help="corpus.ids path (.jsonl/.txt alongside)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="answers a pass (16)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument(
         "--check-batched",
         type=int,
@@ -357,12 +394,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    configure_logging(level="warning")  # the engine's warnings, on stderr
     prompts = read_prompts(args.prompts)
-    model, tokenizer = load_target(args.model, args.device, args.dtype)
+    target = load_target(
+        args.model, args.device, args.dtype, rows=args.batch_size, threads=args.threads
+    )
     if args.check_batched is not None:
         chosen = [p for _, p in prompts[: args.check_batched]]
-        check_batched(model, tokenizer, chosen, args.max_new_tokens)
+        check_batched(target, chosen, args.max_new_tokens)
         return 0
     settings = {
         "model": str(args.model.resolve()),
@@ -375,12 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     check_run_settings(args.out.with_suffix(".meta.json"), settings)
     try:
         count, tokens, seconds = distill(
-            model,
-            tokenizer,
-            prompts,
-            writer,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
+            target, prompts, writer, max_new_tokens=args.max_new_tokens
         )
     finally:
         writer.close()

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 import torch
 
 from draft_tools import distill, train
-from draft_tools.build_report import CheckResult, check_draft, summary
+from draft_tools.build_report import CheckResult, StageTime, check_draft, summary
 from draft_tools.kenlm_tools import ensure_tools
 from draft_tools.stamps import Stamps, file_digest, folder_digest
+from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
 from server.engine.kenlm_draft import DRAFT_MANIFEST
 from server.engine.suffix_index import SUFFIX_CORPUS
 from server.settings import Settings
@@ -47,25 +49,57 @@ def split_prompts(prompts: Sequence[str], fraction: float) -> tuple[list[str], l
     return [p for p in prompts if p not in held], [p for p in prompts if p in held]
 
 
+def gguf_model(model: Path) -> Path | None:
+    """The GGUF file --model names (the file, or the only one in a folder without a
+    config.json), None for a Hugging Face folder; what the server refuses ends the build."""
+    try:
+        return find_gguf(model)
+    except GgufRefused as error:
+        raise BuildError(str(error)) from None
+
+
 class Build:
-    """The stages over one output folder; each says on stderr what it does or why it skips."""
+    """The stages over one output folder; each says on stderr what it does or why it skips,
+    and is timed (`times`, in the summary)."""
 
     def __init__(self, args: argparse.Namespace, stage_names: Sequence[str]) -> None:
         self.args = args
         self.out: Path = args.out
         self.work = args.out / "work"
         self.stamps = Stamps(self.work / "stages.json")
-        self.model_id = folder_digest(args.model)
+        self.model_dir: Path = args.model  # a GGUF --model: its converted folder (`convert`)
+        self._model_id = ""
         self._names = list(stage_names)
         self._stage = ""
-        self._target: tuple[Any, Any] | None = None
+        self._started = 0.0
+        self._skipped = False
+        self.times: list[StageTime] = []
+        self._target: distill.Target | None = None
         self.tools: tuple[Path, Path] | None = None
         self.check: CheckResult | None = None
 
+    @property
+    def model_id(self) -> str:
+        if not self._model_id:
+            self._model_id = folder_digest(self.model_dir)
+        return self._model_id
+
     def begin(self, name: str, what: str) -> None:
-        self._stage = name
+        self.end()
+        self._stage, self._started, self._skipped = name, time.perf_counter(), False
         number = self._names.index(name) + 1
         print(f"[{number}/{len(self._names)}] {name}: {what}", file=sys.stderr)
+
+    def end(self) -> None:
+        """Close the running stage's clock (begin does, for the one before it) and keep the
+        times so far in OUT/work/times.json: an interrupted build still tells them."""
+        if self._stage and all(t.stage != self._stage for t in self.times):
+            seconds = time.perf_counter() - self._started
+            self.times.append(StageTime(self._stage, round(seconds, 2), self._skipped))
+            self.work.mkdir(parents=True, exist_ok=True)
+            (self.work / "times.json").write_text(
+                json.dumps([t.to_json() for t in self.times], indent=2) + "\n"
+            )
 
     def say(self, message: str) -> None:
         print(f"    {message}", file=sys.stderr)
@@ -75,6 +109,7 @@ class Build:
         stamp, saying which inputs changed, so that an interrupted redo is never taken as done."""
         if self.stamps.done(self._stage, inputs, outputs):
             self.say("done before with the same inputs: skipping")
+            self._skipped = True
             return True
         previous = self.stamps.get(self._stage)
         if previous is not None:
@@ -87,6 +122,15 @@ class Build:
         return False
 
     # --- stages ----------------------------------------------------------------------------
+
+    def convert(self, gguf: Path) -> None:
+        """The GGUF file as the server loads it at --dtype float32: the same cached folder."""
+        self.begin("model", f"{gguf.name} dequantized to float32 under {self.args.gguf_cache}")
+        before = set(_listing(self.args.gguf_cache))
+        with self._model_errors():
+            self.model_dir = cached_folder(gguf, torch.float32, self.args.gguf_cache)
+        self._skipped = self.model_dir.name in before
+        self.say(f"{self.model_dir} ({'cached before' if self._skipped else 'converted'})")
 
     def find_tools(self) -> None:
         self.begin("tools", "KenLM's lmplz and build_binary")
@@ -118,22 +162,29 @@ class Build:
             "dtype": self.args.dtype,
             "decoding": "greedy",
         }
+        if self.args.chat_template:  # only then: drafts built before keep their stamps
+            settings["chat_template"] = file_digest(self.args.chat_template)
         if self.skip_if_done(settings, [ids, ids.with_suffix(".jsonl")]):
             return
         prompts = distill.read_prompts(prompts_file)
         self._reuse_answers(ids, settings, prompts)
-        model, tokenizer = self.target()
+        target = self.target()
         writer = distill.CorpusWriter(ids).open()
         distill.check_run_settings(ids.with_suffix(".meta.json"), settings)
         try:
             distill.distill(
-                model,
-                tokenizer,
+                target,
                 prompts,
                 writer,
-                batch_size=self.args.batch_size,
                 max_new_tokens=self.args.max_new_tokens,
+                progress=not self.args.quiet,
             )
+        except distill.PromptRefused as error:
+            prompt = dict(prompts)[error.index]
+            raise BuildError(
+                f"the prompt {prompt[:40]!r}... is refused: {error}; shorten it or lower "
+                "--max-new-tokens"
+            ) from None
         finally:
             writer.close()
         self.stamps.record(name, settings)
@@ -163,7 +214,9 @@ class Build:
             return
         self.work.mkdir(parents=True, exist_ok=True)
         with self._model_errors():
-            count = train.tokenize_text(self.args.model, self.args.text, ids)
+            count = train.tokenize_text(
+                self.model_dir, self.args.text, ids, progress=not self.args.quiet
+            )
         if count == 0:
             raise BuildError(f"--text {self.args.text} holds no text (blank lines are skipped)")
         self.say(f"{count:,} tokens")
@@ -194,7 +247,7 @@ class Build:
         log.unlink(missing_ok=True)
         try:
             train.train(
-                self.args.model,
+                self.model_dir,
                 corpus,
                 self.out,
                 order=order,
@@ -241,22 +294,27 @@ class Build:
         }
         result_path = self.work / "check.json"
         if not self.skip_if_done(inputs, [result_path]):
-            result = check_draft(self.args.model, self.out, answers, settings)
+            result = check_draft(self.model_dir, self.out, answers, settings)
             result_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
             _update_manifest(self.out, heldout_check=result.to_json())
             self.stamps.record("check", inputs)
         self.check = CheckResult.from_json(json.loads(result_path.read_text()))
 
-    def target(self) -> tuple[Any, Any]:
-        """(model, tokenizer), loaded on first use: a rerun with nothing to distil never does."""
+    def target(self) -> distill.Target:
+        """The server's engine over the target, loaded on first use: a rerun with nothing to
+        distil never loads it."""
         if self._target is None:
-            if self.args.threads > 0:
-                torch.set_num_threads(self.args.threads)
             with self._model_errors():
                 self._target = distill.load_target(
-                    self.args.model, self.args.device, self.args.dtype
+                    self.model_dir,
+                    self.args.device,
+                    self.args.dtype,
+                    rows=self.args.batch_size,
+                    chat_template=self.args.chat_template,
+                    threads=self.args.threads,
                 )
-            self.say(f"loaded the target on {self._target[0].device} ({self.args.dtype})")
+            device = self._target.engine.target.device
+            self.say(f"loaded the target's engine on {device} ({self.args.dtype})")
         return self._target
 
     @contextlib.contextmanager
@@ -273,7 +331,7 @@ class Build:
 def stage_names(args: argparse.Namespace) -> list[str]:
     """The stages this run's inputs call for, in order."""
     heldout = bool(args.heldout_prompts) or (bool(args.prompts) and args.heldout > 0)
-    names = ["tools"]
+    names = ["model"] * (gguf_model(args.model) is not None) + ["tools"]
     names += ["split"] * bool(args.prompts or args.heldout_prompts)
     names += ["distill"] * bool(args.prompts) + ["heldout"] * heldout
     names += ["text"] * bool(args.text) + ["fit"] + ["check"] * heldout
@@ -284,6 +342,9 @@ def run(args: argparse.Namespace) -> str:
     """Every stage the inputs call for; returns the summary."""
     names = stage_names(args)
     build = Build(args, names)
+    gguf = gguf_model(args.model)
+    if gguf is not None:
+        build.convert(gguf)
     build.find_tools()
     if "split" in names:
         build.split()
@@ -299,7 +360,18 @@ def run(args: argparse.Namespace) -> str:
     build.fit(parts)
     if "check" in names:
         build.check_heldout(build.work / "heldout.ids")
-    return summary(args.model, args.out, build.check)
+    build.end()
+    return summary(_serve_flags(args), args.out, build.check, build.times)
+
+
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The server's flags for this target, as given to the build."""
+    flags = ["--model", str(args.model)]
+    if gguf_model(args.model) is not None and args.gguf_cache != Path(DEFAULT_GGUF_CACHE):
+        flags += ["--gguf-cache", str(args.gguf_cache)]
+    if args.chat_template:
+        flags += ["--chat-template", str(args.chat_template)]
+    return flags
 
 
 # --- inputs and files -----------------------------------------------------------------------
@@ -331,6 +403,11 @@ def _concatenate(parts: Sequence[Path], out: Path) -> tuple[int, int]:
                 lines += 1
                 tokens += len(line.split())
     return lines, tokens
+
+
+def _listing(folder: Path) -> list[str]:
+    folder = folder.expanduser()
+    return [path.name for path in folder.iterdir()] if folder.is_dir() else []
 
 
 def _count_lines(path: Path) -> int:

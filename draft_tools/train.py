@@ -33,6 +33,7 @@ from typing import IO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from draft_tools.progress import bar
 from draft_tools.replay import ReplayStats, replay
 from server.engine.arpa import read_arpa
 from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
@@ -66,12 +67,18 @@ def kenlm_tool(name: str, tools_dir: str | None = None) -> Path:
     )
 
 
-def tokenize_text(model: Path, text: Path, out: Path) -> int:
-    """One line of token ids per non-empty line of text; returns the number of tokens."""
+def tokenize_text(model: Path, text: Path, out: Path, progress: bool = False) -> int:
+    """One line of token ids per non-empty line of text; returns the number of tokens.
+    `progress`: a bar over the text's bytes on a terminal."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     count = 0
-    with text.open(encoding="utf-8") as source, out.open("w", encoding="utf-8") as sink:
+    with (
+        text.open(encoding="utf-8") as source,
+        out.open("w", encoding="utf-8") as sink,
+        bar(text.stat().st_size, "B", enabled=progress, unit_scale=True) as shown,
+    ):
         for line in source:
+            shown.update(len(line.encode("utf-8")))
             if line.strip():
                 ids = tokenizer(line.rstrip("\n"), add_special_tokens=False)["input_ids"]
                 sink.write(" ".join(map(str, ids)) + "\n")
@@ -155,18 +162,23 @@ def _vocab_size(model: Path, tokenizer) -> int:  # type: ignore[no-untyped-def]
 
 
 def load_answers(model: Path, answers: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts (chat-rendered) and answers of a `distill` corpus; EOS kept where it ended one."""
+    """Prompts (as the target saw them: rendered by distill, or chat-rendered for a corpus
+    written before it kept them) and answers of a `distill` corpus; EOS kept where it ended
+    one."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     records = [json.loads(line) for line in answers.with_suffix(".jsonl").open()]
     id_lines = answers.read_text().splitlines()
     prompts, replies = [], []
     for record, line in zip(records, id_lines, strict=True):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": record["prompt"]}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if record.get("prompt_ids"):
+            prompts.append(record["prompt_ids"])
+        else:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": record["prompt"]}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         reply = [int(token) for token in line.split()]
         if record.get("stop") == "eos":
             reply.append(tokenizer.eos_token_id)

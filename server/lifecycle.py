@@ -23,6 +23,7 @@ from kenspec_api import generator_pb2 as pb
 from server.answer_records import model_fingerprint
 from server.answer_stream import AnswerStream, StreamSettings
 from server.engine.events import EngineEvents
+from server.engine.gguf_model import GGUF_SUFFIX
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
 from server.openai_api.connections import ConnectionLimits
@@ -44,6 +45,16 @@ GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
 SHARED_ANSWERS_FLUSH_S = 2.0  # at stop, how long buffered answers get to reach Redis
 
 
+def served_model_id(settings: Settings) -> str:
+    """The model id the HTTP API lists and expects: --served-model-name, else the model's
+    folder name, or a GGUF file's name without .gguf (`gemma-3-270m-q4_k_m`, as a folder of
+    the converted model would be named)."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    path = Path(settings.model)
+    return path.stem if path.suffix == GGUF_SUFFIX else path.name
+
+
 class KenspecServer:
     def __init__(
         self,
@@ -57,7 +68,7 @@ class KenspecServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        model_name = settings.served_model_name or Path(settings.model).name
+        model_name = served_model_id(settings)
         self.tracing = build_tracing(settings.otel, settings.otel_service_name, model_name)
         tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
         self.serving = Serving(
@@ -85,7 +96,7 @@ class KenspecServer:
         settings = self.settings
         app = build_app(
             self.serving,
-            model_name=settings.served_model_name or Path(settings.model).name,
+            model_name=served_model_id(settings),
             tokens=tokens,
             limits=HttpLimits(settings.max_message_bytes, settings.http_body_timeout_s),
             allowed_hosts=settings.allowed_hosts,

@@ -170,7 +170,7 @@ _HELP = {
     "/v1/completions, /v1/models, /health), beside gRPC on the same engine, with the same "
     "tokens, TLS and limits (0: pick a free one; -1: off)",
     "served_model_name": "the model id the HTTP API lists and expects in requests' model field "
-    "(empty: the model folder's name)",
+    "(empty: the model folder's name, or a GGUF file's name without .gguf)",
     "allowed_hosts": "without --auth-tokens-file, the HTTP API answers only requests whose Host "
     "(and Origin, when sent) is a loopback name or address, --host when it is one address, or "
     "one of these comma-separated names ('*': any); others get 421 (Host) or 403 (Origin), "

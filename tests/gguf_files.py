@@ -70,7 +70,9 @@ def _tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> None:
+def _add_tokenizer(
+    writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast, eot_token_id: int | None = None
+) -> None:
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -85,15 +87,21 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> No
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
 
 
 def write_llama_gguf(
-    path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
+    path: Path,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    eot_token_id: int | None = None,
 ) -> Path:
-    """The model's weights in F32 (exact) with its tokenizer and chat template."""
+    """The model's weights in F32 (exact) with its tokenizer and chat template (and an end of
+    turn token, `tokenizer.ggml.eot_token_id`, when given)."""
     config = model.config
     writer = GGUFWriter(path, "llama")
     writer.add_name("tiny-llama")
@@ -108,7 +116,7 @@ def write_llama_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(0)  # all F32
-    _add_tokenizer(writer, tokenizer)
+    _add_tokenizer(writer, tokenizer, eot_token_id)
     for name, array in _tensors(model).items():
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     _finish(writer)

@@ -4,7 +4,13 @@ transformers reads GGUF files (`from_pretrained(folder, gguf_file=name)`) and de
 tensor on load, which takes many seconds for even a small model; so the first load saves the
 dequantized model, its tokenizer and chat template as a plain Hugging Face folder under a cache
 directory, and later loads read that folder. The folder's name holds the file's checksum, the
-dtype and the kenspec and transformers versions, so a changed file or an upgrade converts again.
+dtype, the kenspec and transformers versions and the conversion's own format number, so a
+changed file, an upgrade or a changed conversion converts again.
+
+A generation ends where llama.cpp ends it on the same file: at the tokens the file names
+(eos, and eot/eom when present) and at the special tokens llama.cpp ends a turn at by their text
+(`<end_of_turn>`, `<|eot_id|>`, ...); transformers' GGUF loader keeps only eos. Gemma 3's file
+names `<eos>` alone, yet its turns end with `<end_of_turn>`, as its own generation config says.
 
     >>> find_gguf(Path("models/smollm2-135m-instruct"))  # a Hugging Face folder: None
     >>> find_gguf(Path("gemma-3-270m-q4_k_m.gguf"))
@@ -18,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +44,24 @@ DEFAULT_GGUF_CACHE = "~/.cache/kenspec/gguf"
 CACHE_MANIFEST = "kenspec-gguf.json"
 # Architectures transformers' GGUF loader knows that are not causal LMs (or no GGUF type at all).
 _NOT_CAUSAL = frozenset({"general", "tokenizer", "t5", "umt5", "t5encoder"})
+_CACHE_FORMAT = 2  # 2: the end tokens below are written into the generation config
+# The header keys naming a generation's end tokens, and the texts of special tokens llama.cpp
+# also ends a generation at (its llama-vocab.cpp: end of turn, end of message, end of text).
+_END_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
+END_TEXTS = (
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|endoftext|>",
+    "<EOT>",
+    "<｜end▁of▁sentence｜>",
+)
 
 
 class GgufRefused(ValueError):
@@ -50,6 +75,7 @@ class GgufFile:
     path: Path
     architecture: str
     tensor_types: frozenset[str]  # GGML quantization type names, e.g. {"Q4_K", "F32"}
+    end_token_ids: frozenset[int] = frozenset()  # the header's eos, eot and eom ids
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -82,7 +108,11 @@ def inspect(path: Path) -> GgufFile:
     if not isinstance(architecture, str):
         raise GgufRefused(f"{path} has no general.architecture; it is not a model GGUF file")
     types = frozenset(GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
-    info = GgufFile(path=path, architecture=architecture, tensor_types=types)
+    ends = (reader.get_field(key) for key in _END_KEYS)
+    declared = frozenset(int(end.contents()) for end in ends if end is not None)
+    info = GgufFile(
+        path=path, architecture=architecture, tensor_types=types, end_token_ids=declared
+    )
     _refuse_architecture(info)
     _refuse_tensor_types(info)
     return info
@@ -130,7 +160,7 @@ def cache_key(path: Path, dtype: torch.dtype, digest: str) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     return (
         f"{path.stem}-{digest[:16]}-{dtype_name}"
-        f"-kenspec{__version__}-transformers{transformers.__version__}"
+        f"-kenspec{__version__}-transformers{transformers.__version__}-v{_CACHE_FORMAT}"
     )
 
 
@@ -146,6 +176,10 @@ def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     model, tokenizer = load_gguf(path, dtype)
+    special = {str(t): i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    starts = (tokenizer.bos_token_id, tokenizer.pad_token_id)
+    ends = end_token_ids(info.end_token_ids, special, [i for i in starts if i is not None])
+    model.generation_config.eos_token_id = ends[0] if len(ends) == 1 else ends
     save_plain(model, tokenizer, partial)
     manifest = {
         "source": str(path.resolve()),
@@ -153,6 +187,7 @@ def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
         "architecture": info.architecture,
         "tensor_types": sorted(info.tensor_types),
         "dtype": str(dtype),
+        "end_token_ids": ends,
     }
     (partial / CACHE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     try:
@@ -160,6 +195,22 @@ def cached_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     except OSError:  # another process finished the same conversion first
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def end_token_ids(
+    declared: Iterable[int], special: Mapping[str, int], starts: Iterable[int] = ()
+) -> list[int]:
+    """The ids a generation ends at, sorted: those the header declares, and the special tokens
+    (text -> id) whose text llama.cpp ends a generation at, but for those the file begins or
+    pads with (`starts`: SmolLM2's `<|endoftext|>` is its bos, not an end).
+
+    >>> end_token_ids([1], {"<bos>": 2, "<end_of_turn>": 106, "<start_of_turn>": 105})
+    [1, 106]
+    >>> end_token_ids([2], {"<|endoftext|>": 0, "<|im_end|>": 2}, starts=[0])
+    [2]
+    """
+    by_text = {special[text] for text in END_TEXTS if text in special} - set(starts)
+    return sorted(set(declared) | by_text)
 
 
 def _refuse_for_kenspec(path: Path) -> None:

@@ -3,6 +3,7 @@ real run through a tiny-model server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from bench import workloads
@@ -55,3 +56,21 @@ def test_repeat_workload_through_a_server(tmp_path, tiny_model_dir) -> None:
         # The bench asks the server for each round's draft source (--report-draft-source).
         assert set(record["summary"]["sources"]) - {"none"}
     assert rounds["learning"] < rounds["off"]
+
+
+def test_raw_sends_the_prompt_as_it_is_and_chat_as_a_user_message() -> None:
+    """A base model (no chat template) is measured on raw prompts (`--raw`)."""
+    sent: list[dict] = []
+
+    class Client:
+        async def generate(self, **request):
+            sent.append(request)
+            return
+            yield
+
+    for raw in (True, False):
+        asyncio.run(workloads.measure_request(Client(), "Once upon", 8, "off", raw=raw))
+    assert [{k: v for k, v in r.items() if k in ("prompt", "messages")} for r in sent] == [
+        {"prompt": "Once upon"},
+        {"messages": [("user", "Once upon")]},
+    ]

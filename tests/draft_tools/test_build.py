@@ -25,6 +25,7 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
 from server.settings import Settings
 from tests import tiny
+from tests.gguf_files import write_header_only_gguf, write_llama_gguf
 from tests.server.engine.drafts import reference_greedy
 
 FLAGS = ["--max-new-tokens", "16", "--batch-size", "4", "--threads", "1", "--memory", "32M"]
@@ -152,7 +153,10 @@ def test_a_second_run_skips_every_stage(built, monkeypatch) -> None:
     assert code == 0, stderr
     assert skipped(stderr) == ["distill", "heldout", "fit", "check"]
     assert before == {name: (out / name).stat().st_mtime_ns for name in before}
-    assert stdout == first_stdout
+    timed = "time by stage"  # the one line that differs: the times
+    assert [line for line in stdout.splitlines() if not line.startswith(timed)] == [
+        line for line in first_stdout.splitlines() if not line.startswith(timed)
+    ]
 
 
 def test_a_changed_order_refits_and_rechecks_only(built, tmp_path) -> None:
@@ -183,7 +187,7 @@ def test_added_prompts_cost_only_the_answers_not_given_before(
     old_sides = split_prompts(tiny.PROMPTS, 0.2)
     new_sides = split_prompts(new_prompts, 0.2)
     moved = sum(len(set(new) - set(old)) for new, old in zip(new_sides, old_sides, strict=True))
-    to_go = [int(n) for n in re.findall(r"(\d+) to go in", stderr)]
+    to_go = [int(n) for n in re.findall(r"(\d+) to go,", stderr)]
     assert sum(to_go) == moved and 1 <= moved <= 2
     assert sorted(answered_prompts(copy / "work" / "train.ids")) == sorted(new_sides[0])
     assert sorted(answered_prompts(copy / "work" / "heldout.ids")) == sorted(new_sides[1])
@@ -209,20 +213,22 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(
 ) -> None:
     _, full, _, _ = built
     out = tmp_path / "draft"
-    generate, calls = distill.generate_batch, []
+    write, calls = distill.CorpusWriter.write, []
 
-    def interrupted(*args, **kwargs):
+    def interrupted(writer, answer):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 9:
             raise KeyboardInterrupt
-        return generate(*args, **kwargs)
+        return write(writer, answer)
 
-    monkeypatch.setattr(distill, "generate_batch", interrupted)
+    monkeypatch.setattr(distill.CorpusWriter, "write", interrupted)
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
     assert code == 130 and "run the same command again to resume" in stderr
-    assert len((out / "work" / "train.ids").read_text().splitlines()) == 2 * 4  # two batches
+    assert len((out / "work" / "train.ids").read_text().splitlines()) == 8  # each one kept
+    times = json.loads((out / "work" / "times.json").read_text())  # the stages before
+    assert [t["stage"] for t in times] == ["tools", "split"]
 
-    monkeypatch.setattr(distill, "generate_batch", generate)
+    monkeypatch.setattr(distill.CorpusWriter, "write", write)
     code, _, stderr = run_build(build_argv(tiny_model_dir, prompts_file, out))
     assert code == 0, stderr
     training = len(split_prompts(tiny.PROMPTS, 0.2)[0])
@@ -250,8 +256,10 @@ def test_text_alone_checked_on_held_out_prompts(tiny_model_dir, tmp_path) -> Non
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"--model": "missing"}, "no such folder"),
-        ({"--model": "."}, "is not a model folder (it has no config.json)"),
+        ({"--model": "missing"}, "no such file or folder"),
+        ({"--model": "."}, "is not a model folder (it has no config.json) and holds no GGUF"),
+        ({"--model": "one.txt"}, "is a file but not a .gguf file"),
+        ({"--chat-template": "missing.jinja"}, "--chat-template"),
         ({"--prompts": "empty.txt"}, "holds no prompts"),
         ({"--prompts": "missing.txt"}, "no such file"),
         ({"--prompts": "one.txt"}, "needs 2 distinct prompts or more"),
@@ -393,3 +401,88 @@ def test_the_build_script_names_missing_compilers_and_how_to_install_them(tmp_pa
     assert "ERROR: missing cmake, make, a C++ compiler; install them" in result.stderr
     assert "sudo apt-get install cmake make g++ libboost-program-options-dev" in result.stderr
     assert not (tmp_path / "kenlm" / "kenlm-0.3.0.tar.gz").exists()
+
+
+def test_each_stage_is_timed_in_the_summary(built) -> None:
+    _, out, stdout, _ = built
+    names = ["tools", "split", "distill", "heldout", "fit", "check"]
+    times = json.loads((out / "work" / "times.json").read_text())  # the last run's
+    assert [t["stage"] for t in times] == names and all(t["seconds"] >= 0 for t in times)
+    (line,) = [line for line in stdout.splitlines() if line.startswith("time by stage")]
+    stages = line.split(": ", 1)[1].split(", ")
+    assert [re.fullmatch(r"(\w+) [\d.]+ s", stage).group(1) for stage in stages] == names
+
+
+def test_a_gguf_model_builds_the_draft_the_folder_builds(
+    built, tiny_target, prompts_file, tmp_path
+) -> None:
+    """A GGUF file as --model is converted once into --gguf-cache, as the server converts it,
+    and gives the answers (so the draft) that its Hugging Face folder gives; the summary's
+    command serves the file from that cache."""
+    _, folder_out, _, _ = built
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", tiny_target.model, tiny_target.tokenizer)
+    cache, out = tmp_path / "cache", tmp_path / "draft"
+    argv = build_argv(gguf, prompts_file, out, "--gguf-cache", str(cache))
+    code, stdout, stderr = run_build(argv)
+    assert code == 0, stderr
+    assert stderr.splitlines()[0] == (
+        f"[1/7] model: tiny.gguf dequantized to float32 under {cache}"
+    )
+    (converted,) = cache.iterdir()
+    assert "converted" in stderr and json.loads((out / "draft.json").read_text())["target"] == (
+        str(converted)
+    )
+    for part in ("train.ids", "heldout.ids"):
+        assert (out / "work" / part).read_text() == (folder_out / "work" / part).read_text()
+    assert (out / "model.bin").read_bytes() == (folder_out / "model.bin").read_bytes()
+    command = f"  python -m server --model {gguf} --gguf-cache {cache} --draft {out}"
+    assert command in stdout.splitlines()
+
+    code, _, stderr = run_build(argv)  # the cached folder is found, nothing redone
+    assert code == 0 and "cached before" in stderr
+    assert skipped(stderr) == ["distill", "heldout", "fit", "check"]
+    assert json.loads((out / "work" / "times.json").read_text())[0] == {
+        "stage": "model",
+        "seconds": pytest.approx(0, abs=30),
+        "skipped": True,
+    }
+
+
+def test_a_chat_template_file_renders_the_prompts(tiny_target, prompts_file, tmp_path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    out = tmp_path / "draft"
+    argv = build_argv(tiny_target.name, prompts_file, out, "--chat-template", str(template))
+    code, stdout, stderr = run_build([*argv, "--heldout", "0"])
+    assert code == 0, stderr
+    records = [json.loads(line) for line in (out / "work" / "train.jsonl").open()]
+    for record in records:
+        assert record["prompt_ids"] == tiny_target.encode_chat_text(f"<<{record['prompt']}>>")
+    assert f"--chat-template {template} --draft {out}" in stdout
+
+
+def test_a_gguf_file_the_server_refuses_ends_the_build_in_one_line(prompts_file, tmp_path):
+    model = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
+    argv = build_argv(model, prompts_file, tmp_path / "draft", "--gguf-cache", str(tmp_path / "c"))
+    code, stdout, stderr = run_build(argv)
+    assert code == 1 and stdout == "" and "Traceback" not in stderr
+    assert stderr.splitlines()[0].startswith("[1/7] model: bert.gguf")
+    last = stderr.splitlines()[-1]
+    assert last.startswith(f"error: cannot load the model from {model}: ")
+    assert "GGUF architecture 'bert' is not one transformers" in last
+
+
+def test_a_prompt_too_long_for_the_context_ends_the_build_in_one_line(tiny_target, tmp_path):
+    words = ["fox"]
+    while len(tiny_target.encode_chat([{"role": "user", "content": " ".join(words)}])) < (
+        tiny_target.max_context
+    ):
+        words *= 2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n" + " ".join(words) + "\n")
+    argv = build_argv(tiny_target.name, prompts, tmp_path / "draft", "--heldout", "0")
+    code, stdout, stderr = run_build(argv)
+    assert code == 1 and stdout == "" and "Traceback" not in stderr
+    last = stderr.splitlines()[-1]
+    assert last.startswith("error: the prompt 'fox fox") and "exceeds the model's context" in last
+    assert not (tmp_path / "draft" / "work" / "train.ids").read_text()  # none answered

@@ -1,4 +1,5 @@
-"""server/distill.py: padding, answer cutting, resumable corpus, end to end on a tiny model."""
+"""draft_tools/distill.py: answers through the server's engine, batched as one at a time; the
+resumable corpus; end to end on a tiny model."""
 
 from __future__ import annotations
 
@@ -8,32 +9,8 @@ from pathlib import Path
 import pytest
 
 from draft_tools import distill
-from draft_tools.distill import Answer, CorpusWriter, cut_answer, left_pad, plan_batches
-
-
-def test_left_pad_right_aligns_rows() -> None:
-    ids, mask = left_pad([[5, 6, 7], [8], []], pad_id=0)
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
-    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
-
-
-@pytest.mark.parametrize(
-    ("generated", "expected"),
-    [
-        ([4, 5, 2, 0, 0], ([4, 5], "eos")),  # pad after EOS dropped
-        ([4, 5, 2, 2, 2], ([4, 5], "eos")),  # pad == EOS, as SmolLM2
-        ([2, 0, 0], ([], "eos")),
-        ([4, 5, 6], ([4, 5, 6], "length")),
-        ([4, 9, 6], ([4], "eos")),  # any of several EOS ids
-    ],
-)
-def test_cut_answer(generated: list[int], expected: tuple[list[int], str]) -> None:
-    assert cut_answer(generated, frozenset({2, 9})) == expected
-
-
-def test_plan_batches_groups_similar_lengths_longest_first() -> None:
-    lengths = {0: 5, 1: 50, 2: 6, 3: 49, 4: 5}
-    assert plan_batches(lengths, 2) == [[1, 3], [2, 0], [4]]
+from draft_tools.distill import Answer, CorpusWriter
+from tests.server.engine.drafts import reference_greedy
 
 
 def _answer(index: int, text: str = "a\nb") -> Answer:
@@ -73,18 +50,44 @@ def test_resume_refuses_other_settings(tmp_path: Path) -> None:
         distill.check_run_settings(meta, {"max_new_tokens": 128})
 
 
-def test_batched_answers_equal_single_answers(tiny_model_dir: Path) -> None:
-    model, tokenizer = distill.load_target(tiny_model_dir, "cpu", "float32")
+def generated(target, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], str]:
+    """transformers' greedy answer as a corpus keeps it: cut before the first EOS."""
+    reference = reference_greedy(target, prompt_ids, max_new_tokens)
+    for position, token in enumerate(reference):
+        if token in target.eos_token_ids:
+            return reference[:position], "eos"
+    return reference, "length"
+
+
+@pytest.fixture(scope="module")
+def engine_target(tiny_model_dir: Path) -> distill.Target:
+    return distill.load_target(tiny_model_dir, "cpu", "float32", rows=4, threads=1)
+
+
+def test_batched_answers_equal_single_answers_and_generate(engine_target, tiny_target) -> None:
+    """Greedy, float32: the engine answering many prompts a pass (continuous batching: 6
+    prompts through 4 rows) gives each the answer it gives alone, and transformers' generate."""
     prompts = ["The quick brown fox", "A", "Speculative decoding drafts tokens and verifies"]
-    rows = [distill.render_prompt(tokenizer, p) for p in prompts]
-    assert len({len(r) for r in rows}) == 3  # padding really happens
-    kwargs = {"pad_id": tokenizer.pad_token_id, "eos_ids": frozenset({tokenizer.eos_token_id})}
-    together = distill.generate_batch(model, rows, max_new_tokens=12, **kwargs)
-    alone = [distill.generate_batch(model, [r], max_new_tokens=12, **kwargs)[0] for r in rows]
+    prompts += ["dog fox dog fox", "quick quick quick", "over the"]
+    rows = {i: distill.render_prompt(engine_target.tokenizer, p) for i, p in enumerate(prompts)}
+    assert len({len(r) for r in rows.values()}) > 3  # rows of many lengths share passes
+    together = distill.greedy_answers(engine_target, rows, 12)
+    alone = {i: distill.greedy_answers(engine_target, {i: rows[i]}, 12)[i] for i in rows}
     assert together == alone
+    for i, answer in together.items():
+        assert answer == generated(tiny_target, rows[i], 12)
 
 
-def test_main_writes_aligned_corpus_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_answers_come_in_index_order_whichever_finishes_first(engine_target) -> None:
+    rows = {5: [1, 2, 3] * 9, 1: [4, 5], 3: [6, 7, 8]}
+    seen: list[int] = []
+    distill.answer_all(engine_target, rows, 4, lambda i, ids, stop: seen.append(i))
+    assert seen == [1, 3, 5]
+
+
+def test_main_writes_aligned_corpus_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path, engine_target, tiny_target
+) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The quick brown fox\n\nAn n-gram model\n1 2 3\n")
     out = tmp_path / "drafts" / "corpus.ids"
@@ -92,11 +95,11 @@ def test_main_writes_aligned_corpus_and_resumes(tiny_model_dir: Path, tmp_path: 
     argv += ["--max-new-tokens", "8", "--batch-size", "2"]
     assert distill.main(argv) == 0
 
-    model, tokenizer = distill.load_target(tiny_model_dir, "cpu", "float32")
+    tokenizer = engine_target.tokenizer
     eos = tokenizer.eos_token_id
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     id_lines = out.read_text().splitlines()
-    assert sorted(r["index"] for r in records) == [0, 2, 3]  # line 1 is blank
+    assert [r["index"] for r in records] == [0, 2, 3]  # line 1 is blank; in file order
     assert len(id_lines) == len(out.with_suffix(".txt").read_text().splitlines()) == 3
     for record, line in zip(records, id_lines, strict=True):
         ids = [int(t) for t in line.split()]
@@ -104,14 +107,8 @@ def test_main_writes_aligned_corpus_and_resumes(tiny_model_dir: Path, tmp_path: 
         assert len(ids) == record["n_tokens"] <= 8
         assert tokenizer.decode(ids) == record["text"]
         rendered = distill.render_prompt(tokenizer, record["prompt"])
-        [(alone, _)] = distill.generate_batch(
-            model,
-            [rendered],
-            pad_id=tokenizer.pad_token_id,
-            eos_ids=frozenset({eos}),
-            max_new_tokens=8,
-        )
-        assert ids == alone
+        assert record["prompt_ids"] == rendered
+        assert (ids, record["stop"]) == generated(tiny_target, rendered, 8)
 
     before = out.read_text()
     assert distill.main(argv) == 0  # everything done: nothing appended

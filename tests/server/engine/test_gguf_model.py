@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -130,3 +131,29 @@ def test_the_plain_copy_keeps_tied_embeddings_tied_and_drops_the_gguf_claim() ->
 
 def test_the_server_default_cache_is_the_loader_default() -> None:
     assert Settings().gguf_cache == gguf_model.DEFAULT_GGUF_CACHE
+
+
+def test_a_generation_ends_at_the_files_end_of_turn_token(tiny_target, tmp_path) -> None:
+    """transformers' GGUF loader keeps only eos; the header's eot id ends a generation too."""
+    eot = tiny_target.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    path = write_llama_gguf(tmp_path / "eot.gguf", tiny_target.model, tiny_target.tokenizer, eot)
+    target = TargetModel.load(path, device="cpu", dtype="float32", gguf_cache=tmp_path / "cache")
+    assert target.eos_token_ids == tiny_target.eos_token_ids | {eot}
+    (folder,) = (tmp_path / "cache").iterdir()
+    manifest = json.loads((folder / gguf_model.CACHE_MANIFEST).read_text())
+    assert manifest["end_token_ids"] == sorted(target.eos_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("declared", "special", "starts", "ends"),
+    [
+        ([1], {"<bos>": 2, "<end_of_turn>": 106, "<start_of_turn>": 105}, [2], [1, 106]),  # Gemma 3
+        ([2], {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}, [0], [2]),  # SmolLM2
+        ([128001], {"<|eot_id|>": 128009, "<|eom_id|>": 128008}, [], [128001, 128008, 128009]),
+        ([7, 9], {}, [], [7, 9]),
+    ],
+)
+def test_end_tokens_are_the_declared_ones_and_llama_cpps_by_text(
+    declared, special, starts, ends
+) -> None:
+    assert gguf_model.end_token_ids(declared, special, starts) == ends
