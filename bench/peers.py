@@ -181,7 +181,7 @@ def llama_cpp(python: str, job: dict) -> list[dict]:
         input=json.dumps(job), capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp worker failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"llama.cpp worker exited {done.returncode}: {done.stderr[-2000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
@@ -209,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {}
     streams: dict[str, dict] = {}
+    failures: dict[str, str] = {}
     server = KenspecServer(args.server_flags, args.port)
     try:
         chat_stream(server.url, "Say hello.", 8)  # a warm-up, not counted
@@ -227,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibrated, fast = server.line("calibrated"), server.line("fast_step")
         server.stop()
     if args.llama_python:
+        if not args.gguf.exists():
+            raise SystemExit(f"{args.gguf}: no such GGUF file (make model extracts it; or --gguf)")
         bf16 = args.out / "model-bf16.gguf"
         if not bf16.exists():
             llama_cpp(args.llama_python, {"model": str(args.gguf), "quantize_bf16": str(bf16)})
@@ -235,7 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 label = f"llama.cpp {name}" + (f" lookup {lookup}" if lookup else "")
                 job = {"model": str(model), "prompts": prompts, "threads": args.threads,
                        "max_tokens": args.max_new_tokens, "lookup": lookup}  # fmt: skip
-                runs[label] = llama_cpp(args.llama_python, job)
+                try:
+                    runs[label] = llama_cpp(args.llama_python, job)
+                except RuntimeError as error:  # one peer's failure costs only its rows
+                    failures[label] = str(error)[-500:]
+                    print(f"{label}: failed: {failures[label]}", flush=True)
+                    continue
                 print(f"{label}: {_median(runs[label], 'decode_tok_s'):.1f} tok/s", flush=True)
     for peer in args.openai:
         name, url = peer.split("=", 1)
@@ -250,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"machine": machine(), "prompts": str(args.prompts), "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "server_flags": args.server_flags,
               "calibrated": calibrated, "fast_step": fast, "summary": summary,
-              "streams": streams, "runs": runs}  # fmt: skip
+              "streams": streams, "failures": failures, "runs": runs}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     (args.out / "summary.md").write_text(_markdown(report))
     _plot(summary, streams, args.out / "peers.png")
@@ -262,9 +270,17 @@ def _markdown(report: dict) -> str:
     lines = ["| server | decode tok/s (median) | TTFT ms | tokens | stream events |",
              "|---|---|---|---|---|"]  # fmt: skip
     for name, s in report["summary"].items():
-        rate = f"{s['decode_tok_s']:.1f}" if s["decode_tok_s"] else "n/a"
-        lines.append(f"| {name} | {rate} | {s['ttft_s'] * 1000:.0f} | {s['tokens']:.0f} | "
-                     f"{s['events']:.0f} |")  # fmt: skip
+        rate, ttft, tokens, events = (
+            "n/a" if value is None else f"{value:{spec}}"
+            for value, spec in ((s["decode_tok_s"], ".1f"), (None if s["ttft_s"] is None else
+                                s["ttft_s"] * 1000, ".0f"), (s["tokens"], ".0f"),
+                                (s["events"], ".0f"))
+        )  # fmt: skip
+        lines.append(f"| {name} | {rate} | {ttft} | {tokens} | {events} |")
+    for name, error in report.get("failures", {}).items():
+        lines.append(
+            f"| {name} | failed: {error.splitlines()[-1] if error.strip() else 'crashed'} | | | |"
+        )
     if report["streams"]:
         lines += ["", "| server | streams | aggregate tok/s |", "|---|---|---|"]
         for name, s in report["streams"].items():
