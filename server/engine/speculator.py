@@ -148,10 +148,8 @@ class Speculator:
     def gains(self) -> list[float]:
         """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
         a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
-        forced = [1.0] * self._forced
-        if self._probe_due:
-            return forced + chain_gains(len(self._tree), 1.0)
-        return forced + list(self._tree.probs)
+        gains = chain_gains(len(self._tree), 1.0) if self._probe_due else list(self._tree.probs)
+        return [1.0] * self._forced + gains if self._forced else gains
 
     def _rate(self, source: Source) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""
@@ -185,29 +183,31 @@ class Speculator:
             return NO_DRAFTS
         cap = self._params.num_draft_tokens
         forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
-        learned, self._source = self._learned(limit - len(forced), cap - len(forced), forced)
-        chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
+        learned = self._learned(limit - len(forced), cap - len(forced), forced)
         if constraint is None:
             self._tree = learned
             return learned
+        chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
         tree = constraint.prune(learned.after(chain))
         self._forced = _leading_forced(tree)
         self._tree = tree.below(self._forced)
         return tree
 
-    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> tuple[DraftTree, Source]:
-        """The session's draft after `forced` (given to it first): up to `cap` nodes."""
+    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> DraftTree:
+        """The session's draft after `forced` (given to it first): up to `cap` nodes, none
+        deeper than `limit`; none without a session or while the breaker says no."""
         if self._session is None or limit <= 0 or cap <= 0:
-            return NO_DRAFTS, UNNAMED
+            return NO_DRAFTS
         if self._acceptance is not None and not self._acceptance.allows_speculation():
-            return NO_DRAFTS, UNNAMED
+            return NO_DRAFTS
         self._give_ahead(self._session, forced)
         draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
         else:
             drafted = self._faults.call(draft, self._request_id)
-        return drafted or (NO_DRAFTS, UNNAMED)
+        tree, self._source = drafted or (NO_DRAFTS, UNNAMED)
+        return tree
 
     def _give_ahead(self, session: DraftSession, forced: tuple[int, ...]) -> None:
         """Extend the session by the forced tokens it does not hold yet. A session cannot take
@@ -301,10 +301,14 @@ class Speculator:
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """The output grew by `token_ids` (the session already holds forced ones given ahead)."""
-        held = _common(self._ahead, token_ids)
-        self._ahead = self._ahead[held:] if held == len(token_ids) else []
+        held = _common(self._ahead, token_ids) if self._ahead else 0
+        if held:
+            self._ahead = self._ahead[held:] if held == len(token_ids) else []
+            token_ids = token_ids[held:]
+        else:
+            self._ahead = []
         if self._session is not None:
-            self._session.extend(token_ids[held:])
+            self._session.extend(token_ids)
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:
