@@ -11,9 +11,10 @@ ON's drafts exact. Earlier schemas' answers are learned, as in service.
 
 Per request: tokens, rounds, tokens per round, seconds, tokens/s, finish reason, whether the
 output is valid for the schema (jsonschema) when it finished by EOS, and the grammar's work:
-its seconds (forced tokens, pruning, masks, advancing; per token and as a share of the
-request), draft nodes pruned and forced tokens offered. The summary: medians over schemas
-of the speed-up on/off (tokens/s), tokens per round, the grammar's share, and the share of
+its CPU seconds (forced tokens, pruning, masks, advancing; per token, and as a share of
+the request's CPU seconds, all threads: on a shared machine wall time mostly measures
+waits), draft nodes pruned and forced tokens offered. The summary: medians over schemas of
+the speed-up on/off (tokens/s), tokens per round, the grammar's share, and the share of
 valid outputs. Timings are noisy on a shared machine (run it under `nice`); tokens per round
 and validity are deterministic.
 
@@ -65,7 +66,7 @@ def run_one(
         ),
         grammar=GrammarSpec("json_schema", schema_text(case.schema)),
     )
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     rounds = drafted = accepted = forced_rounds = 0
     finish: FinishReason | None = None
     for round_ in engine.batch.rounds(generation):
@@ -75,6 +76,7 @@ def run_one(
         forced_rounds += round_.source == "grammar"
         finish = round_.finish_reason
     seconds = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started  # every thread's: torch's too
     tokens = len(generation.output_ids)
     assert generation.grammar is not None
     counters = generation.grammar.counters
@@ -92,7 +94,9 @@ def run_one(
         "finish": finish.name.lower() if finish is not None else None,
         "valid": _valid(generation.text, case.schema) if finish == FinishReason.EOS else None,
         "grammar_seconds": round(counters.seconds, 5),
-        "grammar_share": round(counters.seconds / seconds, 4),
+        "cpu_seconds": round(cpu_seconds, 4),
+        # the grammar's CPU (the engine thread's, GrammarCounters) over the request's
+        "grammar_share": round(counters.seconds / cpu_seconds, 4),
         "grammar_us_per_token": round(1e6 * counters.seconds / max(tokens, 1), 1),
         "masks": counters.masks,
         "pruned": counters.pruned,
@@ -154,6 +158,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--limit", type=int, default=len(CASES), help="the first N schemas")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines, one per request")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=["on", "off", "sampled"],
+        default=["on", "off", "sampled"],
+        help="which requests per schema (on and off are greedy; sampled has speculation on)",
+    )
+    parser.add_argument("--reverse", action="store_true", help="the schemas last to first")
     parser.add_argument("server_args", nargs="*", help="server flags (after --)")
     args = parser.parse_args()
 
@@ -177,12 +189,11 @@ def main() -> None:
     out = args.out.open("w") if args.out is not None else None
     # Greedy on and off for every schema first, then the sampled ones: a run cut short still
     # compares on and off on as many schemas as it reached.
-    runs = [
-        (case, spec, temp)
-        for case in CASES[: args.limit]
-        for spec, temp in ((True, 0.0), (False, 0.0))
-    ]
-    runs += [(case, True, 0.8) for case in CASES[: args.limit]]
+    cases = CASES[: args.limit][:: -1 if args.reverse else 1]
+    greedy = [(mode == "on", 0.0) for mode in ("on", "off") if mode in args.runs]
+    runs = [(case, speculation, temp) for case in cases for speculation, temp in greedy]
+    if "sampled" in args.runs:
+        runs += [(case, True, 0.8) for case in cases]
     for case, speculation, temperature in runs:
         row = run_one(
             engine,
