@@ -265,11 +265,11 @@ def response_format(value: object) -> GrammarSpec | None:
     is the engine's to say (a 400 naming llguidance's reason)."""
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type") not in _FORMATS:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not isinstance(kind, str) or kind not in _FORMATS:
         raise InvalidParameter(
             "response_format", f"must be an object whose type is one of {', '.join(_FORMATS)}"
         )
-    kind = value["type"]
     allowed, required = _FORMATS[kind]
     for name in value:
         if name != "type" and name not in allowed:
@@ -285,7 +285,7 @@ def response_format(value: object) -> GrammarSpec | None:
     source = value[kind]
     if not isinstance(source, str) or not source:
         raise InvalidParameter(f"response_format.{kind}", "must be a non-empty string")
-    return GrammarSpec(kind, source)
+    return GrammarSpec("regex" if kind == "regex" else "lark", source)
 
 
 def _json_schema(value: object) -> GrammarSpec:
