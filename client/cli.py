@@ -17,7 +17,8 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn, TextIO
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input_flags(parser)
     _add_sampling_flags(parser)
     _add_speculation_flags(parser)
+    _add_format_flags(parser)
     return parser
 
 
@@ -146,6 +148,37 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence"
     )
+
+
+def _add_format_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output (docs/structured-output.md)")
+    exclusive = group.add_mutually_exclusive_group()
+    exclusive.add_argument("--json-object", action="store_true", help="answer with a JSON object")
+    exclusive.add_argument(
+        "--json-schema", metavar="FILE|JSON", help="answer with JSON valid for this schema"
+    )
+    exclusive.add_argument("--regex", metavar="REGEX", help="answer matching this regex")
+    exclusive.add_argument("--lark", metavar="FILE", help="answer matching this Lark grammar")
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The flags' response_format (HTTP-shaped); a schema or grammar from a file if one is
+    named, else the text given."""
+    if getattr(args, "json_object", False):
+        return {"type": "json_object"}
+    if getattr(args, "json_schema", None):
+        text = _file_or_text(args.json_schema)
+        return {"type": "json_schema", "json_schema": {"schema": text}}
+    if getattr(args, "regex", None):
+        return {"type": "regex", "regex": args.regex}
+    if getattr(args, "lark", None):
+        return {"type": "lark", "lark": _file_or_text(args.lark)}
+    return None
+
+
+def _file_or_text(value: str) -> str:
+    path = Path(value)
+    return path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
 
 
 def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +333,7 @@ def _generate_options(args: argparse.Namespace) -> GenerateOptions:
         num_draft_tokens=args.num_draft_tokens,
         adaptive=args.adaptive,
         draft_context=args.draft_context,
+        response_format=_response_format(args),
         request_id=args.request_id,
     )
 

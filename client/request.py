@@ -7,8 +7,9 @@ is sent. Range checks are the server's job: it knows its limits and says which o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from kenspec_api import generator_pb2 as pb
 
@@ -33,6 +34,7 @@ class GenerateOptions(TypedDict, total=False):
     num_draft_tokens: int
     adaptive: bool | None
     draft_context: bool | None
+    response_format: Mapping[str, Any] | None
     request_id: str
 
 
@@ -51,9 +53,14 @@ def build_generate_request(
     num_draft_tokens: int = 0,
     adaptive: bool | None = None,
     draft_context: bool | None = None,
+    response_format: Mapping[str, Any] | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; `None` for seed/adaptive/draft_context leaves the choice to the server.
+
+    `response_format` is shaped as over HTTP: {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"schema": {...}}}, {"type": "regex", "regex": "..."} or {"type": "lark",
+    "lark": "..."}; the output then matches it (docs/structured-output.md).
 
     >>> build_generate_request("Hi", stop="\\n", speculation="off").speculation.mode
     2
@@ -78,8 +85,32 @@ def build_generate_request(
         request.sampling.seed = seed
     if adaptive is not None:
         request.speculation.adaptive = adaptive
+    if response_format is not None:
+        request.response_format.CopyFrom(build_response_format(response_format))
     _set_input(request, prompt, messages)
     return request
+
+
+def build_response_format(value: Mapping[str, Any]) -> pb.ResponseFormat:
+    """The proto's ResponseFormat of an HTTP-shaped response_format (see above).
+
+    >>> build_response_format({"type": "regex", "regex": "[0-9]+"}).regex
+    '[0-9]+'
+    """
+    kind = value.get("type")
+    if kind == "json_object":
+        return pb.ResponseFormat(json_object=pb.JsonObject())
+    if kind == "json_schema":
+        schema = value.get("json_schema", {}).get("schema")
+        if schema is None:
+            return pb.ResponseFormat(json_object=pb.JsonObject())
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return pb.ResponseFormat(json_schema=text)
+    if kind in ("regex", "lark"):
+        return pb.ResponseFormat(**{kind: value.get(kind, "")})
+    raise ValueError(
+        f"response_format type must be json_object, json_schema, regex or lark, not {kind!r}"
+    )
 
 
 def build_tokenize_request(

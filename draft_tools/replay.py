@@ -124,5 +124,5 @@ class _Follow:
         self._answer = answer
         self._position = position
 
-    def __call__(self, _row: int, depth: int) -> int:
-        return self._answer[self._position + depth]
+    def __call__(self, _row: int, path: Sequence[int]) -> int:
+        return self._answer[self._position + len(path)]

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akenspec/v1/generator.proto\x12\nkenspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kenspec.v1.ChatMessage\"c\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"L\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xb1\x01\n\x15SpeculationParameters\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.kenspec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x15\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12/\n\rdraft_context\x18\x04 \x01(\x0e\x32\x18.kenspec.v1.DraftContextB\x0b\n\t_adaptive\"\x84\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.kenspec.v1.MessagesH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.kenspec.v1.SamplingParameters\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.kenspec.v1.StoppingCriteria\x12\x36\n\x0bspeculation\x18\x06 \x01(\x0b\x32!.kenspec.v1.SpeculationParametersB\x07\n\x05input\"\xc4\x01\n\tRoundInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.kenspec.v1.RoundMode\x12/\n\rbreaker_state\x18\x05 \x01(\x0e\x32\x18.kenspec.v1.BreakerState\x12\x19\n\x11window_acceptance\x18\x06 \x01(\x02\x12\x14\n\x0c\x64raft_source\x18\x07 \x01(\t\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x0e\n\x06rounds\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xc0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05round\x18\x04 \x01(\x0b\x32\x15.kenspec.v1.RoundInfo\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kenspec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kenspec.v1.Usage\"m\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\x08messages\x18\x02 \x01(\x0b\x32\x14.kenspec.v1.MessagesH\x00\x12\x15\n\rreturn_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"J\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xdd\x01\n\x0f\x42reakerSettings\x12\x15\n\rwindow_rounds\x18\x01 \x01(\r\x12\x11\n\tthreshold\x18\x02 \x01(\x02\x12\x1c\n\x14threshold_calibrated\x18\x03 \x01(\x08\x12\x17\n\x0freset_timeout_s\x18\x04 \x01(\x02\x12\x11\n\tfault_max\x18\x05 \x01(\r\x12\x1f\n\x17\x64raft_latency_budget_ms\x18\x06 \x01(\x02\x12\x35\n\x13\x66\x61ult_breaker_state\x18\x07 \x01(\x0e\x32\x18.kenspec.v1.BreakerState\"\x86\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_order\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x61\x64\x61ptive_draft\x18\t \x01(\x08\x12\x16\n\x0emin_draft_prob\x18\n \x01(\x02\x12\x15\n\rdraft_context\x18\x0b \x01(\x08\x12,\n\x07\x62reaker\x18\x0c \x01(\x0b\x32\x1b.kenspec.v1.BreakerSettings\x12\x1c\n\x14max_new_tokens_limit\x18\r \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0e \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x0f \x01(\r\x12\x0f\n\x07version\x18\x10 \x01(\t*h\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*Z\n\x0c\x44raftContext\x12\x1d\n\x19\x44RAFT_CONTEXT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_CONTEXT_ON\x10\x01\x12\x15\n\x11\x44RAFT_CONTEXT_OFF\x10\x02*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*b\n\tRoundMode\x12\x1a\n\x16ROUND_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROUND_MODE_SPECULATIVE\x10\x01\x12\x1d\n\x19ROUND_MODE_AUTOREGRESSIVE\x10\x02*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03\x32\xe3\x01\n\tGenerator\x12G\n\x08Generate\x12\x1b.kenspec.v1.GenerateRequest\x1a\x1c.kenspec.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kenspec.v1.TokenizeRequest\x1a\x1c.kenspec.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kenspec.v1.GetModelInfoRequest\x1a\x15.kenspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akenspec/v1/generator.proto\x12\nkenspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kenspec.v1.ChatMessage\"c\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"L\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xb1\x01\n\x15SpeculationParameters\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.kenspec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x15\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12/\n\rdraft_context\x18\x04 \x01(\x0e\x32\x18.kenspec.v1.DraftContextB\x0b\n\t_adaptive\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.kenspec.v1.MessagesH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.kenspec.v1.SamplingParameters\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.kenspec.v1.StoppingCriteria\x12\x36\n\x0bspeculation\x18\x06 \x01(\x0b\x32!.kenspec.v1.SpeculationParameters\x12\x33\n\x0fresponse_format\x18( \x01(\x0b\x32\x1a.kenspec.v1.ResponseFormatB\x07\n\x05input\"\x81\x01\n\x0eResponseFormat\x12-\n\x0bjson_object\x18\x01 \x01(\x0b\x32\x16.kenspec.v1.JsonObjectH\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nJsonObject\"\xc4\x01\n\tRoundInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.kenspec.v1.RoundMode\x12/\n\rbreaker_state\x18\x05 \x01(\x0e\x32\x18.kenspec.v1.BreakerState\x12\x19\n\x11window_acceptance\x18\x06 \x01(\x02\x12\x14\n\x0c\x64raft_source\x18\x07 \x01(\t\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x0e\n\x06rounds\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xc0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05round\x18\x04 \x01(\x0b\x32\x15.kenspec.v1.RoundInfo\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kenspec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kenspec.v1.Usage\"m\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\x08messages\x18\x02 \x01(\x0b\x32\x14.kenspec.v1.MessagesH\x00\x12\x15\n\rreturn_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"J\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xdd\x01\n\x0f\x42reakerSettings\x12\x15\n\rwindow_rounds\x18\x01 \x01(\r\x12\x11\n\tthreshold\x18\x02 \x01(\x02\x12\x1c\n\x14threshold_calibrated\x18\x03 \x01(\x08\x12\x17\n\x0freset_timeout_s\x18\x04 \x01(\x02\x12\x11\n\tfault_max\x18\x05 \x01(\r\x12\x1f\n\x17\x64raft_latency_budget_ms\x18\x06 \x01(\x02\x12\x35\n\x13\x66\x61ult_breaker_state\x18\x07 \x01(\x0e\x32\x18.kenspec.v1.BreakerState\"\x86\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_order\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x61\x64\x61ptive_draft\x18\t \x01(\x08\x12\x16\n\x0emin_draft_prob\x18\n \x01(\x02\x12\x15\n\rdraft_context\x18\x0b \x01(\x08\x12,\n\x07\x62reaker\x18\x0c \x01(\x0b\x32\x1b.kenspec.v1.BreakerSettings\x12\x1c\n\x14max_new_tokens_limit\x18\r \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0e \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x0f \x01(\r\x12\x0f\n\x07version\x18\x10 \x01(\t*h\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*Z\n\x0c\x44raftContext\x12\x1d\n\x19\x44RAFT_CONTEXT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_CONTEXT_ON\x10\x01\x12\x15\n\x11\x44RAFT_CONTEXT_OFF\x10\x02*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*b\n\tRoundMode\x12\x1a\n\x16ROUND_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROUND_MODE_SPECULATIVE\x10\x01\x12\x1d\n\x19ROUND_MODE_AUTOREGRESSIVE\x10\x02*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03\x32\xe3\x01\n\tGenerator\x12G\n\x08Generate\x12\x1b.kenspec.v1.GenerateRequest\x1a\x1c.kenspec.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kenspec.v1.TokenizeRequest\x1a\x1c.kenspec.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kenspec.v1.GetModelInfoRequest\x1a\x15.kenspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=2125
-  _globals['_SPECULATIONMODE']._serialized_end=2229
-  _globals['_DRAFTCONTEXT']._serialized_start=2231
-  _globals['_DRAFTCONTEXT']._serialized_end=2321
-  _globals['_FINISHREASON']._serialized_start=2323
-  _globals['_FINISHREASON']._serialized_end=2450
-  _globals['_ROUNDMODE']._serialized_start=2452
-  _globals['_ROUNDMODE']._serialized_end=2550
-  _globals['_BREAKERSTATE']._serialized_start=2552
-  _globals['_BREAKERSTATE']._serialized_end=2676
+  _globals['_SPECULATIONMODE']._serialized_start=2324
+  _globals['_SPECULATIONMODE']._serialized_end=2428
+  _globals['_DRAFTCONTEXT']._serialized_start=2430
+  _globals['_DRAFTCONTEXT']._serialized_end=2520
+  _globals['_FINISHREASON']._serialized_start=2522
+  _globals['_FINISHREASON']._serialized_end=2649
+  _globals['_ROUNDMODE']._serialized_start=2651
+  _globals['_ROUNDMODE']._serialized_end=2749
+  _globals['_BREAKERSTATE']._serialized_start=2751
+  _globals['_BREAKERSTATE']._serialized_end=2875
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_MESSAGES']._serialized_start=88
@@ -52,23 +52,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONPARAMETERS']._serialized_start=323
   _globals['_SPECULATIONPARAMETERS']._serialized_end=500
   _globals['_GENERATEREQUEST']._serialized_start=503
-  _globals['_GENERATEREQUEST']._serialized_end=763
-  _globals['_ROUNDINFO']._serialized_start=766
-  _globals['_ROUNDINFO']._serialized_end=962
-  _globals['_USAGE']._serialized_start=965
-  _globals['_USAGE']._serialized_end=1101
-  _globals['_GENERATERESPONSE']._serialized_start=1104
-  _globals['_GENERATERESPONSE']._serialized_end=1296
-  _globals['_TOKENIZEREQUEST']._serialized_start=1298
-  _globals['_TOKENIZEREQUEST']._serialized_end=1407
-  _globals['_TOKENIZERESPONSE']._serialized_start=1409
-  _globals['_TOKENIZERESPONSE']._serialized_end=1483
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1485
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1506
-  _globals['_BREAKERSETTINGS']._serialized_start=1509
-  _globals['_BREAKERSETTINGS']._serialized_end=1730
-  _globals['_MODELINFO']._serialized_start=1733
-  _globals['_MODELINFO']._serialized_end=2123
-  _globals['_GENERATOR']._serialized_start=2679
-  _globals['_GENERATOR']._serialized_end=2906
+  _globals['_GENERATEREQUEST']._serialized_end=816
+  _globals['_RESPONSEFORMAT']._serialized_start=819
+  _globals['_RESPONSEFORMAT']._serialized_end=948
+  _globals['_JSONOBJECT']._serialized_start=950
+  _globals['_JSONOBJECT']._serialized_end=962
+  _globals['_ROUNDINFO']._serialized_start=965
+  _globals['_ROUNDINFO']._serialized_end=1161
+  _globals['_USAGE']._serialized_start=1164
+  _globals['_USAGE']._serialized_end=1300
+  _globals['_GENERATERESPONSE']._serialized_start=1303
+  _globals['_GENERATERESPONSE']._serialized_end=1495
+  _globals['_TOKENIZEREQUEST']._serialized_start=1497
+  _globals['_TOKENIZEREQUEST']._serialized_end=1606
+  _globals['_TOKENIZERESPONSE']._serialized_start=1608
+  _globals['_TOKENIZERESPONSE']._serialized_end=1682
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1684
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1705
+  _globals['_BREAKERSETTINGS']._serialized_start=1708
+  _globals['_BREAKERSETTINGS']._serialized_end=1929
+  _globals['_MODELINFO']._serialized_start=1932
+  _globals['_MODELINFO']._serialized_end=2322
+  _globals['_GENERATOR']._serialized_start=2878
+  _globals['_GENERATOR']._serialized_end=3105
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kenspec_api import generator_pb2 as pb
+from server.engine.grammar import GrammarSpec
 from server.engine.params import (
     CHAIN_TOKENS,
     InvalidParameter,
@@ -44,6 +45,7 @@ class GenerateParams:
     sampling: SamplingParams
     stopping: StoppingParams
     speculation: SpeculationParams
+    grammar: GrammarSpec | None = None  # response_format: what the output must match
 
 
 def parse_input(
@@ -93,7 +95,25 @@ def parse_generate(
         sampling=_sampling(request.sampling),
         stopping=_stopping(request.stopping, limits),
         speculation=_speculation(request.speculation, defaults),
+        grammar=_grammar(request),
     )
+
+
+def _grammar(request: pb.GenerateRequest) -> GrammarSpec | None:
+    """The response format's grammar; None when unset (free text). Compiled by the engine."""
+    if not request.HasField("response_format"):
+        return None
+    which = request.response_format.WhichOneof("format")
+    if which is None:
+        raise InvalidParameter(
+            "response_format", "set one of json_object, json_schema, regex, lark"
+        )
+    if which == "json_object":
+        return GrammarSpec("json_object")
+    source = getattr(request.response_format, which)
+    if not source:
+        raise InvalidParameter(f"response_format.{which}", "must not be empty")
+    return GrammarSpec(which, source)
 
 
 def prompt_char_limit(max_prompt_chars: int, max_prompt_tokens: int, vocab: Iterable[str]) -> int:

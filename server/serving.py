@@ -185,6 +185,7 @@ class Serving:
                 speculation=params.speculation,
                 request_id=request_id,
                 tenant=tenant,
+                grammar=params.grammar,
             )
             started = time.perf_counter()
             outcome, last = "cancelled", None

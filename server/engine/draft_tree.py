@@ -104,12 +104,43 @@ class DraftTree:
         keep = [node for node, node_depth in enumerate(first) if node_depth <= depth]
         if len(keep) == len(first):
             return self.prefix(nodes)
+        return self.subset(keep)
+
+    def subset(self, keep: Sequence[int]) -> DraftTree:
+        """The nodes `keep` (ascending, each one's parent kept too), renumbered in order."""
         renumbered = {-1: -1, **{old: new for new, old in enumerate(keep)}}
         return DraftTree(
             tuple(self.tokens[node] for node in keep),
             tuple(renumbered[self.parents[node]] for node in keep),
             tuple(self.probs[node] for node in keep),
             tuple(self.sources[node] for node in keep),
+        )
+
+    def after(self, chain: DraftTree) -> DraftTree:
+        """`chain` (a chain), then this tree below its last node: what this tree's root
+        children follow is then the chain's last token."""
+        if not chain:
+            return self
+        if not self:
+            return chain
+        below = len(chain) - 1
+        return DraftTree(
+            chain.tokens + self.tokens,
+            chain.parents + tuple(below if p < 0 else p + len(chain) for p in self.parents),
+            chain.probs + self.probs,
+            chain.sources + self.sources,
+        )
+
+    def below(self, count: int) -> DraftTree:
+        """What `after` put below a chain of `count` nodes at the front: the rest, renumbered,
+        the chain's last node's children the root's."""
+        if count == 0:
+            return self
+        return DraftTree(
+            self.tokens[count:],
+            tuple(-1 if parent < count else parent - count for parent in self.parents[count:]),
+            self.probs[count:],
+            self.sources[count:],
         )
 
     def depths(self) -> list[int]:

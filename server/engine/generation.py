@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.draft_tree import DraftTree
+from server.engine.grammar import GrammarState
 from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
 from server.engine.pass_logits import Logits
+from server.engine.processors import RowProcessor
 from server.engine.recycled import RecycledPredictions
 from server.engine.sampling import PositionalGenerator, TokenChoice, chooser
 from server.engine.speculator import Speculator
@@ -65,6 +67,7 @@ class Generation:
         on_finish: Callable[[Sequence[int], Sequence[int]], None] | None = None,
         recycled: RecycledPredictions | None = None,
         tenant: str = SHARED_TENANT,
+        grammar: GrammarState | None = None,
     ) -> None:
         if not prompt_ids:
             raise InvalidParameter("prompt", "must contain at least one token")
@@ -82,6 +85,9 @@ class Generation:
         self._on_finish = on_finish  # (prompt, output) of a finished generation, e.g. to learn
         self.recycled = recycled  # where its passes' computed logit rows are kept as drafts
         self.tenant = tenant  # whose cached prefixes it may reuse (and its own are stored as)
+        self.grammar = grammar  # what the output must match (engine.grammar), if anything
+        # Applied in order at every verified node: the grammar's mask first.
+        self._processors: tuple[RowProcessor, ...] = (grammar,) if grammar is not None else ()
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
@@ -133,7 +139,7 @@ class Generation:
         """This round's draft tree (see Speculator.propose)."""
         if self.finished:
             raise RuntimeError("propose() needs an unfinished generation")
-        return self.speculator.propose(limit=self.draft_limit)
+        return self.speculator.propose(limit=self.draft_limit, constraint=self.grammar)
 
     def pass_row(self, tree: DraftTree) -> PassRow:
         """This generation's row of a verify pass with the drafts `tree`: the prompt tokens
@@ -151,7 +157,13 @@ class Generation:
         """The target's choice at each depth of this round's walk: the argmax when greedy, else
         a draw keyed by the output position it fills (see PositionalGenerator)."""
         position = len(self._output)
-        return chooser(logits, self._sampling, lambda depth: self._draws.at(position + depth))
+        return chooser(
+            logits,
+            self._sampling,
+            lambda depth: self._draws.at(position + depth),
+            self._processors,
+            self._output,
+        )
 
     def accept(self, row: PassRow, emitted: list[int], path: list[int]) -> Round:
         """The pass wrote `row` and the walk accepted the nodes `path`: emit `emitted`."""
@@ -177,6 +189,8 @@ class Generation:
             if self.finish_reason is not None:
                 break
         self._pending = kept[-1]
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         self.speculator.extend(kept)
         if self.finish_reason is not None and self._on_finish is not None:
             self._on_finish(self._prompt, self._output)

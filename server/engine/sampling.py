@@ -20,6 +20,7 @@ import torch
 from server.engine.draft_tree import chain_parents
 from server.engine.params import SamplingParams
 from server.engine.pass_logits import Logits
+from server.engine.processors import RowProcessor
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -48,8 +49,9 @@ def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
-TokenChoice = Callable[[int, int], int]
-"""A walk's choice: (logits row, depth) -> the target's token there (see `walk`)."""
+TokenChoice = Callable[[int, Sequence[int]], int]
+"""A walk's choice: (logits row, the node's path tokens) -> the target's token there (see
+`walk`); the depth is len(path tokens)."""
 
 
 def walk(
@@ -59,7 +61,7 @@ def walk(
 
     Node i is draft_ids[i], a child of node parents[i] (-1: of the root, the pending token);
     logits row i + 1 scores what follows node i, row 0 what follows the root. From the root:
-    y = choose(row, depth) (the argmax when greedy, a draw from p when sampling); if a child
+    y = choose(row, path tokens) (the argmax when greedy, a draw from p when sampling); if a child
     of the current node is y, move to it and repeat; else emit y and stop. At a leaf y is the
     bonus token. The emitted tokens are y_0, y_1, ..., each drawn from the target's
     distribution given the tokens before it, exactly as plain decoding draws them; which
@@ -72,13 +74,14 @@ def walk(
     children: dict[int, dict[int, int]] = {}
     for node, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, node)
-    node, path = -1, list[int]()
+    node, path, tokens = -1, list[int](), list[int]()
     while True:
-        chosen = choose(node + 1, len(path))
+        chosen = choose(node + 1, tokens)
         child = children.get(node, {}).get(chosen)
         if child is None:
-            return [*(draft_ids[i] for i in path), chosen], path
+            return [*tokens, chosen], path
         path.append(child)
+        tokens.append(chosen)
         node = child
 
 
@@ -114,17 +117,33 @@ def accept_sampled(
 def greedy_choice(logits: Logits) -> TokenChoice:
     """A walk's choice at temperature 0: the row's argmax (on an accelerator, from the pass's
     one copy of its greedy tokens)."""
-    return lambda row, _depth: logits.argmax(row)
+    return lambda row, _path: logits.argmax(row)
 
 
 def chooser(
-    logits: Logits, params: SamplingParams, generator_at: Callable[[int], torch.Generator]
+    logits: Logits,
+    params: SamplingParams,
+    generator_at: Callable[[int], torch.Generator],
+    processors: Sequence[RowProcessor] = (),
+    output: Sequence[int] = (),
 ) -> TokenChoice:
     """A walk's choice: the argmax when greedy, else y ~ p (warped) drawn with the generator
-    of its depth."""
-    if params.greedy:
-        return greedy_choice(logits)
-    return lambda row, depth: _sample(logits[row], params, generator_at(depth))
+    of its depth; with processors, of the row they processed for the node's own path (after
+    `output`, the request's tokens before this round). Without, no row is copied."""
+    if not processors:
+        if params.greedy:
+            return greedy_choice(logits)
+        return lambda row, path: _sample(logits[row], params, generator_at(len(path)))
+
+    def choose(row: int, path: Sequence[int]) -> int:
+        scores = logits[row].clone()
+        for processor in processors:
+            scores = processor.process(scores, output, path)
+        if params.greedy:
+            return int(scores.argmax())
+        return _sample(scores, params, generator_at(len(path)))
+
+    return choose
 
 
 class PositionalGenerator:

@@ -15,6 +15,7 @@ from server.engine.costs import Costs
 from server.engine.draft import Draft, DraftSession, StaticDraft
 from server.engine.events import NO_EVENTS, EngineEvents
 from server.engine.generation import Generation
+from server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, check_stopping
 from server.engine.intake import BatchSettings
 from server.engine.live_costs import LiveCosts
 from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
@@ -69,6 +70,7 @@ class SpeculativeEngine:
         isolate_tenants: bool = True,
     ) -> None:
         self.target = target
+        self._grammars: GrammarCompiler | None = None  # made for the first grammar asked
         self.batch = Batch(target, batching, costs=costs, events=events, timer=timer)
         self.static_draft = draft
         self.context = context or ContextSettings()
@@ -131,10 +133,16 @@ class SpeculativeEngine:
         speculation: SpeculationParams,
         request_id: str = "",
         tenant: str = SHARED_TENANT,
+        grammar: GrammarSpec | None = None,
     ) -> Generation:
         """A generation for `tenant` (server.security.tenant_of): it drafts from the seeded
         corpus and that tenant's learned answers, learns into them, and reuses that tenant's
-        cached prefixes only (all one tenant's when isolate_tenants is off)."""
+        cached prefixes only (all one tenant's when isolate_tenants is off). With a `grammar`,
+        its output matches it (engine.grammar); InvalidParameter for one that does not compile."""
+        constraint = None
+        if grammar is not None:
+            check_stopping(stopping)
+            constraint = self._grammar(grammar)
         tenant = tenant if self.isolate_tenants else SHARED_TENANT
         session = self._session(prompt_ids, speculation, tenant)
         trees = self.context.tree_budget > 1
@@ -168,7 +176,15 @@ class SpeculativeEngine:
             on_finish=partial(self._learn, tenant) if self.suffix is not None else None,
             recycled=self.recycled,
             tenant=tenant,
+            grammar=constraint,
         )
+
+    def _grammar(self, spec: GrammarSpec) -> GrammarState:
+        if self._grammars is None:
+            target = self.target
+            eos = sorted(target.eos_token_ids)
+            self._grammars = GrammarCompiler(target.tokenizer, eos, target.vocab_size)
+        return self._grammars.start(spec)
 
     def _session(
         self, prompt_ids: Sequence[int], speculation: SpeculationParams, tenant: str

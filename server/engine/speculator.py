@@ -6,12 +6,19 @@ chain with the most expected accepted tokens, or a token tree over all of them
 source that raises or stalls while the tree grows trips it like any draft. Then it cuts the
 draft once to the request's cap (`SpeculationParams.num_draft_tokens`, nodes) and the tokens
 left (`limit`, depth).
+
+With a constraint (a request's grammar, engine.grammar), the tokens it forces come first,
+drafted whatever the breakers say (the grammar's, not a draft's guess, so they are not
+learned as one); the session is given them before it drafts, so the learned tree is drafted
+after them; then the nodes the constraint forbids are pruned. Everything learned (acceptance,
+k, the breaker) counts the learned nodes alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Protocol
 
 from kenspec_api.outputs import BreakerState
 from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
@@ -28,6 +35,19 @@ _OWN_DECAY = 0.8  # a request's own counts: the last few rounds of a source domi
 TREE = Source("tree")  # a token tree round's source, as users see it ("tree")
 
 AcceptanceKey = tuple[Source, bool]  # (draft source, sampled): what acceptance is learned per
+FORCED = Source("grammar")  # a round whose drafts are forced tokens alone, as users see it
+
+
+class DraftConstraint(Protocol):
+    """What a grammar does to a round's draft (engine.grammar.GrammarState)."""
+
+    def forced(self) -> tuple[int, ...]:
+        """Tokens with no alternative after the output: drafted first."""
+        ...
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """`tree` (rooted at the pending token) less the nodes it forbids, with their subtrees."""
+        ...
 
 
 class AcceptanceStats:
@@ -94,7 +114,9 @@ class Speculator:
         self._own = AcceptanceStats(decay=_OWN_DECAY)
         self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
         self._source = UNNAMED  # of this round's draft: its chain's source, or TREE
-        self._tree = NO_DRAFTS  # this round's draft, as the batch cut it
+        self._tree = NO_DRAFTS  # this round's learned draft, as the batch cut it
+        self._forced = 0  # forced tokens before it this round (a chain; see DraftConstraint)
+        self._ahead: list[int] = []  # forced tokens the session holds that the output does not
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -102,8 +124,9 @@ class Speculator:
 
     @property
     def source(self) -> str:
-        """Where this round's draft came from, as users see it ("kenlm", "context:3", "tree")."""
-        return str(self._source)
+        """Where this round's draft came from, as users see it ("kenlm", "context:3", "tree",
+        "grammar" when only forced tokens were drafted)."""
+        return str(FORCED if self._forced and not self._tree else self._source)
 
     @property
     def window_acceptance(self) -> float:
@@ -125,9 +148,8 @@ class Speculator:
     def gains(self) -> list[float]:
         """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
         a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
-        if self._probe_due:
-            return chain_gains(len(self._tree), 1.0)
-        return list(self._tree.probs)
+        gains = chain_gains(len(self._tree), 1.0) if self._probe_due else list(self._tree.probs)
+        return [1.0] * self._forced + gains if self._forced else gains
 
     def _rate(self, source: Source) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""
@@ -149,27 +171,60 @@ class Speculator:
         if kept and self._probe_due:
             self._probing = True
         self._starved = self._starved + 1 if proposed and not kept else 0
-        self._tree = self._tree.prefix(kept)
+        self._tree = self._tree.prefix(max(0, kept - self._forced))
+        self._forced = min(self._forced, kept)
 
-    def propose(self, limit: int) -> DraftTree:
+    def propose(self, limit: int, constraint: DraftConstraint | None = None) -> DraftTree:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
-        tokens left); none when speculation is off or not paying."""
-        self._tree = NO_DRAFTS
-        if self._session is None or limit <= 0:
+        tokens left); none when speculation is off; no learned nodes when not paying. With a
+        constraint, its forced tokens first (see the module doc)."""
+        self._tree, self._forced = NO_DRAFTS, 0
+        if not self._params.enabled or limit <= 0:
+            return NO_DRAFTS
+        cap = self._params.num_draft_tokens
+        forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
+        learned = self._learned(limit - len(forced), cap - len(forced), forced)
+        if constraint is None:
+            self._tree = learned
+            return learned
+        chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
+        tree = constraint.prune(learned.after(chain))
+        self._forced = _leading_forced(tree)
+        self._tree = tree.below(self._forced)
+        return tree
+
+    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> DraftTree:
+        """The session's draft after `forced` (given to it first): up to `cap` nodes, none
+        deeper than `limit`; none without a session or while the breaker says no."""
+        if self._session is None or limit <= 0 or cap <= 0:
             return NO_DRAFTS
         if self._acceptance is not None and not self._acceptance.allows_speculation():
             return NO_DRAFTS
-        draft = partial(self._draft, self._session, min(self.k, limit), limit)
+        self._give_ahead(self._session, forced)
+        draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
         else:
             drafted = self._faults.call(draft, self._request_id)
-        self._tree, self._source = drafted or (NO_DRAFTS, UNNAMED)
-        return self._tree
+        tree, self._source = drafted or (NO_DRAFTS, UNNAMED)
+        return tree
 
-    def _draft(self, session: DraftSession, k: int, limit: int) -> tuple[DraftTree, Source]:
+    def _give_ahead(self, session: DraftSession, forced: tuple[int, ...]) -> None:
+        """Extend the session by the forced tokens it does not hold yet. A session cannot take
+        tokens back: if the target chose otherwise (another tokenization of forced text),
+        those it held stay, and only its drafts' quality suffers."""
+        held = _common(self._ahead, forced)
+        if held == len(forced):
+            return
+        if held < len(self._ahead):
+            held = 0
+        session.extend(forced[held:])
+        self._ahead = list(forced)
+
+    def _draft(
+        self, session: DraftSession, k: int, limit: int, cap: int
+    ) -> tuple[DraftTree, Source]:
         """The session's candidates as one draft tree, cut to the cap (see the module doc)."""
-        cap = self._params.num_draft_tokens
         candidates = session.propose(k)
         tree, source = self._as_tree(session, candidates, min(self._tree_budget, cap), limit)
         return tree.within(cap, limit), source  # the one cut: nodes and depth
@@ -199,6 +254,11 @@ class Speculator:
     def record(self, drafted: int, accepted: int, path: Sequence[int] = ()) -> None:
         """A round verified `drafted` drafts and accepted `accepted` (for a tree: the accepted
         nodes, `path`); acceptance is learned per source (per node's sources in a tree)."""
+        if self._forced:  # forced nodes are the grammar's: learn the nodes after them only
+            if accepted < self._forced:
+                return  # the learned nodes were not reached
+            drafted, accepted = drafted - self._forced, accepted - self._forced
+            path = [node - self._forced for node in path[self._forced :]]
         if drafted == 0:
             return
         if self._probing:  # a probe pays when at least half its drafts were accepted
@@ -240,5 +300,30 @@ class Speculator:
         return full, (1, min(accepted, 1))
 
     def extend(self, token_ids: Sequence[int]) -> None:
+        """The output grew by `token_ids` (the session already holds forced ones given ahead)."""
+        held = _common(self._ahead, token_ids) if self._ahead else 0
+        if held:
+            self._ahead = self._ahead[held:] if held == len(token_ids) else []
+            token_ids = token_ids[held:]
+        else:
+            self._ahead = []
         if self._session is not None:
             self._session.extend(token_ids)
+
+
+def _common(first: Sequence[int], second: Sequence[int]) -> int:
+    """The length of the longest common prefix."""
+    count = 0
+    for a, b in zip(first, second, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def _leading_forced(tree: DraftTree) -> int:
+    """How many nodes at the front of `tree` are forced ones (a chain from the root)."""
+    count = 0
+    while count < len(tree) and tree.sources[count] == (FORCED,):
+        count += 1
+    return count

@@ -4,7 +4,9 @@ Every field of the body is either used, accepted at the only value kenspec serve
 ``logprobs: false``, ``presence_penalty: 0``, ...), or refused with a 400 naming it: nothing is
 silently ignored. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
 ``extra_body``): ``top_k``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
-``draft_context``, ``ignore_eos``.
+``draft_context``, ``ignore_eos``. ``response_format`` (both routes) takes OpenAI's ``text``,
+``json_object`` and ``json_schema``, and kenspec's ``regex`` and ``lark``
+(docs/structured-output.md).
 
 Types are checked strictly, as JSON has them (fields.py): ``true`` is not ``1`` (nor ``0``
 ``false``), an integer field takes no float, numbers are finite and within 64 bits; ``model``
@@ -21,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from server.engine.grammar import GrammarSpec, schema_text
 from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
 from server.generate_params import (
     Defaults,
@@ -63,10 +66,6 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "function_call": (absent_or("none"), "functions (function calling) are not supported"),
     # meaningless without tools, but clients send it: any boolean
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        "only plain text is served (response_format {'type': 'text'})",
-    ),
 }
 _COMPLETION_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "n": _DEFAULT_ONLY["n"],
@@ -95,6 +94,7 @@ _COMMON = {
     "adaptive",
     "draft_context",
     "ignore_eos",
+    "response_format",
 }
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys()
 COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
@@ -158,6 +158,7 @@ def _request(
         sampling=_sampling(body),
         stopping=_stopping(body, integer(body, tokens_field, minimum=1), tokens_field, limits),
         speculation=_speculation(body, defaults),
+        grammar=response_format(body.get("response_format")),
     )
     return OpenAIRequest(
         model=model,
@@ -246,6 +247,63 @@ def _stopping(
         raise InvalidParameter("stop", "must be a string or a list of strings")
     ignore_eos = boolean(body, "ignore_eos")
     return stopping_params(max_tokens, stops, ignore_eos, limits, tokens_field=tokens_field)
+
+
+# response_format's types: what else each takes besides "type" (and which of those it needs)
+_FORMATS: dict[str, tuple[set[str], set[str]]] = {
+    "text": (set(), set()),
+    "json_object": (set(), set()),
+    "json_schema": ({"json_schema"}, {"json_schema"}),
+    "regex": ({"regex"}, {"regex"}),  # kenspec's
+    "lark": ({"lark"}, {"lark"}),  # kenspec's
+}
+_JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def response_format(value: object) -> GrammarSpec | None:
+    """OpenAI's response_format as a grammar (None: free text). Whether the grammar compiles
+    is the engine's to say (a 400 naming llguidance's reason)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not isinstance(kind, str) or kind not in _FORMATS:
+        raise InvalidParameter(
+            "response_format", f"must be an object whose type is one of {', '.join(_FORMATS)}"
+        )
+    allowed, required = _FORMATS[kind]
+    for name in value:
+        if name != "type" and name not in allowed:
+            raise InvalidParameter(f"response_format.{key(name)}", f"not a field of type {kind}")
+    for name in required - value.keys():
+        raise InvalidParameter(f"response_format.{name}", f"required for type {kind}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        return _json_schema(value["json_schema"])
+    source = value[kind]
+    if not isinstance(source, str) or not source:
+        raise InvalidParameter(f"response_format.{kind}", "must be a non-empty string")
+    return GrammarSpec("regex" if kind == "regex" else "lark", source)
+
+
+def _json_schema(value: object) -> GrammarSpec:
+    """{"name": ..., "schema": {...}, "strict": ...}; without a schema, any JSON object."""
+    where = "response_format.json_schema"
+    if not isinstance(value, dict):
+        raise InvalidParameter(where, "must be an object with name and schema")
+    for name in value:
+        if name not in _JSON_SCHEMA_FIELDS:
+            raise InvalidParameter(f"{where}.{key(name)}", "unknown field")
+    name_field(value, "name")
+    boolean(value, "strict")
+    schema = value.get("schema")
+    if schema is None:
+        return GrammarSpec("json_object")
+    if not isinstance(schema, dict):
+        raise InvalidParameter(f"{where}.schema", "must be a JSON schema object")
+    return GrammarSpec("json_schema", schema_text(schema))
 
 
 def _speculation(body: Mapping[str, Any], defaults: Defaults) -> SpeculationParams:

@@ -13,6 +13,7 @@ from server.engine.draft import Branching as TreeBranching
 from server.engine.draft import Candidates, Chain, DraftSession, StaticSession
 from server.engine.draft_tree import Source
 from server.engine.generation import Generation, Round
+from server.engine.grammar import GrammarSpec
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import (
     DRAFT_TOKENS,
@@ -147,6 +148,7 @@ def start(
     timer: Callable[[], float] = time.perf_counter,
     recycled: RecycledPredictions | None = None,
     tree_budget: int = 1,
+    grammar: GrammarSpec | None = None,
 ) -> tuple[SpeculativeEngine, Generation]:
     """A new engine (batch of its own) and a generation started on it, not yet run;
     `recycled`: the table its passes record into (the one a ContextDraft given as `draft`
@@ -172,6 +174,7 @@ def start(
             chain_tokens=k,
             adaptive=adaptive,
         ),
+        grammar=grammar,
     )
     return engine, generation
 

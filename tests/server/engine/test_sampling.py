@@ -215,7 +215,7 @@ def test_distribution_check_rejects_an_always_accept_rule(word_target, monkeypat
     draft = likely_draft(word_target, prompt_ids, params)
 
     def always_accept(drafts, parents, choose):  # a chain's drafts, all kept, then a draw
-        return [*drafts, choose(len(drafts), len(drafts))], list(range(len(drafts)))
+        return [*drafts, choose(len(drafts), list(drafts))], list(range(len(drafts)))
 
     # A deliberately wrong acceptance rule in the round, to show the test has power.
     monkeypatch.setattr(round_module, "walk", always_accept)
@@ -331,7 +331,7 @@ def test_distribution_check_rejects_taking_the_best_child_whatever_was_drawn(
     draft = two_chains(word_target, prompt_ids, params)
 
     def best_child(drafts, parents, choose):  # node 0, then a draw after it
-        return [drafts[0], choose(1, 1)], [0]
+        return [drafts[0], choose(1, [drafts[0]])], [0]
 
     monkeypatch.setattr(round_module, "walk", best_child)
     samples = speculative_samples(word_target, prompt_ids, params, draft, tree_budget=4)
