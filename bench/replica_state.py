@@ -131,8 +131,9 @@ class Fleet:
 
 
 def _engine_like(template: SpeculativeEngine, settings: Settings) -> SpeculativeEngine:
-    """A fresh engine as load_runtime builds one, reusing the template's target, draft and
-    costs (nothing learned: its own suffix index, priors, recycled table and prefix cache)."""
+    """A fresh engine as load_runtime builds one (with its helpers), reusing the template's
+    target, draft and costs (nothing learned: its own suffix index, priors, recycled table
+    and prefix cache)."""
     recycled = template.recycled
     return SpeculativeEngine(
         template.target,

@@ -88,6 +88,10 @@ def check_sharing(runs: list[dict]) -> None:
         summary = run["summary"]
         assert summary["prompts"] == 2 and summary["same_tokens"]  # greedy float32
         assert summary["tokens_per_round_median"] >= 1
+        assert summary["tokens_per_round_all"] >= 1
+        # float32: each repeat's answer is its warm-up's and its answer with speculation off
+        assert summary["repeated"] == 2 and summary["same_as_warm"] == 2
+        assert summary["same_as_off"] == 2
         assert summary["speedup_median"] > 0 and summary["speedup_median_vs_one"] > 0
         served = [r["replica"] for r in [*run["warm"], *run["results"]]]
         assert set(served) == set(range(run["replicas"]))
