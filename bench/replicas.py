@@ -151,8 +151,26 @@ def sharing_run(
         "results": results,
         "summary": {
             **summarize(results),
+            **answer_counts(warm_runs, results),
             "served_by": dict(Counter(str(r["replica"]) for r in [*warm_runs, *results])),
         },
+    }
+
+
+def answer_counts(warm: Sequence[dict], results: Sequence[dict]) -> dict:
+    """Tokens per round over every measured round (the median over prompts swings with one
+    prompt when they split between recalled and not), and how many measured answers equal
+    the same prompt's warm-up answer (repeat) and its answer with speculation off: bfloat16
+    passes of other widths can flip a near-tie, and a changed answer is recalled only up to
+    the change."""
+    first = {run["prompt"]: run.get("answer") for run in warm}
+    repeated = [r for r in results if r["prompt"] in first]
+    return {
+        "tokens_per_round_all": sum(r["on"]["tokens"] for r in results)
+        / max(1, sum(r["on"]["rounds"] for r in results)),
+        "repeated": len(repeated),
+        "same_as_warm": sum(r["on"].get("answer") == first[r["prompt"]] for r in repeated),
+        "same_as_off": sum(r["on"].get("answer") == r["off"].get("answer") for r in results),
     }
 
 

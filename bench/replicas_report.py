@@ -37,17 +37,19 @@ def tables(record: dict) -> str:
     lines = [f"machine: {record['machine']['cpu']}, flags {record['machine']['cpu_flags']}", ""]
     if record["sharing"]:
         lines += [
-            "| workload | configuration | tokens/round | tok/s on | tok/s off | speed-up "
-            "| speed-up / 1 replica's | prompts below 1.2x |",
-            "|---|---|---|---|---|---|---|---|",
+            "| workload | configuration | tokens/round | all rounds | tok/s on | tok/s off "
+            "| speed-up | speed-up / 1 replica's | prompts below 1.2x "
+            "| answer as warm-up / as off |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for run in record["sharing"]:
             s = run["summary"]
             lines.append(
                 f"| {run['workload']} ({s['prompts']}) | {label(run)} "
-                f"| {s['tokens_per_round_median']:.2f} | {s['on_tokens_per_s_median']:.1f} "
-                f"| {s['off_tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
-                f"| {s['speedup_median_vs_one']:.2f} | {s['below_1_2x']:.0%} |"
+                f"| {s['tokens_per_round_median']:.2f} | {_all_rounds(s)} "
+                f"| {s['on_tokens_per_s_median']:.1f} | {s['off_tokens_per_s_median']:.1f} "
+                f"| {s['speedup_median']:.2f}x | {s['speedup_median_vs_one']:.2f} "
+                f"| {s['below_1_2x']:.0%} | {_same_answers(s)} |"
             )
         lines.append("")
     if record["routing"]:
@@ -70,6 +72,20 @@ def tables(record: dict) -> str:
     if record.get("outage"):
         lines += outage_table(record["outage"])
     return "\n".join(lines)
+
+
+def _all_rounds(summary: dict) -> str:
+    """Tokens per round over every measured round (older records: -)."""
+    value = summary.get("tokens_per_round_all")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _same_answers(summary: dict) -> str:
+    """Measured answers equal to the warm-up's (repeat only) and to speculation off's."""
+    if "same_as_off" not in summary:
+        return "-"
+    warm = f"{summary['same_as_warm']}/{summary['repeated']}" if summary["repeated"] else "-"
+    return f"{warm} / {summary['same_as_off']}/{summary['prompts']}"
 
 
 def outage_table(run: dict) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import sys
@@ -53,10 +54,12 @@ async def measure_request(
     client: AsyncClient, prompt: str, max_new_tokens: int, speculation: str, raw: bool = False
 ) -> dict:
     """One greedy chat request (`raw`: the prompt as it is), streamed: tokens, rounds, drafted,
-    accepted, seconds, tokens/s, tokens per round and the rounds split by draft source."""
+    accepted, seconds, tokens/s, tokens per round, the rounds split by draft source, and a
+    digest of the answer's token ids (two answers to one prompt are the same answer)."""
     started = time.perf_counter()
     previous = started
     rounds = tokens = drafted = accepted = 0
+    digest = hashlib.blake2b(digest_size=8)
     sources: dict[str, dict] = {}
     request = {"prompt": prompt} if raw else {"messages": [("user", prompt)]}
     async for round_ in client.generate(
@@ -68,6 +71,7 @@ async def measure_request(
         now = time.perf_counter()
         rounds += 1
         tokens += len(round_.token_ids)
+        digest.update(b"".join(t.to_bytes(4, "little") for t in round_.token_ids))
         drafted += round_.drafted
         accepted += round_.accepted
         family = sources.setdefault(
@@ -89,6 +93,7 @@ async def measure_request(
         "tokens_per_s": tokens / seconds,
         "tokens_per_round": tokens / rounds if rounds else 0.0,
         "sources": sources,
+        "answer": digest.hexdigest(),
     }
 
 

@@ -19,6 +19,25 @@ def test_round_robin_sends_a_repeat_to_another_replica() -> None:
     assert [single.pick(p) for p in ["a", "a"]] == [0, 0]
 
 
+def test_answer_counts_compare_each_answer_with_the_warm_up_and_off() -> None:
+    def run(answer: str, tokens: int, rounds: int) -> dict:
+        return {"answer": answer, "tokens": tokens, "rounds": rounds}
+
+    warm = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    results = [
+        {"prompt": "a", "on": run("1", 30, 3), "off": run("1", 30, 30)},  # recalled
+        {"prompt": "b", "on": run("3", 10, 7), "off": run("4", 10, 10)},  # changed twice
+        {"prompt": "c", "on": run("5", 20, 10), "off": run("5", 20, 20)},  # not repeated
+    ]
+    counts = replicas.answer_counts(warm, results)
+    assert counts == {
+        "tokens_per_round_all": 3.0,  # 60 tokens in 20 rounds, not a median over prompts
+        "repeated": 2,
+        "same_as_warm": 1,
+        "same_as_off": 2,
+    }
+
+
 def test_routing_plan_alternates_and_tags_every_conversation() -> None:
     entries = routing.plan(["x", "y"])
     assert [(config, session) for config, _, session in entries] == [
@@ -69,6 +88,10 @@ def check_sharing(runs: list[dict]) -> None:
         summary = run["summary"]
         assert summary["prompts"] == 2 and summary["same_tokens"]  # greedy float32
         assert summary["tokens_per_round_median"] >= 1
+        assert summary["tokens_per_round_all"] >= 1
+        # float32: each repeat's answer is its warm-up's and its answer with speculation off
+        assert summary["repeated"] == 2 and summary["same_as_warm"] == 2
+        assert summary["same_as_off"] == 2
         assert summary["speedup_median"] > 0 and summary["speedup_median_vs_one"] > 0
         served = [r["replica"] for r in [*run["warm"], *run["results"]]]
         assert set(served) == set(range(run["replicas"]))

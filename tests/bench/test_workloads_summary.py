@@ -135,3 +135,22 @@ def test_one_records_each_round_under_its_source(monkeypatch: pytest.MonkeyPatch
     assert sources["kenlm"] == pytest.approx(
         {"rounds": 1, "tokens": 2, "drafted": 4, "accepted": 1, "seconds": 0.2}
     )
+
+
+def test_one_digests_the_answer_not_its_rounds() -> None:
+    """Two answers to one prompt compare by digest: the same ids however the rounds split them."""
+
+    def client(*rounds: tuple[int, ...]):
+        class FakeClient:
+            async def generate(self, **kwargs):
+                for ids in rounds:
+                    yield SimpleNamespace(token_ids=ids, drafted=0, accepted=0, draft_source="")
+
+        return FakeClient()
+
+    def answer(*rounds: tuple[int, ...]) -> str:
+        return asyncio.run(workloads._one(client(*rounds), "p", 16, "auto"))["answer"]
+
+    assert answer((1, 2, 3), (4,)) == answer((1,), (2, 3, 4))
+    assert answer((1, 2, 3), (4,)) != answer((1, 2, 3), (5,))
+    assert answer((1, 2, 3)) != answer((1, 2, 3), (0,))
