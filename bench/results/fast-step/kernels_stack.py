@@ -65,39 +65,47 @@ for M in Ms:
     for mode in modes:
         if mode == "bf16":
             xs = {i: torch.randn(M, i).bfloat16() for i in (576, 1536)}
+
             def f():
                 return [F.linear(xs[w.shape[1]], w) for w in W]
         elif mode in ("mkldnn", "mkldnn7"):
             xs = {i: torch.randn(M, i).bfloat16() for i in (576, 1536)}
+
             def f():
                 return [
-                            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                            for w, p in zip(W, prep[mode], strict=False)
-                        ]
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                    for w, p in zip(W, prep[mode], strict=False)
+                ]
         elif mode == "int8":
             xs = {i: torch.randn(M, i).bfloat16() for i in (576, 1536)}
+
             def f():
                 return [
-                            torch._weight_int8pack_mm(xs[w.shape[1]], q, s)
-                            for w, (q, s) in zip(W, prep["int8"], strict=False)
-                        ]
+                    torch._weight_int8pack_mm(xs[w.shape[1]], q, s)
+                    for w, (q, s) in zip(W, prep["int8"], strict=False)
+                ]
         elif mode == "int4":
             xs = {i: torch.randn(M, i).bfloat16() for i in (576, 1536)}
+
             def f():
                 return [
-                            torch._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, s)
-                            for w, (q, s) in zip(W, prep["int4"], strict=False)
-                        ]
+                    torch._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, s)
+                    for w, (q, s) in zip(W, prep["int4"], strict=False)
+                ]
         elif mode == "fp32":
             xs = {i: torch.randn(M, i) for i in (576, 1536)}
+
             def f():
                 return [F.linear(xs[w.shape[1]], w) for w in Wf]
         elif mode == "mkl":
             xs = {i: torch.randn(M, i) for i in (576, 1536)}
+
             def f():
                 return [
-                            torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, 1) for (p, w) in prep["mkl"]
-                        ]
+                    torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, 1)
+                    for (p, w) in prep["mkl"]
+                ]
+
         mn, md = bench(f)
         res[mode] = f"{mn * 1e3:.1f}/{md * 1e3:.1f}ms"
     print("M", M, res, flush=True)
