@@ -36,7 +36,6 @@ from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
-KERNELS = ("stock", "packed", "gemv")
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's products take
 
 
@@ -193,7 +192,6 @@ class _Layer:
     out: Product
     gate_up: Product
     down: Product
-    splits: tuple[int, int, int]
     heads: tuple[int, int, int]  # query heads, key/value heads, head dim
     act: nn.Module
 
@@ -227,7 +225,6 @@ class LlamaStep:
                     out=self.products.add([_linear(attn, "o_proj")]),
                     gate_up=self.products.add([_linear(mlp, "gate_proj"), _linear(mlp, "up_proj")]),
                     down=self.products.add([_linear(mlp, "down_proj")]),
-                    splits=(heads * dim, kv_heads * dim, kv_heads * dim),
                     heads=(heads, kv_heads, dim),
                     act=mlp.get_submodule("act_fn"),
                     attention=attn,

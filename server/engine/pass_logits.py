@@ -51,7 +51,8 @@ class OutputLayer:
     weight: torch.Tensor  # [vocab, hidden_size]
     transposed: torch.Tensor | None  # [hidden_size, vocab]: for one-row GEMVs (None: product)
     softcap: float | None = None  # final_logit_softcapping
-    # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step)
+    # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step);
+    # given, it computes every row and `transposed` may be None
     product: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,8 @@ class OutputLayer:
         with torch.inference_mode():
             if self.product is not None:
                 return capped(self.product(hidden), self.softcap)
-            if hidden.shape[0] == 1 and self.transposed is not None:
+            if hidden.shape[0] == 1:
+                assert self.transposed is not None  # one of the two is given (target.py)
                 return capped(hidden @ self.transposed, self.softcap)
             return capped((self.weight @ hidden.t()).t(), self.softcap)
 
@@ -70,8 +72,7 @@ class OutputLayer:
         with torch.inference_mode():
             if self.product is not None:
                 return capped(self.product(hidden[None]), self.softcap)[0]
-            if self.transposed is None:
-                return capped(self.weight @ hidden, self.softcap)
+            assert self.transposed is not None  # one of the two is given (target.py)
             return capped(hidden @ self.transposed, self.softcap)
 
 
