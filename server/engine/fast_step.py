@@ -91,16 +91,30 @@ class Product:
 
     @classmethod
     def of(cls, layers: Sequence[nn.Linear]) -> Product:
-        weight = torch.cat([layer.weight for layer in layers]).contiguous()
-        biases = [layer.bias for layer in layers]
-        if all(bias is None for bias in biases):
-            return cls(weight)
-        bias = torch.cat(
-            [
-                b if b is not None else layer.weight.new_zeros(layer.out_features)
-                for b, layer in zip(biases, layers, strict=True)
-            ]
-        )
+        """The layers' product. One layer's weight is used as it is; several are laid side by
+        side once and each layer's weight becomes a view of its rows, so the model's own
+        forward still computes what it did and no weight is held twice."""
+        with torch.no_grad():
+            if len(layers) == 1:
+                weight = layers[0].weight.detach().contiguous()
+            else:
+                weight = torch.cat([layer.weight.detach() for layer in layers])
+                first = 0
+                for layer in layers:
+                    rows = layer.out_features
+                    layer.weight = nn.Parameter(
+                        weight[first : first + rows], requires_grad=layer.weight.requires_grad
+                    )
+                    first += rows
+            biases = [layer.bias for layer in layers]
+            if all(bias is None for bias in biases):
+                return cls(weight)
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else layer.weight.new_zeros(layer.out_features)
+                    for b, layer in zip(biases, layers, strict=True)
+                ]
+            )
         return cls(weight, bias)
 
     def pack(self) -> None:

@@ -208,3 +208,24 @@ def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> 
     assert load_runtime(settings).engine.target.fast_step is None  # float32
     off = load_runtime(replace(settings, dtype="bfloat16", fast_step=False))
     assert off.engine.target.fast_step is None
+
+
+def test_fused_layers_become_views_of_their_product_and_keep_their_output(
+    tokenizer, tmp_path: Path
+) -> None:
+    """The fast step holds no second copy of a weight: single layers are used as they are,
+    fused ones become views of the fused rows, and the model's own forward is unchanged."""
+    directory = save_architecture(tmp_path / "qwen2", tokenizer, "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer("The quick brown fox")["input_ids"]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    step = LlamaStep(model, None)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)
+    layer, attention = step.layers[0], model.base_model.layers[0].self_attn
+    assert layer.out.weight.data_ptr() == attention.o_proj.weight.data_ptr()
+    assert step._head.weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    fused = layer.qkv.weight.untyped_storage().data_ptr()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert getattr(attention, name).weight.untyped_storage().data_ptr() == fused
