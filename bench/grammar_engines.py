@@ -93,24 +93,15 @@ def walk_llguidance(
         raise ValueError(matcher.get_error())
     walk.compile_ms = _us(start) / 1e3
     bitmask = llguidance.torch.allocate_token_bitmask(1, lltok.vocab_size)
-    for _ in range(MAX_STEPS):
-        start = time.perf_counter()
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        walk.mask_us.append(_us(start))
-        start = time.perf_counter()
-        matcher.compute_ff_tokens()
-        walk.forced_us.append(_us(start))
-        token = stream.next(_allowed_bits(bitmask, lltok.vocab_size))
-        if token is None:
-            break
-        start = time.perf_counter()
-        matcher.consume_token(token)
-        walk.advance_us.append(_us(start))
-        start = time.perf_counter()
-        matcher.rollback(1)
-        walk.rollback_us.append(_us(start))
-        matcher.consume_token(token)
-    return walk
+    return _timed_steps(
+        walk,
+        stream,
+        mask=lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0),
+        allowed=lambda _: _allowed_bits(bitmask, lltok.vocab_size),
+        forced=matcher.compute_ff_tokens,
+        consume=matcher.consume_token,
+        rollback=lambda: matcher.rollback(1),
+    )
 
 
 def walk_xgrammar(
@@ -125,24 +116,15 @@ def walk_xgrammar(
     matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema)))
     walk.compile_ms = _us(start) / 1e3
     bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
-    for _ in range(MAX_STEPS):
-        start = time.perf_counter()
-        matcher.fill_next_token_bitmask(bitmask)
-        walk.mask_us.append(_us(start))
-        start = time.perf_counter()
-        matcher.find_jump_forward_string()
-        walk.forced_us.append(_us(start))
-        token = stream.next(_allowed_bits(bitmask, info.vocab_size))
-        if token is None:
-            break
-        start = time.perf_counter()
-        matcher.accept_token(token)
-        walk.advance_us.append(_us(start))
-        start = time.perf_counter()
-        matcher.rollback(1)
-        walk.rollback_us.append(_us(start))
-        matcher.accept_token(token)
-    return walk
+    return _timed_steps(
+        walk,
+        stream,
+        mask=lambda: matcher.fill_next_token_bitmask(bitmask),
+        allowed=lambda _: _allowed_bits(bitmask, info.vocab_size),
+        forced=matcher.find_jump_forward_string,
+        consume=matcher.accept_token,
+        rollback=lambda: matcher.rollback(1),
+    )
 
 
 def walk_outlines(
@@ -157,20 +139,47 @@ def walk_outlines(
     index = outlines_core.Index(build_regex_from_schema(json.dumps(schema)), vocabulary)
     guide = outlines_core.Guide(index)
     walk.compile_ms = _us(start) / 1e3
+    return _timed_steps(
+        walk,
+        stream,
+        mask=guide.get_tokens,
+        allowed=list,
+        consume=guide.advance,
+        rollback=lambda: guide.rollback_state(1),
+    )
+
+
+def _timed_steps(
+    walk: _Walk,
+    stream: _Stream,
+    *,
+    mask: Callable[[], Any],
+    allowed: Callable[[Any], list[int]],
+    consume: Callable[[int], Any],
+    rollback: Callable[[], Any],
+    forced: Callable[[], Any] | None = None,
+) -> _Walk:
+    """Walk `stream` through one engine, timing each step's mask (what `mask` returns,
+    untimed, `allowed` turns into token ids), forced-token query, advance and a one-token
+    rollback (then the token is consumed again)."""
     for _ in range(MAX_STEPS):
         start = time.perf_counter()
-        allowed = guide.get_tokens()
+        masked = mask()
         walk.mask_us.append(_us(start))
-        token = stream.next(list(allowed))
+        if forced is not None:
+            start = time.perf_counter()
+            forced()
+            walk.forced_us.append(_us(start))
+        token = stream.next(allowed(masked))
         if token is None:
             break
         start = time.perf_counter()
-        guide.advance(token)
+        consume(token)
         walk.advance_us.append(_us(start))
         start = time.perf_counter()
-        guide.rollback_state(1)
+        rollback()
         walk.rollback_us.append(_us(start))
-        guide.advance(token)
+        consume(token)
     return walk
 
 
