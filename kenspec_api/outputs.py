@@ -31,6 +31,21 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was chosen from (after
+    the request's processors and, when sampling, its temperature, top-k, top-p and min-p), and
+    the `top` most likely tokens there as (token id, logprob), best first; tokens that
+    distribution rules out (probability 0) are never among them.
+
+    Example: ``TokenLogprob(504, -0.11, ((504, -0.11), (30, -2.3)))``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """A finished request's totals."""
 

@@ -70,13 +70,17 @@ class Batch:
 
     # -- any thread ---------------------------------------------------------------------
 
-    def add(self, generation: Generation, deliver: Deliver) -> bool:
+    def add(
+        self, generation: Generation, deliver: Deliver, follows: Generation | None = None
+    ) -> bool:
         """Queue a generation; deliver gets each Round (on the driving thread) or an error.
+        With `follows` (another choice of the same request, added before it), it copies that
+        one's prompt keys/values instead of computing them (one prefill, n rows).
 
         True when the batch was idle: the caller must then start `run_until_idle` on its
         engine thread.
         """
-        return self._intake.submit(Entry(generation, deliver))
+        return self._intake.submit(Entry(generation, deliver), follows)
 
     def cancel(self, generation: Generation) -> None:
         """Drop a generation at the next iteration (a pass in flight is not interrupted)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from functools import cache
 
 from transformers import PreTrainedTokenizerBase
 
@@ -59,3 +61,64 @@ class StopMatcher:
         start = max(0, new_from - self._longest + 1)
         hits = [index for stop in self._stops if (index := text.find(stop, start)) >= 0]
         return min(hits, default=None)
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class TokenTexts:
+    """Each token's own bytes and text, as logprobs show them (OpenAI's ``token`` and
+    ``bytes``), cached per id: a byte-level BPE token's bytes (GPT-2's byte-to-character map
+    undone, so a token holding half a character shows its half), a SentencePiece token's text
+    with its word marker as a space (``<0x0A>`` as that byte), a special token's name. A
+    token's text is its bytes decoded, U+FFFD where they are not UTF-8 on their own.
+
+    Example (SmolLM2): token 2251 is "Ġwind": bytes b" wind", text " wind".
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._special = frozenset(tokenizer.all_special_ids)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = repr(getattr(backend, "decoder", None))
+        self._byte_level = decoder.startswith("ByteLevel") or "ByteLevel" in decoder
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._compute(token_id)
+        return found
+
+    def text_of(self, token_id: int) -> str:
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+    def _compute(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(token, str):  # an id the tokenizer does not know
+            return b""
+        if token_id in self._special:
+            return token.encode()
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(character in table for character in token):
+                return bytes(table[character] for character in token)
+        byte = _BYTE_TOKEN.fullmatch(token)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (Radford et al. 2019,
+    bytes_to_unicode): printable bytes stand for themselves, the others for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    characters = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, characters, strict=True)}

@@ -7,15 +7,21 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
+from kenspec_api.outputs import BreakerState, FinishReason, Mode, TokenLogprob, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.draft_tree import DraftTree
 from server.engine.grammar import GrammarState
-from server.engine.params import InvalidParameter, SamplingParams, StoppingParams
+from server.engine.params import (
+    MAX_TOP_LOGPROBS,
+    InvalidParameter,
+    ProcessorParams,
+    SamplingParams,
+    StoppingParams,
+)
 from server.engine.pass_logits import Logits
-from server.engine.processors import RowProcessor
+from server.engine.processors import RowProcessor, penalties
 from server.engine.recycled import RecycledPredictions
-from server.engine.sampling import PositionalGenerator, TokenChoice, chooser
+from server.engine.sampling import PositionalGenerator, TokenChooser
 from server.engine.speculator import Speculator
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT
@@ -41,6 +47,9 @@ class Round:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     source: str = ""  # where the drafts came from ("kenlm", "suffix:8", ...); "" if none
+    choice: int = 0  # which of the request's n choices this round belongs to
+    # one per token of token_ids, when the request asked for logprobs
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Generation:
@@ -68,6 +77,9 @@ class Generation:
         recycled: RecycledPredictions | None = None,
         tenant: str = SHARED_TENANT,
         grammar: GrammarState | None = None,
+        processing: ProcessorParams | None = None,
+        top_logprobs: int | None = None,
+        choice: int = 0,
     ) -> None:
         if not prompt_ids:
             raise InvalidParameter("prompt", "must contain at least one token")
@@ -77,6 +89,12 @@ class Generation:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stopping.max_new_tokens}) "
                 f"exceeds the model's context of {target.max_context} tokens",
             )
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameter(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+            )
+        processing = processing or ProcessorParams()
+        processing.check_vocabulary(target.vocab_size)
         self._target = target
         self._prompt = list(prompt_ids)
         self._sampling = sampling
@@ -86,8 +104,21 @@ class Generation:
         self.recycled = recycled  # where its passes' computed logit rows are kept as drafts
         self.tenant = tenant  # whose cached prefixes it may reuse (and its own are stored as)
         self.grammar = grammar  # what the output must match (engine.grammar), if anything
-        # Applied in order at every verified node: the grammar's mask first.
-        self._processors: tuple[RowProcessor, ...] = (grammar,) if grammar is not None else ()
+        # Applied in order at every verified node: the grammar's mask first, then the
+        # request's penalties and logit_bias (each from the node's own path).
+        self._processors: tuple[RowProcessor, ...] = (
+            *((grammar,) if grammar is not None else ()),
+            *penalties(
+                prompt=self._prompt,
+                repetition_penalty=processing.repetition_penalty,
+                presence_penalty=processing.presence_penalty,
+                frequency_penalty=processing.frequency_penalty,
+                logit_bias=dict(processing.logit_bias),
+                device=target.device,
+            ),
+        )
+        self._top_logprobs = top_logprobs  # None: no logprobs; else alternatives per token
+        self.choice = choice
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self._draws = PositionalGenerator(self.seed, target.device)
         self._prefilled = 0  # tokens of prompt[:-1] already in the cache
@@ -153,20 +184,29 @@ class Generation:
             prompt_tail=tuple(self._prompt[self._prefilled : len(self._prompt) - 1]),
         )
 
-    def token_choice(self, logits: Logits) -> TokenChoice:
+    def token_choice(self, logits: Logits) -> TokenChooser:
         """The target's choice at each depth of this round's walk: the argmax when greedy, else
-        a draw keyed by the output position it fills (see PositionalGenerator)."""
+        a draw keyed by the output position it fills (see PositionalGenerator); it records
+        each choice's logprobs when the request asked for them."""
         position = len(self._output)
-        return chooser(
+        return TokenChooser(
             logits,
             self._sampling,
             lambda depth: self._draws.at(position + depth),
             self._processors,
             self._output,
+            self._top_logprobs,
         )
 
-    def accept(self, row: PassRow, emitted: list[int], path: list[int]) -> Round:
-        """The pass wrote `row` and the walk accepted the nodes `path`: emit `emitted`."""
+    def accept(
+        self,
+        row: PassRow,
+        emitted: list[int],
+        path: list[int],
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> Round:
+        """The pass wrote `row` and the walk accepted the nodes `path`: emit `emitted` (with
+        their `logprobs`, one per emitted token, when the request asked for them)."""
         self._prefilled += len(row.prompt_tail)  # the pass wrote the rest of the prompt
         # A tree's accepted nodes were written at pending + 1 + node; they belong at
         # pending + 1 + depth (their rotary positions already are): the batch moves them.
@@ -176,9 +216,18 @@ class Generation:
             for depth, node in enumerate(path)
             if node != depth
         ]
-        return self._emit(emitted, drafted=len(row.drafts), accepted=len(emitted) - 1)
+        return self._emit(
+            emitted, drafted=len(row.drafts), accepted=len(emitted) - 1, logprobs=logprobs
+        )
 
-    def _emit(self, emitted: list[int], *, drafted: int, accepted: int) -> Round:
+    def _emit(
+        self,
+        emitted: list[int],
+        *,
+        drafted: int,
+        accepted: int,
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""
         kept: list[int] = []
         text_start = len(self._text)
@@ -210,6 +259,8 @@ class Generation:
             finish_reason=self.finish_reason,
             usage=self._usage() if self.finished else None,
             source=self.speculator.source if drafted else "",
+            choice=self.choice,
+            logprobs=tuple(logprobs[: len(kept)]) if self._top_logprobs is not None else None,
         )
 
     def _append_text(self, token_id: int) -> FinishReason | None:

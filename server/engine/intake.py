@@ -15,6 +15,9 @@ admission control.)
 - A prompt that begins like a stored one (`PrefixCache`) copies those positions instead of
   computing them; it is matched when it can take a row, so prompts stored since it arrived
   count.
+- The n choices of one request share one prefill: every choice but the first `follows` it,
+  waits until the first has its whole prompt in its cache row, and copies that row's
+  positions (if the first is gone by then, it prefills as any prompt does).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Entry:
     cancelled: bool = False
     reuse: Prefix | None = None  # a stored prefix whose first `reused` positions it shares
     reused: int = 0
+    leader: Entry | None = None  # the entry whose prompt's keys/values it copies (n > 1)
+    leader_row: int | None = None  # ... from this decoding row, once it may
 
     @property
     def to_prefill(self) -> int:
@@ -121,9 +126,12 @@ class Intake:
 
     # -- any thread ---------------------------------------------------------------------
 
-    def submit(self, entry: Entry) -> bool:
-        """Queue an entry; True when the batch was idle (its loop must be started)."""
+    def submit(self, entry: Entry, follows: Generation | None = None) -> bool:
+        """Queue an entry (sharing the prefill of `follows`, a generation submitted before it
+        with the same prompt); True when the batch was idle (its loop must be started)."""
         with self._lock:
+            if follows is not None:
+                entry.leader = self._by_generation.get(id(follows))
             self._inbox.append(entry)
             self._by_generation[id(entry.generation)] = entry
             start, self._running = not self._running, True
@@ -184,15 +192,18 @@ class Intake:
         """New prompts that fit the budget together join `decoding`, each to be prefilled in
         its first round's pass; False when the next one does not fit."""
         candidates = [self.prefilling] if self.prefilling is not None else []
-        candidates += self._waiting
+        candidates += [entry for entry in self._waiting if not self._follows(entry, decoding)]
         candidates = candidates[: self._settings.max_rows - len(decoding)]
-        if self._prefixes is not None:
-            for entry in candidates:
-                if entry is not self.prefilling:
-                    prompt = entry.generation.prompt[:-1]
-                    entry.reuse, entry.reused = self._prefixes.match(
-                        prompt, entry.generation.tenant
-                    )
+        for entry in candidates:
+            if entry is self.prefilling:
+                continue
+            if entry.leader_row is not None:  # the leader's row holds the whole prompt
+                entry.reuse, entry.reused = None, entry.generation.prefill_remaining
+            elif self._prefixes is not None:
+                prompt = entry.generation.prompt[:-1]
+                entry.reuse, entry.reused = self._prefixes.match(prompt, entry.generation.tenant)
+            else:
+                entry.reuse, entry.reused = None, 0
         taken = _fitting(candidates, self._settings.prefill_chunk_alone)
         if taken < len(decoding):
             taken = _fitting(candidates, self._settings.prefill_chunk)
@@ -209,9 +220,11 @@ class Intake:
     def _prefill_chunk(self, row: int) -> None:
         """Prefill the next chunk of the prompt in `row` (taking the next waiting one if none)."""
         if self.prefilling is None:
-            if not self._waiting or row >= self._settings.max_rows:
+            ready = [entry for entry in self._waiting if not self._follows(entry, [])]
+            if not ready or row >= self._settings.max_rows:
                 return
-            self.prefilling = self._waiting.popleft()
+            self.prefilling = ready[0]
+            self._waiting.remove(ready[0])
             self._reuse_prefix(self.prefilling, row)
         entry = self.prefilling
         generation = entry.generation
@@ -235,11 +248,33 @@ class Intake:
         generation.prefilled(len(tokens))
         self._stats.prefill_tokens += len(tokens)
 
+    def _follows(self, entry: Entry, decoding: Sequence[Entry]) -> bool:
+        """Whether `entry` waits for its leader: True until the leader decodes with its whole
+        prompt in its row (then `leader_row` says which), False once it does or is gone."""
+        leader, entry.leader_row = entry.leader, None
+        if leader is None:
+            return False
+        row = next((i for i, running in enumerate(decoding) if running is leader), None)
+        if row is not None and leader.generation.prefill_remaining == 0:
+            entry.leader_row = row
+            return False
+        with self._lock:
+            gone = leader.cancelled or id(leader.generation) not in self._by_generation
+        if gone:
+            entry.leader = None  # finished, failed or cancelled first: prefill as usual
+            return False
+        return True
+
     def _reuse_prefix(self, entry: Entry, row: int) -> None:
-        """Copy the stored prefix the entry's prompt begins with into its new cache row."""
-        if entry.reuse is None or self._prefixes is None:
+        """Copy the stored prefix (or the leader's row) the entry's prompt begins with into
+        its new cache row."""
+        if entry.leader_row is not None:
+            self._cache.move(entry.leader_row, row, entry.reused)
+            entry.leader, entry.leader_row = None, None
+        elif entry.reuse is None or self._prefixes is None:
             return
-        self._prefixes.copy_into(self._cache, row, entry.reuse, entry.reused)
+        else:
+            self._prefixes.copy_into(self._cache, row, entry.reuse, entry.reused)
         entry.generation.prefilled(entry.reused)
         self._stats.reused_tokens += entry.reused
         self._events.observe_reuse(entry.reused)

@@ -23,13 +23,15 @@ CHAIN_TOKENS = 6  # an ordinary chain's length k (a short match's, KenLM's)
 class SamplingParams:
     """How the next token is chosen from the target's distribution.
 
-    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1 disable those filters.
+    temperature == 0 means greedy decoding; top_k == 0, top_p == 1 and min_p == 0 disable
+    those filters.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
@@ -42,10 +44,62 @@ class SamplingParams:
             raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidParameter("seed", f"must be in [0, 2^63), got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameter("min_p", f"must be in [0, 1] (0 disables it), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorParams:
+    """What changes the target's logits at every verified position before the choice
+    (engine.processors), in this order: logit_bias ((token id, amount) pairs added to the
+    logits), the repetition penalty (CTRL's, over prompt and output; 1 disables it), the
+    presence and frequency penalties (OpenAI's, over the generated tokens; 0 disables them).
+    Token ids are checked against the vocabulary when the generation starts.
+    """
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise InvalidParameter(
+                "repetition_penalty",
+                f"must be a finite number > 0 (1 disables it), got {self.repetition_penalty}",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidParameter(name, f"must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParameter(
+                "logit_bias", f"{len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}"
+            )
+        for token_id, amount in self.logit_bias:
+            if token_id < 0:
+                raise InvalidParameter("logit_bias", f"token id {token_id} is negative")
+            if not -100.0 <= amount <= 100.0:
+                raise InvalidParameter(
+                    f"logit_bias[{token_id}]", f"must be in [-100, 100], got {amount}"
+                )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InvalidParameter naming the first logit_bias id outside [0, vocab_size)."""
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise InvalidParameter(
+                    "logit_bias",
+                    f"token id {token_id} is not in the vocabulary (ids 0..{vocab_size - 1})",
+                )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,10 @@ context alone: penalizing from the round's start would score a node that follows
 copies of a token as if they were not there, and the round would no longer decode as plain
 decoding with the same processors does (tests/server/engine/test_processors.py).
 
-Order (as `penalties` builds it, after any grammar mask): repetition penalty, presence and
-frequency penalties, logit_bias; the warpers (temperature, top-k, top-p, min-p) follow in
-engine.sampling.
+Order (as `penalties` builds it, after any grammar mask): logit_bias, then the repetition
+penalty, then the presence and frequency penalties, as transformers' `generate` (sequence_bias
+before repetition_penalty) and vLLM (logit bias before its penalties) apply them; the warpers
+(temperature, top-k, top-p, min-p) follow in engine.sampling.
 
 Example: repetition_penalty=2 with output [5] and path [7]: a node's logits at tokens 5 and 7
 (and at the prompt's tokens) are halved where positive, doubled where negative.
@@ -124,12 +125,12 @@ def penalties(
     """The processors a request's parameters ask for, in order; () for the defaults (then the
     walk reads the raw rows: no copy, no extra work)."""
     processors: list[RowProcessor] = []
+    if logit_bias:
+        processors.append(LogitBias(logit_bias, device))
     if repetition_penalty != 1.0:
         processors.append(RepetitionPenalty(repetition_penalty, prompt))
     if presence_penalty or frequency_penalty:
         processors.append(PresenceFrequencyPenalty(presence_penalty, frequency_penalty))
-    if logit_bias:
-        processors.append(LogitBias(logit_bias, device))
     return tuple(processors)
 
 

@@ -112,13 +112,14 @@ def _walk_and_commit(
 ) -> Round:
     generation = entry.generation
     # Walk the tree (the accept rule above): what the target emits, and the accepted nodes.
-    emitted, path = walk(row.drafts, row.draft_parents(), generation.token_choice(logits))
+    choice = generation.token_choice(logits)
+    emitted, path = walk(row.drafts, row.draft_parents(), choice)
     if generation.recycled is not None:  # the rows the pass computed, kept as drafts
         generation.recycled.record([row.pending, *row.drafts], logits.computed(row.scored))
     # Breakers and adaptive k learn what was accepted, per draft source.
     generation.speculator.record(len(row.drafts), len(emitted) - 1, path)
     # The stream: its prompt tail is cached now, its output grows, stops are checked.
-    round_ = generation.accept(row, emitted, path)
+    round_ = generation.accept(row, emitted, path, choice.logprobs)
     # Cache moves: a tree's accepted nodes were written at their slots, not their positions.
     rows.relocate(index, generation.kv_moves)
     return round_

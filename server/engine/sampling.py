@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kenspec_api.outputs import TokenLogprob
 from server.engine.draft_tree import chain_parents
 from server.engine.params import SamplingParams
 from server.engine.pass_logits import Logits
@@ -24,7 +25,8 @@ from server.engine.processors import RowProcessor
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p, in that order (as HF does).
+    """Target probabilities after temperature, top-k, top-p and min-p, in that order (as HF
+    does).
 
     logits: [num_positions, vocab_size]; returns float32 probabilities of the same shape.
     """
@@ -35,7 +37,14 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
     if params.top_p < 1.0:
         scores = _mask_outside_nucleus(scores, params.top_p)
-    return torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0.0:
+        # Nguyen et al. 2024 (min-p sampling), as HF's MinPLogitsWarper: drop tokens less
+        # likely than min_p times the best one (the best always stays), then renormalise.
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -111,39 +120,80 @@ def accept_sampled(
     mismatch is computed or drawn. y_i is drawn with generator_at(i).
     """
     tree = chain_parents(len(draft_ids)) if parents is None else parents
-    return walk(draft_ids, tree, chooser(logits, params, generator_at))[0]
+    return walk(draft_ids, tree, TokenChooser(logits, params, generator_at))[0]
+
+
+class TokenChooser:
+    """A walk's choice (a TokenChoice): the argmax when greedy, else y ~ p (warped) drawn with
+    the generator of its depth; with processors, of the row they processed for the node's own
+    path (after `output`, the request's tokens before this round). Without processors or
+    logprobs, no row is copied (on an accelerator a greedy choice reads the pass's one copy).
+
+    With `top_logprobs` (0-20), each choice also records its TokenLogprob, in the order the
+    walk chose them (which is the order it emits them): the chosen token's log-probability
+    under the distribution it was chosen from (greedy: the processed logits' log-softmax;
+    sampled: log p after temperature, top-k, top-p and min-p) and that many alternatives.
+
+    Example: greedy, top_logprobs=1, a row whose log-softmax is [-0.1, -2.4, ...]: choosing
+    token 0 records TokenLogprob(0, -0.1, ((0, -0.1),)).
+    """
+
+    def __init__(
+        self,
+        logits: Logits,
+        params: SamplingParams,
+        generator_at: Callable[[int], torch.Generator],
+        processors: Sequence[RowProcessor] = (),
+        output: Sequence[int] = (),
+        top_logprobs: int | None = None,
+    ) -> None:
+        self._logits = logits
+        self._params = params
+        self._generator_at = generator_at
+        self._processors = processors
+        self._output = output
+        self._top = top_logprobs
+        self.logprobs: list[TokenLogprob] = []  # one per choice, with top_logprobs
+
+    def __call__(self, row: int, path: Sequence[int]) -> int:
+        if not self._processors and self._top is None:
+            if self._params.greedy:
+                return self._logits.argmax(row)
+            return _sample(self._logits[row], self._params, self._generator_at(len(path)))
+        scores = self._logits[row]
+        if self._processors:
+            scores = scores.clone()
+            for processor in self._processors:
+                scores = processor.process(scores, self._output, path)
+        if self._params.greedy:
+            token = int(scores.argmax())
+            if self._top is not None:
+                self._record(token, torch.log_softmax(scores.float(), dim=-1))
+            return token
+        probs = warp_logits(scores[None], self._params)[0]
+        generator = self._generator_at(len(path))
+        token = int(torch.multinomial(probs, num_samples=1, generator=generator))
+        if self._top is not None:
+            self._record(token, probs.log())
+        return token
+
+    def _record(self, token: int, logprobs: torch.Tensor) -> None:
+        """logprobs: [vocab] float32, -inf where the distribution rules a token out."""
+        top: tuple[tuple[int, float], ...] = ()
+        if self._top:
+            values, ids = torch.topk(logprobs, self._top)
+            top = tuple(
+                (int(i), float(v))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                if v != float("-inf")
+            )
+        self.logprobs.append(TokenLogprob(token, float(logprobs[token]), top))
 
 
 def greedy_choice(logits: Logits) -> TokenChoice:
     """A walk's choice at temperature 0: the row's argmax (on an accelerator, from the pass's
     one copy of its greedy tokens)."""
     return lambda row, _path: logits.argmax(row)
-
-
-def chooser(
-    logits: Logits,
-    params: SamplingParams,
-    generator_at: Callable[[int], torch.Generator],
-    processors: Sequence[RowProcessor] = (),
-    output: Sequence[int] = (),
-) -> TokenChoice:
-    """A walk's choice: the argmax when greedy, else y ~ p (warped) drawn with the generator
-    of its depth; with processors, of the row they processed for the node's own path (after
-    `output`, the request's tokens before this round). Without, no row is copied."""
-    if not processors:
-        if params.greedy:
-            return greedy_choice(logits)
-        return lambda row, path: _sample(logits[row], params, generator_at(len(path)))
-
-    def choose(row: int, path: Sequence[int]) -> int:
-        scores = logits[row].clone()
-        for processor in processors:
-            scores = processor.process(scores, output, path)
-        if params.greedy:
-            return int(scores.argmax())
-        return _sample(scores, params, generator_at(len(path)))
-
-    return choose
 
 
 class PositionalGenerator:

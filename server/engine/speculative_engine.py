@@ -18,7 +18,12 @@ from server.engine.generation import Generation
 from server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, check_stopping
 from server.engine.intake import BatchSettings
 from server.engine.live_costs import LiveCosts
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    ProcessorParams,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.target import TargetModel
@@ -134,11 +139,17 @@ class SpeculativeEngine:
         request_id: str = "",
         tenant: str = SHARED_TENANT,
         grammar: GrammarSpec | None = None,
+        processing: ProcessorParams | None = None,
+        top_logprobs: int | None = None,
+        choice: int = 0,
     ) -> Generation:
         """A generation for `tenant` (server.security.tenant_of): it drafts from the seeded
         corpus and that tenant's learned answers, learns into them, and reuses that tenant's
         cached prefixes only (all one tenant's when isolate_tenants is off). With a `grammar`,
-        its output matches it (engine.grammar); InvalidParameter for one that does not compile."""
+        its output matches it (engine.grammar); InvalidParameter for one that does not compile.
+        `processing`: penalties and logit_bias applied at every verified position;
+        `top_logprobs` (None: none): each token's logprob and that many alternatives; `choice`:
+        which of a request's n choices it is (its rounds say so)."""
         constraint = None
         if grammar is not None:
             check_stopping(stopping)
@@ -177,6 +188,9 @@ class SpeculativeEngine:
             recycled=self.recycled,
             tenant=tenant,
             grammar=constraint,
+            processing=processing,
+            top_logprobs=top_logprobs,
+            choice=choice,
         )
 
     def _grammar(self, spec: GrammarSpec) -> GrammarState:

@@ -17,6 +17,7 @@ from server.engine.grammar import GrammarSpec
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.params import (
     DRAFT_TOKENS,
+    ProcessorParams,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
@@ -149,6 +150,8 @@ def start(
     recycled: RecycledPredictions | None = None,
     tree_budget: int = 1,
     grammar: GrammarSpec | None = None,
+    processing: ProcessorParams | None = None,
+    top_logprobs: int | None = None,
 ) -> tuple[SpeculativeEngine, Generation]:
     """A new engine (batch of its own) and a generation started on it, not yet run;
     `recycled`: the table its passes record into (the one a ContextDraft given as `draft`
@@ -175,6 +178,8 @@ def start(
             adaptive=adaptive,
         ),
         grammar=grammar,
+        processing=processing,
+        top_logprobs=top_logprobs,
     )
     return engine, generation
 
