@@ -17,6 +17,7 @@ from server.engine import attention
 from server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
 from server.engine.attention_choice import choose_grouped, measure_grouped
 from server.engine.batch import Batch
+from server.engine.cpu_gemv import cpu_flags
 from server.engine.intake import BatchSettings
 from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
 from server.engine.packed_pass import pack
@@ -205,6 +206,10 @@ def test_a_query_gets_the_same_bits_alone_or_sharing_its_pass(
     1 to 17 queries per row beside rows of other lengths: bit-identical."""
     if not _blas_gives_row_and_length_invariance():
         pytest.skip("this BLAS's float32 products depend on the number of rows or keys")
+    if dtype == torch.bfloat16 and not upcast and "avx512_bf16" not in cpu_flags():
+        # Products in bf16 itself run on oneDNN's native bf16 kernels; elsewhere torch's
+        # fallback sums in another order by shape (grouped attention upcasts by default).
+        pytest.skip("no native bfloat16 products on this CPU (avx512_bf16)")
     heads, kv_heads, dim = SHAPES[shape]
     lengths = [300, 77, 600]
     generator = torch.Generator().manual_seed(2)
@@ -261,7 +266,9 @@ def test_a_rows_logits_are_the_same_bits_beside_other_rows(tiny_model_dir, dtype
 
     alone = logits([prompt], [tokens])[0]
     beside = logits([prompt, other], [tokens, tokens[:3]])[0]
-    assert torch.equal(alone, beside)
+    assert len(alone) == len(beside) == len(tokens)
+    for row in range(len(tokens)):
+        assert torch.equal(alone[row], beside[row]), row
 
 
 # -- the choice ----------------------------------------------------------------------------
