@@ -66,13 +66,20 @@ class RepetitionPenalty:
     def __init__(self, penalty: float, prompt: Sequence[int]) -> None:
         self.penalty = penalty
         self._prompt = frozenset(prompt)
+        self._prompt_ids: torch.Tensor | None = None  # made once, on the rows' device
         self._counts = _OutputCounts()
 
     def process(
         self, scores: torch.Tensor, output: Sequence[int], path: Sequence[int]
     ) -> torch.Tensor:
-        seen = self._prompt.union(self._counts.of(output, path))
-        ids = torch.tensor(sorted(seen), dtype=torch.long, device=scores.device)
+        if self._prompt_ids is None:  # a long prompt's ids are not rebuilt at every node
+            self._prompt_ids = torch.tensor(
+                sorted(self._prompt), dtype=torch.long, device=scores.device
+            )
+        new = [t for t in self._counts.of(output, path) if t not in self._prompt]
+        ids = self._prompt_ids
+        if new:
+            ids = torch.cat([ids, torch.tensor(new, dtype=torch.long, device=scores.device)])
         picked = scores[ids]
         scores[ids] = torch.where(picked < 0, picked * self.penalty, picked / self.penalty)
         return scores
