@@ -19,10 +19,11 @@ from .errors import (
     ServerBusy,
     ServerUnavailable,
 )
-from .results import Completion, Round, Usage
+from .results import Alternative, Completion, Logprob, Round, Usage
 from .sync_client import Client
 
 __all__ = [
+    "Alternative",
     "AsyncClient",
     "AuthenticationError",
     "Client",
@@ -30,6 +31,7 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidRequest",
     "KenspecError",
+    "Logprob",
     "ProtocolError",
     "Round",
     "ServerBusy",

@@ -27,6 +27,7 @@ from .channel import DEFAULT_ADDRESS, TOKEN_ENV
 from .chat import COMMANDS, run_chat
 from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
+from .results import Round, completions_from_rounds
 from .session_affinity import new_session_id
 from .stats import StreamStats
 from .sync_client import Client
@@ -131,6 +132,15 @@ def _add_input_flags(parser: argparse.ArgumentParser) -> None:
     )
     mode.add_argument("--info", action="store_true", help="print the server's model info as JSON")
     group.add_argument("--request-id", default="", help="request id to log and echo")
+    group.add_argument(
+        "--choices", type=int, default=0, help="answers to generate (n); printed one by one"
+    )
+    group.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="print each token's log-probability and its K best alternatives (0-20)",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +157,23 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence"
+    )
+    group.add_argument("--min-p", type=float, default=0.0, help="0 = no min-p filtering")
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none"
+    )
+    group.add_argument(
+        "--repetition-penalty", type=float, default=0.0, help="CTRL's (> 0); 0 or 1 = none"
+    )
+    group.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=AMOUNT",
+        help="add AMOUNT (-100..100) to token ID's logit; repeatable",
     )
 
 
@@ -299,12 +326,16 @@ def _generate(
 ) -> int:
     stats = StreamStats(started=time.perf_counter())
     last_text = "\n"
+    rounds: list[Round] = []
+    # Text streams as it comes for one choice; several are printed one by one at the end.
+    live = not args.json and (args.choices or 1) == 1
     try:
         for round_ in client.generate(prompt, messages, **_generate_options(args)):
             stats.observe(round_, time.perf_counter())
+            rounds.append(round_)
             if args.json:
                 _print_json(round_.response, out)
-            elif round_.text:
+            elif live and round_.text:
                 out.write(round_.text)
                 out.flush()
                 last_text = round_.text
@@ -314,10 +345,42 @@ def _generate(
         if not last_text.endswith("\n") and out.isatty():
             out.write("\n")
             out.flush()
+    logprobs = args.logprobs is not None
+    if not args.json and (not live or logprobs) and stats.finish_reason is not None:
+        _print_choices(rounds, live, logprobs, client.address, out)
     print(stats.summary(), file=err)
     if stats.finish_reason is None:
         raise ProtocolError(None, "the stream ended without a finish_reason", client.address)
     return 0
+
+
+def _print_choices(
+    rounds: list[Round], streamed: bool, logprobs: bool, address: str, out: TextIO
+) -> None:
+    """After the stream: each choice's text (unless it was streamed) and, when asked, a
+    table of its tokens' logprobs (token, logprob, then the alternatives)."""
+    completions = completions_from_rounds(rounds, address)
+    for completion in completions:
+        if not streamed:
+            out.write(f"--- choice {completion.choice_index} ---\n{completion.text}\n")
+        if logprobs:
+            which = "" if streamed else f" of choice {completion.choice_index}"
+            out.write(f"--- logprobs{which} ---\n")
+            for item in completion.logprobs:
+                top = "  ".join(f"{alt.token!r} {alt.logprob:.3f}" for alt in item.top)
+                out.write(f"{item.token!r}\t{item.logprob:.4f}\t{top}\n")
+    out.flush()
+
+
+def _logit_bias(entries: Sequence[str]) -> dict[int, float]:
+    bias = {}
+    for entry in entries:
+        token, _, amount = entry.partition("=")
+        try:
+            bias[int(token)] = float(amount)
+        except ValueError:
+            raise UsageError(f"--logit-bias takes ID=AMOUNT, not {entry!r}") from None
+    return bias
 
 
 def _generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -335,6 +398,14 @@ def _generate_options(args: argparse.Namespace) -> GenerateOptions:
         draft_context=args.draft_context,
         response_format=_response_format(args),
         request_id=args.request_id,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
+        n=getattr(args, "choices", 0),  # (not flags of kenspec chat)
+        logprobs=getattr(args, "logprobs", None) is not None,
+        top_logprobs=getattr(args, "logprobs", None) or 0,
     )
 
 

@@ -36,6 +36,14 @@ class GenerateOptions(TypedDict, total=False):
     draft_context: bool | None
     response_format: Mapping[str, Any] | None
     request_id: str
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float] | None
+    n: int
+    logprobs: bool
+    top_logprobs: int
 
 
 def build_generate_request(
@@ -55,12 +63,24 @@ def build_generate_request(
     draft_context: bool | None = None,
     response_format: Mapping[str, Any] | None = None,
     request_id: str = "",
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    n: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; `None` for seed/adaptive/draft_context leaves the choice to the server.
 
     `response_format` is shaped as over HTTP: {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": {...}}}, {"type": "regex", "regex": "..."} or {"type": "lark",
-    "lark": "..."}; the output then matches it (docs/structured-output.md).
+    "lark": "..."}; the output then matches it (docs/structured-output.md). `n` choices stream
+    interleaved (each round says its `choice_index`); `logprobs` (with `top_logprobs`
+    alternatives) come with every round; the penalties, `logit_bias` ({token id: amount}) and
+    `min_p` are applied at every verified position (0 for a penalty, 0 or 1 for
+    `repetition_penalty`: none).
 
     >>> build_generate_request("Hi", stop="\\n", speculation="off").speculation.mode
     2
@@ -69,7 +89,19 @@ def build_generate_request(
         raise ValueError(f"speculation must be 'auto' or 'off', not {speculation!r}")
     request = pb.GenerateRequest(
         request_id=request_id,
-        sampling=pb.SamplingParameters(temperature=temperature, top_k=top_k, top_p=top_p),
+        sampling=pb.SamplingParameters(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=dict(logit_bias or {}),
+        ),
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         stopping=pb.StoppingCriteria(
             max_new_tokens=max_new_tokens,
             stop=[stop] if isinstance(stop, str) else list(stop),

@@ -18,8 +18,38 @@ from .errors import ProtocolError
 
 
 @dataclass(frozen=True, slots=True)
+class Alternative:
+    """A token the target could have chosen there, and its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A generated token's log-probability under the distribution it was chosen from, with
+    the most likely alternatives (best first) when the request asked for them."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[Alternative, ...]
+
+    @classmethod
+    def from_proto(cls, logprob: pb.TokenLogprob) -> Logprob:
+        return cls(
+            token_id=logprob.token_id,
+            token=logprob.token,
+            logprob=logprob.logprob,
+            top=tuple(Alternative(t.token_id, t.token, t.logprob) for t in logprob.top_logprobs),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Round:
-    """One verification round as streamed; `finish_reason`/`usage` only on the last."""
+    """One verification round as streamed; `finish_reason`/`usage` only on the last (of its
+    choice: with n > 1 the choices' rounds interleave, each saying its `choice_index`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -34,6 +64,8 @@ class Round:
     usage: Usage | None
     draft_source: str  # "kenlm", "context:4", "suffix:8", "recycled", ...; "" if none drafted
     response: pb.GenerateResponse = field(repr=False, compare=False)
+    choice_index: int = 0
+    logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for them
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Round:
@@ -53,6 +85,8 @@ class Round:
             usage=usage_from_proto(response.usage) if response.HasField("usage") else None,
             draft_source=info.draft_source,
             response=response,
+            choice_index=response.choice_index,
+            logprobs=tuple(Logprob.from_proto(logprob) for logprob in response.logprobs),
         )
 
 
@@ -66,18 +100,34 @@ class Completion:
     finish_reason: FinishReason | str
     usage: Usage
     rounds: tuple[Round, ...] = field(repr=False)
+    choice_index: int = 0
+    logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for them
 
 
-def completion_from_rounds(rounds: list[Round], address: str) -> Completion:
-    """Join a finished stream; ``ProtocolError`` if the last round carries no finish/usage."""
-    last = rounds[-1] if rounds else None
-    if last is None or last.finish_reason is None or last.usage is None:
+def completions_from_rounds(rounds: list[Round], address: str) -> list[Completion]:
+    """Join a finished stream into one Completion per choice, by choice index; ``ProtocolError``
+    if a choice's last round carries no finish/usage."""
+    by_choice: dict[int, list[Round]] = {}
+    for round_ in rounds:
+        by_choice.setdefault(round_.choice_index, []).append(round_)
+    if not by_choice:
         raise ProtocolError(None, "the stream ended without a finish_reason and usage", address)
-    return Completion(
-        request_id=last.request_id,
-        text="".join(r.text for r in rounds),
-        token_ids=tuple(token for r in rounds for token in r.token_ids),
-        finish_reason=last.finish_reason,
-        usage=last.usage,
-        rounds=tuple(rounds),
-    )
+    completions = []
+    for index in sorted(by_choice):
+        own = by_choice[index]
+        last = own[-1]
+        if last.finish_reason is None or last.usage is None:
+            raise ProtocolError(None, "the stream ended without a finish_reason and usage", address)
+        completions.append(
+            Completion(
+                request_id=last.request_id,
+                text="".join(r.text for r in own),
+                token_ids=tuple(token for r in own for token in r.token_ids),
+                finish_reason=last.finish_reason,
+                usage=last.usage,
+                rounds=tuple(own),
+                choice_index=index,
+                logprobs=tuple(logprob for r in own for logprob in r.logprobs),
+            )
+        )
+    return completions

@@ -15,7 +15,7 @@ from kenspec_api import generator_pb2_grpc as pb_grpc
 from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_config
 from .errors import from_rpc_error
 from .request import ChatTurn, GenerateOptions, build_generate_request, build_tokenize_request
-from .results import Completion, Round, completion_from_rounds
+from .results import Completion, Round, completions_from_rounds
 from .session_affinity import (
     call_session,
     check_session_id,
@@ -102,7 +102,32 @@ class Client:
         session_id: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Completion:
-        """Run one generation to the end and join its rounds."""
+        """Run one generation to the end and join its rounds (one choice: n > 1 raises
+        ``ValueError``, see generate_choices)."""
+        if options.get("n", 0) > 1:
+            raise ValueError("n > 1 gives several completions: use generate_choices")
+        (completion,) = self.generate_choices(
+            prompt,
+            messages,
+            timeout=timeout,
+            traceparent=traceparent,
+            session_id=session_id,
+            **options,
+        )
+        return completion
+
+    def generate_choices(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[ChatTurn] | None = None,
+        *,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+        session_id: str | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> list[Completion]:
+        """Run a generation of `n` choices (sharing one prefill) to the end: one Completion per
+        choice, by index; choice i samples with seed + i."""
         stream = self.generate(
             prompt,
             messages,
@@ -112,7 +137,7 @@ class Client:
             **options,
         )
         rounds = list(stream)
-        return completion_from_rounds(rounds, self.address)
+        return completions_from_rounds(rounds, self.address)
 
     def tokenize(
         self,

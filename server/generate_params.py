@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kenspec_api import generator_pb2 as pb
 from server.engine.grammar import GrammarSpec
 from server.engine.params import (
     CHAIN_TOKENS,
+    MAX_TOP_LOGPROBS,
     InvalidParameter,
+    ProcessorParams,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
@@ -46,6 +48,17 @@ class GenerateParams:
     stopping: StoppingParams
     speculation: SpeculationParams
     grammar: GrammarSpec | None = None  # response_format: what the output must match
+    processing: ProcessorParams = field(default_factory=ProcessorParams)  # penalties, bias
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0-20)
+    n: int = 1  # choices, each a stream against the limits
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise InvalidParameter("n", f"must be >= 1, got {self.n}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameter(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
 
 
 def parse_input(
@@ -89,6 +102,8 @@ def parse_generate(
     request: pb.GenerateRequest, limits: Limits, defaults: Defaults
 ) -> GenerateParams:
     prompt, messages = parse_input(request)
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidParameter("top_logprobs", "needs logprobs set")
     return GenerateParams(
         prompt=prompt,
         messages=messages,
@@ -96,6 +111,9 @@ def parse_generate(
         stopping=_stopping(request.stopping, limits),
         speculation=_speculation(request.speculation, defaults),
         grammar=_grammar(request),
+        processing=_processing(request.sampling),
+        top_logprobs=request.top_logprobs if request.logprobs else None,
+        n=request.n or 1,
     )
 
 
@@ -147,13 +165,36 @@ def check_prompt_length(prompt_tokens: int, limits: Limits, field: str = "prompt
 
 
 def _sampling(sampling: pb.SamplingParameters) -> SamplingParams:
-    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
-        raise InvalidParameter("sampling", "temperature and top_p must be numbers, not NaN")
+    _no_nan(sampling, "temperature", "top_p", "min_p")
     top_p = 1.0 if sampling.top_p == 0.0 else sampling.top_p  # proto3 default 0 = no filter
     seed = sampling.seed if sampling.HasField("seed") else None
     return SamplingParams(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=seed
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=top_p,
+        seed=seed,
+        min_p=sampling.min_p,
     )
+
+
+def _processing(sampling: pb.SamplingParameters) -> ProcessorParams:
+    _no_nan(sampling, "presence_penalty", "frequency_penalty", "repetition_penalty")
+    for token_id, amount in sampling.logit_bias.items():
+        if math.isnan(amount):
+            raise InvalidParameter(f"sampling.logit_bias[{token_id}]", "must be a number, not NaN")
+    repetition = sampling.repetition_penalty or 1.0  # proto3 default 0 = none
+    return ProcessorParams(
+        repetition_penalty=repetition,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
+    )
+
+
+def _no_nan(sampling: pb.SamplingParameters, *names: str) -> None:
+    for name in names:
+        if math.isnan(getattr(sampling, name)):
+            raise InvalidParameter(f"sampling.{name}", "must be a number, not NaN")
 
 
 def _stopping(stopping: pb.StoppingCriteria, limits: Limits) -> StoppingParams:

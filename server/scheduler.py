@@ -35,38 +35,58 @@ class Scheduler:
         self.active = 0
         self.waiting = 0
         self._slots = asyncio.Semaphore(max_active)
+        self._in_turn = asyncio.Lock()  # one call takes its slots at a time (see acquire)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kenspec-engine")
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
 
-    async def acquire(self) -> AbstractAsyncContextManager[None]:
-        """Wait (in the bounded queue) for a slot; the returned context manager holds it."""
-        if self._slots.locked() and self.waiting >= self.max_queue:
+    async def acquire(self, count: int = 1) -> AbstractAsyncContextManager[None]:
+        """Wait (in the bounded queue) for `count` slots (a request's n choices are n
+        streams); the returned context manager holds them. Calls take their slots in the order
+        they came, so a request of many choices is not starved by single ones, and two of them
+        never each hold part of what they need."""
+        if count > self.max_active:
+            raise ValueError(f"{count} slots asked of {self.max_active}")
+        free = self.max_active - self.active
+        if count > free and self.waiting + count > self.max_queue:
             raise Overloaded(
                 f"server busy: {self.active} streams generating and {self.waiting} queued "
                 f"(limits {self.max_active} and {self.max_queue}); retry after the delay the "
                 "response carries (grpc-retry-pushback-ms, Retry-After), or on another replica"
             )
-        self.waiting += 1
+        self.waiting += count
+        taken = 0
         try:
-            await self._slots.acquire()
+            async with self._in_turn:
+                for _ in range(count):
+                    await self._slots.acquire()
+                    taken += 1
+        except BaseException:
+            for _ in range(taken):
+                self._slots.release()
+            raise
         finally:
-            self.waiting -= 1
-        self.active += 1
-        return self._held()
+            self.waiting -= count
+        self.active += count
+        return self._held(count)
 
     @asynccontextmanager
-    async def _held(self) -> AsyncIterator[None]:
+    async def _held(self, count: int) -> AsyncIterator[None]:
         try:
             yield
         finally:
-            self.active -= 1
-            self._slots.release()
+            self.active -= count
+            for _ in range(count):
+                self._slots.release()
 
-    async def stream(self, batch: Batch, generation: Generation) -> AsyncIterator[Round]:
-        """Run generation in batch; its rounds as they come. Leaving early cancels it."""
+    async def stream(
+        self, batch: Batch, generation: Generation, follows: Generation | None = None
+    ) -> AsyncIterator[Round]:
+        """Run generation in batch (sharing the prefill of `follows`, see Batch.add); its
+        rounds as they come. Leaving early cancels it."""
         loop = asyncio.get_running_loop()
         rounds: asyncio.Queue[Round | BaseException] = asyncio.Queue()
-        if batch.add(generation, lambda item: self._outbox.append((loop, rounds, item))):
+        deliver = lambda item: self._outbox.append((loop, rounds, item))  # noqa: E731
+        if batch.add(generation, deliver, follows):
             self.submit(functools.partial(batch.run_until_idle, self._flush))
         try:
             while True:

@@ -14,6 +14,8 @@ from google.protobuf.message import DecodeError, Message
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from kenspec_api.convert import to_proto, usage_to_proto
+from kenspec_api.outputs import TokenLogprob
+from server.engine.detokenizer import TokenTexts
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
 from server.generate_params import (
@@ -63,9 +65,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 tenant = self.serving.tenant(_authorization(metadata))
                 rounds = self.serving.generate(runtime, params, request_id, record, tenant=tenant)
                 report = self.serving.report_draft_source
+                texts = self.serving.token_texts(runtime)
                 async with contextlib.aclosing(rounds):
                     async for round_ in rounds:
-                        await self._send(context, to_response(round_, request_id, report))
+                        await self._send(context, to_response(round_, request_id, report, texts))
                 record.code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
                 raise
@@ -214,11 +217,15 @@ def _authorization(metadata) -> str:  # type: ignore[no-untyped-def]
     return ""
 
 
-def to_response(round_: Round, request_id: str, draft_source: bool = False) -> pb.GenerateResponse:
+def to_response(
+    round_: Round, request_id: str, draft_source: bool = False, texts: TokenTexts | None = None
+) -> pb.GenerateResponse:
     """One round's message; its draft source only with --report-draft-source (operators'
-    diagnostics: docs/design.md, the suffix index's tenants)."""
+    diagnostics: docs/design.md, the suffix index's tenants); its tokens' logprobs when the
+    request asked for them (with their texts from `texts`)."""
     response = pb.GenerateResponse(
         request_id=request_id,
+        choice_index=round_.choice,
         token_ids=round_.token_ids,
         text=round_.text,
         round=pb.RoundInfo(
@@ -235,4 +242,21 @@ def to_response(round_: Round, request_id: str, draft_source: bool = False) -> p
         response.finish_reason = to_proto(round_.finish_reason)
     if round_.usage is not None:
         response.usage.CopyFrom(usage_to_proto(round_.usage))
+    for logprob in round_.logprobs or ():
+        response.logprobs.append(_logprob(logprob, texts))
     return response
+
+
+def _logprob(logprob: TokenLogprob, texts: TokenTexts | None) -> pb.TokenLogprob:
+    def text(token_id: int) -> str:
+        return texts.text_of(token_id) if texts is not None else ""
+
+    return pb.TokenLogprob(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        token=text(logprob.token_id),
+        top_logprobs=[
+            pb.TopLogprob(token_id=token_id, logprob=value, token=text(token_id))
+            for token_id, value in logprob.top
+        ],
+    )

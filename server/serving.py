@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import grpc
@@ -19,8 +20,9 @@ import structlog
 import torch
 
 from kenspec_api.outputs import FinishReason
-from server.engine.generation import Round
-from server.engine.params import InvalidParameter
+from server.engine.detokenizer import TokenTexts
+from server.engine.generation import Generation, Round
+from server.engine.params import InvalidParameter, SamplingParams
 from server.engine.tenant_index import SHARED_TENANT
 from server.generate_params import GenerateParams, Limits, check_prompt_chars, check_prompt_length
 from server.metrics import Metrics
@@ -91,6 +93,7 @@ class Serving:
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
         self.draining = False  # set when a drain starts: new calls are refused at once
         self._large_inputs: asyncio.Semaphore | None = None  # see _off_loop
+        self._texts: TokenTexts | None = None  # see token_texts
 
     @property
     def serving(self) -> bool:
@@ -152,6 +155,13 @@ class Serving:
         work.add_done_callback(lambda done: _release(permits, done))
         return await asyncio.shield(work)
 
+    def token_texts(self, runtime: Runtime) -> TokenTexts:
+        """Each token's text for logprobs, cached per loaded tokenizer."""
+        tokenizer = runtime.engine.target.tokenizer
+        if self._texts is None or self._texts.tokenizer is not tokenizer:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts
+
     def tenant(self, authorization: str) -> str:
         """The tenant of a call with this `authorization` value (security.tenant_of)."""
         return tenant_of(authorization, self.tokens)
@@ -167,36 +177,49 @@ class Serving:
     ) -> AsyncIterator[Round]:
         """The request's rounds as the batch verifies them: encoded, checked against the
         limits, queued for a slot within the deadline cap, then streamed from the batch."""
+        if params.n > self.scheduler.max_active:
+            raise InvalidParameter(
+                "n",
+                f"n={params.n} exceeds the server's {self.scheduler.max_active} concurrent "
+                "streams (each choice is one)",
+            )
         prompt_ids = await self.encode(runtime, params.prompt, params.messages)
         check_prompt_length(
             len(prompt_ids), runtime.limits, "prompt" if params.prompt is not None else "messages"
         )
         try:
             slot = await asyncio.wait_for(
-                self.scheduler.acquire(), record.remaining(self.max_deadline_s)
+                self.scheduler.acquire(params.n), record.remaining(self.max_deadline_s)
             )
         except TimeoutError:
             raise DeadlineCapExceeded(self.max_deadline_s) from None
         async with slot:
-            generation = runtime.engine.start(
-                prompt_ids,
-                sampling=params.sampling,
-                stopping=params.stopping,
-                speculation=params.speculation,
-                request_id=request_id,
-                tenant=tenant,
-                grammar=params.grammar,
-            )
+            generations = [
+                runtime.engine.start(
+                    prompt_ids,
+                    sampling=sampling,
+                    stopping=params.stopping,
+                    speculation=params.speculation,
+                    request_id=request_id,
+                    tenant=tenant,
+                    grammar=params.grammar,
+                    processing=params.processing,
+                    top_logprobs=params.top_logprobs,
+                    choice=choice,
+                )
+                for choice, sampling in enumerate(choice_sampling(params.sampling, params.n))
+            ]
             started = time.perf_counter()
             outcome, last = "cancelled", None
             try:
-                rounds = self.scheduler.stream(runtime.engine.batch, generation)
+                rounds = self._rounds(runtime, generations)
                 async with contextlib.aclosing(rounds):
                     async for last in rounds:
                         record.observe(last)
                         yield last
                         # Checked between rounds: the cap is overshot by at most one round.
-                        if not generation.finished and record.remaining(self.max_deadline_s) <= 0:
+                        unfinished = any(not g.finished for g in generations)
+                        if unfinished and record.remaining(self.max_deadline_s) <= 0:
                             raise DeadlineCapExceeded(self.max_deadline_s)
                 outcome = "finished"
             except asyncio.CancelledError:
@@ -206,6 +229,58 @@ class Serving:
                 raise
             finally:
                 _log_summary(last, outcome, time.perf_counter() - started)
+
+    def _rounds(self, runtime: Runtime, generations: Sequence[Generation]) -> AsyncIterator[Round]:
+        """The generations' rounds from the batch as they come; every choice after the first
+        shares the first one's prefill."""
+        batch, first = runtime.engine.batch, generations[0]
+        streams = [
+            self.scheduler.stream(batch, generation, follows=first if index else None)
+            for index, generation in enumerate(generations)
+        ]
+        return streams[0] if len(streams) == 1 else merged(streams)
+
+
+def choice_sampling(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each of n choices' sampling: one choice keeps the request's (its seed, or one the
+    engine picks); with n > 1, choice i draws with seed + i (a random seed when unset), so
+    each choice equals a single-choice request with that seed."""
+    if n == 1:
+        return [sampling]
+    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    return [replace(sampling, seed=(seed + index) % 2**63) for index in range(n)]
+
+
+async def merged(streams: Sequence[AsyncIterator[Round]]) -> AsyncIterator[Round]:
+    """The items of several streams as they come; the first failure ends (and closes) all."""
+    queue: asyncio.Queue[Round | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Round]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    queue.put_nowait(item)
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            queue.put_nowait(error)
+
+    pumps = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        ended = 0
+        while ended < len(pumps):
+            item = await queue.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,11 +103,10 @@ class GenerationResponse(Response):
             await self._refuse(error, send)
             return
         await self._start(send, 200, "text/event-stream")
-        last = first
         try:
             await self._event(send, sse(self.completion.chunk(first)))
-            async for last in rounds:
-                await self._event(send, sse(self.completion.chunk(last)))
+            async for round_ in rounds:
+                await self._event(send, sse(self.completion.chunk(round_)))
         except (ClientGone, StreamStalled):
             raise
         except Exception as error:  # after the headers: an error event ends the stream
@@ -117,7 +116,7 @@ class GenerationResponse(Response):
             await self._end(send)
             raise _Reported from None
         if self.request.include_usage:
-            await self._event(send, sse(self.completion.usage_chunk(last)))
+            await self._event(send, sse(self.completion.usage_chunk()))
         await self._event(send, SSE_DONE)
         await self._end(send)
 

@@ -1,9 +1,12 @@
 """From an OpenAI-shaped JSON body to GenerateParams, checked against the server's limits.
 
-Every field of the body is either used, accepted at the only value kenspec serves (``n: 1``,
-``logprobs: false``, ``presence_penalty: 0``, ...), or refused with a 400 naming it: nothing is
-silently ignored. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
-``extra_body``): ``top_k``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
+Every field of the body is either used, accepted at the only value kenspec serves
+(``best_of: 1``, ``echo: false``, ``tools: []``, ...), or refused with a 400 naming it: nothing is
+silently ignored. Served with speculation on: ``n`` (each choice a stream against the limits),
+``logprobs`` (chat: with ``top_logprobs``; completions: the number of alternatives),
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias``. kenspec's own knobs are extra
+top-level fields (what the openai SDK sends as ``extra_body``): ``top_k``, ``min_p``,
+``repetition_penalty``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
 ``draft_context``, ``ignore_eos``. ``response_format`` (both routes) takes OpenAI's ``text``,
 ``json_object`` and ``json_schema``, and kenspec's ``regex`` and ``lark``
 (docs/structured-output.md).
@@ -24,7 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.grammar import GrammarSpec, schema_text
-from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
+from server.engine.params import (
+    MAX_LOGIT_BIAS,
+    InvalidParameter,
+    ProcessorParams,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
 from server.generate_params import (
     Defaults,
     GenerateParams,
@@ -51,12 +61,6 @@ class OpenAIRequest:
 
 # Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
-    "n": (absent_or(1), "only n=1 is served (one choice per request)"),
-    "logprobs": (absent_or(False), "log probabilities are not returned"),
-    "top_logprobs": (absent_or(0), "log probabilities are not returned"),
-    "presence_penalty": (absent_or(0), "penalties are not supported: send 0 or leave it out"),
-    "frequency_penalty": (absent_or(0), "penalties are not supported: send 0 or leave it out"),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
     "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
     "functions": (
         lambda v: v is None or v == [],
@@ -68,14 +72,9 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
 }
 _COMPLETION_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
-    "n": _DEFAULT_ONLY["n"],
-    "logprobs": (absent_or(0), "log probabilities are not returned"),
-    "echo": (absent_or(False), "echo is not supported"),
-    "best_of": (absent_or(1), "only best_of=1 is served"),
+    "echo": (absent_or(False), "echo (the prompt's logprobs) is not supported"),
+    "best_of": (absent_or(1), "only best_of=1 is served (n choices are all returned)"),
     "suffix": (absent_or(""), "suffix (insertion) is not supported"),
-    "presence_penalty": _DEFAULT_ONLY["presence_penalty"],
-    "frequency_penalty": _DEFAULT_ONLY["frequency_penalty"],
-    "logit_bias": _DEFAULT_ONLY["logit_bias"],
 }
 _COMMON = {
     "model",
@@ -87,8 +86,15 @@ _COMMON = {
     "stream",
     "stream_options",
     "user",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
     # kenspec's own
     "top_k",
+    "min_p",
+    "repetition_penalty",
     "speculation",
     "num_draft_tokens",
     "adaptive",
@@ -96,7 +102,7 @@ _COMMON = {
     "ignore_eos",
     "response_format",
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys()
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | _DEFAULT_ONLY.keys()
 COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
 
 
@@ -113,7 +119,12 @@ def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> O
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise InvalidParameter("max_tokens", "send max_tokens or max_completion_tokens, not both")
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    return _request(body, limits, defaults, None, _messages(body), field)
+    logprobs = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", minimum=0)
+    if top and not logprobs:
+        raise InvalidParameter("top_logprobs", "needs logprobs: true")
+    top_logprobs = (top or 0) if logprobs else None
+    return _request(body, limits, defaults, None, _messages(body), field, top_logprobs)
 
 
 def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
@@ -128,7 +139,9 @@ def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults
         )
     if not prompt:
         raise InvalidParameter("prompt", "must not be empty")
-    return _request(body, limits, defaults, prompt, None, "max_tokens")
+    # the legacy API's logprobs is the number of alternatives per token (null: none)
+    top_logprobs = integer(body, "logprobs", minimum=0)
+    return _request(body, limits, defaults, prompt, None, "max_tokens", top_logprobs)
 
 
 def _request(
@@ -138,6 +151,7 @@ def _request(
     prompt: str | None,
     messages: tuple[dict[str, str], ...] | None,
     tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
+    top_logprobs: int | None,  # None: no logprobs
 ) -> OpenAIRequest:
     model = name_field(body, "model")
     if model is None:
@@ -159,6 +173,9 @@ def _request(
         stopping=_stopping(body, integer(body, tokens_field, minimum=1), tokens_field, limits),
         speculation=_speculation(body, defaults),
         grammar=response_format(body.get("response_format")),
+        processing=_processing(body),
+        top_logprobs=top_logprobs,
+        n=integer(body, "n", minimum=1) or 1,
     )
     return OpenAIRequest(
         model=model,
@@ -235,7 +252,35 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
         top_p=number(body, "top_p", 1.0),
         top_k=integer(body, "top_k", minimum=0) or 0,  # (a k beyond the vocabulary keeps all)
         seed=integer(body, "seed", minimum=0),
+        min_p=number(body, "min_p", 0.0),
     )
+
+
+def _processing(body: Mapping[str, Any]) -> ProcessorParams:
+    return ProcessorParams(
+        repetition_penalty=number(body, "repetition_penalty", 1.0),
+        presence_penalty=number(body, "presence_penalty", 0.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+    )
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": amount}, ids as decimal strings (JSON keys)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidParameter("logit_bias", "must be an object mapping token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:  # before any per-entry work
+        raise InvalidParameter("logit_bias", f"{len(value)} entries; the limit is {MAX_LOGIT_BIAS}")
+    bias = []
+    for name in value:
+        if not (name.isascii() and name.isdigit()) or len(name) > 12:
+            raise InvalidParameter(
+                f"logit_bias.{key(name)}", "keys must be token ids written in decimal"
+            )
+        bias.append((int(name), number(value, name, 0.0)))
+    return tuple(sorted(bias))
 
 
 def _stopping(

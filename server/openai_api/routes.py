@@ -170,6 +170,7 @@ class OpenAIRoutes:
             request_id=request_id,
             model=self.model_name,
             report_source=self.serving.report_draft_source,
+            texts=self.serving.token_texts(runtime),
         )
         return GenerationResponse(
             self.serving,

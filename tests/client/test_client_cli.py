@@ -71,6 +71,30 @@ def test_flags_map_onto_the_request(
     assert threaded_fake.servicer.metadata[0]["authorization"] == "Bearer tok"
 
 
+def test_request_field_flags_map_onto_the_request(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["-a", threaded_fake.address, "--min-p", "0.1", "--presence-penalty", "0.5"]
+    argv += ["--frequency-penalty", "-0.5", "--repetition-penalty", "1.2"]
+    argv += ["--logit-bias", "5=-100", "--logit-bias", "9=2.5", "--choices", "2"]
+    argv += ["--logprobs", "3", "hello"]
+    run(capsys, *argv)
+
+    (request,) = threaded_fake.servicer.requests
+    assert isinstance(request, pb.GenerateRequest)
+    sampling = request.sampling
+    assert sampling.min_p == pytest.approx(0.1)
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
+    assert sampling.repetition_penalty == pytest.approx(1.2)
+    assert dict(sampling.logit_bias) == {5: -100.0, 9: 2.5}
+    assert (request.n, request.logprobs, request.top_logprobs) == (2, True, 3)
+
+
+def test_a_bad_logit_bias_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--logit-bias", "five=1", "hi")
+    assert code == 2 and out == "" and "ID=AMOUNT" in err
+
+
 def test_json_prints_one_object_per_round(
     threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -158,6 +182,8 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     flags += " --tls-key --tls-server-name --timeout --temperature --top-k --top-p --seed"
     flags += " --max-new-tokens --stop --ignore-eos --speculation --num-draft-tokens"
     flags += " --adaptive --draft-context --request-id KENSPEC_ADDRESS KENSPEC_TOKEN"
+    flags += " --min-p --presence-penalty --frequency-penalty --repetition-penalty --logit-bias"
+    flags += " --choices --logprobs"
     assert [flag for flag in flags.split() if flag not in out] == []
 
 

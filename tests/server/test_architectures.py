@@ -111,8 +111,8 @@ async def serve(
     all_added, added = asyncio.Event(), []
     original_add = Batch.add
 
-    def counting_add(batch, generation, deliver):  # type: ignore[no-untyped-def]
-        queued = original_add(batch, generation, deliver)
+    def counting_add(batch, generation, deliver, follows=None):  # type: ignore[no-untyped-def]
+        queued = original_add(batch, generation, deliver, follows)
         added.append(generation)
         if len(added) == len(prompts):
             all_added.set()

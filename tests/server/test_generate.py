@@ -86,8 +86,8 @@ async def test_concurrent_streams_complete_and_interleave(
     all_added, added = asyncio.Event(), []
     original_add = Batch.add
 
-    def counting_add(batch, generation, deliver):  # type: ignore[no-untyped-def]
-        queued = original_add(batch, generation, deliver)
+    def counting_add(batch, generation, deliver, follows=None):  # type: ignore[no-untyped-def]
+        queued = original_add(batch, generation, deliver, follows)
         added.append(generation)  # on the event loop's thread, like the test
         if len(added) == len(prompts):
             all_added.set()

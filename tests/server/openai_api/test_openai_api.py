@@ -24,18 +24,6 @@ MESSAGES = [
 GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture
-async def http_server(start_server):
-    """start(**overrides) -> (server, stub, base_url) with the HTTP API on a free port."""
-
-    async def start(**overrides):
-        server, stub = await start_server(http_port=0, **overrides)
-        scheme = "https" if overrides.get("tls_cert") else "http"
-        return server, stub, f"{scheme}://localhost:{server.http_port}"
-
-    return start
-
-
 def model_id(server) -> str:
     return Path(server.settings.model).name
 
@@ -141,10 +129,19 @@ async def test_models_and_unknown_model(http_server) -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),  # more choices than the server's concurrent streams
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "a"}, "frequency_penalty"),
+        ({"logit_bias": {"x1": 3}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # not in the vocabulary
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"extra_body": {"mirostat": 2}}, "mirostat"),
         ({"temperature": 3}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),
