@@ -224,7 +224,7 @@ def test_oom_is_resource_exhausted(served, monkeypatch) -> None:
 
     _, stub, _ = served
 
-    def out_of_memory(self, row, emitted, path):
+    def out_of_memory(self, row, emitted, path, logprobs=()):
         raise torch.OutOfMemoryError("simulated")
 
     monkeypatch.setattr(Generation, "accept", out_of_memory)

@@ -126,7 +126,11 @@ HOSTILE = {
         '{"model": "MODEL", "prompt": "x", "max_tokens": true}',
         "max_tokens",
     ),
-    "true as n": ("chat", '{"model": "MODEL", "messages": [], "n": true}', "n"),
+    "true as n": (
+        "chat",
+        '{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": true}',
+        "n",
+    ),
     "0 as logprobs": ("chat", '{"model": "MODEL", "messages": [], "logprobs": 0}', "logprobs"),
     "a float as max_tokens": (
         "completions",
