@@ -29,15 +29,17 @@ from tests import tiny
 
 
 def reference_greedy(
-    target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int
+    target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int, **processors: object
 ) -> list[int]:
-    """What plain transformers greedy decoding gives: the ground truth for exactness tests."""
+    """What plain transformers greedy decoding gives: the ground truth for exactness tests
+    (`processors`: generate's own, e.g. repetition_penalty=1.3)."""
     input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     output = target.model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         do_sample=False,
         max_new_tokens=max_new_tokens,
+        **processors,
     )
     return output[0, len(prompt_ids) :].tolist()
 

@@ -13,8 +13,13 @@ from server.engine.processors import PresenceFrequencyPenalty, penalties, proces
 from server.engine.sampling import warp_logits
 from server.engine.target import TargetModel
 from tests import tiny
-from tests.server.engine.drafts import Branching, OracleDraft, generate
-from tests.server.engine.test_sampling import SAMPLES, _last_logits, chi_square_pvalue
+from tests.server.engine.drafts import Branching, OracleDraft, generate, reference_greedy
+from tests.server.engine.test_sampling import (
+    SAMPLES,
+    _last_logits,
+    chi_square_pvalue,
+    speculative_samples,
+)
 
 MAX_NEW = 20
 
@@ -106,19 +111,6 @@ def test_min_p_keeps_tokens_near_the_best() -> None:
 # --- greedy: identical to plain decoding with the same processors ---------------------------------
 
 
-def hf_greedy(target: TargetModel, ids: list[int], **processors: object) -> list[int]:
-    """transformers `generate` with its own processors: the reference where it has them."""
-    input_ids = torch.tensor([ids])
-    output = target.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        **processors,
-    )
-    return output[0, len(ids) :].tolist()
-
-
 def plain_greedy(target: TargetModel, ids: list[int], processing: ProcessorParams) -> list[int]:
     """Plain greedy decoding, one full forward per token, with OpenAI's presence and frequency
     penalties and logit_bias written out here (not engine.processors)."""
@@ -157,9 +149,10 @@ def test_greedy_with_repetition_penalty_and_bias_equals_transformers(
     changed = 0
     for prompt in tiny.PROMPTS[:10]:
         ids = tiny_target.encode_prompt(prompt)
-        expected = hf_greedy(
+        expected = reference_greedy(
             tiny_target,
             ids,
+            MAX_NEW,
             repetition_penalty=1.3,
             sequence_bias={(token,): amount for token, amount in bias.items()},
         )
@@ -176,7 +169,7 @@ def test_greedy_with_repetition_penalty_and_bias_equals_transformers(
         )
         list(generation)
         assert generation.output_ids == expected, prompt
-        changed += expected != hf_greedy(tiny_target, ids)
+        changed += expected != reference_greedy(tiny_target, ids, MAX_NEW)
     assert changed >= 3, "the processors must change some answers for the test to mean much"
 
 
@@ -206,7 +199,7 @@ def test_greedy_with_presence_and_frequency_penalties_equals_plain_decoding(
         assert len(generation.output_ids) == len(expected)
         if kind == "plain-reference":  # the oracle's drafts are all accepted: long rounds
             assert max(len(r.token_ids) for r in rounds) > 1
-        changed += expected != hf_greedy(tiny_target, ids)
+        changed += expected != reference_greedy(tiny_target, ids, MAX_NEW)
     assert changed >= 3
 
 
@@ -231,24 +224,6 @@ def exact_penalized_joint(target: TargetModel, prompt_ids: list[int], params) ->
     return joint
 
 
-def penalized_samples(target: TargetModel, prompt_ids: list[int], draft) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
-    samples = []
-    for seed in range(SAMPLES):
-        generation = generate(
-            target,
-            draft,
-            prompt_ids,
-            max_new_tokens=2,
-            k=2,
-            sampling=SamplingParams(temperature=1.0, seed=seed),
-            ignore_eos=True,
-            processing=FREQUENCY,
-        )
-        list(generation)
-        samples.append(tuple(generation.output_ids[:2]))
-    return samples
-
-
 def _repeat_draft(target: TargetModel, prompt_ids: list[int]) -> OracleDraft:
     """The most likely first token, twice: after it (on its path) the penalty bites."""
     first = int(_last_logits(target, prompt_ids)[0].argmax())
@@ -260,7 +235,7 @@ def test_sampling_with_a_penalty_follows_plain_sampling_with_it(word_target) -> 
     prompt_ids = word_target.encode_prompt("the cat")
     joint = exact_penalized_joint(word_target, prompt_ids, params)
     draft = _repeat_draft(word_target, prompt_ids)
-    samples = penalized_samples(word_target, prompt_ids, draft)
+    samples = speculative_samples(word_target, prompt_ids, params, draft, processing=FREQUENCY)
     first = draft.start(prompt_ids).chain(1).tokens[0]
     accepted_first = sum(1 for s in samples if s[0] == first) / SAMPLES
     assert 0.05 < accepted_first < 0.95, "the draft must be neither always nor never accepted"
@@ -281,5 +256,6 @@ def test_distribution_check_rejects_a_penalty_from_the_pending_token_only(
         return original(self, scores, output, ())
 
     monkeypatch.setattr(PresenceFrequencyPenalty, "process", pending_only)
-    samples = penalized_samples(word_target, prompt_ids, _repeat_draft(word_target, prompt_ids))
+    draft = _repeat_draft(word_target, prompt_ids)
+    samples = speculative_samples(word_target, prompt_ids, params, draft, processing=FREQUENCY)
     assert chi_square_pvalue(samples, joint) < 1e-6

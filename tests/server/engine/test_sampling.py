@@ -142,7 +142,7 @@ def _last_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
 
 
 def speculative_samples(
-    target, prompt_ids, params, draft, *, tree_budget: int = 1
+    target, prompt_ids, params, draft, *, tree_budget: int = 1, processing=None
 ) -> list[tuple[int, int]]:
     samples = []
     for seed in range(SAMPLES):
@@ -156,6 +156,7 @@ def speculative_samples(
             sampling=sampling,
             ignore_eos=True,
             tree_budget=tree_budget,
+            processing=processing,
         )
         list(generation)
         samples.append(tuple(generation.output_ids[:2]))
