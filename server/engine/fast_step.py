@@ -20,6 +20,7 @@ GEMM kernels do; speculation's output still equals plain decoding through the sa
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,20 @@ class RowPlan:
     @property
     def kernels(self) -> frozenset[str]:
         return frozenset(name for _, name in self.choices)
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN lays out and multiplies `dtype` weights on this CPU (its bf16 path
+    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere it refuses at the reorder)."""
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 32, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, 32, dtype=dtype), probe, None, "none", [], ""
+        )
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 @dataclass(eq=False)
@@ -151,16 +166,8 @@ class Products:
     def candidates(self) -> tuple[str, ...]:
         """Kernels this machine can run for bfloat16 products on a CPU."""
         found = ["stock"]
-        try:
-            probe = torch.ops.mkldnn._reorder_linear_weight(
-                torch.zeros(8, 32, dtype=torch.bfloat16), 1
-            )
-            torch.ops.mkldnn._linear_pointwise(
-                torch.zeros(1, 32, dtype=torch.bfloat16), probe, None, "none", [], ""
-            )
+        if onednn_packs(torch.bfloat16):
             found.append("packed")
-        except (RuntimeError, AttributeError):
-            pass
         if self.gemv is not None:
             found.append("gemv")
         return tuple(found)

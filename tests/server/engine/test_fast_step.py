@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, Product, RowPlan, Unsupported
+from server.engine.fast_step import LlamaStep, Product, RowPlan, Unsupported, onednn_packs
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
@@ -21,6 +21,10 @@ from tests.tiny_architectures import save_architecture
 
 GEMV = cpu_gemv.load()
 NO_GEMV = pytest.mark.skipif(GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)")
+NO_BF16_PACKING = pytest.mark.skipif(
+    not onednn_packs(torch.bfloat16),
+    reason="oneDNN packs no bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+)
 PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
 
 
@@ -156,7 +160,10 @@ def test_float32_greedy_with_speculation_is_transformers_generate(
 
 @pytest.mark.parametrize(
     "plan",
-    [RowPlan(((1, "packed"),)), pytest.param(RowPlan(((1, "gemv"),)), marks=NO_GEMV)],
+    [
+        pytest.param(RowPlan(((1, "packed"),)), marks=NO_BF16_PACKING),
+        pytest.param(RowPlan(((1, "gemv"),)), marks=NO_GEMV),
+    ],
     ids=["packed", "gemv"],
 )
 def test_bfloat16_pass_logits_match_transformers_layers(
@@ -229,3 +236,16 @@ def test_fused_layers_become_views_of_their_product_and_keep_their_output(
     fused = layer.qkv.weight.untyped_storage().data_ptr()
     for name in ("q_proj", "k_proj", "v_proj"):
         assert getattr(attention, name).weight.untyped_storage().data_ptr() == fused
+
+
+def test_a_cpu_whose_onednn_packs_no_bf16_is_never_planned_packed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On such a CPU (AVX2 only: oneDNN's bf16 reorder refuses) the candidates are stock and
+    the GEMV where it builds, never `packed`; where it packs, `packed` is measured too."""
+    from server.engine import fast_step
+
+    monkeypatch.setattr(fast_step, "onednn_packs", lambda dtype: False)
+    assert fast_step.Products(gemv=GEMV).candidates() == ("stock",) + (("gemv",) if GEMV else ())
+    monkeypatch.setattr(fast_step, "onednn_packs", lambda dtype: True)
+    assert "packed" in fast_step.Products(gemv=GEMV).candidates()
