@@ -129,18 +129,17 @@ class AnswerStream:
         counted; never waits."""
         if len(answer) < 2 or self._closing:
             return
-        if not self._publish.up:
-            self._drop("redis_down")
-            return
         record = AnswerRecord.of(tenant, prompt, answer)
-        with self._lock:
-            if len(self._buffer) >= self.settings.buffer:
-                full, first = True, False
+        with self._lock:  # the same lock as _down's: no record slips in after its take
+            if not self._publish.up:
+                dropped, first = "redis_down", False
+            elif len(self._buffer) >= self.settings.buffer:
+                dropped, first = "buffer_full", False
             else:
-                full, first = False, not self._buffer
+                dropped, first = "", not self._buffer
                 self._buffer.append(record)
-        if full:
-            self._drop("buffer_full")
+        if dropped:
+            self._drop(dropped)
         elif first and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
                 self._loop.call_soon_threadsafe(self._wake.set)
@@ -186,7 +185,7 @@ class AnswerStream:
             await self._writer.ping()
             self._publish.ok()
         except FAILURES as error:
-            await self._until_up(self._publish.failed(error))
+            await self._until_up(self._down(error))
         while True:
             self._wake.clear()
             batch = self._take(PUBLISH_BATCH)
@@ -202,14 +201,24 @@ class AnswerStream:
                         pipe.xadd(self.key, fields, maxlen=self.settings.maxlen, approximate=True)
                     await pipe.execute()
             except FAILURES as error:
-                delay = self._publish.failed(error)  # first: offers from now on are dropped
-                self._drop("redis_down", len(batch) + len(self._take(self.settings.buffer)))
+                delay = self._down(error, len(batch))
                 if self._closing:
                     return
                 await self._until_up(delay)
                 continue
             self._publish.ok()
             self._metrics.shared_published.inc(len(batch))
+
+    def _down(self, error: BaseException, unsent: int = 0) -> float:
+        """Publishing failed: offers from now on are dropped, and so is what the buffer
+        holds (with `unsent`, the batch that failed), all counted as redis_down. The same
+        whether the first PING or a later XADD failed. The wait before the next attempt."""
+        with self._lock:
+            delay = self._publish.failed(error)
+            unsent += len(self._buffer)
+            self._buffer.clear()
+        self._drop("redis_down", unsent)
+        return delay
 
     async def _until_up(self, delay: float) -> None:
         """Wait with backoff until Redis answers a PING (answers offered meanwhile are

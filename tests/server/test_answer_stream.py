@@ -332,6 +332,32 @@ def test_a_full_buffer_drops_at_once_and_counts() -> None:
     assert dropped == 3 and [r.answer for r in stream._take(10)] == [(0, 1, 2), (1, 2, 3)]
 
 
+async def test_answers_offered_before_a_first_failed_ping_are_dropped_and_counted() -> None:
+    """Answers buffered while the link is not yet known to be down (the first PING still
+    under way) are dropped and counted when that PING fails, as when an XADD fails; the
+    offers after it are dropped at once."""
+    metrics = Metrics()
+    settings = StreamSettings("redis://127.0.0.1:1/0", "0" * 16, vocab_size=320)
+    stream = AnswerStream(settings, TenantSuffixIndex(), metrics)
+    for n in range(2):
+        stream.offer(SHARED_TENANT, [1, 2, 3], [n, n + 1, n + 2])
+
+    def dropped() -> float:
+        value = metrics.registry.get_sample_value(
+            "kenspec_shared_answers_dropped_total", {"reason": "redis_down"}
+        )
+        return value or 0.0
+
+    assert dropped() == 0
+    await stream.start()  # nothing listens on port 1: the first PING fails
+    try:
+        await until(lambda: dropped() == 2, "the buffered answers counted")
+        stream.offer(SHARED_TENANT, [1, 2, 3], [7, 8, 9])
+        assert dropped() == 3 and stream._take(10) == []
+    finally:
+        await stream.stop(0.1)
+
+
 def test_the_model_fingerprint_names_weights_and_tokenizer_not_path_or_dtype(
     tiny_model_dir, other_model_dir, tmp_path
 ) -> None:
