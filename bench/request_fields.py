@@ -9,8 +9,8 @@
   (identical). Exits 1 on any difference.
 - `speed`: the same engine at the server's dtype, greedy, one prompt at a time, modes in
   rotating order per prompt: plain, logprobs (top 5), penalties, and n=4 choices sampled
-  (against 4 single requests of the same seeds), without the prefix cache (so repeated
-  prompts are not free). Median tokens/s and the prefill tokens n choices computed.
+  (against 4 single requests of the same seeds), without the prefix cache and the suffix index
+  (so a prompt's later modes neither skip its prefill nor recall its earlier answers). Median tokens/s and the prefill tokens n choices computed.
 
     python -m bench.request_fields exact --prompts prompts/dev.txt --limit 20
     python -m bench.request_fields speed --prompts prompts/dev.txt --limit 12 --out fields.json
@@ -138,8 +138,9 @@ def check_exact(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[
 def measure_speed(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[str]) -> dict:
     from server.engine.params import ProcessorParams
 
-    # No prefix cache: a prompt computed before must not make the later modes' prefill free.
-    engine, settings = _engine(["--prefix-cache-mb", "0", *flags], None)
+    # No prefix cache and no suffix index: a prompt computed before must make neither the later
+    # modes' prefill free nor their answers recalled from the earlier modes' answers.
+    engine, settings = _engine(["--prefix-cache-mb", "0", "--no-suffix-index", *flags], None)
     modes = ["plain", "logprobs", "penalties"]
     rates: dict[str, list[float]] = {mode: [] for mode in [*modes, "n4", "n4_singles"]}
     prefill = {"n4": 0, "n4_singles": 0}
