@@ -275,13 +275,25 @@ class Build:
             answers = _count_lines(self.work / "train.ids")
             described.append(
                 f"the target's greedy answers to {answers} prompts of {self.args.prompts.name} "
-                f"(chat template, max {self.args.max_new_tokens} new tokens)"
+                f"({self._prompt_form()}, max {self.args.max_new_tokens} new tokens)"
             )
         if self.work / "text.ids" in parts:
             described.append(
                 f"{_count_lines(self.work / 'text.ids')} lines of {self.args.text.name}"
             )
         _update_manifest(self.out, corpus=f"{SUFFIX_CORPUS}: " + " + ".join(described))
+
+    def _prompt_form(self) -> str:
+        """How the prompts reached the target: through a chat template, or raw (a model whose
+        tokenizer has none, as a base model's GGUF file)."""
+        if self.args.chat_template:
+            return f"chat template {self.args.chat_template.name}"
+        if (self.model_dir / "chat_template.jinja").is_file():
+            return "chat template"
+        config = self.model_dir / "tokenizer_config.json"
+        if config.is_file() and json.loads(config.read_text()).get("chat_template"):
+            return "chat template"
+        return "raw prompts"
 
     def check_heldout(self, answers: Path) -> None:
         self.begin("check", f"replay the held-out answers ({answers.name}) through the draft")

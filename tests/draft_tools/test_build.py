@@ -112,6 +112,8 @@ def test_one_command_writes_a_loadable_draft_checked_on_held_out_prompts(
     assert (check["answers"], check["tokens"]) == (len(held), replayed.tokens)
     assert check["tokens_per_round"] == pytest.approx(replayed.tokens_per_round, abs=1e-4)
     assert manifest["corpus_lines"] == len(training)
+    form = "chat template" if tiny_target.tokenizer.chat_template else "raw prompts"
+    assert f"prompts of prompts.txt ({form}, max " in manifest["corpus"]
     assert f"{check['tokens_per_round']:.2f} tokens/round" in stdout
     assert f"  python -m server --model {tiny_model_dir} --draft {out}" in stdout.splitlines()
 
@@ -486,3 +488,22 @@ def test_a_prompt_too_long_for_the_context_ends_the_build_in_one_line(tiny_targe
     last = stderr.splitlines()[-1]
     assert last.startswith("error: the prompt 'fox fox") and "exceeds the model's context" in last
     assert not (tmp_path / "draft" / "work" / "train.ids").read_text()  # none answered
+
+
+def test_a_model_without_a_chat_template_is_distilled_on_raw_prompts(
+    tiny_model_dir, prompts_file, tmp_path
+) -> None:
+    """A base model (no chat template) gets the prompts raw, and the draft's manifest says so
+    rather than naming a template it never had."""
+    base = tmp_path / "base-model"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = base / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    out = tmp_path / "draft"
+    code, _, stderr = run_build(build_argv(base, prompts_file, out))
+    assert code == 0, stderr
+    corpus = json.loads((out / "draft.json").read_text())["corpus"]
+    assert "(raw prompts, max 16 new tokens)" in corpus
