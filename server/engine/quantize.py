@@ -56,7 +56,7 @@ def int8_linear(
     if kernel is not None and x.device.type == "cpu" and x.shape[1] % TORCH_INT8_K == 0:
         out: torch.Tensor = kernel(x, values, scales)
     else:
-        out = F.linear(x, values.to(x.dtype)) * scales
+        out = (F.linear(x.float(), values.float()) * scales.float()).to(x.dtype)  # one rounding
     return out if bias is None else out.add_(bias)
 
 
