@@ -143,8 +143,15 @@ def llama_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Biases on q, k and v: the fused int8 product adds them."""
-    return save_architecture(tmp_path_factory.mktemp("int8") / "qwen2", tokenizer, "qwen2")
+    """Biases on q, k and v (random: they start at zero), which the fused int8 product adds."""
+    directory = save_architecture(tmp_path_factory.mktemp("int8") / "qwen2", tokenizer, "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for layer in model.base_model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, name).bias.normal_(std=0.5)
+    return tiny.save_model(model, tokenizer, directory)
 
 
 def _served(directory: Path, dtype: str, kernel: str) -> TargetModel:
