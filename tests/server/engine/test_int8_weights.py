@@ -255,12 +255,13 @@ def test_runtime_serves_int8_through_the_fast_step(
     avx512: bool, base_settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--weights int8 is served through the fast step, in float32 too, its plan measured at
-    start-up among the kernels this CPU has (an AVX2-only CPU: torch's only), and reported."""
+    start-up among the kernels this CPU has (an AVX2-only CPU: torch's only), calibrated and
+    warmed up with the draft, and reported."""
     from server.runtime import load_runtime
 
     if not avx512:
         monkeypatch.setattr(cpu_gemv, "load_int8", lambda: None)
-    settings = replace(base_settings, draft="none", draft_context=False, weights="int8")
+    settings = replace(base_settings, weights="int8")
     runtime = load_runtime(settings)
     step = runtime.engine.target.fast_step
     assert isinstance(step, LlamaStep) and step.weights == "int8"
