@@ -13,7 +13,9 @@ kernel measured fastest for its row count (`Products`):
 
 With int8 weights (engine.quantize: the model's layers are `Int8Linear`s) the products are
 int8 and so are their kernels: `gemv`, csrc/gemv_int8.c on CPUs with AVX-512 (one summation
-order whatever the row count), and `stock`, torch's int8 kernel on any CPU.
+order whatever the row count), `stock`, torch's int8 kernel on any CPU (a GEMV: its cost grows
+with the rows), and `dequant`, the weight widened to the activations' dtype for torch's GEMM
+and the product scaled after (for wide passes: a prompt's prefill).
 
 It serves only what it reproduces: Llama, Mistral and Qwen2 models (model types in
 `FAMILIES`) without sliding windows, on a CPU, in bfloat16 (or with int8 weights, whose
@@ -198,6 +200,9 @@ class Product:
             if kernel == "gemv" and gemv8 is not None:
                 out = gemv8(x, self.weight, self.scales)
                 return out if self.bias is None else out.add_(self.bias)
+            if kernel == "dequant":  # a GEMM for wide passes: int8 values are exact in bf16
+                out = F.linear(x, self.weight.to(x.dtype)).mul_(self.scales)
+                return out if self.bias is None else out.add_(self.bias)
             return int8_linear(x, self.weight, self.scales, self.bias)
         if kernel == "gemv" and gemv is not None:
             out = gemv(x, self.weight)
@@ -234,9 +239,10 @@ class Products:
 
     def candidates(self) -> tuple[str, ...]:
         """Kernels this machine can run for these products on a CPU: for int8 weights torch's
-        (stock) and the AVX-512 GEMV where it builds; for bfloat16 ones also oneDNN's."""
+        (stock), each weight widened to the activations' dtype for torch's GEMM (dequant) and
+        the AVX-512 GEMV where it builds; for bfloat16 ones stock, oneDNN's and the GEMV."""
         if self.int8:
-            return ("stock", "gemv") if self.gemv8 is not None else ("stock",)
+            return ("stock", "dequant") + (("gemv",) if self.gemv8 is not None else ())
         found = ["stock"]
         if onednn_packs(torch.bfloat16):
             found.append("packed")
