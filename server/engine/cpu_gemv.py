@@ -70,6 +70,7 @@ class GemvInt8:
     path: Path
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()  # (a no-op for the fast step's inputs; the kernel reads raw rows)
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
         failed = self.library.kenspec_gemv_int8(
