@@ -60,6 +60,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         device=settings.device,
         dtype=settings.dtype,
         gguf_cache=settings.gguf_cache,
+        weights=settings.weights,
     )
     if settings.chat_template:
         template = Path(settings.chat_template).expanduser().read_text(encoding="utf-8")
@@ -70,6 +71,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         model=target.name,
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
+        weights=target.weights,
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
@@ -88,7 +90,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         )
         skinny_rows: set[int] = set()
     else:
-        if settings.fast_step:
+        if settings.fast_step or target.int8:  # (settings refuse int8 without it)
             _choose_fast_step(target)
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
         _choose_attention_kernels(target, settings.attention)
@@ -267,13 +269,16 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
 
 
 def _choose_fast_step(target: TargetModel) -> None:
-    """A bfloat16 Llama-family target on a CPU: the lean decoder loop, its products' kernels
-    timed by row count (engine.fast_step), where it supports the model."""
-    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+    """A bfloat16 Llama-family target on a CPU, or one with int8 weights: the lean decoder
+    loop, its products' kernels timed by row count (engine.fast_step), where it supports the
+    model (TargetModel.load checked it does for int8)."""
+    if not target.int8 and (target.device.type != "cpu" or target.dtype != torch.bfloat16):
         return
     started = time.perf_counter()
     try:
-        step = LlamaStep(target.model, cpu_gemv.load())
+        step = LlamaStep(
+            target.model, cpu_gemv.load(), cpu_gemv.load_int8() if target.int8 else None
+        )
     except Unsupported as reason:
         log.info("fast_step", used=False, reason=str(reason))
         return
@@ -282,6 +287,7 @@ def _choose_fast_step(target: TargetModel) -> None:
     log.info(
         "fast_step",
         used=True,
+        weights=step.weights,
         decoder=step.products.plan.describe(),
         head=step.head.plan.describe(),
         seconds=round(time.perf_counter() - started, 2),
@@ -451,6 +457,7 @@ def _model_info(
         max_context_tokens=target.max_context,
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
+        weights=target.weights,
         num_draft_tokens=settings.num_draft_tokens,
         adaptive_draft=settings.adaptive,
         min_draft_prob=settings.min_draft_prob,

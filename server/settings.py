@@ -35,6 +35,7 @@ class Settings:
     chat_template: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "bf16"
     threads: int = 0
     # network
     host: str = "127.0.0.1"
@@ -148,6 +149,10 @@ _HELP = {
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
     "float16",
+    "weights": "how the linear layers' weights are kept: bf16 (as loaded, in --dtype) or int8 "
+    "(weight-only, symmetric, one scale per output row; the output layer too, the embedding "
+    "stays in --dtype): a CPU, the fast step's models (Llama, Mistral, Qwen2), --dtype "
+    "bfloat16 or float32 (the activations); needs --fast-step, not --batch-invariant",
     "threads": "torch CPU threads (0: torch's default, one per core)",
     "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
     "port": "gRPC port (0: pick a free one and log it)",
@@ -369,6 +374,7 @@ def parse_settings(
     _check_suffix_corpus(parser, namespace)
     if namespace.chat_template and not Path(namespace.chat_template).expanduser().is_file():
         parser.error(f"--chat-template {namespace.chat_template}: no such file")
+    _check_weights(parser, namespace)
     if namespace.attention not in ("auto", "sdpa", "grouped"):
         parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
     if namespace.stream_stall_timeout_s <= 0:
@@ -402,6 +408,25 @@ def parse_settings(
         if getattr(namespace, name) < 1:
             parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
     return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
+
+
+def _check_weights(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    """--weights: int8 layers are computed by the fast step's kernels only."""
+    if namespace.weights not in ("bf16", "int8"):
+        parser.error(f"--weights must be bf16 or int8, not {namespace.weights!r}")
+    if namespace.weights != "int8":
+        return
+    if not namespace.fast_step:
+        parser.error(
+            "--weights int8 runs through the fast step: it cannot be combined with --no-fast-step"
+        )
+    if namespace.batch_invariant:
+        parser.error(
+            "--weights int8 cannot be combined with --batch-invariant (which pads the model's "
+            "own layers; int8 runs through the fast step)"
+        )
+    if namespace.dtype == "float16":
+        parser.error("--weights int8 computes in bfloat16 or float32: not with --dtype float16")
 
 
 SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")

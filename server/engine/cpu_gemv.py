@@ -1,11 +1,12 @@
-"""A bfloat16 product for a few rows at memory speed on CPUs with AVX512-BF16 (csrc/gemv.c).
+"""Products for a few rows at memory speed on AVX-512 CPUs: bfloat16 weights on CPUs with
+AVX512-BF16 (csrc/gemv.c), int8 weights on any with AVX-512 F/BW/VL/DQ (csrc/gemv_int8.c).
 
 torch's bfloat16 `F.linear` reads a one-row pass's weights at a third of the memory's speed on
-the CPUs kenspec targets (docs/design.md, "The target's step"); this kernel streams them once,
-32 weights an instruction. It is compiled with the machine's C compiler the first time it is
-needed and kept under `~/.cache/kenspec/kernels/<hash>/` (a restart loads it in
-milliseconds), and called through ctypes. `load()` is None where it cannot run: no
-avx512_bf16, no compiler, or a build that fails (then the server uses torch's kernels).
+the CPUs kenspec targets (docs/design.md, "The target's step"); these kernels stream them once.
+Each is compiled with the machine's C compiler the first time it is needed and kept under
+`~/.cache/kenspec/kernels/<hash>/` (a restart loads it in milliseconds), and called through
+ctypes. `load()` and `load_int8()` are None where they cannot run: the CPU lacks the
+instructions, no compiler, or a build that fails (then the server uses torch's kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ log = structlog.get_logger("kenspec.kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+INT8_SOURCE = Path(__file__).with_name("csrc") / "gemv_int8.c"
+INT8_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
+INT8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 CACHE = Path(os.environ.get("KENSPEC_KERNEL_CACHE", "~/.cache/kenspec/kernels")).expanduser()
 
 
@@ -57,43 +61,88 @@ class Gemv:
         return out
 
 
+@dataclass(frozen=True)
+class GemvInt8:
+    """y = (x @ q^T) * scales for int8 q [out, k], x [rows, k], scales [out] and y [rows, out]
+    in one dtype, float32 or bfloat16; contiguous."""
+
+    library: ctypes.CDLL
+    path: Path
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()  # (a no-op for the fast step's inputs; the kernel reads raw rows)
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        failed = self.library.kenspec_gemv_int8(
+            x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            rows, k, weight.shape[0], int(x.dtype == torch.bfloat16),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_int8: no memory for the widened activations")
+        return out
+
+
 @cache
 def load() -> Gemv | None:
-    """The compiled kernel, built once per machine and source; None where it cannot run."""
+    """The compiled bfloat16 kernel, built once per machine and source; None where it cannot
+    run."""
     if "avx512_bf16" not in cpu_flags():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        log.warning("gemv_unavailable", reason="no C compiler (cc or gcc) on PATH")
+    built = _library(SOURCE, FLAGS)
+    if built is None:
         return None
-    try:
-        path = _build(compiler)
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
-        log.warning("gemv_unavailable", reason=str(error))
-        return None
-    function = library.kenspec_gemv_bf16
+    function = built[0].kenspec_gemv_bf16
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    return Gemv(library, path)
+    return Gemv(*built)
 
 
-def _build(compiler: str) -> Path:
+@cache
+def load_int8() -> GemvInt8 | None:
+    """The compiled int8 kernel, built once per machine and source; None where it cannot run
+    (a CPU without AVX-512 F/BW/VL/DQ, as many AMD ones before Zen 4: torch's kernel then)."""
+    if not INT8_CPU_FLAGS.issubset(cpu_flags()):
+        return None
+    built = _library(INT8_SOURCE, INT8_FLAGS)
+    if built is None:
+        return None
+    function = built[0].kenspec_gemv_int8
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return GemvInt8(*built)
+
+
+def _library(source: Path, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, Path] | None:
+    """The source compiled with flags, loaded, and its path; None (and a warning) where that
+    fails."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("gemv_unavailable", source=source.name, reason="no C compiler (cc or gcc)")
+        return None
+    try:
+        path = _build(compiler, source, flags)
+        return ctypes.CDLL(str(path)), path
+    except (OSError, subprocess.CalledProcessError) as error:
+        log.warning("gemv_unavailable", source=source.name, reason=str(error))
+        return None
+
+
+def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library for this source, compiler and flags, built if not cached."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, *FLAGS]).encode()
+        "\0".join([source.read_text(), compiler, version, *flags]).encode()
     ).hexdigest()[:16]
-    target = CACHE / key / "gemv.so"
+    target = CACHE / key / f"{source.stem}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / "gemv.so"
+        built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-shared", "-fPIC", str(SOURCE), "-o", str(built)],
+            [compiler, *flags, "-shared", "-fPIC", str(source), "-o", str(built)],
             capture_output=True,
             text=True,
             check=True,

@@ -11,11 +11,18 @@ kernel measured fastest for its row count (`Products`):
 - `packed`: oneDNN with the weights laid out once at start-up for it (AMX where present);
 - `stock`: torch's `F.linear`.
 
+With int8 weights (engine.quantize: the model's layers are `Int8Linear`s) the products are
+int8 and so are their kernels: `gemv`, csrc/gemv_int8.c on CPUs with AVX-512 (one summation
+order whatever the row count), `stock`, torch's int8 kernel on any CPU (a GEMV: its cost grows
+with the rows), and `dequant`, the weight widened to the activations' dtype for torch's GEMM
+and the product scaled after (for wide passes: a prompt's prefill).
+
 It serves only what it reproduces: Llama, Mistral and Qwen2 models (model types in
-`FAMILIES`) without sliding windows, on a CPU, in bfloat16. Anything else keeps the stock
-forward, and float32 always does, so float32 output stays identical to transformers'
-`generate`. In bfloat16 a product summed by another kernel differs in its last bits, as any two
-GEMM kernels do; speculation's output still equals plain decoding through the same step.
+`FAMILIES`) without sliding windows, on a CPU, in bfloat16 (or with int8 weights, whose
+activations may be float32 too). Anything else keeps the stock forward, and float32 weights
+always do, so float32 output stays identical to transformers' `generate`. In bfloat16 a
+product summed by another kernel differs in its last bits, as any two GEMM kernels do;
+speculation's output still equals plain decoding through the same step.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from server.engine import cpu_gemv
 from server.engine.attention import packed_attention
 from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
+from server.engine.quantize import Int8Linear, int8_linear, quantize
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's products take
@@ -98,17 +106,32 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 @dataclass(eq=False)
 class Product:
-    """x @ weight^T (+ bias) for x [rows, in]: one linear layer, or several side by side."""
+    """x @ weight^T (+ bias) for x [rows, in]: one linear layer, or several side by side.
+    With `scales`, weight is int8 and the product (x @ weight^T) * scales (engine.quantize)."""
 
     weight: torch.Tensor  # [out, in], contiguous
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout of weight, once a plan uses it
+    scales: torch.Tensor | None = None  # [out], the activations' dtype: weight is int8
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return self.weight.dtype if self.scales is None else self.scales.dtype
 
     @classmethod
-    def of(cls, layers: Sequence[nn.Linear]) -> Product:
+    def of(cls, layers: Sequence[nn.Linear | Int8Linear]) -> Product:
         """The layers' product. One layer's weight is used as it is; several are laid side by
         side once and each layer's weight becomes a view of its rows, so the model's own
         forward still computes what it did and no weight is held twice."""
+        int8 = [layer for layer in layers if isinstance(layer, Int8Linear)]
+        if int8:
+            assert len(int8) == len(layers)  # check(): all int8 or none
+            return cls._of_int8(int8)
+        return cls._of_linear([layer for layer in layers if isinstance(layer, nn.Linear)])
+
+    @classmethod
+    def _of_linear(cls, layers: Sequence[nn.Linear]) -> Product:
         with torch.no_grad():
             if len(layers) == 1:
                 weight = layers[0].weight.detach().contiguous()
@@ -132,11 +155,55 @@ class Product:
             )
         return cls(weight, bias)
 
+    @classmethod
+    def _of_int8(cls, layers: Sequence[Int8Linear]) -> Product:
+        """As `of`, for int8 layers: their values and scales side by side, the layers' views."""
+        values = torch.cat([layer.values for layer in layers])
+        scales = torch.cat([layer.scales for layer in layers])
+        if len(layers) > 1:
+            first = 0
+            for layer in layers:
+                rows = layer.out_features
+                layer.values = values[first : first + rows]
+                layer.scales = scales[first : first + rows]
+                first += rows
+        biases = [layer.bias for layer in layers]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else scales.new_zeros(layer.out_features)
+                    for b, layer in zip(biases, layers, strict=True)
+                ]
+            )
+        return cls(values, bias, scales=scales)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, dtype: torch.dtype) -> Product:
+        """An int8 copy of weight [out, in] (an output layer tied to the embedding, which keeps
+        its own dtype for the lookup)."""
+        int8 = quantize(weight, dtype)
+        return cls(int8.values, scales=int8.scales)
+
     def pack(self) -> None:
-        if self.packed is None:
+        if self.packed is None and self.scales is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
-    def run(self, x: torch.Tensor, kernel: str, gemv: cpu_gemv.Gemv | None) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        kernel: str,
+        gemv: cpu_gemv.Gemv | None,
+        gemv8: cpu_gemv.GemvInt8 | None = None,
+    ) -> torch.Tensor:
+        if self.scales is not None:
+            if kernel == "gemv" and gemv8 is not None:
+                out = gemv8(x, self.weight, self.scales)
+                return out if self.bias is None else out.add_(self.bias)
+            if kernel == "dequant":  # a GEMM for wide passes: int8 values are exact in bf16
+                out = F.linear(x, self.weight.to(x.dtype)).mul_(self.scales)
+                return out if self.bias is None else out.add_(self.bias)
+            return int8_linear(x, self.weight, self.scales, self.bias)
         if kernel == "gemv" and gemv is not None:
             out = gemv(x, self.weight)
             return out if self.bias is None else out.add_(self.bias)
@@ -154,17 +221,28 @@ class Products:
     products: list[Product] = field(default_factory=list)
     plan: RowPlan = field(default_factory=RowPlan)
     gemv: cpu_gemv.Gemv | None = None
+    gemv8: cpu_gemv.GemvInt8 | None = None  # int8 products' (engine.quantize)
 
     def __call__(self, product: Product, x: torch.Tensor) -> torch.Tensor:
-        return product.run(x, self.plan.kernel(x.shape[0]), self.gemv)
+        return product.run(x, self.plan.kernel(x.shape[0]), self.gemv, self.gemv8)
 
-    def add(self, layers: Sequence[nn.Linear]) -> Product:
-        product = Product.of(layers)
+    def add(self, layers: Sequence[nn.Linear | Int8Linear]) -> Product:
+        return self.append(Product.of(layers))
+
+    def append(self, product: Product) -> Product:
         self.products.append(product)
         return product
 
+    @property
+    def int8(self) -> bool:
+        return any(product.scales is not None for product in self.products)
+
     def candidates(self) -> tuple[str, ...]:
-        """Kernels this machine can run for bfloat16 products on a CPU."""
+        """Kernels this machine can run for these products on a CPU: for int8 weights torch's
+        (stock), each weight widened to the activations' dtype for torch's GEMM (dequant) and
+        the AVX-512 GEMV where it builds; for bfloat16 ones stock, oneDNN's and the GEMV."""
+        if self.int8:
+            return ("stock", "dequant") + (("gemv",) if self.gemv8 is not None else ())
         found = ["stock"]
         if onednn_packs(torch.bfloat16):
             found.append("packed")
@@ -186,7 +264,7 @@ class Products:
         timings: dict[int, dict[str, float]] = {}
         for count in rows:
             inputs = {
-                size: torch.randn(count, size, dtype=self.products[0].weight.dtype)
+                size: torch.randn(count, size, dtype=self.products[0].dtype)
                 for size in {p.weight.shape[1] for p in self.products}
             }
             samples: dict[str, list[float]] = {name: [] for name in kernels}
@@ -194,7 +272,7 @@ class Products:
                 for name in kernels if repeat % 2 else reversed(kernels):
                     started = time.perf_counter()
                     for product in self.products:
-                        product.run(inputs[product.weight.shape[1]], name, self.gemv)
+                        product.run(inputs[product.weight.shape[1]], name, self.gemv, self.gemv8)
                     samples[name].append(time.perf_counter() - started)
             timings[count] = {name: statistics.median(s[1:]) for name, s in samples.items()}
         self.plan = RowPlan.fastest(timings, margin)
@@ -220,14 +298,19 @@ class _Layer:
 class LlamaStep:
     """The decoder of a Llama-family model as one lean loop (see the module's doc)."""
 
-    def __init__(self, model: PreTrainedModel, gemv: cpu_gemv.Gemv | None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        gemv: cpu_gemv.Gemv | None,
+        gemv8: cpu_gemv.GemvInt8 | None = None,
+    ) -> None:
         check(model)
         config = model.config
         inner = model.base_model
         self.embed: nn.Module = inner.get_submodule("embed_tokens")
         self.rotary: nn.Module = inner.get_submodule("rotary_emb")
         self.norm: nn.Module = inner.get_submodule("norm")
-        self.products = Products(gemv=gemv)
+        self.products = Products(gemv=gemv, gemv8=gemv8)
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -252,18 +335,28 @@ class LlamaStep:
                 )
             )
         self.scaling = dim**-0.5  # transformers' Llama attention scale
-        self.head = Products(gemv=gemv)  # the output layer: its own shape, its own plan
+        self.head = Products(gemv=gemv, gemv8=gemv8)  # its own shape, its own plan
         head = model.get_output_embeddings()
-        assert isinstance(head, nn.Linear)
-        self._head = self.head.add([head])
+        if isinstance(head, Int8Linear) or not self.products.int8:
+            assert isinstance(head, (nn.Linear, Int8Linear))
+            self._head = self.head.add([head])
+        else:  # tied to the embedding, which keeps the model's dtype: an int8 copy
+            assert isinstance(head, nn.Linear)
+            self._head = self.head.append(Product.quantized(head.weight, model.dtype))
+
+    @property
+    def weights(self) -> str:
+        """How the products' weights are kept: int8, or the model's dtype (e.g. bfloat16)."""
+        return "int8" if self.products.int8 else str(self._head.dtype).removeprefix("torch.")
 
     def measure(self) -> dict[str, dict[int, dict[str, float]]]:
         """Choose each product's kernel by row count (Products.measure); the timings."""
         return {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
 
     def describe(self) -> str:
-        """The kernel plans, e.g. for the calibration cache's key."""
-        return f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
+        """The weights and kernel plans, e.g. for the calibration cache's key."""
+        plans = f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
+        return plans if not self.products.int8 else f"int8 {plans}"
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""
@@ -311,9 +404,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(module: nn.Module, name: str) -> nn.Linear:
+def _linear(module: nn.Module, name: str) -> nn.Linear | Int8Linear:
     layer = module.get_submodule(name)
-    assert isinstance(layer, nn.Linear)  # check() saw to it
+    assert isinstance(layer, (nn.Linear, Int8Linear))  # check() saw to it
     return layer
 
 
@@ -332,11 +425,16 @@ def check(model: PreTrainedModel) -> None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb"):
         raise Unsupported("no decoder layers or rotary embedding where Llama keeps them")
+    kinds = set()
     for layer in layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if type(getattr(attn, name, None)) is not nn.Linear:
+            kinds.add(type(getattr(attn, name, None)))
+            if kinds - {nn.Linear, Int8Linear}:
                 raise Unsupported(f"{name} is not a plain linear layer")
         for name in ("gate_proj", "up_proj", "down_proj"):
-            if type(getattr(layer.mlp, name, None)) is not nn.Linear:
+            kinds.add(type(getattr(layer.mlp, name, None)))
+            if kinds - {nn.Linear, Int8Linear}:
                 raise Unsupported(f"mlp.{name} is not a plain linear layer")
+    if len(kinds) > 1:
+        raise Unsupported("some linear layers are int8 and some are not")

@@ -48,7 +48,7 @@ def capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 class OutputLayer:
     """A plain output layer, for rows computed from hidden states."""
 
-    weight: torch.Tensor  # [vocab, hidden_size]
+    weight: torch.Tensor | None  # [vocab, hidden_size] (None: product)
     transposed: torch.Tensor | None  # [hidden_size, vocab]: for one-row GEMVs (None: product)
     softcap: float | None = None  # final_logit_softcapping
     # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step);
@@ -65,6 +65,7 @@ class OutputLayer:
             if hidden.shape[0] == 1:
                 assert self.transposed is not None  # one of the two is given (target.py)
                 return capped(hidden @ self.transposed, self.softcap)
+            assert self.weight is not None
             return capped((self.weight @ hidden.t()).t(), self.softcap)
 
     def row(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,17 +25,19 @@ from server.engine.architecture import (
     served_context,
 )
 from server.engine.attention import PACKED_ATTENTION
-from server.engine.fast_step import LlamaStep
+from server.engine.fast_step import LlamaStep, Unsupported, check
 from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
 from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
 from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
+from server.engine.quantize import quantize_model
 from server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = ("bf16", "int8")  # how the linear layers' weights are kept (bf16: as --dtype loads them)
 # Architectures whose logits are exactly the output layer of the base model's last hidden state
 # (soft-capped by config.final_logit_softcapping where set): no bias or scaling. For these, rows
 # of logits are computed one at a time and only when the verification needs them.
@@ -106,6 +108,9 @@ class TargetModel:
     # The lean decoder passes run through instead of the model's own (engine.fast_step), with
     # the output layer's product; None: transformers' forward (chosen at start-up, runtime).
     fast_step: LlamaStep | None = None
+    # The decoder's linear layers (and an untied output layer) are int8 (engine.quantize);
+    # only the fast step computes them at speed, so it is then always chosen (runtime).
+    int8: bool = False
 
     @classmethod
     def load(
@@ -114,9 +119,13 @@ class TargetModel:
         device: str = "auto",
         dtype: str = "auto",
         gguf_cache: str | Path = DEFAULT_GGUF_CACHE,
+        weights: str = "bf16",
     ) -> TargetModel:
         """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
-        `dtype` once and kept as a folder under `gguf_cache` (see gguf_model)."""
+        `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
+        int8, its linear layers quantized (engine.quantize)."""
+        if weights not in WEIGHTS:
+            raise TargetLoadError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         name = str(Path(path))
@@ -138,6 +147,9 @@ class TargetModel:
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{name}: {error}") from None
         plain_head, head_t = _plain_head(model, Path(name))
+        if weights == "int8":
+            _quantize(model, name)
+            head_t = None  # the fast step's int8 output layer computes the rows
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -151,7 +163,13 @@ class TargetModel:
             plain_head=plain_head,
             pass_rows=resolved_device.type != "cpu",
             kernels=kernels,
+            int8=weights == "int8",
         )
+
+    @property
+    def weights(self) -> str:
+        """How the linear layers' weights are kept: int8, or the dtype (e.g. bfloat16)."""
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
 
     def synchronize(self) -> None:
         """Wait for the device's queued kernels (CUDA), so that a timer read after a pass
@@ -186,7 +204,7 @@ class TargetModel:
     @property
     def vocab_size(self) -> int:
         """Rows of the output layer (may exceed the tokenizer's size)."""
-        return int(self._head_weight().shape[0])
+        return int(self.model.get_output_embeddings().out_features)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -252,8 +270,9 @@ class TargetModel:
         return self.fast_step is not None or self.head_t is not None
 
     def _output_layer(self) -> OutputLayer:
-        product = None if self.fast_step is None else self.fast_step.logits
-        return OutputLayer(self._head_weight(), self.head_t, self.softcap, product)
+        if self.fast_step is not None:  # (an int8 output layer has no weight to hand)
+            return OutputLayer(None, None, self.softcap, self.fast_step.logits)
+        return OutputLayer(self._head_weight(), self.head_t, self.softcap)
 
     def _head_weight(self) -> torch.Tensor:
         """The output layer's weight [vocab, hidden_size]."""
@@ -323,6 +342,26 @@ class TargetModel:
                 packed.input_ids, packed.positions, cache, packed.packing
             ), packed.starts
         return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
+
+
+def _quantize(model: PreTrainedModel, name: str) -> None:
+    """Int8 weights (engine.quantize), where the fast step serves the model; else
+    TargetLoadError saying why not."""
+    if model.device.type != "cpu":
+        raise TargetLoadError(f"--weights int8 runs on a CPU only, not {model.device.type}")
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        raise TargetLoadError(
+            f"--weights int8 computes in bfloat16 or float32 (--dtype), not "
+            f"{str(model.dtype).removeprefix('torch.')}"
+        )
+    try:
+        check(model)
+    except Unsupported as reason:
+        raise TargetLoadError(
+            f"{name}: --weights int8 runs through the fast step, which does not serve this "
+            f"model: {reason}"
+        ) from None
+    quantize_model(model, model.dtype)
 
 
 def _plain_head(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:

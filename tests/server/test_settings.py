@@ -128,3 +128,25 @@ def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) ->
     assert message in capsys.readouterr().err
     settings = parse_settings(["--tree-budget", "1", "--no-recycled-predictions"], env={})
     assert (settings.tree_budget, settings.recycled_predictions) == (1, False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights", "int4"], "--weights must be bf16 or int8, not 'int4'"),
+        (["--weights", "int8", "--no-fast-step"], "cannot be combined with --no-fast-step"),
+        (["--weights", "int8", "--batch-invariant"], "cannot be combined with --batch-invariant"),
+        (["--weights", "int8", "--dtype", "float16"], "not with --dtype float16"),
+    ],
+)
+def test_int8_weights_conflicts_are_refused_with_both_flags_named(flags, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(flags, env={})
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_weights_default_to_bf16_and_take_int8_from_the_environment() -> None:
+    assert parse_settings([], env={}).weights == "bf16"
+    assert parse_settings([], env={"KENSPEC_WEIGHTS": "int8"}).weights == "int8"
+    assert parse_settings(["--weights", "int8", "--dtype", "float32"], env={}).weights == "int8"

@@ -1,0 +1,275 @@
+"""Weights in int8 (engine.quantize, the fast step's int8 products): the quantization's error
+bound, both kernels against a float64 reference, the AVX-512 kernel's row invariance, greedy
+speculation equal to plain decoding of the same quantized target, and what is refused.
+
+Every test but the AVX-512 kernel's own runs on any CPU: torch's kernel (`stock`) is the one
+a CPU without AVX-512 (the CI's) serves with, and each is run with the AVX-512 kernel made
+unavailable too (`kernels` fixture)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from server.engine import cpu_gemv, fast_step
+from server.engine.fast_step import LlamaStep, Product, Products, RowPlan
+from server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
+from server.engine.target import TargetLoadError, TargetModel
+from tests import tiny
+from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm
+from tests.tiny_architectures import save_architecture
+
+GEMV8 = cpu_gemv.load_int8()
+NO_GEMV8 = pytest.mark.skipif(GEMV8 is None, reason="the CPU has no AVX-512 F/BW/VL/DQ")
+DTYPES = [torch.float32, torch.bfloat16]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
+
+
+@pytest.fixture(params=["stock", "dequant", pytest.param("gemv", marks=NO_GEMV8)])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """The int8 kernel a test's products take: torch's int8 GEMV or its GEMM on the widened
+    weight (every CPU), or the AVX-512 one."""
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_weights_are_within_half_a_scale(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) * torch.rand(64, 1) * 3
+    weight[5] = 0.0  # a row of zeros keeps a usable scale
+    int8 = quantize(weight.to(dtype), dtype)
+    assert int8.values.dtype == torch.int8 and int8.scales.dtype == dtype
+    assert int8.values.shape == weight.shape and int8.scales.shape == (64,)
+    assert int(int8.values.abs().max()) <= 127
+    assert bool((int8.values.abs().amax(dim=1)[torch.arange(64) != 5] >= 126).all())
+    source = weight.to(dtype).double()
+    error = (int8.dequantize(torch.float64) - source).abs()
+    assert bool((error <= int8.scales.double()[:, None] * (0.5 + 1e-6)).all())
+    assert not bool(int8.dequantize()[5].any())
+
+
+def test_the_module_docs_example() -> None:
+    int8 = quantize(torch.tensor([[0.5, -1.27, 0.01]]), torch.float32)
+    assert int8.values.tolist() == [[50, -127, 1]]
+    assert float(int8.scales[0]) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [576, 77, 64, 1])
+def test_int8_product_is_the_dequantized_product(kernel: str, dtype: torch.dtype, k: int) -> None:
+    """Each output is (x @ q^T) * s of the dequantized weight in float64, up to float32 sums
+    (and, in bf16, one rounding of the result; two for dequant, which rounds before scaling):
+    every kernel, any k (77: not one torch's int8 kernel takes, so a float32 product)."""
+    torch.manual_seed(k)
+    int8 = quantize(torch.randn(300, k), dtype)
+    x = torch.randn(9, k).to(dtype)
+    exact = x.double() @ int8.dequantize(torch.float64).t()
+    product = Product(int8.values, scales=int8.scales)
+    got = product.run(x, kernel, None, GEMV8).double()
+    bound = (x.double().abs() @ int8.dequantize(torch.float64).abs().t()) * k * 2.0**-23
+    if dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0 ** (-7 if kernel == "dequant" else -8)  # bf16 steps
+    assert bool(((got - exact).abs() <= bound + 1e-6).all())
+
+
+def test_int8_product_without_torchs_kernel_is_the_dequantized_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without _weight_int8pack_mm: the dequantized product, same values."""
+    torch.manual_seed(2)
+    int8 = quantize(torch.randn(40, 64), torch.float32)
+    x = torch.randn(3, 64)
+    expected = int8_linear(x, int8.values, int8.scales)
+    monkeypatch.delattr(torch.ops.aten, "_weight_int8pack_mm", raising=False)
+    torch.testing.assert_close(int8_linear(x, int8.values, int8.scales), expected)
+
+
+@NO_GEMV8
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_avx512_kernel_row_bits_do_not_depend_on_the_row_count(dtype: torch.dtype) -> None:
+    """A row's outputs are bit-identical alone or among 1..17 rows: one summation order."""
+    assert GEMV8 is not None
+    torch.manual_seed(1)
+    int8 = quantize(torch.randn(1536, 576), dtype)
+    x = torch.randn(17, 576).to(dtype)
+    alone = torch.cat([GEMV8(x[i : i + 1], int8.values, int8.scales) for i in range(17)])
+    for rows in (2, 3, 4, 5, 7, 8, 17):
+        assert torch.equal(GEMV8(x[:rows], int8.values, int8.scales), alone[:rows])
+
+
+def test_without_avx512_only_torchs_kernel_is_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU (the CI's) builds no int8 kernel; int8 products plan torch's only."""
+    cpu_gemv.load_int8.cache_clear()
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    try:
+        assert cpu_gemv.load_int8() is None
+    finally:
+        cpu_gemv.load_int8.cache_clear()
+    products = Products(gemv8=None)
+    products.append(Product.quantized(torch.randn(8, 32), torch.float32))
+    assert products.candidates() == ("stock", "dequant")
+    products.gemv8 = GEMV8
+    assert products.candidates() == ("stock", "dequant") + (("gemv",) if GEMV8 else ())
+
+
+def test_fused_int8_product_is_its_layers_side_by_side() -> None:
+    """q/k/v as one product: its layers' outputs side by side, the layers views of its rows."""
+    torch.manual_seed(3)
+    layers = [
+        Int8Linear.of(torch.nn.Linear(32, n, bias=b), torch.float32)
+        for n, b in ((16, True), (8, False), (8, True))
+    ]
+    x = torch.randn(5, 32)
+    expected = torch.cat([layer(x) for layer in layers], dim=-1)
+    product = Product.of(layers)
+    torch.testing.assert_close(product.run(x, "stock", None), expected)
+    assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), expected)
+    for layer in layers:
+        assert layer.values.untyped_storage().data_ptr() == product.weight.data_ptr()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return tiny.build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_architecture(tmp_path_factory.mktemp("int8") / "llama", tokenizer, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Biases on q, k and v (random: they start at zero), which the fused int8 product adds."""
+    directory = save_architecture(tmp_path_factory.mktemp("int8") / "qwen2", tokenizer, "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for layer in model.base_model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, name).bias.normal_(std=0.5)
+    return tiny.save_model(model, tokenizer, directory)
+
+
+def _served(directory: Path, dtype: str, kernel: str) -> TargetModel:
+    """The int8 target through the fast step, every product in `kernel`."""
+    target = TargetModel.load(directory, device="cpu", dtype=dtype, weights="int8")
+    target.fast_step = LlamaStep(target.model, None, GEMV8 if kernel == "gemv" else None)
+    target.fast_step.products.plan = target.fast_step.head.plan = RowPlan(((1, kernel),))
+    return target
+
+
+def test_loading_int8_quantizes_the_layers_and_keeps_a_tied_embedding(
+    tokenizer, llama_dir: Path, tmp_path: Path
+) -> None:
+    target = TargetModel.load(llama_dir, device="cpu", dtype="float32", weights="int8")
+    assert target.int8 and target.weights == "int8" and target.head_t is None
+    layer = target.model.base_model.layers[0]
+    for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(module, Int8Linear)
+    assert isinstance(target.model.get_output_embeddings(), Int8Linear)  # untied: int8
+    tied = save_architecture(tmp_path / "tied", tokenizer, "llama", tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(tied)
+    quantize_model(model, torch.float32)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, torch.nn.Linear) and head.weight is embedding.weight
+    step = LlamaStep(model, None)
+    assert step.weights == "int8" and step._head.scales is not None  # its own int8 copy
+    assert step._head.weight.data_ptr() != embedding.weight.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_speculation_is_plain_decoding_of_the_quantized_target(
+    kernel: str, dtype: str, llama_dir: Path, tmp_path: Path
+) -> None:
+    """Exactness restated for int8: whatever is drafted (always right, never right), greedy
+    output equals plain decoding of the same int8 target, token for token."""
+    target = _served(llama_dir, dtype, kernel)
+    plain = {}
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        solo = generate(target, None, ids, max_new_tokens=20, enabled=False)
+        for _ in solo:
+            pass
+        plain[prompt] = (ids, solo.output_ids)
+    seen = {token for _, output in plain.values() for token in output}
+    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
+    for ids, expected in plain.values():
+        for draft in (OracleDraft(expected), never):
+            solo = generate(target, draft, ids, max_new_tokens=20, k=4)
+            for _ in solo:
+                pass
+            assert solo.output_ids == expected, draft.name
+
+
+@pytest.mark.parametrize("model", ["llama_dir", "qwen2_dir"])
+def test_float32_int8_decoding_is_transformers_generate_of_the_quantized_model(
+    kernel: str, model: str, request: pytest.FixtureRequest
+) -> None:
+    """In float32 the fast step's int8 products are the quantized model's own (Int8Linear)
+    up to summation order: greedy output equals transformers' generate on it."""
+    target = _served(request.getfixturevalue(model), "float32", kernel)
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        output = target.model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=20,
+        )  # fmt: skip
+        solo = generate(target, None, ids, max_new_tokens=20, enabled=False)
+        for _ in solo:
+            pass
+        assert solo.output_ids == output[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "dtype", "reason"),
+    [
+        ("llama", "float16", "bfloat16 or float32"),
+        ("gemma2", "float32", "does not serve this model: model type 'gemma2'"),
+        ("mistral", "float32", "sliding-window"),
+    ],
+)
+def test_int8_is_refused_at_load_where_the_fast_step_cannot_serve_it(
+    model_type: str, dtype: str, reason: str, tokenizer, tmp_path: Path
+) -> None:
+    directory = save_architecture(tmp_path / model_type, tokenizer, model_type)
+    with pytest.raises(TargetLoadError, match=reason):
+        TargetModel.load(directory, device="cpu", dtype=dtype, weights="int8")
+
+
+def test_int8_is_refused_off_a_cpu(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On any other device (here meta, standing in for CUDA) the load says it needs a CPU."""
+    from server.engine import target as target_module
+
+    monkeypatch.setattr(target_module, "resolve_device", lambda device: torch.device("meta"))
+    monkeypatch.setattr(target_module, "check_packed_passes", lambda *args: {})
+    with pytest.raises(TargetLoadError, match="on a CPU only, not meta"):
+        TargetModel.load(llama_dir, device="cuda", dtype="float32", weights="int8")
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2-only"])
+def test_runtime_serves_int8_through_the_fast_step(
+    avx512: bool, base_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--weights int8 is served through the fast step, in float32 too, its plan measured at
+    start-up among the kernels this CPU has (an AVX2-only CPU: torch's only), calibrated and
+    warmed up with the draft, and reported."""
+    from server.runtime import load_runtime
+
+    if not avx512:
+        monkeypatch.setattr(cpu_gemv, "load_int8", lambda: None)
+    settings = replace(base_settings, weights="int8")
+    runtime = load_runtime(settings)
+    step = runtime.engine.target.fast_step
+    assert isinstance(step, LlamaStep) and step.weights == "int8"
+    assert runtime.info.weights == "int8" and runtime.info.dtype == "float32"
+    kernels = step.products.plan.kernels | step.head.plan.kernels
+    assert kernels <= {"stock", "dequant"} | ({"gemv"} if avx512 and GEMV8 else set())
+    assert step.describe().startswith("int8 ")  # the calibration cache's key tells them apart
+    assert fast_step.Products.candidates(step.products) == ("stock", "dequant") + (
+        ("gemv",) if avx512 and GEMV8 else ()
+    )
