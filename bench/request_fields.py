@@ -10,7 +10,8 @@
 - `speed`: the same engine at the server's dtype, greedy, one prompt at a time, modes in
   rotating order per prompt: plain, logprobs (top 5), penalties, and n=4 choices sampled
   (against 4 single requests of the same seeds), without the prefix cache and the suffix index
-  (so a prompt's later modes neither skip its prefill nor recall its earlier answers). Median tokens/s and the prefill tokens n choices computed.
+  (so a prompt's later modes neither skip its prefill nor recall its earlier answers). Median
+  tokens/s and the prefill tokens n choices computed.
 
     python -m bench.request_fields exact --prompts prompts/dev.txt --limit 20
     python -m bench.request_fields speed --prompts prompts/dev.txt --limit 12 --out fields.json
