@@ -144,39 +144,24 @@ class Product:
                         weight[first : first + rows], requires_grad=layer.weight.requires_grad
                     )
                     first += rows
-            biases = [layer.bias for layer in layers]
-            if all(bias is None for bias in biases):
-                return cls(weight)
-            bias = torch.cat(
-                [
-                    b.detach() if b is not None else layer.weight.new_zeros(layer.out_features)
-                    for b, layer in zip(biases, layers, strict=True)
-                ]
-            )
-        return cls(weight, bias)
+            return cls(weight, _joined_bias(layers, weight))
 
     @classmethod
     def _of_int8(cls, layers: Sequence[Int8Linear]) -> Product:
-        """As `of`, for int8 layers: their values and scales side by side, the layers' views."""
-        values = torch.cat([layer.values for layer in layers])
-        scales = torch.cat([layer.scales for layer in layers])
-        if len(layers) > 1:
+        """As `of`, for int8 layers: one layer's values and scales as they are (quantize made
+        them contiguous); several side by side, each layer's a view of their rows."""
+        if len(layers) == 1:
+            values, scales = layers[0].values, layers[0].scales
+        else:
+            values = torch.cat([layer.values for layer in layers])
+            scales = torch.cat([layer.scales for layer in layers])
             first = 0
             for layer in layers:
                 rows = layer.out_features
                 layer.values = values[first : first + rows]
                 layer.scales = scales[first : first + rows]
                 first += rows
-        biases = [layer.bias for layer in layers]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b.detach() if b is not None else scales.new_zeros(layer.out_features)
-                    for b, layer in zip(biases, layers, strict=True)
-                ]
-            )
-        return cls(values, bias, scales=scales)
+        return cls(values, _joined_bias(layers, scales), scales=scales)
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, dtype: torch.dtype) -> Product:
@@ -198,20 +183,36 @@ class Product:
     ) -> torch.Tensor:
         if self.scales is not None:
             if kernel == "gemv" and gemv8 is not None:
-                out = gemv8(x, self.weight, self.scales)
-                return out if self.bias is None else out.add_(self.bias)
+                return self._biased(gemv8(x, self.weight, self.scales))
             if kernel == "dequant":  # a GEMM for wide passes: int8 values are exact in bf16
-                out = F.linear(x, self.weight.to(x.dtype)).mul_(self.scales)
-                return out if self.bias is None else out.add_(self.bias)
+                return self._biased(F.linear(x, self.weight.to(x.dtype)).mul_(self.scales))
             return int8_linear(x, self.weight, self.scales, self.bias)
         if kernel == "gemv" and gemv is not None:
-            out = gemv(x, self.weight)
-            return out if self.bias is None else out.add_(self.bias)
+            return self._biased(gemv(x, self.weight))
         if kernel == "packed" and self.packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             assert isinstance(out, torch.Tensor)
             return out
         return F.linear(x, self.weight, self.bias)
+
+    def _biased(self, out: torch.Tensor) -> torch.Tensor:
+        """A kernel's product without bias, the bias added in place."""
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def _joined_bias(
+    layers: Sequence[nn.Linear | Int8Linear], like: torch.Tensor
+) -> torch.Tensor | None:
+    """The layers' biases side by side (zeros for a layer without one, in `like`'s dtype);
+    None where no layer has one."""
+    if all(layer.bias is None for layer in layers):
+        return None
+    return torch.cat(
+        [
+            layer.bias.detach() if layer.bias is not None else like.new_zeros(layer.out_features)
+            for layer in layers
+        ]
+    )
 
 
 @dataclass(eq=False)

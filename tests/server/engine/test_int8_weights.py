@@ -132,6 +132,17 @@ def test_fused_int8_product_is_its_layers_side_by_side() -> None:
         assert layer.values.untyped_storage().data_ptr() == product.weight.data_ptr()
 
 
+def test_one_int8_layers_product_holds_its_values_not_a_copy() -> None:
+    """o and down (one layer each) compute from the layer's own int8 values and scales, as the
+    bf16 products do from the layer's weight: no weight is held twice."""
+    layer = Int8Linear.of(torch.nn.Linear(32, 16, bias=True), torch.bfloat16)
+    product = Product.of([layer])
+    assert product.weight.data_ptr() == layer.values.data_ptr()
+    assert product.scales is not None and product.scales.data_ptr() == layer.scales.data_ptr()
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    assert torch.equal(product.run(x, "stock", None), layer(x))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():  # type: ignore[no-untyped-def]
     return tiny.build_byte_tokenizer()
