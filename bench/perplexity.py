@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine
-from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, Unsupported
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
+from server.runtime import choose_fast_step
 from server.settings import DEFAULT_MODEL, REPO_ROOT
 
 MODES = {  # name: (--dtype, --weights)
@@ -40,16 +39,11 @@ TEXTS = [REPO_ROOT / "prompts" / f"{name}.txt" for name in ("dev", "ood", "groun
 
 
 def load(model: str, mode: str) -> TargetModel:
-    """The target as the server loads it in `mode`, its fast step chosen as runtime does."""
+    """The target as the server loads it in `mode`, its fast step chosen by the runtime's own
+    rule."""
     dtype, weights = MODES[mode]
     target = TargetModel.load(model, device="cpu", dtype=dtype, weights=weights)
-    if target.int8 or target.dtype == torch.bfloat16:
-        try:
-            step = LlamaStep(target.model, cpu_gemv.load(), cpu_gemv.load_int8())
-        except Unsupported:
-            return target
-        step.measure()
-        target.fast_step = step
+    choose_fast_step(target)
     return target
 
 
@@ -73,7 +67,7 @@ def run(model: str, modes: Sequence[str], lines: Sequence[str]) -> dict:
         nll: list[float] = []
         top1[mode] = []
         for line in lines:
-            ids = target.tokenizer(line, add_special_tokens=True)["input_ids"]
+            ids = target.encode_prompt(line)
             if len(ids) < 2:
                 continue
             line_nll, line_top1 = score(target, ids)

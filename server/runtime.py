@@ -91,7 +91,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         skinny_rows: set[int] = set()
     else:
         if settings.fast_step or target.int8:  # (settings refuse int8 without it)
-            _choose_fast_step(target)
+            choose_fast_step(target)
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
         _choose_attention_kernels(target, settings.attention)
     breaker_settings, costs, save_costs = _breaker_settings_and_costs(
@@ -268,7 +268,7 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
     return set(rows)
 
 
-def _choose_fast_step(target: TargetModel) -> None:
+def choose_fast_step(target: TargetModel) -> None:
     """A bfloat16 Llama-family target on a CPU, or one with int8 weights: the lean decoder
     loop, its products' kernels timed by row count (engine.fast_step), where it supports the
     model (TargetModel.load checked it does for int8)."""
