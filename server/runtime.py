@@ -277,7 +277,10 @@ def choose_fast_step(target: TargetModel) -> None:
     started = time.perf_counter()
     try:
         step = LlamaStep(
-            target.model, cpu_gemv.load(), cpu_gemv.load_int8() if target.int8 else None
+            target.model,
+            cpu_gemv.load(),
+            cpu_gemv.load_int8() if target.int8 else None,
+            cpu_gemv.load_layer(),
         )
     except Unsupported as reason:
         log.info("fast_step", used=False, reason=str(reason))

@@ -28,6 +28,7 @@ log = structlog.get_logger("kenspec.kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+LAYER_SOURCE = Path(__file__).with_name("csrc") / "layer.c"
 INT8_SOURCE = Path(__file__).with_name("csrc") / "gemv_int8.c"
 INT8_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
 INT8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
@@ -82,6 +83,73 @@ class GemvInt8:
         return out
 
 
+@dataclass(frozen=True)
+class LayerKernels:
+    """The fast step's per-layer work between its products, for contiguous bfloat16
+    activations (csrc/layer.c): each call replaces several torch operations."""
+
+    library: ctypes.CDLL
+    path: Path
+
+    def add_rmsnorm(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        normed: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """hidden += delta (None: nothing to add), in place; normed = RMSNorm(hidden)."""
+        rows, n = hidden.shape
+        self.library.kenspec_add_rmsnorm(
+            hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            normed.data_ptr(), rows, n, eps,
+        )  # fmt: skip
+
+    def rotary_cache(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: tuple[int, int, int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rotary on qkv's query and key heads in place; keys and values into the cache."""
+        self.library.kenspec_rotary_cache(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], *heads,
+            keys.data_ptr(), values.data_ptr(), rows.data_ptr(), positions.data_ptr(),
+            keys.shape[2],
+        )  # fmt: skip
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        out: torch.Tensor,
+        heads: tuple[int, int, int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor,
+        mask_rows: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out [tokens, heads * dim]: each token's queries over its row's cache (layer.c)."""
+        failed = self.library.kenspec_attention(
+            qkv.data_ptr(), out.data_ptr(), qkv.shape[0], *heads, keys.data_ptr(),
+            values.data_ptr(), rows.data_ptr(), keys.shape[2], mask.data_ptr(),
+            int(mask.dtype == torch.bfloat16), mask_rows.data_ptr(), mask.shape[-1], scale,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_attention: no memory for a query's scores")
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
+        self.library.kenspec_silu_mul(gate_up.data_ptr(), out.data_ptr(), *out.shape)
+
+
 @cache
 def load() -> Gemv | None:
     """The compiled bfloat16 kernel, built once per machine and source; None where it cannot
@@ -95,6 +163,33 @@ def load() -> Gemv | None:
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     return Gemv(*built)
+
+
+@cache
+def load_layer() -> LayerKernels | None:
+    """The compiled per-layer kernels, built once per machine and source; None where they
+    cannot run (as `load`: they need AVX512-BF16)."""
+    if "avx512_bf16" not in cpu_flags():
+        return None
+    built = _library(LAYER_SOURCE, FLAGS)
+    if built is None:
+        return None
+    library = built[0]
+    pointer, size, real = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    signatures = {
+        "kenspec_add_rmsnorm": (None, [pointer] * 4 + [size] * 2 + [real]),
+        "kenspec_rotary_cache": (None, [pointer] * 3 + [size] * 4 + [pointer] * 4 + [size]),
+        "kenspec_attention": (
+            ctypes.c_int,
+            [pointer] * 2 + [size] * 4 + [pointer] * 3 + [size, pointer, ctypes.c_int]
+            + [pointer, size, real],
+        ),
+        "kenspec_silu_mul": (None, [pointer] * 2 + [size] * 2),
+    }  # fmt: skip
+    for name, (result, arguments) in signatures.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = result, arguments
+    return LayerKernels(*built)
 
 
 @cache

@@ -304,6 +304,7 @@ class LlamaStep:
         model: PreTrainedModel,
         gemv: cpu_gemv.Gemv | None,
         gemv8: cpu_gemv.GemvInt8 | None = None,
+        fused: cpu_gemv.LayerKernels | None = None,
     ) -> None:
         check(model)
         config = model.config
@@ -336,6 +337,8 @@ class LlamaStep:
                 )
             )
         self.scaling = dim**-0.5  # transformers' Llama attention scale
+        # csrc/layer.c between the products, where it computes what the model's modules do
+        self.fused = fused if fused is not None and _fusable(model, self) else None
         self.head = Products(gemv=gemv, gemv8=gemv8)  # its own shape, its own plan
         head = model.get_output_embeddings()
         if isinstance(head, Int8Linear) or not self.products.int8:
@@ -355,9 +358,11 @@ class LlamaStep:
         return {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
 
     def describe(self) -> str:
-        """The weights and kernel plans, e.g. for the calibration cache's key."""
+        """The weights, kernel plans and whether csrc/layer.c runs between the products (e.g.
+        for the calibration cache's key)."""
         plans = f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
-        return plans if not self.products.int8 else f"int8 {plans}"
+        plans = plans if not self.products.int8 else f"int8 {plans}"
+        return plans if self.fused is None else f"fused {plans}"
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""
@@ -372,6 +377,8 @@ class LlamaStep:
     ) -> torch.Tensor:
         """The final hidden states [tokens, hidden] of a packed pass (as the base model's
         last_hidden_state[0]); writes the pass's keys and values into the bound cache rows."""
+        if self.fused is not None:
+            return self._fused_pass(self.fused, input_ids, position_ids, cache, packing)
         hidden = self.embed(input_ids)  # [1, tokens, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [1, tokens, dim]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, dim]: over every head
@@ -398,6 +405,80 @@ class LlamaStep:
             hidden = hidden + run(layer.down, layer.act(gate) * up)[None]
         out: torch.Tensor = self.norm(hidden)[0]
         return out
+
+    def _fused_pass(
+        self,
+        fused: cpu_gemv.LayerKernels,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: SlotCache,
+        packing: Packing,
+    ) -> torch.Tensor:
+        """`__call__` with the work between the products in csrc/layer.c: per layer a residual
+        add fused with each norm, rotary fused with the cache write, attention (for passes of
+        at most FUSED_WIDTH queries per row; wider ones, prefill chunks, take the attention
+        kernels packed_attention chooses) and SiLU(gate) * up."""
+        hidden = self.embed(input_ids)[0].contiguous()  # [tokens, hidden], updated in place
+        cos, sin = self.rotary(hidden[None], position_ids)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
+        tokens = hidden.shape[0]
+        normed = torch.empty_like(hidden)
+        mask = packing.mask
+        narrow = packing.slots.shape[1] <= FUSED_WIDTH and mask.is_contiguous()
+        mask_rows = packing.tokens.contiguous()
+        run, eps = self.products, self._eps
+        fused.add_rmsnorm(hidden, None, self.layers[0].input_norm.weight, normed, eps)
+        for index, layer in enumerate(self.layers):
+            heads, kv_heads, dim = layer.heads
+            qkv = run(layer.qkv, normed)
+            like = qkv.new_empty(1, kv_heads, 1, dim)
+            keys, values, rows, positions = cache.layer_for_kernel(index, like)
+            fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
+            if narrow:
+                attended = hidden.new_empty(tokens, heads * dim)
+                fused.attention(
+                    qkv, attended, layer.heads, keys, values, rows, mask, mask_rows, self.scaling
+                )
+            else:
+                q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
+                bound_keys, bound_values = cache.bound_rows(index)
+                out, _ = packed_attention(
+                    layer.attention, q, bound_keys, bound_values, mask, self.scaling,
+                    packing=packing,
+                )  # fmt: skip
+                attended = out.reshape(tokens, heads * dim)
+            fused.add_rmsnorm(hidden, run(layer.out, attended), layer.post_norm.weight, normed, eps)
+            gate_up = run(layer.gate_up, normed)
+            act = gate_up.new_empty(tokens, gate_up.shape[1] // 2)
+            fused.silu_mul(gate_up, act)
+            last = index + 1 == len(self.layers)
+            following = self.norm if last else self.layers[index + 1].input_norm
+            fused.add_rmsnorm(hidden, run(layer.down, act), following.weight, normed, eps)
+        return normed
+
+    @property
+    def _eps(self) -> float:
+        return float(self.norm.variance_epsilon)
+
+
+FUSED_WIDTH = 32  # the widest pass (queries per row) csrc/layer.c's attention takes
+_FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+
+
+def _fusable(model: PreTrainedModel, step: LlamaStep) -> bool:
+    """Whether csrc/layer.c computes what this model's modules do: bfloat16 activations and
+    weights, transformers' Llama RMSNorm (one epsilon), SiLU, a head dimension it takes."""
+    norms = [step.norm] + [n for layer in step.layers for n in (layer.input_norm, layer.post_norm)]
+    eps = {getattr(norm, "variance_epsilon", None) for norm in norms}
+    return (
+        model.dtype == torch.bfloat16
+        and all(type(norm).__name__ in _FUSED_NORMS for norm in norms)
+        and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
+        and len(eps) == 1
+        and getattr(model.config, "hidden_act", None) == "silu"
+        and all(layer.heads[2] % 32 == 0 and layer.heads[2] <= 256 for layer in step.layers)
+        and all(layer.heads[0] % layer.heads[1] == 0 for layer in step.layers)
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

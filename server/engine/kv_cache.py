@@ -75,8 +75,36 @@ class SlotCache:
         # Advanced indices in dims 0 and 2 put the indexed dim first: [tokens, heads, dim].
         keys[self._batch_index, :, self._positions] = key_states[0].transpose(0, 1)
         values[self._batch_index, :, self._positions] = value_states[0].transpose(0, 1)
+        return self.bound_rows(layer_idx)
+
+    def layer_for_kernel(
+        self, layer_idx: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a kernel that writes a layer's new keys and values itself (engine.fast_step):
+        the layer's whole keys and values [rows, kv_heads, capacity, head_dim] (allocated as
+        `update` would for states shaped like `like`, [1, kv_heads, tokens, head_dim]), and
+        each new token's row and position (int64, contiguous)."""
+        if self._positions is None or self._batch_index is None:
+            raise RuntimeError("SlotCache.bind() must be called before a forward pass")
+        if layer_idx == len(self._keys):
+            self._allocate_layer(like, like)
+        return (
+            self._keys[layer_idx],
+            self._values[layer_idx],
+            self._batch_index.contiguous(),
+            self._positions.contiguous(),
+        )
+
+    def bound_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound rows' keys and values of a layer, as `update` returns them."""
         span = slice(self._first, self._stop)
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
         return keys[span, :, : self._kv_length], values[span, :, : self._kv_length]
+
+    @property
+    def kv_length(self) -> int:
+        """The positions the bound pass attends over."""
+        return self._kv_length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """What transformers asks a cache for positions and masks it was not given. kenspec

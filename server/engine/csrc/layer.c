@@ -1,0 +1,271 @@
+/* The fast step's per-layer work between its products, for bfloat16 activations: a residual
+ * add fused with RMS normalisation, rotary embedding fused with the cache write, attention of
+ * a packed pass over the cache, and SiLU(gate) * up. Each replaces several torch operations
+ * (and their dispatch, some microseconds each) with one call.
+ *
+ * Every elementwise result is rounded to bfloat16 where transformers' bfloat16 layers round
+ * it (a bfloat16 op computes in float32 and rounds once), so they give torch's bits except
+ * where a sum or an exponential is computed in another order or by another polynomial.
+ *
+ * Attention computes each query on its own, in float32, in a fixed order: scores by dpbf16
+ * over the head dimension, the softmax's sum and the weighted sum of values key after key,
+ * masked keys skipped (they would add exact zeros). A query's result therefore depends only
+ * on its own unmasked keys in order, not on the rows or queries beside it in the pass: the
+ * same in a one-token step as in a verify pass, a token tree's node the same as the
+ * sequence of its ancestors (their slots come in depth order).
+ *
+ * Built at start-up by server/engine/cpu_gemv.py, for CPUs with avx512_bf16 only.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#define MASKED (-1e30f) /* a mask at or below this hides its key (finfo.min in practice) */
+
+static inline float from_bf16(uint16_t value) {
+  uint32_t bits = (uint32_t)value << 16;
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch does */
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float value) { return from_bf16(to_bf16(value)); }
+
+static inline __m512 load16(const uint16_t *p, __mmask16 m) { /* 16 bf16 -> float32 */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v, __mmask16 m) { /* RNE, as to_bf16 */
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __m512 rounded(__m512 v) { /* through bfloat16 and back */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
+/* exp(x) for each lane, a degree-6 polynomial on x - n ln 2 (relative error ~2e-7); lanes
+ * below -87.3 (where exp(x) < FLT_MIN) give 0, above 88.7 infinity. Lane-independent. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 out = _mm512_scalef_ps(p, n);
+  out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ), out, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ), out,
+                              _mm512_set1_ps(INFINITY));
+}
+
+/* hidden [rows, n] += delta (where given, rounded as a bfloat16 add), then normed [rows, n] =
+ * weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)): transformers' LlamaRMSNorm. */
+void kenspec_add_rmsnorm(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight,
+                         uint16_t *normed, long rows, long n, float eps) {
+  for (long r = 0; r < rows; r++) {
+    uint16_t *h = hidden + r * n;
+    __m512 squares = _mm512_setzero_ps();
+    for (long i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      __m512 v = load16(h + i, m);
+      if (delta) {
+        v = rounded(_mm512_add_ps(v, load16(delta + r * n + i, m)));
+        store16(h + i, v, m);
+      }
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (long i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      const __m512 v = rounded(_mm512_mul_ps(load16(h + i, m), s));
+      store16(normed + r * n + i, _mm512_mul_ps(load16(weight + i, m), v), m);
+    }
+  }
+}
+
+/* Rotary embedding on each token's query and key heads of qkv [tokens, (heads + 2 kv_heads)
+ * * dim], in place, as transformers computes q * cos + rotate_half(q) * sin in bfloat16 (each
+ * op rounded); then each token's keys and values written into the cache at (cache_rows[t],
+ * positions[t]). cos, sin: [tokens, dim]. The caches are [slots, kv_heads, capacity, dim]. */
+void kenspec_rotary_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, long tokens,
+                          long heads, long kv_heads, long dim, uint16_t *keys, uint16_t *values,
+                          const int64_t *cache_rows, const int64_t *positions, long capacity) {
+  const long width = (heads + 2 * kv_heads) * dim, half = dim / 2; /* half: a multiple of 16 */
+  for (long t = 0; t < tokens; t++) {
+    uint16_t *token = qkv + t * width;
+    const uint16_t *c = cos + t * dim, *s = sin + t * dim;
+    for (long head = 0; head < heads + kv_heads; head++) {
+      uint16_t *x = token + head * dim;
+      for (long d = 0; d < half; d += 16) {
+        const __m512 first = load16(x + d, 0xffff), second = load16(x + half + d, 0xffff);
+        const __m512 rotated_first = rounded(_mm512_add_ps(
+            rounded(_mm512_mul_ps(first, load16(c + d, 0xffff))),
+            rounded(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(second), _mm512_set1_epi32((int)0x80000000u))), load16(s + d, 0xffff)))));
+        const __m512 rotated_second = rounded(_mm512_add_ps(
+            rounded(_mm512_mul_ps(second, load16(c + half + d, 0xffff))),
+            rounded(_mm512_mul_ps(first, load16(s + half + d, 0xffff)))));
+        store16(x + d, rotated_first, 0xffff);
+        store16(x + half + d, rotated_second, 0xffff);
+      }
+    }
+    const long at = (cache_rows[t] * kv_heads * capacity + positions[t]) * dim;
+    for (long g = 0; g < kv_heads; g++) {
+      memcpy(keys + at + g * capacity * dim, token + (heads + g) * dim, dim * 2);
+      memcpy(values + at + g * capacity * dim, token + (heads + kv_heads + g) * dim, dim * 2);
+    }
+  }
+}
+
+/* out[j] = the sum of a[j]'s 16 lanes, for j < 16: every sum by the same tree (lanes l and
+ * l + 8, then + 4, + 2, + 1), so a key's score does not depend on where in a block it lies. */
+static inline __m512 reduce16(const __m512 a[16]) {
+  __m512 b[8], c[4], f[2];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)
+    f[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+  /* lane 4k + m of g holds a[4m + k]'s sum */
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, g);
+}
+
+/* One token's `group` query heads q (consecutive, dim each) over one kv head's keys k and
+ * values v ([kv_length, dim]); scores: [group][kv_length + 16] scratch. */
+static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v, long group,
+                         const void *mask, int mask_bf16, long kv_length, long dim, float scale,
+                         float *scores, uint16_t *out) {
+  const long stride = kv_length + 16, chunks = dim / 16;
+  for (long h = 0; h < group; h++) {
+    const uint16_t *query = q + h * dim;
+    float *row = scores + h * stride;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long j0 = 0; j0 < kv_length; j0 += 16) {
+      const long count = kv_length - j0 < 16 ? kv_length - j0 : 16;
+      const __mmask16 m = lanes(count);
+      __m512 acc[16];
+      for (long jj = 0; jj < 16; jj++) {
+        acc[jj] = _mm512_setzero_ps();
+        if (jj >= count) continue;
+        const uint16_t *key = k + (j0 + jj) * dim;
+        for (long d = 0; d < dim; d += 32)
+          acc[jj] = _mm512_dpbf16_ps(acc[jj], (__m512bh)_mm512_loadu_si512(query + d),
+                                     (__m512bh)_mm512_loadu_si512(key + d));
+      }
+      const __m512 added = mask_bf16 ? load16((const uint16_t *)mask + j0, m)
+                                     : _mm512_maskz_loadu_ps(m, (const float *)mask + j0);
+      const __mmask16 visible = _mm512_mask_cmp_ps_mask(m, added, _mm512_set1_ps(MASKED), _CMP_GT_OQ);
+      const __m512 score = _mm512_mask_blend_ps(
+          visible, _mm512_set1_ps(-INFINITY), _mm512_fmadd_ps(reduce16(acc), _mm512_set1_ps(scale), added));
+      top = _mm512_max_ps(top, score);
+      _mm512_storeu_ps(row + j0, score);
+    }
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (long j0 = 0; j0 < kv_length; j0 += 16) { /* exp16 gives 0 for -inf */
+      const __m512 s = _mm512_loadu_ps(row + j0);
+      _mm512_storeu_ps(row + j0, exp16(_mm512_sub_ps(s, most)));
+    }
+  }
+  /* Values: each key's converted once for a batch of the group's heads, as many as have
+   * accumulators in registers beside it. */
+  const long batch = chunks <= 16 ? 16 / chunks : 1;
+  for (long h0 = 0; h0 < group; h0 += batch) {
+    const long heads = group - h0 < batch ? group - h0 : batch;
+    __m512 acc[16];
+    float total[16];
+    for (long i = 0; i < heads * chunks; i++) acc[i] = _mm512_setzero_ps();
+    for (long h = 0; h < heads; h++) total[h] = 0.0f;
+    for (long j = 0; j < kv_length; j++) {
+      float p[16];
+      int any = 0;
+      for (long h = 0; h < heads; h++) {
+        p[h] = scores[(h0 + h) * stride + j];
+        any |= p[h] != 0.0f;
+      }
+      if (!any) continue;
+      const uint16_t *value = v + j * dim;
+      for (long c = 0; c < chunks; c++) {
+        const __m512 converted = load16(value + c * 16, 0xffff);
+        for (long h = 0; h < heads; h++)
+          acc[h * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h]), converted, acc[h * chunks + c]);
+      }
+      for (long h = 0; h < heads; h++) total[h] += p[h];
+    }
+    for (long h = 0; h < heads; h++) {
+      const __m512 inverse = _mm512_set1_ps(1.0f / total[h]);
+      for (long c = 0; c < chunks; c++)
+        store16(out + (h0 + h) * dim + c * 16, _mm512_mul_ps(acc[h * chunks + c], inverse), 0xffff);
+    }
+  }
+}
+
+/* out [tokens, heads * dim] = attention of each token's query heads (qkv [tokens, (heads + 2
+ * kv_heads) * dim], after rotary) over the first kv_length keys and values of its cache row
+ * (caches [slots, kv_heads, capacity, dim]), query head h reading kv head h / (heads /
+ * kv_heads); mask rows [queries, kv_length] (bfloat16 or float32, additive), token t's being
+ * mask_rows[t]. dim: a multiple of 32, at most 256. Threads split (token, kv head) pairs
+ * where the work is large enough to pay for them. Returns 0, or 1 without memory. */
+int kenspec_attention(const uint16_t *qkv, uint16_t *out, long tokens, long heads, long kv_heads,
+                      long dim, const uint16_t *keys, const uint16_t *values,
+                      const int64_t *cache_rows, long capacity, const void *mask, int mask_bf16,
+                      const int64_t *mask_rows, long kv_length, float scale) {
+  const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+  const long pairs = tokens * kv_heads;
+  int failed = 0;
+#pragma omp parallel if (pairs * kv_length * group * dim > (1L << 20)) reduction(| : failed)
+  {
+    float *scores = malloc(sizeof(float) * (kv_length + 16) * group);
+    if (!scores) failed = 1;
+#pragma omp for schedule(static)
+    for (long pair = 0; pair < pairs; pair++) {
+      if (!scores) continue;
+      const long t = pair / kv_heads, g = pair % kv_heads;
+      const long cache_at = (cache_rows[t] * kv_heads + g) * capacity * dim;
+      const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
+      attend_group(qkv + t * width + g * group * dim, keys + cache_at, values + cache_at, group,
+                   row_mask, mask_bf16, kv_length, dim, scale, scores,
+                   out + t * heads * dim + g * group * dim);
+    }
+    free(scores);
+  }
+  return failed;
+}
+
+/* out [rows, n] = bf16(silu(gate)) * up for gate_up [rows, 2n] (gate first), each op rounded
+ * to bfloat16 as transformers' MLP computes act_fn(gate_proj(x)) * up_proj(x). */
+void kenspec_silu_mul(const uint16_t *gate_up, uint16_t *out, long rows, long n) {
+  for (long r = 0; r < rows; r++) {
+    const uint16_t *gate = gate_up + r * 2 * n, *up = gate + n;
+    for (long i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      const __m512 g = load16(gate + i, m);
+      const __m512 silu = rounded(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      store16(out + r * n + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+    }
+  }
+}

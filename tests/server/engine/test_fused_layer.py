@@ -1,0 +1,301 @@
+"""The fast step's per-layer kernels (csrc/layer.c through cpu_gemv.LayerKernels): each the
+computation of the transformers modules it replaces, its attention a query's own (the same
+bits whatever shares its pass, a tree node the same as its ancestors' sequence), and bf16
+speculation through a step of row-independent kernels equal to plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from server.engine import cpu_gemv
+from server.engine.fast_step import LlamaStep, RowPlan
+from server.engine.packing import attention_mask
+from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
+from tests import tiny
+from tests.server.engine.drafts import Branching, OracleDraft, generate, never_matching_kenlm
+from tests.tiny_architectures import save_architecture
+
+LAYER = cpu_gemv.load_layer()
+GEMV = cpu_gemv.load()
+pytestmark = pytest.mark.skipif(
+    LAYER is None or GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)"
+)
+BF16 = torch.bfloat16
+# The tiny architectures' heads are 16 wide; the fused attention takes multiples of 32.
+WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3 4 5 6", "Hello world"]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart a and b are, element by element (same sign assumed)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("n", [576, 64, 40])
+def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int) -> None:
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(n, eps=1e-5).to(BF16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    hidden, delta = torch.randn(5, n).to(BF16), torch.randn(5, n).to(BF16)
+    summed = hidden + delta
+    with torch.inference_mode():
+        expected = norm(summed)
+    normed = torch.empty_like(hidden)
+    assert LAYER is not None
+    LAYER.add_rmsnorm(hidden, delta, norm.weight.detach(), normed, 1e-5)
+    assert torch.equal(hidden, summed)  # the add, in place, rounded as torch's
+    # The mean of squares is summed in another order: at most one bf16 step apart.
+    assert int(_ulps(normed, expected).max()) <= 1
+    assert (normed == expected).float().mean() > 0.99
+    before = hidden.clone()
+    LAYER.add_rmsnorm(hidden, None, norm.weight.detach(), normed, 1e-5)
+    assert torch.equal(hidden, before)
+
+
+def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values() -> None:
+    torch.manual_seed(1)
+    heads, kv_heads, dim, tokens, capacity = 6, 2, 64, 5, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(BF16)
+    angles = torch.randn(tokens, dim // 2).repeat(1, 2)
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    k = k.transpose(0, 1)[None]
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).clone()
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    keys = torch.zeros(3, kv_heads, capacity, dim, dtype=BF16)
+    values = torch.zeros_like(keys)
+    rows = torch.tensor([0, 2, 2, 1, 2])
+    positions = torch.tensor([7, 0, 1, 31, 2])
+    assert LAYER is not None
+    LAYER.rotary_cache(qkv, cos, sin, (heads, kv_heads, dim), keys, values, rows, positions)
+    rotated = qkv[:, : heads * dim].view(tokens, heads, dim)
+    assert torch.equal(rotated, expected_q[0].transpose(0, 1))
+    for t in range(tokens):
+        row, at = int(rows[t]), int(positions[t])
+        assert torch.equal(keys[row, :, at], expected_k[0, :, t])
+        assert torch.equal(values[row, :, at], v[t])
+    assert int((keys != 0).any(-1).sum()) == tokens * kv_heads  # nothing written elsewhere
+
+
+def test_silu_mul_is_the_mlps_activation_times_up() -> None:
+    torch.manual_seed(2)
+    gate_up = (torch.randn(3, 2 * 200) * 4).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = nn.SiLU()(gate) * up
+    out = torch.empty(3, 200, dtype=BF16)
+    assert LAYER is not None
+    LAYER.silu_mul(gate_up, out)
+    assert int(_ulps(out, expected).max()) <= 1  # exp by another polynomial
+    assert (out == expected).float().mean() > 0.98
+
+
+def _attention_case(
+    kv_lengths: list[int],
+    widths: list[int],
+    heads: tuple[int, int, int],
+    mask_dtype: torch.dtype = BF16,
+    seed: int = 3,
+) -> tuple[torch.Tensor, ...]:
+    """A packed pass: row r has widths[r] new tokens ending at kv_lengths[r]; the cache holds
+    random keys and values; the mask is the causal one padded to the widest row."""
+    torch.manual_seed(seed)
+    query_heads, kv_heads, dim = heads
+    rows, width, kv_length = len(widths), max(widths), max(kv_lengths)
+    keys = torch.randn(rows + 1, kv_heads, kv_length + 20, dim).to(BF16)
+    values = torch.randn_like(keys)
+    tokens = sum(widths)
+    qkv = torch.randn(tokens, (query_heads + 2 * kv_heads) * dim).to(BF16)
+    grid = torch.tensor(
+        [
+            [length - w + min(i, w - 1) for i in range(width)]
+            for length, w in zip(kv_lengths, widths, strict=True)
+        ]
+    )
+    mask = attention_mask(grid, kv_length, mask_dtype).contiguous()
+    cache_rows = torch.tensor([r + 1 for r, w in enumerate(widths) for _ in range(w)])
+    mask_rows = torch.tensor([r * width + i for r, w in enumerate(widths) for i in range(w)])
+    return qkv, keys, values, cache_rows, mask, mask_rows
+
+
+def _reference(qkv, keys, values, cache_rows, mask, mask_rows, heads, scale) -> torch.Tensor:
+    """float64 attention, each token on its own."""
+    query_heads, kv_heads, dim = heads
+    group = query_heads // kv_heads
+    flat = mask.reshape(-1, mask.shape[-1]).double()
+    out = torch.empty(qkv.shape[0], query_heads * dim, dtype=torch.float64)
+    for t in range(qkv.shape[0]):
+        for h in range(query_heads):
+            q = qkv[t, h * dim : (h + 1) * dim].double()
+            k = keys[int(cache_rows[t]), h // group, : mask.shape[-1]].double()
+            v = values[int(cache_rows[t]), h // group, : mask.shape[-1]].double()
+            weights = torch.softmax(k @ q * scale + flat[int(mask_rows[t])], dim=0)
+            out[t, h * dim : (h + 1) * dim] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kv_lengths", "widths", "heads", "mask_dtype"),
+    [
+        ([129], [1], (9, 3, 64), BF16),
+        ([40, 300, 17], [5, 17, 1], (4, 4, 32), BF16),
+        ([1], [1], (8, 2, 128), torch.float32),
+        ([77, 16], [3, 2], (6, 1, 96), torch.float32),
+    ],
+)
+def test_attention_is_float64_attention_rounded_once(
+    kv_lengths: list[int], widths: list[int], heads: tuple[int, int, int], mask_dtype
+) -> None:
+    case = _attention_case(kv_lengths, widths, heads, mask_dtype)
+    qkv, keys, values, cache_rows, mask, mask_rows = case
+    scale = heads[2] ** -0.5
+    out = torch.empty(qkv.shape[0], heads[0] * heads[2], dtype=BF16)
+    assert LAYER is not None
+    LAYER.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, scale)
+    expected = _reference(*case, heads, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+    assert int(_ulps(out, expected.to(BF16)).max()) <= 1  # float32 sums, rounded once
+
+
+def test_a_querys_bits_do_not_depend_on_its_pass() -> None:
+    """Alone in a one-token pass, or the last of 17 in a row beside two other rows, or a
+    token tree's node: a query over the same visible keys gives the same bits."""
+    heads = (9, 3, 64)
+    qkv, keys, values, cache_rows, mask, mask_rows = _attention_case(
+        [200, 150, 90], [17, 4, 1], heads
+    )
+    assert LAYER is not None
+    out = torch.empty(qkv.shape[0], 9 * 64, dtype=BF16)
+    LAYER.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, 0.125)
+    for t in range(qkv.shape[0]):
+        alone = torch.empty(1, 9 * 64, dtype=BF16)
+        row_mask = mask.reshape(-1, mask.shape[-1])[int(mask_rows[t])][None].contiguous()
+        LAYER.attention(
+            qkv[t : t + 1].contiguous(), alone, heads, keys, values, cache_rows[t : t + 1],
+            row_mask, torch.zeros(1, dtype=torch.long), 0.125,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[t]), t
+    # A tree: nodes 1..4 after 100 keys, parents [-1, 0, 0, 2]: node 3 sees node 0 and 2 (its
+    # ancestors) and itself, stored in slots 100, 102, 103; as a sequence those are 100-102.
+    sequence_keys = keys.clone()
+    tree_mask = attention_mask(
+        torch.tensor([[100, 101, 101, 102]]), 104, BF16, trees=[(0, 100, [-1, 0, 0, 2])]
+    ).contiguous()
+    sequence_keys[1, :, 101:103] = keys[1, :, 102:104]
+    sequence_values = values.clone()
+    sequence_values[1, :, 101:103] = values[1, :, 102:104]
+    query = qkv[:1].contiguous()
+    in_tree, in_sequence = torch.empty(1, 576, dtype=BF16), torch.empty(1, 576, dtype=BF16)
+    one = torch.tensor([1])
+    LAYER.attention(query, in_tree, heads, keys, values, one, tree_mask, torch.tensor([3]), 0.125)
+    causal = attention_mask(torch.tensor([[102]]), 103, BF16).contiguous()
+    LAYER.attention(
+        query, in_sequence, heads, sequence_keys, sequence_values, one, causal,
+        torch.tensor([0]), 0.125,
+    )  # fmt: skip
+    assert torch.equal(in_tree, in_sequence)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return tiny.build_byte_tokenizer()
+
+
+def _served(directory: Path, plan: RowPlan | None, fused: bool = True) -> TargetModel:
+    target = TargetModel.load(directory, device="cpu", dtype="bfloat16")
+    if plan is not None:
+        step = LlamaStep(target.model, GEMV, None, LAYER if fused else None)
+        assert (step.fused is not None) == fused
+        step.products.plan = step.head.plan = plan
+        target.fast_step = step
+    return target
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fused_pass_logits_match_transformers_layers(
+    model_type: str, tokenizer, tmp_path: Path
+) -> None:
+    """A bf16 pass of 1, 7 and 40 tokens (past the fused attention's width: SDPA) through the
+    fused step gives transformers' bf16 logits up to bf16 rounding, and the same argmax."""
+    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
+    stock, fast = _served(directory, None), _served(directory, RowPlan(((1, "gemv"),)))
+    ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
+    for width in (1, 7, 40):
+        rows = []
+        for target in (stock, fast):
+            cache = target.new_cache(1)
+            target.prefill(cache, 0, 0, ids[: len(ids) - width])
+            verify = VerifyPass.sequences([len(ids) - width], [ids[len(ids) - width :]])
+            logits = target.forward(cache, verify)[0]
+            rows.append(torch.stack([logits[i] for i in range(width)]).float())
+        torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
+        assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
+
+
+def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
+    tokenizer, tmp_path: Path
+) -> None:
+    """With the GEMV for every product (a row's sums independent of the pass) and the fused
+    attention, bf16 greedy speculation is plain decoding token for token, whatever the
+    draft proposes: always right, never right, or token trees partly right."""
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    target = _served(directory, RowPlan(((1, "gemv"),)))
+    plain = {}
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        solo = generate(target, None, ids, max_new_tokens=24, enabled=False)
+        for _ in solo:
+            pass
+        plain[prompt] = (ids, solo.output_ids)
+    seen = {token for _, output in plain.values() for token in output}
+    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
+    for ids, expected in plain.values():
+        branching = Branching(expected, target.vocab_size)
+        for draft, options in (
+            (OracleDraft(expected), {"k": 4}),
+            (never, {"k": 4}),
+            (branching, {"k": 4, "tree_budget": 12}),
+        ):
+            solo = generate(target, draft, ids, max_new_tokens=24, **options)
+            for _ in solo:
+                pass
+            assert solo.output_ids == expected, draft.name
+
+
+def test_runtime_serves_bf16_through_the_fused_layer(
+    base_settings, tokenizer, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from server.runtime import load_runtime
+
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    settings = replace(
+        base_settings, model=str(directory), draft="none", draft_context=False, dtype="bfloat16"
+    )
+    step = load_runtime(settings).engine.target.fast_step
+    assert isinstance(step, LlamaStep) and step.fused is LAYER
+    assert step.describe().startswith("fused ")
+
+
+def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
+    tokenizer, tmp_path: Path
+) -> None:
+    """float32 activations, another activation function, heads it does not take (16 wide):
+    the lean loop without it."""
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    bf16 = TargetModel.load(directory, device="cpu", dtype="bfloat16")
+    assert LlamaStep(bf16.model, GEMV, None, LAYER).fused is LAYER
+    float32 = TargetModel.load(directory, device="cpu", dtype="float32")
+    assert LlamaStep(float32.model, GEMV, None, LAYER).fused is None
+    for name, overrides in (("gelu", {**WIDE_HEADS, "hidden_act": "gelu"}), ("narrow", {})):
+        other = save_architecture(tmp_path / name, tokenizer, "llama", **overrides)
+        model = TargetModel.load(other, device="cpu", dtype="bfloat16").model
+        assert LlamaStep(model, GEMV, None, LAYER).fused is None
