@@ -339,6 +339,10 @@ class LlamaStep:
         self.scaling = dim**-0.5  # transformers' Llama attention scale
         # csrc/layer.c between the products, where it computes what the model's modules do
         self.fused = fused if fused is not None and _fusable(model, self) else None
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        # The fused loop's norm weights in the order it applies them, the final norm's last
+        self._norm_weights = [_weight(norm) for norm in (*norms, self.norm)]
+        self._eps = float(getattr(self.norm, "variance_epsilon", 0.0))
         self.head = Products(gemv=gemv, gemv8=gemv8)  # its own shape, its own plan
         head = model.get_output_embeddings()
         if isinstance(head, Int8Linear) or not self.products.int8:
@@ -426,8 +430,8 @@ class LlamaStep:
         mask = packing.mask
         narrow = packing.slots.shape[1] <= FUSED_WIDTH and mask.is_contiguous()
         mask_rows = packing.tokens.contiguous()
-        run, eps = self.products, self._eps
-        fused.add_rmsnorm(hidden, None, self.layers[0].input_norm.weight, normed, eps)
+        run, eps, weights = self.products, self._eps, self._norm_weights
+        fused.add_rmsnorm(hidden, None, weights[0], normed, eps)
         for index, layer in enumerate(self.layers):
             heads, kv_heads, dim = layer.heads
             qkv = run(layer.qkv, normed)
@@ -447,18 +451,12 @@ class LlamaStep:
                     packing=packing,
                 )  # fmt: skip
                 attended = out.reshape(tokens, heads * dim)
-            fused.add_rmsnorm(hidden, run(layer.out, attended), layer.post_norm.weight, normed, eps)
+            fused.add_rmsnorm(hidden, run(layer.out, attended), weights[2 * index + 1], normed, eps)
             gate_up = run(layer.gate_up, normed)
             act = gate_up.new_empty(tokens, gate_up.shape[1] // 2)
             fused.silu_mul(gate_up, act)
-            last = index + 1 == len(self.layers)
-            following = self.norm if last else self.layers[index + 1].input_norm
-            fused.add_rmsnorm(hidden, run(layer.down, act), following.weight, normed, eps)
+            fused.add_rmsnorm(hidden, run(layer.down, act), weights[2 * index + 2], normed, eps)
         return normed
-
-    @property
-    def _eps(self) -> float:
-        return float(self.norm.variance_epsilon)
 
 
 FUSED_WIDTH = 32  # the widest pass (queries per row) csrc/layer.c's attention takes
@@ -473,12 +471,19 @@ def _fusable(model: PreTrainedModel, step: LlamaStep) -> bool:
     return (
         model.dtype == torch.bfloat16
         and all(type(norm).__name__ in _FUSED_NORMS for norm in norms)
-        and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
+        and all(_weight(n).dtype == torch.bfloat16 and _weight(n).is_contiguous() for n in norms)
         and len(eps) == 1
         and getattr(model.config, "hidden_act", None) == "silu"
         and all(layer.heads[2] % 32 == 0 and layer.heads[2] <= 256 for layer in step.layers)
         and all(layer.heads[0] % layer.heads[1] == 0 for layer in step.layers)
     )
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise Unsupported(f"{type(module).__name__} has no weight tensor")
+    return weight.detach()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
