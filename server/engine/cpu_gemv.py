@@ -227,8 +227,9 @@ def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\0".join([source.read_text(), compiler, version, *flags]).encode()
+        "\0".join([source.read_text(), *headers, compiler, version, *flags]).encode()
     ).hexdigest()[:16]
     target = CACHE / key / f"{source.stem}.so"
     if target.exists():
@@ -237,7 +238,16 @@ def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *flags, "-shared", "-fPIC", str(source), "-o", str(built)],
+            [
+                compiler,
+                *flags,
+                f"-I{source.parent}",
+                "-shared",
+                "-fPIC",
+                str(source),
+                "-o",
+                str(built),
+            ],
             capture_output=True,
             text=True,
             check=True,

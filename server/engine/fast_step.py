@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from server.engine import cpu_gemv
 from server.engine.attention import packed_attention
 from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
+from server.engine.params import MAX_DRAFT_TOKENS
 from server.engine.quantize import Int8Linear, int8_linear, quantize
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
@@ -68,18 +70,46 @@ class RowPlan:
         return chosen
 
     @classmethod
-    def fastest(cls, timings: dict[int, dict[str, float]], margin: float = 0.03) -> RowPlan:
+    def fastest(
+        cls,
+        timings: dict[int, dict[str, float]],
+        margin: float = 0.03,
+        *,
+        invariant: str | None = None,
+        invariant_rows: int = 0,
+        invariant_margin: float = 0.05,
+    ) -> RowPlan:
         """The plan taking, at each measured row count, the fastest kernel (stock unless
-        another is `margin` faster). timings: {rows: {kernel: seconds}}, stock included."""
+        another is `margin` faster). timings: {rows: {kernel: seconds}}, stock included.
+
+        invariant: a kernel whose rows' bits do not depend on the row count (the GEMVs). It
+        takes every measured count up to `invariant_rows` from the first on, as long as it
+        is within `invariant_margin` of the fastest there: a pass of fewer rows than the
+        first count it leaves then computes each row as a one-row pass would, so a verify
+        pass gives plain decoding's bits (docs/design.md, "One kernel for every width")."""
         choices: list[tuple[int, str]] = []
+        prefix = invariant is not None
         for count in sorted(timings):
             seconds = timings[count]
             best = min(seconds, key=seconds.__getitem__)
+            if prefix and invariant in seconds and count <= invariant_rows:
+                if seconds[invariant] <= seconds[best] * (1 + invariant_margin):
+                    best = invariant
+                    if not choices:
+                        choices.append((count, best))
+                    continue
+            prefix = False
             if seconds[best] > seconds["stock"] * (1 - margin):
                 best = "stock"
             if not choices or choices[-1][1] != best:
                 choices.append((count, best))
         return cls(tuple(choices))
+
+    def invariant_below(self, kernel: str = "gemv") -> int:
+        """Passes of fewer rows than this take `kernel` whatever their row count (0: none)."""
+        if not self.choices or self.choices[0] != (1, kernel):
+            return 0
+        return self.choices[1][0] if len(self.choices) > 1 else sys.maxsize
 
     def describe(self) -> str:
         """E.g. "1:gemv 2:packed 64:stock" (from which row count each kernel takes over)."""
@@ -276,7 +306,10 @@ class Products:
                         product.run(inputs[product.weight.shape[1]], name, self.gemv, self.gemv8)
                     samples[name].append(time.perf_counter() - started)
             timings[count] = {name: statistics.median(s[1:]) for name, s in samples.items()}
-        self.plan = RowPlan.fastest(timings, margin)
+        invariant = "gemv" if "gemv" in kernels else None
+        self.plan = RowPlan.fastest(
+            timings, margin, invariant=invariant, invariant_rows=MAX_DRAFT_TOKENS + 1
+        )
         if "packed" not in self.plan.kernels:
             for product in self.products:
                 product.packed = None  # oneDNN's copy of the weights is not kept unused
@@ -459,7 +492,9 @@ class LlamaStep:
         return normed
 
 
-FUSED_WIDTH = 32  # the widest pass (queries per row) csrc/layer.c's attention takes
+# The widest pass (queries per row) csrc/layer.c's attention takes: every verify pass, and
+# prefill chunks beside running streams; wider prefill chunks take SDPA (flash attention).
+FUSED_WIDTH = MAX_DRAFT_TOKENS + 1
 _FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 
