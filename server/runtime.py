@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -268,6 +269,10 @@ def _choose_linear_kernels(target: TargetModel) -> set[int]:
     return set(rows)
 
 
+def _rows(count: int) -> int | str:
+    return "all" if count == sys.maxsize else count
+
+
 def choose_fast_step(target: TargetModel) -> None:
     """A bfloat16 Llama-family target on a CPU, or one with int8 weights: the lean decoder
     loop, its products' kernels timed by row count (engine.fast_step), where it supports the
@@ -293,6 +298,11 @@ def choose_fast_step(target: TargetModel) -> None:
         weights=step.weights,
         decoder=step.products.plan.describe(),
         head=step.head.plan.describe(),
+        fused_layer=step.fused is not None,
+        # passes of fewer tokens than this compute each row as a one-token pass would
+        row_invariant_below=_rows(
+            min(step.products.plan.invariant_below(), step.head.plan.invariant_below())
+        ),
         seconds=round(time.perf_counter() - started, 2),
         ms={
             part: {rows: {k: round(s * 1000, 2) for k, s in by.items()} for rows, by in t.items()}

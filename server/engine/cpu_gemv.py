@@ -65,19 +65,28 @@ class Gemv:
 @dataclass(frozen=True)
 class GemvInt8:
     """y = (x @ q^T) * scales for int8 q [out, k], x [rows, k], scales [out] and y [rows, out]
-    in one dtype, float32 or bfloat16; contiguous."""
+    in one dtype, float32 or bfloat16; contiguous. bfloat16 takes csrc/gemv.c's kernel where
+    the CPU has AVX512-BF16 (`widened`: the weights widened to bfloat16, summed as the bf16
+    GEMV sums, fast for any row count), else csrc/gemv_int8.c's (float32 sums)."""
 
     library: ctypes.CDLL
     path: Path
+    widened: ctypes.CDLL | None = None  # csrc/gemv.c's library, with kenspec_gemv_int8_bf16
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # (a no-op for the fast step's inputs; the kernel reads raw rows)
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-        failed = self.library.kenspec_gemv_int8(
-            x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-            rows, k, weight.shape[0], int(x.dtype == torch.bfloat16),
-        )  # fmt: skip
+        if x.dtype == torch.bfloat16 and self.widened is not None:
+            failed = self.widened.kenspec_gemv_int8_bf16(
+                x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                rows, k, weight.shape[0],
+            )  # fmt: skip
+        else:
+            failed = self.library.kenspec_gemv_int8(
+                x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                rows, k, weight.shape[0], int(x.dtype == torch.bfloat16),
+            )  # fmt: skip
         if failed:
             raise MemoryError("kenspec_gemv_int8: no memory for the widened activations")
         return out
@@ -162,6 +171,9 @@ def load() -> Gemv | None:
     function = built[0].kenspec_gemv_bf16
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    widened = built[0].kenspec_gemv_int8_bf16
+    widened.restype = ctypes.c_int
+    widened.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     return Gemv(*built)
 
 
@@ -204,7 +216,8 @@ def load_int8() -> GemvInt8 | None:
     function = built[0].kenspec_gemv_int8
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    return GemvInt8(*built)
+    bf16 = load()
+    return GemvInt8(*built, widened=None if bf16 is None else bf16.library)
 
 
 def _library(source: Path, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, Path] | None:

@@ -29,13 +29,29 @@
 #define PREFETCH 16384
 #endif
 
-/* y[r0 .. r0 + rb, o .. o + nb] for compile-time nb * rb <= 16 (each call site passes
- * constants, so the accumulators stay in registers). */
-static inline __attribute__((always_inline)) void block(const uint16_t *x, const uint16_t *w,
-                                                        uint16_t *y, long k, long out, long o,
-                                                        long r0, const int nb, const int rb) {
+/* 32 weights from `at` as bfloat16: bf16 as they are, or int8 widened (exact: every int8
+ * is a bfloat16). */
+static inline __attribute__((always_inline)) __m512bh weights(const void *w, long at,
+                                                             __mmask32 mask, const int int8) {
+  if (!int8) return (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
+  const __m256i bytes = _mm256_maskz_loadu_epi8(mask, (const int8_t *)w + at);
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+
+/* y[r0 .. r0 + rb, o .. o + nb] for compile-time nb * rb <= 16 and int8 (each call site
+ * passes constants, so the accumulators stay in registers). With int8 weights each output
+ * is scaled by scales[o + i] before it is rounded. */
+static inline __attribute__((always_inline)) void block(const uint16_t *x, const void *w,
+                                                        const uint16_t *scales, uint16_t *y,
+                                                        long k, long out, long o, long r0,
+                                                        const int nb, const int rb,
+                                                        const int int8, const int scaled,
+                                                        long wo) {
   const long whole = k & ~31L;
   const __mmask32 tail = (__mmask32)((1ULL << (k - whole)) - 1ULL);
+  const long size = int8 ? 1 : 2; /* bytes a weight */
   __m512 acc[16];
   for (int a = 0; a < nb * rb; a++) acc[a] = _mm512_setzero_ps();
   for (long c = 0; c < k; c += 32) {
@@ -44,8 +60,9 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     for (int j = 0; j < rb; j++)
       xs[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (r0 + j) * k + c);
     for (int i = 0; i < nb; i++) {
-      _mm_prefetch((const char *)(w + (o + i) * k + c) + PREFETCH, _MM_HINT_T0);
-      const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (o + i) * k + c);
+      /* (int8 rows are half as long: the same rows ahead in half the bytes) */
+      _mm_prefetch((const char *)w + ((wo + i) * k + c) * size + PREFETCH / (3 - size), _MM_HINT_T0);
+      const __m512bh ws = weights(w, (wo + i) * k + c, mask, int8);
       for (int j = 0; j < rb; j++) acc[j * nb + i] = _mm512_dpbf16_ps(acc[j * nb + i], ws, xs[j]);
     }
   }
@@ -53,45 +70,103 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
    * the block's shape (unused vectors are zeros), so a row's bits do not depend on the row
    * count. Lane j * nb + i: pass row j, output i; rounded to nearest even, as to_bf16. */
   for (int a = nb * rb; a < 16; a++) acc[a] = _mm512_setzero_ps();
-  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(reduce16(acc));
+  __m512 sums = reduce16(acc);
+  if (scaled) { /* lane l takes scales[o + l % nb] (nb: 1, 4 or 8) */
+    const __m512i lane = _mm512_and_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(nb - 1));
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << nb) - 1u), scales + o)), 16));
+    sums = _mm512_mul_ps(sums, _mm512_permutexvar_ps(lane, scale));
+  }
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
   for (int j = 0; j < rb; j++)
     _mm256_mask_storeu_epi16(y + (r0 + j) * out + o - j * nb,
                              (__mmask16)(((1u << nb) - 1u) << (j * nb)), rounded);
 }
 
-#define ROWS(nb)                                                      \
-  for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                     \
-    switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {          \
-      case 1: block(x, w, y, k, out, o, r0, nb, 1); break;            \
-      case 2: block(x, w, y, k, out, o, r0, nb, 2); break;            \
-      case 3: block(x, w, y, k, out, o, r0, nb, 3); break;            \
-      default: block(x, w, y, k, out, o, r0, nb, ROW_BLOCK); break;   \
-    }                                                                 \
+#define ROWS(w, nb, int8, scaled, wo)                                                         \
+  for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                                            \
+    switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {                                 \
+      case 1: block(x, w, scales, y, k, out, o, r0, nb, 1, int8, scaled, wo); break;         \
+      case 2: block(x, w, scales, y, k, out, o, r0, nb, 2, int8, scaled, wo); break;         \
+      case 3: block(x, w, scales, y, k, out, o, r0, nb, 3, int8, scaled, wo); break;         \
+      default: block(x, w, scales, y, k, out, o, r0, nb, ROW_BLOCK, int8, scaled, wo); break; \
+    }                                                                                        \
   }
 
-static void columns(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows, long k,
-                    long out, long first, long last) {
-  long o = first;
-  if (rows == 1) {
-    for (; o + ONE_ROW_BLOCK <= last; o += ONE_ROW_BLOCK) block(x, w, y, k, out, o, 0, ONE_ROW_BLOCK, 1);
-    for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) block(x, w, y, k, out, o, 0, OUT_BLOCK, 1);
-    for (; o < last; o++) block(x, w, y, k, out, o, 0, 1, 1);
-    return;
-  }
-  for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) ROWS(OUT_BLOCK)
-  for (; o < last; o++) ROWS(1)
+/* Widen int8 weight rows [first, first + count) to bfloat16 into buffer [count, k]. */
+static void widen_rows(const int8_t *q, uint16_t *buffer, long k, long first, long count) {
+  const long whole = k & ~31L;
+  const __mmask32 tail = (__mmask32)((1ULL << (k - whole)) - 1ULL);
+  for (long i = 0; i < count; i++)
+    for (long c = 0; c < k; c += 32) {
+      const __mmask32 mask = c < whole ? (__mmask32)0xffffffffu : tail;
+      _mm512_mask_storeu_epi16(buffer + i * k + c, mask, (__m512i)weights(q, (first + i) * k + c, mask, 1));
+    }
 }
 
-/* y [rows, out] = x [rows, k] @ w [out, k]^T, all contiguous bfloat16. */
-void kenspec_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows, long k,
-                       long out) {
+static inline __attribute__((always_inline)) int columns(const uint16_t *x, const void *w,
+                                                         const uint16_t *scales, uint16_t *y,
+                                                         long rows, long k, long out,
+                                                         long first, long last, const int int8) {
+  long o = first;
+  if (rows == 1) {
+    for (; o + ONE_ROW_BLOCK <= last; o += ONE_ROW_BLOCK)
+      block(x, w, scales, y, k, out, o, 0, ONE_ROW_BLOCK, 1, int8, int8, o);
+    for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) block(x, w, scales, y, k, out, o, 0, OUT_BLOCK, 1, int8, int8, o);
+    for (; o < last; o++) block(x, w, scales, y, k, out, o, 0, 1, 1, int8, int8, o);
+    return 0;
+  }
+  if (int8 && rows > ROW_BLOCK) { /* several row blocks: each weight widened once, into L1 */
+    uint16_t *buffer = malloc(sizeof(uint16_t) * OUT_BLOCK * k);
+    if (buffer == NULL) return -1;
+    for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) {
+      widen_rows((const int8_t *)w, buffer, k, o, OUT_BLOCK);
+      ROWS(buffer, OUT_BLOCK, 0, 1, 0)
+    }
+    for (; o < last; o++) {
+      widen_rows((const int8_t *)w, buffer, k, o, 1);
+      ROWS(buffer, 1, 0, 1, 0)
+    }
+    free(buffer);
+    return 0;
+  }
+  for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) ROWS(w, OUT_BLOCK, int8, int8, o)
+  for (; o < last; o++) ROWS(w, 1, int8, int8, o)
+  return 0;
+}
+
+static int product(const uint16_t *x, const void *w, const uint16_t *scales, uint16_t *y,
+                   long rows, long k, long out, const int int8) {
   const long blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel
+  int failed = 0;
+#pragma omp parallel reduction(| : failed)
   {
     const long t = omp_get_thread_num(), n = omp_get_num_threads();
     const long first = blocks * t / n * OUT_BLOCK;
     long last = blocks * (t + 1) / n * OUT_BLOCK;
     if (last > out) last = out;
-    if (first < last) columns(x, w, y, rows, k, out, first, last);
+    if (first < last) {
+      if (int8)
+        failed |= columns(x, w, scales, y, rows, k, out, first, last, 1) != 0;
+      else
+        failed |= columns(x, w, scales, y, rows, k, out, first, last, 0) != 0;
+    }
   }
+  return failed;
+}
+
+/* y [rows, out] = x [rows, k] @ w [out, k]^T, all contiguous bfloat16. */
+void kenspec_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows, long k,
+                       long out) {
+  product(x, w, NULL, y, rows, k, out, 0); /* (only int8 allocates) */
+}
+
+/* y [rows, out] = (x [rows, k] @ q [out, k]^T) * scales [out] for int8 q and bfloat16 x,
+ * scales and y, contiguous: the weights widened to bfloat16 (exact; in registers, or once into
+ * a small buffer for passes of several row blocks), summed as kenspec_gemv_bf16 sums, scaled,
+ * rounded once. Returns 0, or -1 where memory ran out. */
+int kenspec_gemv_int8_bf16(const uint16_t *x, const int8_t *q, const uint16_t *scales,
+                           uint16_t *y, long rows, long k, long out) {
+  return product(x, q, scales, y, rows, k, out, 1);
 }

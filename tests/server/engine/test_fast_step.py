@@ -48,6 +48,29 @@ def test_plan_is_the_fastest_kernel_by_row_count() -> None:
     assert RowPlan.fastest(timings).describe() == "1:gemv 2:packed 64:stock"
 
 
+def test_an_invariant_kernel_keeps_every_row_count_from_one_while_within_its_margin() -> None:
+    """The GEMV (a row's bits independent of the row count) takes each count from the first
+    while within 5% of the fastest, up to invariant_rows; past that the fastest rule."""
+    timings = {
+        1: {"stock": 20.0, "packed": 13.0, "gemv": 11.0},
+        2: {"stock": 20.0, "packed": 13.0, "gemv": 13.5},  # 3.8% slower: still the GEMV
+        8: {"stock": 20.0, "packed": 13.0, "gemv": 14.0},  # 7.7% slower: packed from here
+        17: {"stock": 20.0, "packed": 15.0, "gemv": 12.0},  # the prefix ended: fastest rule
+    }
+    plan = RowPlan.fastest(timings, invariant="gemv", invariant_rows=65)
+    assert plan.describe() == "1:gemv 8:packed 17:gemv"
+    assert plan.invariant_below() == 8
+    assert RowPlan.fastest(timings).describe() == "1:gemv 2:packed 17:gemv"
+    assert RowPlan.fastest(timings).invariant_below() == 2
+    capped = RowPlan.fastest(timings, invariant="gemv", invariant_rows=2)
+    assert capped.describe() == "1:gemv 8:packed 17:gemv" and capped.invariant_below() == 8
+    everywhere = {rows: {"stock": 9.0, "gemv": 9.2} for rows in (1, 4)}
+    assert RowPlan.fastest(everywhere, invariant="gemv", invariant_rows=65).describe() == "1:gemv"
+    slow = {1: {"stock": 9.0, "gemv": 10.0}, 4: {"stock": 9.0, "gemv": 9.0}}
+    assert RowPlan.fastest(slow, invariant="gemv", invariant_rows=65).describe() == "1:stock"
+    assert RowPlan.fastest(slow, invariant="gemv").invariant_below() == 0
+
+
 def test_fused_product_is_its_layers_side_by_side() -> None:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(24, n, bias=b) for n, b in ((16, True), (8, False), (8, True))]
