@@ -7,22 +7,32 @@ fewer: q/k/v as one product and gate/up as one, rotary and normalisation from th
 own modules, kenspec's packed attention and cache as before, and each product through the
 kernel measured fastest for its row count (`Products`):
 
-- `gemv`: csrc/gemv.c, one pass over the weights (cpu_gemv), on CPUs with AVX512-BF16;
+- `gemv`: csrc/gemv.c, one pass over the weights (cpu_gemv), on CPUs with AVX512-BF16; a
+  row's sums do not depend on the row count, so the plan keeps it from one row up while it is
+  within 5% of the fastest (RowPlan.fastest): a verify pass then computes each row as a
+  one-token step does;
 - `packed`: oneDNN with the weights laid out once at start-up for it (AMX where present);
 - `stock`: torch's `F.linear`.
 
+Between the products, on the same CPUs and for bf16 activations, csrc/layer.c does each
+layer's other work in five calls (cpu_gemv.LayerKernels): the residual add with the next
+RMSNorm, rotary with the cache write, attention (each query on its own), SiLU(gate) * up.
+
 With int8 weights (engine.quantize: the model's layers are `Int8Linear`s) the products are
-int8 and so are their kernels: `gemv`, csrc/gemv_int8.c on CPUs with AVX-512 (one summation
-order whatever the row count), `stock`, torch's int8 kernel on any CPU (a GEMV: its cost grows
-with the rows), and `dequant`, the weight widened to the activations' dtype for torch's GEMM
-and the product scaled after (for wide passes: a prompt's prefill).
+int8 and so are their kernels: `gemv`, on CPUs with AVX-512 (one summation order whatever
+the row count: with bf16 activations and AVX512-BF16, csrc/gemv.c's sums over the weights
+widened to bf16; else csrc/gemv_int8.c's float32 ones), `stock`, torch's int8 kernel on any
+CPU (a GEMV: its cost grows with the rows), and `dequant`, the weight widened to the
+activations' dtype for torch's GEMM and the product scaled after (for wide passes: a
+prompt's prefill).
 
 It serves only what it reproduces: Llama, Mistral and Qwen2 models (model types in
 `FAMILIES`) without sliding windows, on a CPU, in bfloat16 (or with int8 weights, whose
 activations may be float32 too). Anything else keeps the stock forward, and float32 weights
 always do, so float32 output stays identical to transformers' `generate`. In bfloat16 a
-product summed by another kernel differs in its last bits, as any two GEMM kernels do;
-speculation's output still equals plain decoding through the same step.
+product summed by another kernel differs in its last bits, as any two GEMM kernels do; passes
+narrower than the plans' `invariant_below` compute each row as a one-token pass does, so
+there speculation's greedy output is plain decoding's, bit for bit.
 """
 
 from __future__ import annotations
@@ -88,17 +98,16 @@ class RowPlan:
         first count it leaves then computes each row as a one-row pass would, so a verify
         pass gives plain decoding's bits (docs/design.md, "One kernel for every width")."""
         choices: list[tuple[int, str]] = []
-        prefix = invariant is not None
+        prefix = invariant or ""  # "" once the invariant kernel's first rows have ended
         for count in sorted(timings):
             seconds = timings[count]
             best = min(seconds, key=seconds.__getitem__)
-            if prefix and invariant in seconds and count <= invariant_rows:
-                if seconds[invariant] <= seconds[best] * (1 + invariant_margin):
-                    best = invariant
-                    if not choices:
-                        choices.append((count, best))
-                    continue
-            prefix = False
+            keeps = prefix in seconds and count <= invariant_rows
+            if keeps and seconds[prefix] <= seconds[best] * (1 + invariant_margin):
+                if not choices:
+                    choices.append((count, prefix))
+                continue
+            prefix = ""
             if seconds[best] > seconds["stock"] * (1 - margin):
                 best = "stock"
             if not choices or choices[-1][1] != best:

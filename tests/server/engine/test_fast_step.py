@@ -97,14 +97,23 @@ def test_gemv_is_the_product_rounded_once(k: int) -> None:
 
 
 @NO_GEMV
-def test_gemv_row_bits_do_not_depend_on_the_row_count() -> None:
-    """A row's outputs are bit-identical alone or among 1..17 rows: one summation order."""
+@pytest.mark.parametrize(("out", "k"), [(1536, 576), (301, 77)])
+def test_gemv_row_bits_do_not_depend_on_the_row_count(out: int, k: int) -> None:
+    """A row's outputs are bit-identical alone or among 1..17 rows, whatever block of outputs
+    and rows they fall in (one-row blocks of 8, 4 x 4 blocks, single-output tails) and with
+    one thread or two: one summation order."""
     assert GEMV is not None
     torch.manual_seed(1)
-    x, w = torch.randn(17, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    x, w = torch.randn(17, k).bfloat16(), torch.randn(out, k).bfloat16()
     alone = torch.cat([GEMV(x[i : i + 1], w) for i in range(17)])
-    for rows in (2, 3, 4, 5, 8, 17):
-        assert torch.equal(GEMV(x[:rows], w), alone[:rows])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)  # (the kernel's OpenMP is torch's)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 17):
+                assert torch.equal(GEMV(x[:rows], w), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gemv_refused_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
