@@ -299,6 +299,7 @@ def choose_fast_step(target: TargetModel) -> None:
         decoder=step.products.plan.describe(),
         head=step.head.plan.describe(),
         fused_layer=step.fused is not None,
+        logits_together=step.together,
         # passes of fewer tokens than this compute each row as a one-token pass would
         row_invariant_below=_rows(
             min(step.products.plan.invariant_below(), step.head.plan.invariant_below())

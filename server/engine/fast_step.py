@@ -393,6 +393,8 @@ class LlamaStep:
         else:  # tied to the embedding, which keeps the model's dtype: an int8 copy
             assert isinstance(head, nn.Linear)
             self._head = self.head.append(Product.quantized(head.weight, model.dtype))
+        # rows of logits the output layer computes at about one row's cost (measure())
+        self.together = 1
 
     @property
     def weights(self) -> str:
@@ -400,8 +402,11 @@ class LlamaStep:
         return "int8" if self.products.int8 else str(self._head.dtype).removeprefix("torch.")
 
     def measure(self) -> dict[str, dict[int, dict[str, float]]]:
-        """Choose each product's kernel by row count (Products.measure); the timings."""
-        return {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
+        """Choose each product's kernel by row count (Products.measure), and how many rows of
+        logits to compute together (`together`); the timings."""
+        timings = {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
+        self.together = rows_at_one_rows_cost(timings["head"], self.head.plan)
+        return timings
 
     def describe(self) -> str:
         """The weights, kernel plans and whether csrc/layer.c runs between the products (e.g.
@@ -521,6 +526,22 @@ def _fusable(model: PreTrainedModel, step: LlamaStep) -> bool:
         and all(layer.heads[2] % 32 == 0 and layer.heads[2] <= 256 for layer in step.layers)
         and all(layer.heads[0] % layer.heads[1] == 0 for layer in step.layers)
     )
+
+
+def rows_at_one_rows_cost(
+    timings: dict[int, dict[str, float]], plan: RowPlan, slack: float = 0.25
+) -> int:
+    """The most rows, among the measured counts from 1 up, whose product through `plan` costs
+    at most `slack` more than one row's (1 where one row was not measured)."""
+    if 1 not in timings:
+        return 1
+    one = timings[1][plan.kernel(1)]
+    together = 1
+    for count in sorted(timings):
+        if timings[count][plan.kernel(count)] > one * (1 + slack):
+            break
+        together = count
+    return together
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

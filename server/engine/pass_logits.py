@@ -5,7 +5,9 @@ i-th scored token (see verify_pass). Its operations: `argmax(i)` (a greedy walk)
 to sample from), `computed(count)` (the rows already computed, for recycling). Where its rows
 come from depends on the device:
 
-- On a CPU with a plain output layer (`lazy_logits`), rows are computed only when read. A
+- On a CPU with a plain output layer (`lazy_logits`), rows are computed only when read. (With
+  the fast step's GEMV, which reads the layer once for a dozen rows at one row's cost, a pass
+  of at most `OutputLayer.together` rows has them all computed at once instead.) A
   verification reads row i only if drafts 1..i were all accepted, so on average it needs
   "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
   matrix of a small model. Row 0 is read by every sequence of a batched pass, so it is
@@ -54,6 +56,9 @@ class OutputLayer:
     # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step);
     # given, it computes every row and `transposed` may be None
     product: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # a pass with at most this many rows to score has them all computed in one product, at
+    # about one row's cost (the fast step's GEMV reads the layer once for up to ~12 rows)
+    together: int = 1
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of hidden [rows, hidden_size]: a GEMV for one row, else
@@ -111,11 +116,20 @@ class Logits:
         self._lazy: dict[int, torch.Tensor] = {0: first} if first is not None else {}
         self._pass_argmax = pass_argmax  # the pass's greedy tokens, in one copy
         self._offset = offset  # this row's first in the pass's argmax
+        self._ahead: torch.Tensor | None = None  # rows computed ahead, handed out as read
 
     @classmethod
     def of(cls, rows: torch.Tensor) -> Logits:
         """Logits of rows [positions, vocab] already computed."""
         return cls(int(rows.shape[0]), rows=rows)
+
+    @classmethod
+    def ahead(cls, rows: torch.Tensor) -> Logits:
+        """Rows [positions, vocab] computed ahead of reading (lazy_logits' `together`): read
+        as lazy rows are, and `computed` lists only those read, as for lazy rows."""
+        logits = cls(int(rows.shape[0]))
+        logits._ahead = rows
+        return logits
 
     def __len__(self) -> int:
         return self._count
@@ -128,6 +142,9 @@ class Logits:
             return self._all[index]
         row = self._lazy.get(index)
         if row is None:
+            if self._ahead is not None:
+                row = self._lazy[index] = self._ahead[index]
+                return row
             self._compute(index)
             row = self._lazy[index]
         return row
@@ -164,7 +181,11 @@ def lazy_logits(
     hidden: torch.Tensor, spans: Sequence[tuple[int, int]], head: OutputLayer
 ) -> list[Logits]:
     """Per span [begin, end) of hidden [positions, hidden_size], its rows on access; every
-    span's row 0 now, in one product (every sequence reads one)."""
+    span's row 0 now, in one product (every sequence reads one). A pass of at most
+    `head.together` rows has them all computed now, in that one product."""
+    if sum(end - begin for begin, end in spans) <= head.together:
+        rows = head.rows(hidden[[i for begin, end in spans for i in range(begin, end)]])
+        return [Logits.ahead(block) for block in rows.split([end - b for b, end in spans])]
     firsts = head.rows(hidden[[begin for begin, _ in spans]])  # [spans, vocab]
     return [
         Logits(end - begin, hidden=hidden[begin:end], head=head, first=firsts[i])

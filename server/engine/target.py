@@ -271,7 +271,8 @@ class TargetModel:
 
     def _output_layer(self) -> OutputLayer:
         if self.fast_step is not None:  # (an int8 output layer has no weight to hand)
-            return OutputLayer(None, None, self.softcap, self.fast_step.logits)
+            step = self.fast_step
+            return OutputLayer(None, None, self.softcap, step.logits, together=step.together)
         return OutputLayer(self._head_weight(), self.head_t, self.softcap)
 
     def _head_weight(self) -> torch.Tensor:

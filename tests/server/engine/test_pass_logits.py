@@ -50,3 +50,45 @@ def test_computed_rows_are_all_there() -> None:
     torch.testing.assert_close(logits[1], rows[1])
     with pytest.raises(IndexError):
         logits[3]
+
+
+def test_a_pass_within_together_rows_has_them_all_computed_at_once(tiny_target) -> None:
+    """Where the output layer's product costs about one row's for a few rows (the fast step's
+    GEMV), a pass of at most `together` rows gets every row in one product; past it, lazily."""
+    weight = tiny_target.model.lm_head.weight
+    calls: list[int] = []
+
+    def product(hidden: torch.Tensor) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return hidden @ weight.t()
+
+    hidden = torch.randn(7, tiny_target.model.config.hidden_size)
+    spans = [(0, 3), (3, 4), (4, 7)]
+    with torch.inference_mode():
+        full = hidden @ weight.t()
+    together = lazy_logits(hidden, spans, OutputLayer(None, None, product=product, together=7))
+    assert calls == [7]
+    for logits, (begin, end) in zip(together, spans, strict=True):
+        assert len(logits) == end - begin and logits.computed(end - begin) == []  # none read
+        torch.testing.assert_close(torch.stack([logits[i] for i in range(end - begin)]),
+                                   full[begin:end])  # fmt: skip
+        assert len(logits.computed(end - begin)) == end - begin  # as lazy rows: those read
+    calls.clear()
+    lazy = lazy_logits(hidden, spans, OutputLayer(None, None, product=product, together=6))
+    assert calls == [3] and [len(x.computed(9)) for x in lazy] == [1, 1, 1]  # row 0s only
+
+
+def test_together_is_the_most_rows_at_about_one_rows_cost() -> None:
+    from server.engine.fast_step import RowPlan, rows_at_one_rows_cost
+
+    plan = RowPlan(((1, "gemv"), (24, "packed")))
+    timings = {
+        1: {"gemv": 1.6, "packed": 1.7},
+        4: {"gemv": 1.8, "packed": 1.9},
+        8: {"gemv": 1.4, "packed": 2.4},
+        12: {"gemv": 1.95, "packed": 2.9},  # 22% over one row's: still together
+        17: {"gemv": 2.6, "packed": 3.5},
+        24: {"gemv": 3.6, "packed": 1.0},  # (past the first count over: not reached)
+    }
+    assert rows_at_one_rows_cost(timings, plan) == 12
+    assert rows_at_one_rows_cost({4: {"gemv": 1.0}}, plan) == 1
