@@ -28,7 +28,7 @@ log = structlog.get_logger("kenspec.kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
-LAYER_SOURCE = Path(__file__).with_name("csrc") / "layer.c"
+LAYER_SOURCE = Path(__file__).with_name("csrc") / "step.c"  # layer.c and gemv.c, and the pass
 INT8_SOURCE = Path(__file__).with_name("csrc") / "gemv_int8.c"
 INT8_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
 INT8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
@@ -158,6 +158,24 @@ class LayerKernels:
         """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
         self.library.kenspec_silu_mul(gate_up.data_ptr(), out.data_ptr(), *out.shape)
 
+    def decoder_pass(self, *arguments: object) -> None:
+        """csrc/step.c's kenspec_decoder_pass (its arguments as LlamaStep passes them): every
+        layer of a pass whose products all take the GEMV, in one call."""
+        if self.library.kenspec_decoder_pass(*arguments):
+            raise MemoryError("kenspec_decoder_pass: no memory for the pass's buffers")
+
+
+class DecoderLayer(ctypes.Structure):
+    """csrc/step.c's kenspec_layer: one layer's weights, biases, norms and cache."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "qkv", "qkv_scales", "qkv_bias", "out", "out_scales", "out_bias", "gate_up",
+            "gate_up_scales", "down", "down_scales", "input_norm", "post_norm", "keys", "values",
+        )
+    ]  # fmt: skip
+
 
 @cache
 def load() -> Gemv | None:
@@ -197,6 +215,11 @@ def load_layer() -> LayerKernels | None:
             + [pointer, size, real],
         ),
         "kenspec_silu_mul": (None, [pointer] * 2 + [size] * 2),
+        "kenspec_decoder_pass": (
+            ctypes.c_int,
+            [ctypes.POINTER(DecoderLayer), size] + [pointer] * 3 + [size] * 6 + [ctypes.c_int]
+            + [real] + [pointer] * 4 + [size, pointer, ctypes.c_int, pointer, size, real],
+        ),
     }  # fmt: skip
     for name, (result, arguments) in signatures.items():
         function = getattr(library, name)
@@ -240,7 +263,8 @@ def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
+    # every source beside it: a source may include another (step.c includes gemv.c, layer.c)
+    headers = [other.read_text() for other in sorted(source.parent.glob("*.[ch]"))]
     key = hashlib.sha256(
         "\0".join([source.read_text(), *headers, compiler, version, *flags]).encode()
     ).hexdigest()[:16]

@@ -37,6 +37,7 @@ there speculation's greedy output is plain decoding's, bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import statistics
 import sys
@@ -385,6 +386,8 @@ class LlamaStep:
         # The fused loop's norm weights in the order it applies them, the final norm's last
         self._norm_weights = [_weight(norm) for norm in (*norms, self.norm)]
         self._eps = float(getattr(self.norm, "variance_epsilon", 0.0))
+        # csrc/step.c's description of every layer (its cache pointers set per pass)
+        self._decoder = self._describe_layers() if self.fused is not None else None
         self.head = Products(gemv=gemv, gemv8=gemv8)  # its own shape, its own plan
         head = model.get_output_embeddings()
         if isinstance(head, Int8Linear) or not self.products.int8:
@@ -477,6 +480,9 @@ class LlamaStep:
         mask = packing.mask
         narrow = packing.slots.shape[1] <= FUSED_WIDTH and mask.is_contiguous()
         mask_rows = packing.tokens.contiguous()
+        if narrow and self._decoder is not None and self._all_gemv(tokens):
+            self._whole_pass(fused, hidden, normed, cos, sin, cache, mask, mask_rows)
+            return normed
         run, eps, weights = self.products, self._eps, self._norm_weights
         fused.add_rmsnorm(hidden, None, weights[0], normed, eps)
         for index, layer in enumerate(self.layers):
@@ -504,6 +510,67 @@ class LlamaStep:
             fused.silu_mul(gate_up, act)
             fused.add_rmsnorm(hidden, run(layer.down, act), weights[2 * index + 2], normed, eps)
         return normed
+
+    def _all_gemv(self, tokens: int) -> bool:
+        """Whether every decoder product of a `tokens`-row pass takes the GEMV (for int8
+        weights, the one csrc/step.c runs: bf16 activations, the weights widened)."""
+        if self.products.plan.kernel(tokens) != "gemv":
+            return False
+        if self.products.int8:
+            return self.products.gemv8 is not None and self.products.gemv8.widened is not None
+        return self.products.gemv is not None
+
+    def _describe_layers(self) -> ctypes.Array[cpu_gemv.DecoderLayer]:
+        def pointer(tensor: torch.Tensor | None) -> int | None:
+            return None if tensor is None else tensor.data_ptr()
+
+        layers = (cpu_gemv.DecoderLayer * len(self.layers))()
+        for index, layer in enumerate(self.layers):
+            described = layers[index]
+            for name, product in (
+                ("qkv", layer.qkv), ("out", layer.out), ("gate_up", layer.gate_up),
+                ("down", layer.down),
+            ):  # fmt: skip
+                setattr(described, name, product.weight.data_ptr())
+                setattr(described, f"{name}_scales", pointer(product.scales))
+                if name in ("qkv", "out"):
+                    setattr(described, f"{name}_bias", pointer(product.bias))
+                else:
+                    assert product.bias is None  # check(): no biased MLP
+            described.input_norm = self._norm_weights[2 * index].data_ptr()
+            described.post_norm = self._norm_weights[2 * index + 1].data_ptr()
+        return layers
+
+    def _whole_pass(
+        self,
+        fused: cpu_gemv.LayerKernels,
+        hidden: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: SlotCache,
+        mask: torch.Tensor,
+        mask_rows: torch.Tensor,
+    ) -> None:
+        """Every layer in one call (csrc/step.c): the kernels `_fused_pass` calls, in its
+        order, for a pass whose products all take the GEMV."""
+        layers = self._decoder
+        assert layers is not None
+        heads, kv_heads, dim = self.layers[0].heads
+        like = hidden.new_empty(1, kv_heads, 1, dim)
+        rows = positions = keys = torch.empty(0)
+        for index in range(len(self.layers)):
+            keys, values, rows, positions = cache.layer_for_kernel(index, like)
+            layers[index].keys, layers[index].values = keys.data_ptr(), values.data_ptr()
+        intermediate = self.layers[0].down.weight.shape[1]
+        fused.decoder_pass(
+            layers, len(self.layers), self._norm_weights[-1].data_ptr(), hidden.data_ptr(),
+            normed.data_ptr(), hidden.shape[0], hidden.shape[1], heads, kv_heads, dim,
+            intermediate, int(self.products.int8), self._eps, cos.data_ptr(), sin.data_ptr(),
+            rows.data_ptr(), positions.data_ptr(), keys.shape[2], mask.data_ptr(),
+            int(mask.dtype == torch.bfloat16), mask_rows.data_ptr(), mask.shape[-1],
+            self.scaling,
+        )  # fmt: skip
 
 
 # The widest pass (queries per row) csrc/layer.c's attention takes: every verify pass, and

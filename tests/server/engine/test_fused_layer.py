@@ -299,3 +299,43 @@ def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
         other = save_architecture(tmp_path / name, tokenizer, "llama", **overrides)
         model = TargetModel.load(other, device="cpu", dtype="bfloat16").model
         assert LlamaStep(model, GEMV, None, LAYER).fused is None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
+    model_type: str, weights: str, tokenizer, tmp_path: Path
+) -> None:
+    """csrc/step.c's pass (every product on the GEMV) calls the kernels the Python loop calls,
+    in its order: the same hidden states bit for bit, and the same cache, for 1 and 7 tokens
+    (Qwen2: q/k/v biases; int8: the widened int8 GEMV)."""
+    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
+    target = TargetModel.load(directory, device="cpu", dtype="bfloat16", weights=weights)
+    gemv8 = cpu_gemv.load_int8() if weights == "int8" else None
+    step = LlamaStep(target.model, GEMV, gemv8, LAYER)
+    step.products.plan = step.head.plan = RowPlan(((1, "gemv"),))
+    target.fast_step = step
+    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
+    calls: list[int] = []
+    whole = step._whole_pass
+    results = []
+    for one_call in (True, False):
+        step._decoder = step._describe_layers() if one_call else None
+        step._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
+        cache = target.new_cache(1)
+        target.prefill(cache, 0, 0, ids[:-8])
+        rows = []
+        for width in (1, 7):
+            start = len(ids) - 8 + (0 if width == 1 else 1)
+            verify = VerifyPass.sequences([start], [ids[start : start + width]])
+            logits = target.forward(cache, verify)[0]
+            rows.append(torch.stack([logits[i] for i in range(width)]))
+        results.append((rows, cache.read(0, len(ids) - 1)))
+    assert calls == [1, 1, 1]  # the prefill, 1- and 7-token passes; the loop's passes none
+    (whole_rows, whole_cache), (loop_rows, loop_cache) = results
+    for a, b in zip(whole_rows, loop_rows, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(
+        (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
+    ):
+        assert torch.equal(a, b)
