@@ -407,7 +407,7 @@ class LlamaStep:
     def measure(self) -> dict[str, dict[int, dict[str, float]]]:
         """Choose each product's kernel by row count (Products.measure), and how many rows of
         logits to compute together (`together`); the timings."""
-        timings = {"decoder": self.products.measure(), "head": self.head.measure(repeats=2)}
+        timings = {"decoder": self.products.measure(), "head": self.head.measure(repeats=5)}
         self.together = rows_at_one_rows_cost(timings["head"], self.head.plan)
         return timings
 
@@ -416,7 +416,11 @@ class LlamaStep:
         for the calibration cache's key)."""
         plans = f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
         plans = plans if not self.products.int8 else f"int8 {plans}"
-        return plans if self.fused is None else f"fused {plans}"
+        if self.fused is None:
+            return plans
+        # the kernels' build (a hash of csrc/ and the compiler): a calibration measured with
+        # other kernels is not reused
+        return f"fused {self.fused.path.parent.name} {plans}"
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""

@@ -282,7 +282,7 @@ def test_runtime_serves_bf16_through_the_fused_layer(
     )
     step = load_runtime(settings).engine.target.fast_step
     assert isinstance(step, LlamaStep) and step.fused is LAYER
-    assert step.describe().startswith("fused ")
+    assert step.describe().startswith(f"fused {LAYER.path.parent.name} decoder ")
 
 
 def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
