@@ -15,26 +15,13 @@
 #include <string.h>
 #include <omp.h>
 
+#include "simd.h"
+
 #define OUT_BLOCK 4
 #define ROW_BLOCK 4
 #ifndef PREFETCH
 #define PREFETCH 8192 /* bytes ahead of each weight row's next load (int8: ~14 rows of 576) */
 #endif
-
-static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch does */
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-static inline float from_bf16(uint16_t value) {
-  uint32_t bits = (uint32_t)value << 16;
-  float out;
-  memcpy(&out, &bits, 4);
-  return out;
-}
 
 static void columns(const float *x, const int8_t *q, const float *scale, void *y, int bf16,
                     long rows, long k, long out, long first, long last) {

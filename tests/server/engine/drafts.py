@@ -25,6 +25,7 @@ from server.engine.params import (
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
 from server.engine.target import TargetModel
+from server.engine.verify_pass import VerifyPass
 from tests import tiny
 
 
@@ -42,6 +43,30 @@ def reference_greedy(
         **processors,
     )
     return output[0, len(prompt_ids) :].tolist()
+
+
+def plain_decoding(
+    target: TargetModel, prompts: Sequence[str], max_new_tokens: int
+) -> dict[str, tuple[list[int], list[int]]]:
+    """{prompt: (its ids, the target's greedy output without speculation)}."""
+    plain = {}
+    for prompt in prompts:
+        ids = target.encode_prompt(prompt)
+        solo = generate(target, None, ids, max_new_tokens=max_new_tokens, enabled=False)
+        for _ in solo:
+            pass
+        plain[prompt] = (ids, solo.output_ids)
+    return plain
+
+
+def last_rows(target: TargetModel, ids: Sequence[int], width: int) -> torch.Tensor:
+    """The logits [width, vocab] of one pass over the last `width` of ids, the rest
+    prefilled first (float32)."""
+    cache = target.new_cache(1)
+    target.prefill(cache, 0, 0, ids[: len(ids) - width])
+    verify = VerifyPass.sequences([len(ids) - width], [ids[len(ids) - width :]])
+    logits = target.forward(cache, verify)[0]
+    return torch.stack([logits[i] for i in range(width)]).float()
 
 
 class OracleDraft:

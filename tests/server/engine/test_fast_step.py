@@ -14,9 +14,8 @@ from server.engine import cpu_gemv
 from server.engine.fast_step import LlamaStep, Product, RowPlan, Unsupported, onednn_packs
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
 from tests import tiny
-from tests.server.engine.drafts import generate
+from tests.server.engine.drafts import generate, last_rows
 from tests.tiny_architectures import save_architecture
 
 GEMV = cpu_gemv.load()
@@ -208,13 +207,7 @@ def test_bfloat16_pass_logits_match_transformers_layers(
     fast = _served(directory, "bfloat16", plan)
     ids = stock.encode_prompt("The quick brown fox jumps over")
     for width in (1, 7):
-        rows = []
-        for target in (stock, fast):
-            cache = target.new_cache(1)
-            target.prefill(cache, 0, 0, ids[: len(ids) - width])
-            verify = VerifyPass.sequences([len(ids) - width], [ids[len(ids) - width :]])
-            logits = target.forward(cache, verify)[0]
-            rows.append(torch.stack([logits[i] for i in range(width)]))
+        rows = [last_rows(target, ids, width) for target in (stock, fast)]
         torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
         assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
 

@@ -18,7 +18,14 @@ from server.engine.packing import attention_mask
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
 from tests import tiny
-from tests.server.engine.drafts import Branching, OracleDraft, generate, never_matching_kenlm
+from tests.server.engine.drafts import (
+    Branching,
+    OracleDraft,
+    generate,
+    last_rows,
+    never_matching_kenlm,
+    plain_decoding,
+)
 from tests.tiny_architectures import save_architecture
 
 LAYER = cpu_gemv.load_layer()
@@ -228,13 +235,7 @@ def test_fused_pass_logits_match_transformers_layers(
     stock, fast = _served(directory, None), _served(directory, RowPlan(((1, "gemv"),)))
     ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
     for width in (1, 7, 40):
-        rows = []
-        for target in (stock, fast):
-            cache = target.new_cache(1)
-            target.prefill(cache, 0, 0, ids[: len(ids) - width])
-            verify = VerifyPass.sequences([len(ids) - width], [ids[len(ids) - width :]])
-            logits = target.forward(cache, verify)[0]
-            rows.append(torch.stack([logits[i] for i in range(width)]).float())
+        rows = [last_rows(target, ids, width) for target in (stock, fast)]
         torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
         assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
 
@@ -247,13 +248,7 @@ def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
     draft proposes: always right, never right, or token trees partly right."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
     target = _served(directory, RowPlan(((1, "gemv"),)))
-    plain = {}
-    for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        solo = generate(target, None, ids, max_new_tokens=24, enabled=False)
-        for _ in solo:
-            pass
-        plain[prompt] = (ids, solo.output_ids)
+    plain = plain_decoding(target, PROMPTS, max_new_tokens=24)
     seen = {token for _, output in plain.values() for token in output}
     never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
     for ids, expected in plain.values():

@@ -20,7 +20,7 @@ from server.engine.fast_step import LlamaStep, Product, Products, RowPlan
 from server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
 from server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
-from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm
+from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm, plain_decoding
 from tests.tiny_architectures import save_architecture
 
 GEMV8 = cpu_gemv.load_int8()
@@ -205,13 +205,7 @@ def test_greedy_speculation_is_plain_decoding_of_the_quantized_target(
     """Exactness restated for int8: whatever is drafted (always right, never right), greedy
     output equals plain decoding of the same int8 target, token for token."""
     target = _served(llama_dir, dtype, kernel)
-    plain = {}
-    for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        solo = generate(target, None, ids, max_new_tokens=20, enabled=False)
-        for _ in solo:
-            pass
-        plain[prompt] = (ids, solo.output_ids)
+    plain = plain_decoding(target, PROMPTS, max_new_tokens=20)
     seen = {token for _, output in plain.values() for token in output}
     never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
     for ids, expected in plain.values():
