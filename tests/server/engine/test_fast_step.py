@@ -116,12 +116,20 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(out: int, k: int) -> None:
 
 
 def test_gemv_refused_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_gemv.load.cache_clear()
-    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    """Without avx512_bf16 neither the GEMV nor the layer kernels load, and the int8 GEMV
+    (AVX-512 F/BW/VL/DQ) keeps its float32 kernel, with no widened one."""
+    for load in (cpu_gemv.load, cpu_gemv.load_layer, cpu_gemv.load_int8):
+        load.cache_clear()
+    monkeypatch.setattr(
+        cpu_gemv, "cpu_flags", lambda: frozenset({"avx2", "fma", *cpu_gemv.INT8_CPU_FLAGS})
+    )
     try:
-        assert cpu_gemv.load() is None
+        assert cpu_gemv.load() is None and cpu_gemv.load_layer() is None
+        gemv8 = cpu_gemv.load_int8()
+        assert gemv8 is None or gemv8.widened is None  # (None: no compiler here)
     finally:
-        cpu_gemv.load.cache_clear()
+        for load in (cpu_gemv.load, cpu_gemv.load_layer, cpu_gemv.load_int8):
+            load.cache_clear()
 
 
 def test_gemv_build_failure_is_refused_not_raised(
