@@ -276,7 +276,8 @@ def test_runtime_serves_bf16_through_the_fused_layer(
         base_settings, model=str(directory), draft="none", draft_context=False, dtype="bfloat16"
     )
     step = load_runtime(settings).engine.target.fast_step
-    assert isinstance(step, LlamaStep) and step.fused is LAYER
+    assert LAYER is not None and isinstance(step, LlamaStep) and step.fused is not None
+    assert step.fused.path == LAYER.path  # (another test may have loaded it afresh)
     assert step.describe().startswith(f"fused {LAYER.path.parent.name} decoder ")
 
 
