@@ -48,7 +48,9 @@ int kenspec_decoder_pass(const kenspec_layer *layers, long count, const uint16_t
   const long width = (heads + 2 * kv_heads) * dim;
   const long widest = width > 2 * intermediate ? width : 2 * intermediate;
   uint16_t *wide = malloc(sizeof(uint16_t) * tokens * widest);
-  uint16_t *narrow = malloc(sizeof(uint16_t) * tokens * (intermediate > size ? intermediate : size));
+  long across = intermediate > size ? intermediate : size; /* the MLP's activations, or ... */
+  if (heads * dim > across) across = heads * dim;           /* ... the attention's output */
+  uint16_t *narrow = malloc(sizeof(uint16_t) * tokens * across);
   uint16_t *delta = malloc(sizeof(uint16_t) * tokens * size);
   int failed = wide == NULL || narrow == NULL || delta == NULL;
   if (!failed) kenspec_add_rmsnorm(hidden, NULL, layers[0].input_norm, normed, tokens, size, eps);

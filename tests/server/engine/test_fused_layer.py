@@ -297,15 +297,22 @@ def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
         assert LlamaStep(model, GEMV, None, LAYER).fused is None
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("model_type", "shape"),
+    [("llama", {}), ("qwen2", {}), ("llama", {"head_dim": 64, "intermediate_size": 96})],
+    ids=["llama", "qwen2", "llama-heads-wider-than-hidden"],
+)
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
-    model_type: str, weights: str, tokenizer, tmp_path: Path
+    model_type: str, shape: dict, weights: str, tokenizer, tmp_path: Path
 ) -> None:
     """csrc/step.c's pass (every product on the GEMV) calls the kernels the Python loop calls,
     in its order: the same hidden states bit for bit, and the same cache, for 1 and 7 tokens
-    (Qwen2: q/k/v biases; int8: the widened int8 GEMV)."""
-    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
+    (Qwen2: q/k/v biases; int8: the widened int8 GEMV; heads x head_dim 256 against a hidden
+    size of 128 and an MLP of 96)."""
+    directory = save_architecture(
+        tmp_path / model_type, tokenizer, model_type, **{**WIDE_HEADS, **shape}
+    )
     target = TargetModel.load(directory, device="cpu", dtype="bfloat16", weights=weights)
     gemv8 = cpu_gemv.load_int8() if weights == "int8" else None
     step = LlamaStep(target.model, GEMV, gemv8, LAYER)
