@@ -263,11 +263,10 @@ def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    # every source beside it: a source may include another (step.c includes gemv.c, layer.c)
-    headers = [other.read_text() for other in sorted(source.parent.glob("*.[ch]"))]
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, compiler, version, *flags]).encode()
-    ).hexdigest()[:16]
+    # every source beside it, its own among them: a source may include another (step.c
+    # includes gemv.c and layer.c)
+    sources = [other.read_text() for other in sorted(source.parent.glob("*.[ch]"))]
+    key = hashlib.sha256("\0".join([*sources, compiler, version, *flags]).encode()).hexdigest()[:16]
     target = CACHE / key / f"{source.stem}.so"
     if target.exists():
         return target

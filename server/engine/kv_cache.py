@@ -101,11 +101,6 @@ class SlotCache:
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         return keys[span, :, : self._kv_length], values[span, :, : self._kv_length]
 
-    @property
-    def kv_length(self) -> int:
-        """The positions the bound pass attends over."""
-        return self._kv_length
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """What transformers asks a cache for positions and masks it was not given. kenspec
         gives every pass both (each row has a length of its own), so no model reads this but

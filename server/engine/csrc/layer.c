@@ -27,8 +27,6 @@
 
 #define MASKED (-1e30f) /* a mask at or below this hides its key (finfo.min in practice) */
 
-static inline float round_bf16(float value) { return from_bf16(to_bf16(value)); }
-
 static inline __m512 load16(const uint16_t *p, __mmask16 m) { /* 16 bf16 -> float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
