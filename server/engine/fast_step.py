@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -297,7 +296,12 @@ class Products:
     ) -> dict[int, dict[str, float]]:
         """Time every candidate kernel over the whole stack of products (which streams the
         weights from memory, as a step does) at each row count, alternating; the plan becomes
-        the fastest at each (stock unless another is `margin` faster). {rows: {kernel: s}}."""
+        the fastest at each (stock unless another is `margin` faster). {rows: {kernel: s}}.
+
+        Each kernel's time is its fastest repeat: a neighbour's burst (another process
+        streaming memory, a page fault) only ever adds time, and one noisy repeat in three
+        moved medians far enough to end the GEMV's invariant rows at 2 or flip the output
+        layer between kernels from one row count to the next."""
         kernels = self.candidates()
         if "packed" in kernels:
             for product in self.products:
@@ -315,7 +319,7 @@ class Products:
                     for product in self.products:
                         product.run(inputs[product.weight.shape[1]], name, self.gemv, self.gemv8)
                     samples[name].append(time.perf_counter() - started)
-            timings[count] = {name: statistics.median(s[1:]) for name, s in samples.items()}
+            timings[count] = {name: min(s[1:]) for name, s in samples.items()}
         invariant = "gemv" if "gemv" in kernels else None
         self.plan = RowPlan.fastest(
             timings, margin, invariant=invariant, invariant_rows=MAX_DRAFT_TOKENS + 1
