@@ -158,6 +158,21 @@ class LayerKernels:
         """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
         self.library.kenspec_silu_mul(gate_up.data_ptr(), out.data_ptr(), *out.shape)
 
+    def top_probs(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids [rows, width] (int32) of each float32 logits row's `width` largest logits,
+        best first, and their probabilities [rows, width] (layer.c's kenspec_top_probs; as
+        torch.topk of the row's softmax, in one read of the row after its maximum's)."""
+        if logits.dtype != torch.float32 or not 1 <= width <= 16:
+            raise ValueError(f"top_probs takes float32 logits and width 1..16, not {width}")
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, width, dtype=torch.int32)
+        probs = torch.empty(rows, width, dtype=torch.float32)
+        self.library.kenspec_top_probs(
+            logits.data_ptr(), rows, vocab, width, ids.data_ptr(), probs.data_ptr()
+        )
+        return ids, probs
+
     def decoder_pass(self, *arguments: object) -> None:
         """csrc/step.c's kenspec_decoder_pass (its arguments as LlamaStep passes them): every
         layer of a pass whose products all take the GEMV, in one call."""
@@ -215,6 +230,7 @@ def load_layer() -> LayerKernels | None:
             + [pointer, size, real],
         ),
         "kenspec_silu_mul": (None, [pointer] * 2 + [size] * 2),
+        "kenspec_top_probs": (None, [pointer] + [size] * 3 + [pointer] * 2),
         "kenspec_decoder_pass": (
             ctypes.c_int,
             [ctypes.POINTER(DecoderLayer), size] + [pointer] * 3 + [size] * 6 + [ctypes.c_int]

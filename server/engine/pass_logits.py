@@ -126,7 +126,7 @@ class Logits:
     @classmethod
     def ahead(cls, rows: torch.Tensor) -> Logits:
         """Rows [positions, vocab] computed ahead of reading (lazy_logits' `together`): read
-        as lazy rows are, and `computed` lists only those read, as for lazy rows."""
+        as lazy rows are; `computed` lists them all, read or not (recycling keeps them)."""
         logits = cls(int(rows.shape[0]))
         logits._ahead = rows
         return logits
@@ -159,9 +159,11 @@ class Logits:
 
     def computed(self, count: int) -> list[tuple[int, torch.Tensor]]:
         """(index, row) of the rows among the first `count` computed so far (for recycling
-        the target's predictions): all for computed rows, those a walk read for lazy ones."""
-        if self._all is not None:
-            return [(i, self._all[i]) for i in range(min(count, self._count))]
+        the target's predictions): all for rows computed already or ahead, those a walk read
+        for lazy ones."""
+        every = self._all if self._all is not None else self._ahead
+        if every is not None:
+            return [(i, every[i]) for i in range(min(count, self._count))]
         return [(i, row) for i, row in sorted(self._lazy.items()) if i < count]
 
     def _compute(self, index: int) -> None:

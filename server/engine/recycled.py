@@ -21,21 +21,30 @@ reads a row while it is overwritten gets either row's ids, each a valid draft.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 WIDTH = 8  # next tokens kept per token, as in Token Recycling's adjacency matrix
 
+# (float32 logits [rows, vocab] on the host, width) -> ids [rows, width] (int32) and their
+# probabilities [rows, width], best first: cpu_gemv.LayerKernels.top_probs
+TopProbs = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
 
 class RecycledPredictions:
     """The target's top-`width` next tokens (and their probabilities) after each token id."""
 
-    def __init__(self, vocab_size: int, width: int = WIDTH) -> None:
+    def __init__(
+        self, vocab_size: int, width: int = WIDTH, *, top_probs: TopProbs | None = None
+    ) -> None:
+        """top_probs: a kernel for the rows' top ids and probabilities on the host (one read
+        of a row where torch's topk and logsumexp take ~100 us); torch's otherwise."""
         if vocab_size < 1 or width < 1:
             raise ValueError(f"need vocab_size and width >= 1, got {vocab_size}, {width}")
         self.vocab_size = vocab_size
         self.width = width
+        self._top_probs = top_probs
         self._ids = torch.full((vocab_size, width), -1, dtype=torch.int32)  # -1: never seen
         self._probs = torch.zeros((vocab_size, width), dtype=torch.float32)
         # The best next token per token again, as Python lists: a chain reads them per token.
@@ -49,14 +58,18 @@ class RecycledPredictions:
         if not pairs:
             return
         logits = torch.stack([row for _, row in pairs]).float()  # [rows, vocab]
-        # The top logits are the top probabilities: softmax only those (no [rows, vocab] copy).
-        top = torch.topk(logits, min(self.width, logits.shape[-1]), dim=-1)
-        probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
-        # The table lives on the host: rows from an accelerator come over as [rows, width]
-        # ids and probabilities (two small copies), never as vocabulary rows.
-        ids, probs = top.indices.to("cpu", torch.int32), probs.cpu()
+        width = min(self.width, logits.shape[-1])
+        if self._top_probs is not None and logits.device.type == "cpu" and width <= 16:
+            ids, probs = self._top_probs(logits, width)
+        else:
+            # The top logits are the top probabilities: softmax only those (no [rows, vocab]
+            # copy).
+            top = torch.topk(logits, width, dim=-1)
+            probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+            # The table lives on the host: rows from an accelerator come over as [rows, width]
+            # ids and probabilities (two small copies), never as vocabulary rows.
+            ids, probs = top.indices.to("cpu", torch.int32), probs.cpu()
         keys = torch.tensor([token_ids[i] for i, _ in pairs], dtype=torch.long)
-        width = ids.shape[-1]
         self._ids[keys, :width] = ids
         self._probs[keys, :width] = probs
         for key, best, prob in zip(

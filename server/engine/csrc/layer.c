@@ -235,3 +235,51 @@ void kenspec_silu_mul(const uint16_t *gate_up, uint16_t *out, long rows, long n)
     }
   }
 }
+
+/* For each of `rows` float32 logit rows [vocab]: the ids of its `width` (<= 16) largest
+ * logits, best first (the earlier id first among equals), and their probabilities
+ * exp(logit - logsumexp(row)) (engine.recycled: the target's predictions kept as drafts).
+ * One pass keeps the best so far (a vector compare against the smallest kept skips nearly
+ * every lane), a second sums exp(logit - max). A row of fewer than `width` finite logits
+ * leaves id -1 and probability 0 in the places it cannot fill. */
+void kenspec_top_probs(const float *logits, long rows, long vocab, long width, int32_t *ids,
+                       float *probs) {
+  for (long r = 0; r < rows; r++) {
+    const float *x = logits + r * vocab;
+    float best[16];
+    int32_t at[16];
+    long kept = 0;
+    float threshold = -INFINITY;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long i = 0; i < vocab; i += 16) {
+      const __mmask16 m = lanes(vocab - i);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + i);
+      top = _mm512_max_ps(top, v);
+      for (__mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(threshold), _CMP_GT_OQ); above;
+           above &= (__mmask16)(above - 1)) {
+        const long index = i + __builtin_ctz(above);
+        const float value = x[index];
+        if (kept == width && !(value > best[width - 1])) continue; /* (threshold moved) */
+        long j = kept < width ? kept++ : width - 1;
+        for (; j > 0 && best[j - 1] < value; j--) {
+          best[j] = best[j - 1];
+          at[j] = at[j - 1];
+        }
+        best[j] = value;
+        at[j] = (int32_t)index;
+        if (kept == width) threshold = best[width - 1];
+      }
+    }
+    const float most = _mm512_reduce_max_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (long i = 0; i < vocab; i += 16) { /* exp16 gives 0 for -inf (the lanes past vocab) */
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(vocab - i), x + i);
+      sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(v, _mm512_set1_ps(most))));
+    }
+    const float log_total = most + logf(_mm512_reduce_add_ps(sum));
+    for (long j = 0; j < width; j++) {
+      ids[r * width + j] = j < kept ? at[j] : -1;
+      probs[r * width + j] = j < kept ? expf(best[j] - log_total) : 0.0f;
+    }
+  }
+}

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from server.engine import cpu_gemv
 from server.engine.fast_step import LlamaStep, RowPlan
 from server.engine.packing import attention_mask
+from server.engine.recycled import RecycledPredictions
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
 from tests import tiny
@@ -342,3 +343,45 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
         (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", [5, 49, 1000])
+def test_top_probs_are_torchs_top_k_of_the_softmax(vocab: int) -> None:
+    """layer.c's kenspec_top_probs (the recycled predictions' rows): the ids torch.topk
+    picks, best first and the earlier among equal logits, with softmax probabilities, for
+    vocabularies that are not a multiple of its 16 lanes; a row of fewer finite logits than
+    asked leaves -1 and 0 where it cannot fill."""
+    assert LAYER is not None
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=generator) * 4
+    logits[1, vocab // 2] = logits[1, vocab - 1] = 50.0  # a tie at the top: the earlier first
+    width = min(8, vocab)
+    ids, probs = LAYER.top_probs(logits, width)
+    top = torch.topk(logits, width, dim=-1)
+    assert torch.equal(logits.gather(-1, ids.long()), top.values)  # the same logits, in order
+    assert torch.equal(ids[[0, 2, 3]].long(), top.indices[[0, 2, 3]])  # (torch orders ties
+    assert ids[1, :2].tolist() == [vocab // 2, vocab - 1]  # as it likes)
+    expected = torch.softmax(logits.double(), dim=-1).gather(-1, ids.long()).float()
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
+    sparse = torch.full((1, vocab), float("-inf"))
+    sparse[0, vocab - 2] = 1.0
+    ids, probs = LAYER.top_probs(sparse, width)
+    assert ids[0].tolist() == [vocab - 2] + [-1] * (width - 1)
+    assert probs[0].tolist() == [1.0] + [0.0] * (width - 1)
+
+
+def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel() -> None:
+    """RecycledPredictions with top_probs (as the server builds it on these CPUs) keeps what
+    it keeps with torch's top-k: the same next tokens, probabilities within float error."""
+    assert LAYER is not None
+    generator = torch.Generator().manual_seed(0)
+    rows = [(i, torch.randn(300, generator=generator) * 3) for i in range(5)]
+    tokens = [11, 12, 13, 11, 14]  # a token seen twice keeps its later row
+    plain, kernel = RecycledPredictions(300), RecycledPredictions(300, top_probs=LAYER.top_probs)
+    plain.record(tokens, rows)
+    kernel.record(tokens, rows)
+    for token in (11, 12, 13, 14, 15):
+        kept, expected = kernel.next_tokens(token), plain.next_tokens(token)
+        assert [t for t, _ in kept] == [t for t, _ in expected]
+        assert [p for _, p in kept] == pytest.approx([p for _, p in expected], rel=1e-5)
+    assert kernel.chain(11, 3)[0] == plain.chain(11, 3)[0]
