@@ -121,12 +121,13 @@ void kenspec_rotary_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *si
   }
 }
 
-/* One token's `group` query heads q (consecutive, dim each) over one kv head's keys k and
- * values v ([kv_length, dim]); scores: [group][kv_length + 16] scratch. */
-static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v, long group,
-                         const void *mask, int mask_bf16, long kv_length, long dim, float scale,
-                         float *scores, uint16_t *out) {
-  const long stride = kv_length + 16, chunks = dim / 16;
+/* Scores of one token's `group` query heads q (consecutive, dim each) over one kv head's keys
+ * k ([kv_length, dim]): scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for
+ * a masked key. Each score is one dot product of 32-wide dpbf16 partial sums and reduce16's
+ * sum, whatever else is computed beside it. */
+static void score_group(const uint16_t *q, const uint16_t *k, long group, const void *mask,
+                        int mask_bf16, long kv_length, long dim, float scale, float *scores,
+                        long stride) {
   for (long h = 0; h < group; h++) {
     const uint16_t *query = q + h * dim;
     float *row = scores + h * stride;
@@ -157,68 +158,134 @@ static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v
       _mm512_storeu_ps(row + j0, exp16(_mm512_sub_ps(s, most)));
     }
   }
-  /* Values: each key's converted once for a batch of the group's heads, as many as have
-   * accumulators in registers beside it. */
-  const long batch = chunks <= 16 ? 16 / chunks : 1;
-  for (long h0 = 0; h0 < group; h0 += batch) {
-    const long heads = group - h0 < batch ? group - h0 : batch;
-    __m512 acc[16];
-    float total[16];
-    for (long i = 0; i < heads * chunks; i++) acc[i] = _mm512_setzero_ps();
-    for (long h = 0; h < heads; h++) total[h] = 0.0f;
-    for (long j = 0; j < kv_length; j++) {
-      float p[16];
-      int any = 0;
-      for (long h = 0; h < heads; h++) {
-        p[h] = scores[(h0 + h) * stride + j];
-        any |= p[h] != 0.0f;
-      }
-      if (!any) continue;
-      const uint16_t *value = v + j * dim;
-      for (long c = 0; c < chunks; c++) {
-        const __m512 converted = load16(value + c * 16, 0xffff);
-        for (long h = 0; h < heads; h++)
-          acc[h * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h]), converted, acc[h * chunks + c]);
-      }
-      for (long h = 0; h < heads; h++) total[h] += p[h];
+}
+
+/* out[h] = sum_j p_hj v_j / sum_j p_hj for `nh` (compile-time, with chunks = dim / 16) query
+ * heads whose scores are rows first .. first + nh of `scores`: each head's sums run key after
+ * key, skipping its zero weights, so a head's bits do not depend on the heads beside it (its
+ * own token's or another token's of the same cache row). Each value is converted once for
+ * them all; the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void value_heads(
+    const float *scores, long stride, long first, const int nh, const int chunks,
+    const uint16_t *v, long kv_length, uint16_t *const *out) {
+  if (nh * chunks > 16) return; /* (shapes value_all never asks for; folded away) */
+  __m512 acc[16];
+  float total[16];
+  for (int i = 0; i < nh * chunks; i++) acc[i] = _mm512_setzero_ps();
+  for (int h = 0; h < nh; h++) total[h] = 0.0f;
+  for (long j = 0; j < kv_length; j++) {
+    float p[16];
+    int any = 0;
+    for (int h = 0; h < nh; h++) {
+      p[h] = scores[(first + h) * stride + j];
+      any |= p[h] != 0.0f;
     }
-    for (long h = 0; h < heads; h++) {
-      const __m512 inverse = _mm512_set1_ps(1.0f / total[h]);
-      for (long c = 0; c < chunks; c++)
-        store16(out + (h0 + h) * dim + c * 16, _mm512_mul_ps(acc[h * chunks + c], inverse), 0xffff);
+    if (!any) continue;
+    __m512 converted[16];
+    for (int c = 0; c < chunks; c++) converted[c] = load16(v + j * chunks * 16 + c * 16, 0xffff);
+    for (int h = 0; h < nh; h++) {
+      if (p[h] == 0.0f) continue;
+      const __m512 weight = _mm512_set1_ps(p[h]);
+      for (int c = 0; c < chunks; c++)
+        acc[h * chunks + c] = _mm512_fmadd_ps(weight, converted[c], acc[h * chunks + c]);
+      total[h] += p[h];
     }
   }
+  for (int h = 0; h < nh; h++) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / total[h]);
+    for (int c = 0; c < chunks; c++)
+      store16(out[h] + c * 16, _mm512_mul_ps(acc[h * chunks + c], inverse), 0xffff);
+  }
+}
+
+/* value_heads for any number of heads: batches of as many as have registers (16
+ * accumulators), specialised for the head widths models use (64, 128, 256; others: one head a
+ * batch through the same code). */
+static void value_all(const float *scores, long stride, long count, long dim, const uint16_t *v,
+                      long kv_length, uint16_t *const *out) {
+#define BATCHES(CHUNKS, MOST)                                                                    \
+  for (long first = 0; first < count; first += MOST) {                                           \
+    switch (count - first < MOST ? count - first : MOST) {                                       \
+      case 1: value_heads(scores, stride, first, 1, CHUNKS, v, kv_length, out + first); break;   \
+      case 2: value_heads(scores, stride, first, 2, CHUNKS, v, kv_length, out + first); break;   \
+      case 3: value_heads(scores, stride, first, 3, CHUNKS, v, kv_length, out + first); break;   \
+      default: value_heads(scores, stride, first, MOST, CHUNKS, v, kv_length, out + first); break; \
+    }                                                                                            \
+  }
+  switch (dim) {
+    case 64: BATCHES(4, 4) break;
+    case 128: BATCHES(8, 2) break;
+    case 256: BATCHES(16, 1) break;
+    default:
+      for (long first = 0; first < count; first++) {
+        uint16_t *one[1] = {out[first]};
+        float total = 0.0f;
+        const long chunks = dim / 16;
+        __m512 acc[16];
+        for (long c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+        for (long j = 0; j < kv_length; j++) {
+          const float p = scores[first * stride + j];
+          if (p == 0.0f) continue;
+          for (long c = 0; c < chunks; c++)
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p), load16(v + j * dim + c * 16, 0xffff), acc[c]);
+          total += p;
+        }
+        for (long c = 0; c < chunks; c++)
+          store16(one[0] + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(1.0f / total)), 0xffff);
+      }
+  }
+#undef BATCHES
 }
 
 /* out [tokens, heads * dim] = attention of each token's query heads (qkv [tokens, (heads + 2
  * kv_heads) * dim], after rotary) over the first kv_length keys and values of its cache row
  * (caches [slots, kv_heads, capacity, dim]), query head h reading kv head h / (heads /
  * kv_heads); mask rows [queries, kv_length] (bfloat16 or float32, additive), token t's being
- * mask_rows[t]. dim: a multiple of 32, at most 256. Threads split (token, kv head) pairs
- * where the work is large enough to pay for them. Returns 0, or 1 without memory. */
+ * mask_rows[t]. dim: a multiple of 32, at most 256. The tokens of one cache row (a verify
+ * pass's pending token and drafts) are taken together per kv head: their scores one query at
+ * a time, then the values read once for all their heads. Threads split (run of a cache row's
+ * tokens, kv head) pairs where the work is large enough to pay for them. Returns 0, or 1
+ * without memory. */
 int kenspec_attention(const uint16_t *qkv, uint16_t *out, long tokens, long heads, long kv_heads,
                       long dim, const uint16_t *keys, const uint16_t *values,
                       const int64_t *cache_rows, long capacity, const void *mask, int mask_bf16,
                       const int64_t *mask_rows, long kv_length, float scale) {
   const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-  const long pairs = tokens * kv_heads;
+  const long stride = kv_length + 16;
+  long *starts = malloc(sizeof(long) * (tokens + 1));
+  if (!starts) return 1;
+  long runs = 0, longest = 0;
+  for (long t = 0; t < tokens; t++)
+    if (t == 0 || cache_rows[t] != cache_rows[t - 1]) starts[runs++] = t;
+  starts[runs] = tokens;
+  for (long r = 0; r < runs; r++)
+    if (starts[r + 1] - starts[r] > longest) longest = starts[r + 1] - starts[r];
+  const long pairs = runs * kv_heads;
   int failed = 0;
-#pragma omp parallel if (pairs * kv_length * group * dim > (1L << 20)) reduction(| : failed)
+#pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > (1L << 20)) reduction(| : failed)
   {
-    float *scores = malloc(sizeof(float) * (kv_length + 16) * group);
-    if (!scores) failed = 1;
+    float *scores = malloc(sizeof(float) * stride * group * longest);
+    uint16_t **outs = malloc(sizeof(uint16_t *) * group * longest);
+    if (!scores || !outs) failed = 1;
 #pragma omp for schedule(static)
     for (long pair = 0; pair < pairs; pair++) {
-      if (!scores) continue;
-      const long t = pair / kv_heads, g = pair % kv_heads;
-      const long cache_at = (cache_rows[t] * kv_heads + g) * capacity * dim;
-      const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
-      attend_group(qkv + t * width + g * group * dim, keys + cache_at, values + cache_at, group,
-                   row_mask, mask_bf16, kv_length, dim, scale, scores,
-                   out + t * heads * dim + g * group * dim);
+      if (!scores || !outs) continue;
+      const long run = pair / kv_heads, g = pair % kv_heads;
+      const long first = starts[run], count = starts[run + 1] - first;
+      const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
+      for (long i = 0; i < count; i++) {
+        const long t = first + i;
+        const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
+        score_group(qkv + t * width + g * group * dim, keys + cache_at, group, row_mask, mask_bf16,
+                    kv_length, dim, scale, scores + i * group * stride, stride);
+        for (long h = 0; h < group; h++) outs[i * group + h] = out + t * heads * dim + (g * group + h) * dim;
+      }
+      value_all(scores, stride, count * group, dim, values + cache_at, kv_length, outs);
     }
     free(scores);
+    free(outs);
   }
+  free(starts);
   return failed;
 }
 

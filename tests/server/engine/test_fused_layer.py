@@ -156,6 +156,8 @@ def _reference(qkv, keys, values, cache_rows, mask, mask_rows, heads, scale) -> 
         ([40, 300, 17], [5, 17, 1], (4, 4, 32), BF16),
         ([1], [1], (8, 2, 128), torch.float32),
         ([77, 16], [3, 2], (6, 1, 96), torch.float32),
+        ([60, 33], [7, 3], (8, 2, 128), BF16),  # a row's 28 heads, values read 2 at a time
+        ([40], [4], (4, 2, 256), torch.float32),
     ],
 )
 def test_attention_is_float64_attention_rounded_once(
@@ -172,18 +174,19 @@ def test_attention_is_float64_attention_rounded_once(
     assert int(_ulps(out, expected.to(BF16)).max()) <= 1  # float32 sums, rounded once
 
 
-def test_a_querys_bits_do_not_depend_on_its_pass() -> None:
-    """Alone in a one-token pass, or the last of 17 in a row beside two other rows, or a
-    token tree's node: a query over the same visible keys gives the same bits."""
-    heads = (9, 3, 64)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 2, 96)])
+def test_a_querys_bits_do_not_depend_on_its_pass(heads: tuple[int, int, int]) -> None:
+    """Alone in a one-token pass, or among 17 in a row beside two other rows (whose values
+    are read once for all the row's heads), or a token tree's node: a query over the same
+    visible keys gives the same bits."""
     qkv, keys, values, cache_rows, mask, mask_rows = _attention_case(
         [200, 150, 90], [17, 4, 1], heads
     )
     assert LAYER is not None
-    out = torch.empty(qkv.shape[0], 9 * 64, dtype=BF16)
+    out = torch.empty(qkv.shape[0], heads[0] * heads[2], dtype=BF16)
     LAYER.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, 0.125)
     for t in range(qkv.shape[0]):
-        alone = torch.empty(1, 9 * 64, dtype=BF16)
+        alone = torch.empty(1, heads[0] * heads[2], dtype=BF16)
         row_mask = mask.reshape(-1, mask.shape[-1])[int(mask_rows[t])][None].contiguous()
         LAYER.attention(
             qkv[t : t + 1].contiguous(), alone, heads, keys, values, cache_rows[t : t + 1],
@@ -200,7 +203,8 @@ def test_a_querys_bits_do_not_depend_on_its_pass() -> None:
     sequence_values = values.clone()
     sequence_values[1, :, 101:103] = values[1, :, 102:104]
     query = qkv[:1].contiguous()
-    in_tree, in_sequence = torch.empty(1, 576, dtype=BF16), torch.empty(1, 576, dtype=BF16)
+    in_tree = torch.empty(1, heads[0] * heads[2], dtype=BF16)
+    in_sequence = torch.empty_like(in_tree)
     one = torch.tensor([1])
     LAYER.attention(query, in_tree, heads, keys, values, one, tree_mask, torch.tensor([3]), 0.125)
     causal = attention_mask(torch.tensor([[102]]), 103, BF16).contiguous()
