@@ -61,6 +61,21 @@ class Gemv:
         )
         return out
 
+    def int8_widened(
+        self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor:
+        """(x @ values^T) * scales for bf16 x [rows, k], int8 values [out, k] and bf16 scales
+        [out] (gemv.c's kenspec_gemv_int8_bf16), bf16 [rows, out]."""
+        rows, k = x.shape
+        out = torch.empty(rows, values.shape[0], dtype=torch.bfloat16)
+        failed = self.library.kenspec_gemv_int8_bf16(
+            x.data_ptr(), values.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, k,
+            values.shape[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_int8_bf16: no memory for the widened weights")
+        return out
+
 
 @dataclass(frozen=True)
 class GemvInt8:
@@ -173,6 +188,18 @@ class LayerKernels:
         )
         return ids, probs
 
+    def screen(
+        self, approximate: torch.Tensor, error: torch.Tensor, norm: float, out: torch.Tensor
+    ) -> int:
+        """layer.c's kenspec_screen: the candidates of a screened argmax (engine.screened_head)
+        into out (int32, ascending); their count (more than out holds: out is partial), or
+        -1 where a bound is not finite."""
+        count: int = self.library.kenspec_screen(
+            approximate.data_ptr(), error.data_ptr(), norm, approximate.shape[-1],
+            out.data_ptr(), out.shape[0],
+        )  # fmt: skip
+        return count
+
     def decoder_pass(self, *arguments: object) -> None:
         """csrc/step.c's kenspec_decoder_pass (its arguments as LlamaStep passes them): every
         layer of a pass whose products all take the GEMV, in one call."""
@@ -231,6 +258,7 @@ def load_layer() -> LayerKernels | None:
         ),
         "kenspec_silu_mul": (None, [pointer] * 2 + [size] * 2),
         "kenspec_top_probs": (None, [pointer] + [size] * 3 + [pointer] * 2),
+        "kenspec_screen": (size, [pointer] * 2 + [real, size, pointer, size]),
         "kenspec_decoder_pass": (
             ctypes.c_int,
             [ctypes.POINTER(DecoderLayer), size] + [pointer] * 3 + [size] * 6 + [ctypes.c_int]

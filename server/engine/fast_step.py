@@ -55,6 +55,7 @@ from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
 from server.engine.params import MAX_DRAFT_TOKENS
 from server.engine.quantize import Int8Linear, int8_linear, quantize
+from server.engine.screened_head import SCREEN_ROWS, ScreenedHead
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's products take
@@ -402,6 +403,15 @@ class LlamaStep:
             self._head = self.head.append(Product.quantized(head.weight, model.dtype))
         # rows of logits the output layer computes at about one row's cost (measure())
         self.together = 1
+        # greedy tokens through an int8 copy of a bf16 output layer, exactly (screened_head)
+        self.screen = (
+            ScreenedHead(head.weight, gemv, cpu_gemv.load_layer())
+            if gemv is not None
+            and not self.products.int8
+            and isinstance(head, nn.Linear)
+            and head.weight.dtype == torch.bfloat16
+            else None
+        )
 
     @property
     def weights(self) -> str:
@@ -425,6 +435,12 @@ class LlamaStep:
         # the kernels' build (a hash of csrc/ and the compiler): a calibration measured with
         # other kernels is not reused
         return f"fused {self.fused.path.parent.name} {plans}"
+
+    def screens(self, rows: int) -> ScreenedHead | None:
+        """The screen for a greedy pass of `rows` rows of logits (None: no screen). Its exact
+        logits are the GEMV's whatever the output layer's plan, so a screened token does not
+        depend on what else is in the pass."""
+        return self.screen if rows <= SCREEN_ROWS else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""

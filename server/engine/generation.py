@@ -184,6 +184,12 @@ class Generation:
             prompt_tail=tuple(self._prompt[self._prefilled : len(self._prompt) - 1]),
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether its walks read only greedy tokens of a pass's logits, never a whole row
+        (greedy, without logprobs or processors)."""
+        return self._sampling.greedy and not self._processors and self._top_logprobs is None
+
     def token_choice(self, logits: Logits) -> TokenChooser:
         """The target's choice at each depth of this round's walk: the argmax when greedy, else
         a draw keyed by the output position it fills (see PositionalGenerator); it records

@@ -71,7 +71,11 @@ def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
     for entry, row, verified in zip(entries, proposed, kept, strict=True):
         entry.generation.speculator.cut(len(row.drafts), len(verified.drafts))
     # 3. Build the pass: one packed sequence of every row's tokens, padded where it pays.
-    verify = VerifyPass(tuple(kept), width=choice.width(kept, chosen.explore))
+    verify = VerifyPass(
+        tuple(kept),
+        width=choice.width(kept, chosen.explore),
+        argmax_only=all(entry.generation.argmax_only for entry in entries),
+    )
     started = stats.timed("plan", started)
     # 4. Forward (the batch reruns a failed pass row by row).
     results = rows.forward(verify)

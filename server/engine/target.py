@@ -32,6 +32,7 @@ from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
 from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
 from server.engine.quantize import quantize_model
+from server.engine.screened_head import ScreenedHead
 from server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
@@ -262,7 +263,16 @@ class TargetModel:
             return self._pass_rows(hidden, spans)
         if not self._lazy_rows:  # hidden holds the model's logits [tokens, vocab]
             return [Logits.of(hidden[begin:end].float()) for begin, end in spans]
+        screen = self._screen(verify, sum(end - begin for begin, end in spans))
+        if screen is not None:
+            return screen.logits(hidden, spans)
         return lazy_logits(hidden, spans, self._output_layer())
+
+    def _screen(self, verify: VerifyPass, rows: int) -> ScreenedHead | None:
+        """The fast step's int8 screen of the output layer, for a greedy pass it takes."""
+        if not verify.argmax_only or self.fast_step is None or self.softcap is not None:
+            return None
+        return self.fast_step.screens(rows)
 
     @property
     def _lazy_rows(self) -> bool:

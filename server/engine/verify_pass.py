@@ -102,6 +102,9 @@ class VerifyPass:
     rows: tuple[PassRow, ...]
     first_row: int = 0
     width: int = 0
+    # every row's reader wants only greedy tokens (no whole rows: no sampling, logprobs or
+    # processors), so the target may screen them (engine.screened_head)
+    argmax_only: bool = False
 
     @classmethod
     def sequences(

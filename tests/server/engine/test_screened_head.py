@@ -1,0 +1,157 @@
+"""The greedy token through an int8 screen of the output layer (engine.screened_head): the
+argmax of the bf16 GEMV's logits exactly, ties to the earlier token, whatever the hidden
+state; whole rows exact; greedy serving through it is plain decoding through the bf16 head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import cpu_gemv
+from server.engine.fast_step import LlamaStep, RowPlan
+from server.engine.screened_head import SCREEN_ROWS, ScreenedHead, ScreenedLogits
+from server.engine.target import TargetModel
+from server.engine.verify_pass import PassRow, VerifyPass
+from tests import tiny
+from tests.server.engine.drafts import Branching, OracleDraft, generate, plain_decoding
+from tests.tiny_architectures import save_architecture
+
+GEMV = cpu_gemv.load()
+LAYER = cpu_gemv.load_layer()
+pytestmark = pytest.mark.skipif(
+    GEMV is None or LAYER is None, reason="the CPU has no avx512_bf16 (or no compiler)"
+)
+WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3 4 5 6", "Hello world"]
+
+
+def _exact_argmax(weight: torch.Tensor, x: torch.Tensor) -> int:
+    assert GEMV is not None
+    return int(GEMV(x[None].contiguous(), weight)[0].float().argmax())
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
+def test_the_screened_argmax_is_the_exact_rows_argmax(kernels: bool) -> None:
+    """Random layers and hidden states of every scale, rows that tie exactly (a duplicated
+    weight row: the earlier wins) and rows a hair apart (one weight nudged by one bf16 step):
+    the screen's token is the argmax of the exact logits every time."""
+    assert GEMV is not None
+    generator = torch.Generator().manual_seed(0)
+    vocab, hidden = 3000, 96
+    weight = (torch.randn(vocab, hidden, generator=generator) * 0.05).bfloat16()
+    weight[2500] = weight[700]  # an exact tie: 700 first
+    weight[1200] = weight[40]
+    nudged = weight[1200].clone()
+    nudged[3] = torch.nextafter(nudged[3].float(), torch.tensor(1.0)).bfloat16()
+    weight[1200] = nudged  # 40 and 1200 a bf16 step apart in one weight
+    head = ScreenedHead(weight, GEMV, LAYER if kernels else None)
+    for trial in range(200):
+        scale = [0.01, 1.0, 30.0][trial % 3]
+        x = (torch.randn(hidden, generator=generator) * scale).bfloat16()
+        if trial % 4 == 0:  # aim at the tie: x along the duplicated row
+            x = (weight[700].float() * 40 + torch.randn(hidden, generator=generator)).bfloat16()
+        if trial % 4 == 1:
+            x = (weight[40].float() * 40).bfloat16()
+        approximate = head.approximate(x[None])[0]
+        assert head.argmax(x, approximate) == _exact_argmax(weight, x), trial
+    x = (weight[700].float() * 40).bfloat16()
+    assert head.argmax(x, head.approximate(x[None])[0]) == 700  # not 2500
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
+def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bool) -> None:
+    """The bound, not luck: with the approximation pushed by the most the bound allows
+    against the true winner, the winner is still among the candidates."""
+    assert GEMV is not None
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(500, 64, generator=generator) * 0.1).bfloat16()
+    head = ScreenedHead(weight, GEMV, LAYER if kernels else None)
+    for _ in range(50):
+        x = torch.randn(64, generator=generator).bfloat16()
+        exact = GEMV(x[None], weight)[0].float()
+        winner = int(exact.argmax())
+        norm = float(x.double().norm())
+        worst = exact.clone()  # every other token raised, the winner lowered, by ~the bound
+        bound = head.error * norm + exact.abs() * 2.0**-8
+        worst += bound * 0.99
+        worst[winner] -= 2 * bound[winner] * 0.99
+        assert head.argmax(x, worst) == winner
+
+
+def test_screened_logits_give_exact_rows_and_recycle_the_approximations() -> None:
+    assert GEMV is not None
+    generator = torch.Generator().manual_seed(2)
+    weight = (torch.randn(400, 64, generator=generator) * 0.1).bfloat16()
+    head = ScreenedHead(weight, GEMV, LAYER)
+    hidden = torch.randn(7, 64, generator=generator).bfloat16()
+    first, second = head.logits(hidden, [(0, 3), (3, 7)])
+    assert isinstance(first, ScreenedLogits) and (len(first), len(second)) == (3, 4)
+    exact = GEMV(hidden, weight).float()
+    assert torch.equal(second[1], exact[4])  # a whole row: the GEMV's bits
+    assert [second.argmax(i) for i in range(4)] == exact[3:].argmax(-1).tolist()
+    recycled = first.computed(9)
+    assert [i for i, _ in recycled] == [0, 1, 2]
+    torch.testing.assert_close(
+        torch.stack([row for _, row in recycled]), exact[:3], atol=0.1, rtol=0.05
+    )
+    with pytest.raises(IndexError):
+        first.argmax(3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return tiny.build_byte_tokenizer()
+
+
+def _served(directory: Path, screen: bool) -> TargetModel:
+    target = TargetModel.load(directory, device="cpu", dtype="bfloat16")
+    step = LlamaStep(target.model, GEMV, None, LAYER)
+    step.products.plan = step.head.plan = RowPlan(((1, "gemv"),))
+    if not screen:
+        step.screen = None
+    target.fast_step = step
+    return target
+
+
+def test_greedy_serving_through_the_screen_is_plain_decoding_through_the_bf16_head(
+    tokenizer, tmp_path: Path
+) -> None:
+    """The tiny bf16 Llama with the fast step: plain decoding with the screen equals plain
+    decoding without it, and speculation through it (drafts always right, trees partly
+    right) gives that output token for token."""
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    screened, unscreened = _served(directory, True), _served(directory, False)
+    assert screened.fast_step is not None and screened.fast_step.screens(1) is not None
+    plain = plain_decoding(unscreened, PROMPTS, max_new_tokens=24)
+    assert plain_decoding(screened, PROMPTS, max_new_tokens=24) == plain
+    for ids, expected in plain.values():
+        for draft, options in (
+            (OracleDraft(expected), {"k": 4}),
+            (Branching(expected, screened.vocab_size), {"k": 4, "tree_budget": 12}),
+        ):
+            solo = generate(screened, draft, ids, max_new_tokens=24, **options)
+            for _ in solo:
+                pass
+            assert solo.output_ids == expected, draft.name
+
+
+def test_only_greedy_steps_the_screen_takes(tokenizer, tmp_path: Path) -> None:
+    """A pass whose rows read whole rows (sampling, logprobs, processors) is not screened,
+    nor one of more than SCREEN_ROWS rows of logits; a screened pass's rows are
+    ScreenedLogits, with the unscreened pass's tokens and rows."""
+    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    target = _served(directory, True)
+    ids = target.encode_prompt("The quick brown fox jumps")
+    cache = target.new_cache(1)
+    target.prefill(cache, 0, 0, ids[:-1])
+    step = PassRow(len(ids) - 1, ids[-1])
+    greedy = target.forward(cache, VerifyPass((step,), argmax_only=True))[0]
+    whole = target.forward(cache, VerifyPass((step,)))[0]
+    assert isinstance(greedy, ScreenedLogits) and not isinstance(whole, ScreenedLogits)
+    assert greedy.argmax(0) == int(whole[0].argmax())
+    assert torch.equal(greedy[0], whole[0])
+    wide = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + SCREEN_ROWS)))
+    verify = target.forward(cache, VerifyPass((wide,), argmax_only=True))[0]
+    assert not isinstance(verify, ScreenedLogits)
