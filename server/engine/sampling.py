@@ -30,7 +30,10 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     logits: [num_positions, vocab_size]; returns float32 probabilities of the same shape.
     """
-    scores = logits.float() / params.temperature
+    # Shifted by the row's best first (nothing below depends on a shift): a temperature so
+    # small that a logit over it overflows (1e-45) still gives the best tokens, not NaN.
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     vocab_size = scores.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
