@@ -86,22 +86,18 @@ class GemvInt8:
 
     library: ctypes.CDLL
     path: Path
-    widened: ctypes.CDLL | None = None  # csrc/gemv.c's library, with kenspec_gemv_int8_bf16
+    widened: Gemv | None = None  # csrc/gemv.c's, with kenspec_gemv_int8_bf16 (Gemv.int8_widened)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # (a no-op for the fast step's inputs; the kernel reads raw rows)
+        if x.dtype == torch.bfloat16 and self.widened is not None:
+            return self.widened.int8_widened(x, weight, scales)
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-        if x.dtype == torch.bfloat16 and self.widened is not None:
-            failed = self.widened.kenspec_gemv_int8_bf16(
-                x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                rows, k, weight.shape[0],
-            )  # fmt: skip
-        else:
-            failed = self.library.kenspec_gemv_int8(
-                x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                rows, k, weight.shape[0], int(x.dtype == torch.bfloat16),
-            )  # fmt: skip
+        failed = self.library.kenspec_gemv_int8(
+            x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            rows, k, weight.shape[0], int(x.dtype == torch.bfloat16),
+        )  # fmt: skip
         if failed:
             raise MemoryError("kenspec_gemv_int8: no memory for the widened activations")
         return out
@@ -284,7 +280,7 @@ def load_int8() -> GemvInt8 | None:
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     bf16 = load()
-    return GemvInt8(*built, widened=None if bf16 is None else bf16.library)
+    return GemvInt8(*built, widened=bf16)
 
 
 def _library(source: Path, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, Path] | None:

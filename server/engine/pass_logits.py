@@ -136,8 +136,7 @@ class Logits:
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Row `index` [vocab], float32 (a row to sample from)."""
-        if not 0 <= index < self._count:
-            raise IndexError(f"row {index} of a {self._count}-position pass")
+        self._check(index)
         if self._all is not None:
             return self._all[index]
         row = self._lazy.get(index)
@@ -152,8 +151,7 @@ class Logits:
     def argmax(self, index: int) -> int:
         """The greedy token after scored position `index`."""
         if self._pass_argmax is not None:
-            if not 0 <= index < self._count:
-                raise IndexError(f"row {index} of a {self._count}-position pass")
+            self._check(index)
             return self._pass_argmax.ids()[self._offset + index]
         return int(self[index].argmax())
 
@@ -165,6 +163,10 @@ class Logits:
         if every is not None:
             return [(i, every[i]) for i in range(min(count, self._count))]
         return [(i, row) for i, row in sorted(self._lazy.items()) if i < count]
+
+    def _check(self, index: int) -> None:
+        if not 0 <= index < self._count:
+            raise IndexError(f"row {index} of a {self._count}-position pass")
 
     def _compute(self, index: int) -> None:
         """Row `index` and the next BLOCK - 1 not yet computed, in one product."""

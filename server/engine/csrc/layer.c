@@ -216,23 +216,9 @@ static void value_all(const float *scores, long stride, long count, long dim, co
     case 64: BATCHES(4, 4) break;
     case 128: BATCHES(8, 2) break;
     case 256: BATCHES(16, 1) break;
-    default:
-      for (long first = 0; first < count; first++) {
-        uint16_t *one[1] = {out[first]};
-        float total = 0.0f;
-        const long chunks = dim / 16;
-        __m512 acc[16];
-        for (long c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
-        for (long j = 0; j < kv_length; j++) {
-          const float p = scores[first * stride + j];
-          if (p == 0.0f) continue;
-          for (long c = 0; c < chunks; c++)
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p), load16(v + j * dim + c * 16, 0xffff), acc[c]);
-          total += p;
-        }
-        for (long c = 0; c < chunks; c++)
-          store16(one[0] + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(1.0f / total)), 0xffff);
-      }
+    default: /* (dim <= 256: one head's chunks fit) */
+      for (long first = 0; first < count; first++)
+        value_heads(scores, stride, first, 1, (int)(dim / 16), v, kv_length, out + first);
   }
 #undef BATCHES
 }
