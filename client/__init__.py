@@ -20,7 +20,7 @@ from .errors import (
     ServerUnavailable,
 )
 from .results import Alternative, Completion, Logprob, Round, Usage
-from .sync_client import Client
+from .sync_client import Client, RoundStream
 
 __all__ = [
     "Alternative",
@@ -34,6 +34,7 @@ __all__ = [
     "Logprob",
     "ProtocolError",
     "Round",
+    "RoundStream",
     "ServerBusy",
     "ServerUnavailable",
     "Usage",

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from .errors import KenspecError, ProtocolError
 from .request import ChatTurn, GenerateOptions
 from .results import Round
 from .stats import StreamStats
-from .sync_client import Client
+from .sync_client import Client, RoundStream
 
 PROMPT = "> "
 COMMANDS = """\
@@ -180,17 +182,26 @@ class ChatSession:
         return True
 
     def _stream(self, question: str, view: AnswerView, stats: StreamStats) -> str:
+        """The answer's text, shown as it arrives. A reader thread runs the call; this (the
+        main) thread only waits for its rounds, so a Ctrl-C never lands inside gRPC's own code,
+        where it could leave one of the call's locks held and stall every later call."""
         messages = self.conversation.messages(question)
         rounds = self.client.generate(None, messages, **self.options)
+        arrived: queue.SimpleQueue[Round | BaseException | None] = queue.SimpleQueue()
+        with _ctrl_c_to_main_thread():
+            threading.Thread(target=_read_rounds, args=(rounds, arrived), daemon=True).start()
         parts: list[str] = []
         try:
-            for round_ in rounds:
+            while (round_ := arrived.get()) is not None:
+                if isinstance(round_, BaseException):
+                    raise round_
                 stats.observe(round_, time.perf_counter())
                 parts.append(round_.text)
                 view.write(round_.text)
                 view.status(status_line(stats, self._speculation, time.perf_counter()))
         finally:
-            _close(rounds)  # cancels the call if it is still running (Ctrl-C, an error)
+            with _ctrl_c_to_main_thread():  # a Ctrl-C meanwhile arrives after the cancel
+                rounds.cancel()  # if it is still running (Ctrl-C, an error); else a no-op
         if stats.finish_reason is None:
             raise ProtocolError(
                 None, "the stream ended without a finish_reason", self.client.address
@@ -227,9 +238,10 @@ def run_chat(
 
 @contextlib.contextmanager
 def _ctrl_c_to_main_thread() -> Iterator[None]:
-    """Threads started inside do not take SIGINT. The prompt blocks the main thread in
-    readline, which only a signal to that thread wakes: a Ctrl-C the kernel handed to one of
-    gRPC's threads would wait there until the next key."""
+    """Inside, SIGINT waits: threads started here never take it (they inherit the mask), and a
+    Ctrl-C meanwhile arrives on leaving. The prompt blocks the main thread in readline, which
+    only a signal to that thread wakes: a Ctrl-C the kernel handed to one of gRPC's threads
+    would wait there until the next key."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no per-thread signals
         yield
         return
@@ -240,11 +252,17 @@ def _ctrl_c_to_main_thread() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C meanwhile arrives now
 
 
-def _close(rounds: Iterator[Round]) -> None:
-    # The client's streams are generators; closing one cancels its gRPC call.
-    close = getattr(rounds, "close", None)
-    if close is not None:
-        close()
+def _read_rounds(
+    rounds: RoundStream, arrived: queue.SimpleQueue[Round | BaseException | None]
+) -> None:
+    """Hand each round to the main thread, then None at the end or the error that ended it."""
+    try:
+        for round_ in rounds:
+            arrived.put(round_)
+    except BaseException as error:  # the main thread raises it
+        arrived.put(error)
+    else:
+        arrived.put(None)
 
 
 def _enable_line_editing() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -27,6 +28,42 @@ from .trace_context import trace_metadata
 
 # (address for errors, stub): where a call goes, best first
 Routes = list[tuple[str, pb_grpc.GeneratorStub]]
+
+
+class RoundStream(Iterator[Round]):
+    """The rounds of one Generate call as they arrive. ``cancel()`` ends the call from any
+    thread, before or during the iteration, which then raises `KenspecError` (CANCELLED);
+    ``close()``, like a generator's, from the iterating thread."""
+
+    def __init__(self, rounds: Callable[[RoundStream], Iterator[Round]]) -> None:
+        """`rounds(self)` yields the rounds, telling `calling` each call it makes."""
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self._cancelled = False
+        self._rounds = rounds(self)
+
+    def __next__(self) -> Round:
+        return next(self._rounds)
+
+    def close(self) -> None:
+        close = getattr(self._rounds, "close", None)
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()  # a no-op once the stream has ended
+
+    def calling(self, call: grpc.Call) -> None:
+        """`call` is the one that now carries the rounds."""
+        with self._lock:
+            self._call = call
+            cancelled = self._cancelled
+        if cancelled:
+            call.cancel()
 
 
 class Client:
@@ -85,12 +122,14 @@ class Client:
         traceparent: str | None = None,
         session_id: str | None = None,
         **options: Unpack[GenerateOptions],
-    ) -> Iterator[Round]:
+    ) -> RoundStream:
         """Stream the rounds of one generation as they arrive (see `AsyncClient.generate`,
-        and there for the trace context and the session id sent)."""
+        and there for the trace context and the session id sent); the call starts at the
+        first ``next()``."""
         request = build_generate_request(prompt, messages, **options)
         session = call_session(self._session_id, session_id)
-        return self._stream(request, timeout, trace_metadata(traceparent), session)
+        trace = trace_metadata(traceparent)
+        return RoundStream(lambda stream: self._stream(request, timeout, trace, session, stream))
 
     def generate_text(
         self,
@@ -171,11 +210,13 @@ class Client:
         timeout: float | None,
         trace: Pairs,
         session_id: str | None,
+        stream: RoundStream,
     ) -> Iterator[Round]:
         routes = self._routes(session_id)
         options = self._call_options(timeout, trace, session_id)
         for index, (address, stub) in enumerate(routes):
             call = stub.Generate(request, **options)
+            stream.calling(call)
             received = False
             try:
                 for response in call:

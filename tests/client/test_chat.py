@@ -17,9 +17,11 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -37,6 +39,7 @@ from kenspec_api import generator_pb2 as pb
 ROOT = Path(__file__).resolve().parents[2]  # the repository, where `client` lives
 DEADLINE = 60.0  # seconds; bounds waits that a passing run never reaches
 TIMEOUT = ["--timeout", "30"]  # no answer can hang a test
+CANCELS = 60  # Ctrl-Cs in one session
 STATUS = r"\[speculative \| [\d.]+ tok/s \| accepted 4/6 \(67%\) \| 7 tokens \| length\]"
 
 
@@ -180,6 +183,30 @@ def test_system_and_reset_shape_what_is_sent(
     assert "[conversation cleared]" in err
     assert "unknown command /bogus; /help lists the commands\n" in err
     assert "/system [TEXT]" in err  # /help's list
+
+
+def test_the_call_runs_off_the_main_thread(
+    chat_fake: tuple[str, ChatFake],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The main thread takes every Ctrl-C: it must only wait for rounds, never run the gRPC
+    call (an interrupt inside its code can leave a lock held; see the terminal test below)."""
+    address, _ = chat_fake
+    streaming_threads: list[threading.Thread] = []
+    stream = Client._stream
+
+    def recorded(self: Client, *args: Any) -> Iterator[Round]:
+        for round_ in stream(self, *args):
+            streaming_threads.append(threading.current_thread())
+            yield round_
+
+    monkeypatch.setattr(Client, "_stream", recorded)
+    code, out, _ = chat(monkeypatch, capsys, address, "one\ntwo\n")
+
+    assert (code, out) == (0, "Hello one\nHello two\n")
+    assert streaming_threads
+    assert threading.main_thread() not in streaming_threads
 
 
 def test_piped_quit_stops_reading(
@@ -446,6 +473,30 @@ def test_ctrl_c_cancels_the_answer_not_the_session(
     sent = [turns(r) for r in fake.requests]
     assert sent[-1] == [("user", "first"), ("assistant", "Hello first"), ("user", "next")]
     assert len(sent) == 3
+
+
+def test_ctrl_c_again_and_again_leaves_every_later_call_answering(
+    chat_fake: tuple[str, ChatFake], terminal: Callable[..., Terminal]
+) -> None:
+    """A Ctrl-C lands wherever the main thread is. Inside gRPC's own code it could leave one of
+    a call's locks held, and the channel's thread then stalled every later call (about one
+    cancel in thirty here): each cancel is followed by a question that must be answered."""
+    address, fake = chat_fake
+    term = terminal("-a", address)
+    term.prompt()
+    for question in range(CANCELS):
+        term.type("__endless__\r")
+        term.expect(r"\.\.\.")  # the answer is streaming
+        term.type("\x03")
+        term.prompt(r"\[cancelled: the question and its partial answer are dropped.*\]")
+        term.type(f"q{question}\r")
+        term.prompt(f"Hello q{question}\n{STATUS}")
+    term.type("\x04")
+
+    assert term.exit_code() == 0
+    assert [turns(r)[-1] for r in fake.requests[1::2]] == [
+        ("user", f"q{question}") for question in range(CANCELS)
+    ]
 
 
 def test_terminal_commands(
