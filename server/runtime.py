@@ -91,7 +91,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         )
         skinny_rows: set[int] = set()
     else:
-        if settings.fast_step or target.int8:  # (settings refuse int8 without it)
+        if settings.fast_step or target.quantized:  # (settings refuse int8/int4 without it)
             choose_fast_step(target)
         skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
         _choose_attention_kernels(target, settings.attention)
@@ -283,17 +283,17 @@ def _rows(count: int) -> int | str:
 
 
 def choose_fast_step(target: TargetModel) -> None:
-    """A bfloat16 Llama-family target on a CPU, or one with int8 weights: the lean decoder
-    loop, its products' kernels timed by row count (engine.fast_step), where it supports the
-    model (TargetModel.load checked it does for int8)."""
-    if not target.int8 and (target.device.type != "cpu" or target.dtype != torch.bfloat16):
+    """A bfloat16 Llama-family target on a CPU, or one with int8 or int4 weights: the lean
+    decoder loop, its products' kernels timed by row count (engine.fast_step), where it serves
+    the model (TargetModel.load checked it does for quantized weights)."""
+    if not target.quantized and (target.device.type != "cpu" or target.dtype != torch.bfloat16):
         return
     started = time.perf_counter()
     try:
         step = LlamaStep(
             target.model,
             cpu_gemv.load(),
-            cpu_gemv.load_int8() if target.int8 else None,
+            cpu_gemv.load_int8() if target.quantized else None,
             cpu_gemv.load_layer(),
         )
     except Unsupported as reason:
@@ -311,7 +311,10 @@ def choose_fast_step(target: TargetModel) -> None:
         logits_together=step.together,
         # passes of fewer tokens than this compute each row as a one-token pass would
         row_invariant_below=_rows(
-            min(step.products.plan.invariant_below(), step.head.plan.invariant_below())
+            min(
+                step.products.plan.invariant_below(step.products.invariant),
+                step.head.plan.invariant_below(step.head.invariant),
+            )
         ),
         seconds=round(time.perf_counter() - started, 2),
         ms={

@@ -149,10 +149,12 @@ _HELP = {
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
     "float16",
-    "weights": "how the linear layers' weights are kept: bf16 (as loaded, in --dtype) or int8 "
+    "weights": "how the linear layers' weights are kept: bf16 (as loaded, in --dtype), int8 "
     "(weight-only, symmetric, one scale per output row; the output layer too, the embedding "
-    "stays in --dtype): a CPU, the fast step's models (Llama, Mistral, Qwen2), --dtype "
-    "bfloat16 or float32 (the activations); needs --fast-step, not --batch-invariant",
+    "stays in --dtype) or int4 (the decoder's layers in groups of 32 weights with a scale and "
+    "an offset each, as GGUF's Q4_1, through torch's int4 kernel; the output layer int8): a "
+    "CPU, the fast step's models (Llama, Mistral, Qwen2), --dtype bfloat16 or float32 (the "
+    "activations); needs --fast-step, not --batch-invariant",
     "threads": "torch CPU threads (0: torch's default, one per core)",
     "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
     "port": "gRPC port (0: pick a free one and log it)",
@@ -411,22 +413,23 @@ def parse_settings(
 
 
 def _check_weights(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    """--weights: int8 layers are computed by the fast step's kernels only."""
-    if namespace.weights not in ("bf16", "int8"):
-        parser.error(f"--weights must be bf16 or int8, not {namespace.weights!r}")
-    if namespace.weights != "int8":
+    """--weights: int8 and int4 layers are computed by the fast step's kernels only."""
+    if namespace.weights not in ("bf16", "int8", "int4"):
+        parser.error(f"--weights must be bf16, int8 or int4, not {namespace.weights!r}")
+    if namespace.weights == "bf16":
         return
+    flag = f"--weights {namespace.weights}"
     if not namespace.fast_step:
         parser.error(
-            "--weights int8 runs through the fast step: it cannot be combined with --no-fast-step"
+            f"{flag} runs through the fast step: it cannot be combined with --no-fast-step"
         )
     if namespace.batch_invariant:
         parser.error(
-            "--weights int8 cannot be combined with --batch-invariant (which pads the model's "
-            "own layers; int8 runs through the fast step)"
+            f"{flag} cannot be combined with --batch-invariant (which pads the model's "
+            f"own layers; {namespace.weights} runs through the fast step)"
         )
     if namespace.dtype == "float16":
-        parser.error("--weights int8 computes in bfloat16 or float32: not with --dtype float16")
+        parser.error(f"{flag} computes in bfloat16 or float32: not with --dtype float16")
 
 
 SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")

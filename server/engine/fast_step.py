@@ -54,7 +54,15 @@ from server.engine.attention import packed_attention
 from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
 from server.engine.params import MAX_DRAFT_TOKENS
-from server.engine.quantize import Int8Linear, int8_linear, quantize
+from server.engine.quantize import (
+    INT4_JOINED_ROWS,
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    int4_linear,
+    int8_linear,
+    quantize,
+)
 from server.engine.screened_head import SCREEN_ROWS, ScreenedHead
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
@@ -147,27 +155,37 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 @dataclass(eq=False)
 class Product:
     """x @ weight^T (+ bias) for x [rows, in]: one linear layer, or several side by side.
-    With `scales`, weight is int8 and the product (x @ weight^T) * scales (engine.quantize)."""
+    With `scales`, weight is int8 and the product (x @ weight^T) * scales; with `int4`, the
+    product is torch's int4 kernel's over those parts, side by side, and weight is the first
+    part's packed values (engine.quantize)."""
 
     weight: torch.Tensor  # [out, in], contiguous
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout of weight, once a plan uses it
     scales: torch.Tensor | None = None  # [out], the activations' dtype: weight is int8
+    int4: tuple[Int4Weight, ...] = ()  # one part where the layers' rows could be joined
 
     @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype."""
+        if self.int4:
+            return self.int4[0].scales_zeros.dtype
         return self.weight.dtype if self.scales is None else self.scales.dtype
 
+    @property
+    def in_features(self) -> int:
+        return self.int4[0].shape[1] if self.int4 else self.weight.shape[1]
+
     @classmethod
-    def of(cls, layers: Sequence[nn.Linear | Int8Linear]) -> Product:
+    def of(cls, layers: Sequence[nn.Linear | Int8Linear | Int4Linear]) -> Product:
         """The layers' product. One layer's weight is used as it is; several are laid side by
         side once and each layer's weight becomes a view of its rows, so the model's own
         forward still computes what it did and no weight is held twice."""
         int8 = [layer for layer in layers if isinstance(layer, Int8Linear)]
-        if int8:
-            assert len(int8) == len(layers)  # check(): all int8 or none
-            return cls._of_int8(int8)
+        int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
+        if int8 or int4:
+            assert len(int8) == len(layers) or len(int4) == len(layers)  # check(): one kind
+            return cls._of_int8(int8) if int8 else cls._of_int4(int4)
         return cls._of_linear([layer for layer in layers if isinstance(layer, nn.Linear)])
 
     @classmethod
@@ -204,6 +222,25 @@ class Product:
         return cls(values, _joined_bias(layers, scales), scales=scales)
 
     @classmethod
+    def _of_int4(cls, layers: Sequence[Int4Linear]) -> Product:
+        """As `of`, for int4 layers: torch's layout keeps rows in blocks of INT4_JOINED_ROWS,
+        so layers of a multiple of that many rows are joined (each layer's packed values and
+        scales a view of theirs); others stay parts, each its own product."""
+        parts = [Int4Weight(layer.packed, layer.scales_zeros) for layer in layers]
+        if len(layers) > 1 and all(layer.out_features % INT4_JOINED_ROWS == 0 for layer in layers):
+            packed = torch.cat([part.packed for part in parts])
+            scales_zeros = torch.cat([part.scales_zeros for part in parts], dim=1)
+            first = 0
+            for layer in layers:
+                rows = layer.out_features
+                layer.packed = packed[first : first + rows]
+                layer.scales_zeros = scales_zeros[:, first : first + rows]
+                first += rows
+            parts = [Int4Weight(packed, scales_zeros)]
+        bias = _joined_bias(layers, parts[0].scales_zeros.new_empty(0))
+        return cls(parts[0].packed, bias, int4=tuple(parts))
+
+    @classmethod
     def quantized(cls, weight: torch.Tensor, dtype: torch.dtype) -> Product:
         """An int8 copy of weight [out, in] (an output layer tied to the embedding, which keeps
         its own dtype for the lookup)."""
@@ -211,7 +248,7 @@ class Product:
         return cls(int8.values, scales=int8.scales)
 
     def pack(self) -> None:
-        if self.packed is None and self.scales is None:
+        if self.packed is None and self.scales is None and not self.int4:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     def run(
@@ -221,6 +258,11 @@ class Product:
         gemv: cpu_gemv.Gemv | None,
         gemv8: cpu_gemv.GemvInt8 | None = None,
     ) -> torch.Tensor:
+        if self.int4:  # one kernel: torch's
+            if len(self.int4) == 1:
+                return int4_linear(x, self.weight, self.int4[0].scales_zeros, self.bias)
+            parts = [int4_linear(x, part.packed, part.scales_zeros) for part in self.int4]
+            return self._biased(torch.cat(parts, dim=1))
         if self.scales is not None:
             if kernel == "gemv" and gemv8 is not None:
                 return self._biased(gemv8(x, self.weight, self.scales))
@@ -241,7 +283,7 @@ class Product:
 
 
 def _joined_bias(
-    layers: Sequence[nn.Linear | Int8Linear], like: torch.Tensor
+    layers: Sequence[nn.Linear | Int8Linear | Int4Linear], like: torch.Tensor
 ) -> torch.Tensor | None:
     """The layers' biases side by side (zeros for a layer without one, in `like`'s dtype);
     None where no layer has one."""
@@ -267,7 +309,7 @@ class Products:
     def __call__(self, product: Product, x: torch.Tensor) -> torch.Tensor:
         return product.run(x, self.plan.kernel(x.shape[0]), self.gemv, self.gemv8)
 
-    def add(self, layers: Sequence[nn.Linear | Int8Linear]) -> Product:
+    def add(self, layers: Sequence[nn.Linear | Int8Linear | Int4Linear]) -> Product:
         return self.append(Product.of(layers))
 
     def append(self, product: Product) -> Product:
@@ -278,10 +320,26 @@ class Products:
     def int8(self) -> bool:
         return any(product.scales is not None for product in self.products)
 
+    @property
+    def int4(self) -> bool:
+        return any(product.int4 for product in self.products)
+
+    @property
+    def quantized(self) -> str:
+        """ "int8", "int4", or "" (the model's dtype)."""
+        return "int8" if self.int8 else "int4" if self.int4 else ""
+
+    @property
+    def invariant(self) -> str:
+        """The kernel whose rows' bits do not depend on the row count: torch's for int4."""
+        return "stock" if self.int4 else "gemv"
+
     def candidates(self) -> tuple[str, ...]:
         """Kernels this machine can run for these products on a CPU: for int8 weights torch's
         (stock), each weight widened to the activations' dtype for torch's GEMM (dequant) and
         the AVX-512 GEMV where it builds; for bfloat16 ones stock, oneDNN's and the GEMV."""
+        if self.int4:
+            return ("stock",)
         if self.int8:
             return ("stock", "dequant") + (("gemv",) if self.gemv8 is not None else ())
         found = ["stock"]
@@ -311,17 +369,17 @@ class Products:
         for count in rows:
             inputs = {
                 size: torch.randn(count, size, dtype=self.products[0].dtype)
-                for size in {p.weight.shape[1] for p in self.products}
+                for size in {p.in_features for p in self.products}
             }
             samples: dict[str, list[float]] = {name: [] for name in kernels}
             for repeat in range(repeats + 1):  # the first of each warms up and is dropped
                 for name in kernels if repeat % 2 else reversed(kernels):
                     started = time.perf_counter()
                     for product in self.products:
-                        product.run(inputs[product.weight.shape[1]], name, self.gemv, self.gemv8)
+                        product.run(inputs[product.in_features], name, self.gemv, self.gemv8)
                     samples[name].append(time.perf_counter() - started)
             timings[count] = {name: min(s[1:]) for name, s in samples.items()}
-        invariant = "gemv" if "gemv" in kernels else None
+        invariant = self.invariant if self.invariant in kernels else None
         self.plan = RowPlan.fastest(
             timings, margin, invariant=invariant, invariant_rows=MAX_DRAFT_TOKENS + 1
         )
@@ -395,7 +453,7 @@ class LlamaStep:
         self._decoder = self._describe_layers() if self.fused is not None else None
         self.head = Products(gemv=gemv, gemv8=gemv8)  # its own shape, its own plan
         head = model.get_output_embeddings()
-        if isinstance(head, Int8Linear) or not self.products.int8:
+        if isinstance(head, Int8Linear) or not self.products.quantized:
             assert isinstance(head, (nn.Linear, Int8Linear))
             self._head = self.head.add([head])
         else:  # tied to the embedding, which keeps the model's dtype: an int8 copy
@@ -407,7 +465,7 @@ class LlamaStep:
         self.screen = (
             ScreenedHead(head.weight, gemv, cpu_gemv.load_layer())
             if gemv is not None
-            and not self.products.int8
+            and not self.products.quantized
             and isinstance(head, nn.Linear)
             and head.weight.dtype == torch.bfloat16
             else None
@@ -415,8 +473,8 @@ class LlamaStep:
 
     @property
     def weights(self) -> str:
-        """How the products' weights are kept: int8, or the model's dtype (e.g. bfloat16)."""
-        return "int8" if self.products.int8 else str(self._head.dtype).removeprefix("torch.")
+        """How the decoder's weights are kept: int8, int4, or the model's dtype (bfloat16)."""
+        return self.products.quantized or str(self._head.dtype).removeprefix("torch.")
 
     def measure(self) -> dict[str, dict[int, dict[str, float]]]:
         """Choose each product's kernel by row count (Products.measure), and how many rows of
@@ -429,7 +487,7 @@ class LlamaStep:
         """The weights, kernel plans and whether csrc/layer.c runs between the products (e.g.
         for the calibration cache's key)."""
         plans = f"decoder {self.products.plan.describe()}; head {self.head.plan.describe()}"
-        plans = plans if not self.products.int8 else f"int8 {plans}"
+        plans = f"{self.products.quantized} {plans}" if self.products.quantized else plans
         if self.fused is None:
             return plans
         # the kernels' build (a hash of csrc/ and the compiler): a calibration measured with
@@ -538,7 +596,7 @@ class LlamaStep:
     def _all_gemv(self, tokens: int) -> bool:
         """Whether every decoder product of a `tokens`-row pass takes the GEMV (for int8
         weights, the one csrc/step.c runs: bf16 activations, the weights widened)."""
-        if self.products.plan.kernel(tokens) != "gemv":
+        if self.products.plan.kernel(tokens) != "gemv" or self.products.int4:
             return False
         if self.products.int8:
             return self.products.gemv8 is not None and self.products.gemv8.widened is not None
@@ -647,10 +705,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(module: nn.Module, name: str) -> nn.Linear | Int8Linear:
+def _linear(module: nn.Module, name: str) -> nn.Linear | Int8Linear | Int4Linear:
     layer = module.get_submodule(name)
-    assert isinstance(layer, (nn.Linear, Int8Linear))  # check() saw to it
+    assert isinstance(layer, (nn.Linear, Int8Linear, Int4Linear))  # check() saw to it
     return layer
+
+
+_LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear})
 
 
 def check(model: PreTrainedModel) -> None:
@@ -673,11 +734,11 @@ def check(model: PreTrainedModel) -> None:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             kinds.add(type(getattr(attn, name, None)))
-            if kinds - {nn.Linear, Int8Linear}:
+            if kinds - _LINEARS:
                 raise Unsupported(f"{name} is not a plain linear layer")
         for name in ("gate_proj", "up_proj", "down_proj"):
             kinds.add(type(getattr(layer.mlp, name, None)))
-            if kinds - {nn.Linear, Int8Linear}:
+            if kinds - _LINEARS:
                 raise Unsupported(f"mlp.{name} is not a plain linear layer")
     if len(kinds) > 1:
-        raise Unsupported("some linear layers are int8 and some are not")
+        raise Unsupported("the linear layers are not all of one kind (bf16, int8 or int4)")

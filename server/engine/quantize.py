@@ -1,4 +1,6 @@
-"""Weights in int8: symmetric per-output-row quantization of a model's linear layers.
+"""Weights in int8 or int4: weight-only quantization of a model's linear layers.
+
+int8: symmetric, one scale per output row.
 
 Row o of a weight W [out, in] is kept as int8 values q[o] and one scale s[o] in the
 activations' dtype, W[o] ~ q[o] * s[o], with s[o] = max |W[o]| / 127 (rounded up to the dtype,
@@ -8,10 +10,21 @@ kernels, engine.fast_step). The embedding lookup keeps the model's dtype: with t
 only the output layer's product is int8 (the fast step quantizes its own copy).
 
 Example: W[o] = [0.5, -1.27, 0.01] -> s[o] = 0.01, q[o] = [50, -127, 1].
+
+int4: asymmetric, one scale and one offset per group of INT4_GROUP weights of a row (GGUF's
+Q4_1 blocks): W[o, g] ~ (q - 8) * s + z with q in 0..15, s = (max - min) / 15 and z = min + 8s
+(both rounded to the activations' dtype, q taken against the rounded ones), kept in torch's own
+CPU layout for its int4 kernel (`_weight_int4pack_mm_for_cpu`), which computes every product.
+The decoder's layers only: the output layer is int8 (as GGUF files keep it wider than Q4), an
+untied one here and a tied one as the fast step's own copy.
+
+Example (a group of 4 for brevity): [-0.3, 0.0, 0.2, 1.2] -> s = 1.5 / 15 = 0.1,
+z = -0.3 + 0.8 = 0.5, q = round((W - z) / s) + 8 = [0, 3, 5, 15] (exact here).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,23 +96,129 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+INT4_GROUP = 32  # weights of a row sharing one scale and offset
+INT4_ROWS = 16  # torch's int4 layout takes layers of a multiple of this many output rows
+# Layers laid side by side (q/k/v, gate/up) keep torch's layout where each has a multiple of
+# this many rows: its rows then sit in their own blocks of it (tested).
+INT4_JOINED_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    packed: torch.Tensor  # [out, in / 2] uint8: torch's CPU int4 layout of q
+    scales_zeros: torch.Tensor  # [in / INT4_GROUP, out, 2]: (s, z), the activations' dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in] of the weight it stands for."""
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(q - 8) * s + z [out, in] as torch's kernel takes each weight: its product with an
+        identity in float32 (a reference for tests; it costs a product of in x in rows)."""
+        identity = torch.eye(self.shape[1], dtype=torch.float32)
+        return int4_linear(identity, self.packed, self.scales_zeros.float()).T.to(dtype)
+
+
+def int4_unfit(out_features: int, in_features: int) -> str | None:
+    """Why torch's int4 layout cannot take a weight [out, in]; None where it can."""
+    if in_features % INT4_GROUP:
+        return f"{in_features} inputs are not a multiple of the int4 group ({INT4_GROUP})"
+    if out_features % INT4_ROWS:
+        return f"{out_features} outputs are not a multiple of {INT4_ROWS} (torch's int4 layout)"
+    return None
+
+
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+    """weight [out, in] as int4 with a `dtype` scale and offset per group (module's doc)."""
+    out, k = weight.shape
+    if (unfit := int4_unfit(out, k)) is not None:
+        raise ValueError(unfit)
+    with torch.no_grad():
+        groups = weight.detach().float().reshape(out, k // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        constant = high == low  # q = 8 stands for z = low itself
+        scales = torch.where(constant, 1.0, (high - low) / 15).to(dtype)
+        zeros = torch.where(constant, low, low + 8 * scales.float()).to(dtype)
+        steps = (groups - zeros.float()[..., None]) / scales.float()[..., None]
+        values = (torch.round(steps) + 8).clamp_(0, 15).to(torch.int32).reshape(out, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+        scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        return Int4Weight(packed, scales_zeros)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [rows, in] times the int4 weight transposed (+ bias), x in scales_zeros' dtype:
+    torch's CPU int4 kernel, whose rows' bits do not depend on the row count (tested)."""
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.contiguous(), packed, INT4_GROUP, scales_zeros.contiguous()
+    )
+    return out if bias is None else out.add_(bias)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight is kept as int4 (see the module's doc)."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales_zeros", weight.scales_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def of(cls, layer: nn.Linear, dtype: torch.dtype) -> Int4Linear:
+        return cls(quantize_int4(layer.weight, dtype), layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = int4_linear(rows, self.packed, self.scales_zeros, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 def tied_head(model: PreTrainedModel) -> bool:
     """Whether the output layer shares its weight with the embedding."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and head.weight is embedding.weight
 
 
-def quantize_model(model: PreTrainedModel, dtype: torch.dtype) -> None:
-    """Replace every decoder linear layer (DECODER_LINEARS of base_model.layers) and an untied
-    output layer with its Int8Linear; their bf16 or float32 weights are freed."""
+def decoder_linears(model: PreTrainedModel) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, layer) for each of the decoder's DECODER_LINEARS (base_model.layers)."""
     decoder = model.base_model.get_submodule("layers")
     assert isinstance(decoder, nn.ModuleList)
     for layer in decoder:
         for parent in (layer.get_submodule("self_attn"), layer.get_submodule("mlp")):
             for name in DECODER_LINEARS:
                 linear = getattr(parent, name, None)
-                if isinstance(linear, nn.Linear):
-                    setattr(parent, name, Int8Linear.of(linear, dtype))
+                if linear is not None:
+                    yield parent, name, linear
+
+
+def int4_refusal(model: PreTrainedModel) -> str | None:
+    """Why the decoder's layers cannot be int4 (int4_unfit of the first that does not fit)."""
+    for _, name, linear in decoder_linears(model):
+        if isinstance(linear, nn.Linear):
+            unfit = int4_unfit(linear.out_features, linear.in_features)
+            if unfit is not None:
+                return f"{name}: {unfit}"
+    return None
+
+
+def quantize_model(model: PreTrainedModel, dtype: torch.dtype, weights: str = "int8") -> None:
+    """Replace every decoder linear layer with its Int8Linear (`weights` int8) or Int4Linear
+    (int4), and an untied output layer with its Int8Linear; their weights are freed."""
+    quantized = Int8Linear.of if weights == "int8" else Int4Linear.of
+    for parent, name, linear in list(decoder_linears(model)):
+        if isinstance(linear, nn.Linear):
+            setattr(parent, name, quantized(linear, dtype))
     head = model.get_output_embeddings()
     if isinstance(head, nn.Linear) and not tied_head(model):
         model.set_output_embeddings(Int8Linear.of(head, dtype))

@@ -31,14 +31,14 @@ from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
 from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
-from server.engine.quantize import quantize_model
+from server.engine.quantize import int4_refusal, quantize_model
 from server.engine.screened_head import ScreenedHead
 from server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHTS = ("bf16", "int8")  # how the linear layers' weights are kept (bf16: as --dtype loads them)
+WEIGHTS = ("bf16", "int8", "int4")  # how the linear layers are kept (bf16: as --dtype loads them)
 # Architectures whose logits are exactly the output layer of the base model's last hidden state
 # (soft-capped by config.final_logit_softcapping where set): no bias or scaling. For these, rows
 # of logits are computed one at a time and only when the verification needs them.
@@ -109,9 +109,10 @@ class TargetModel:
     # The lean decoder passes run through instead of the model's own (engine.fast_step), with
     # the output layer's product; None: transformers' forward (chosen at start-up, runtime).
     fast_step: LlamaStep | None = None
-    # The decoder's linear layers (and an untied output layer) are int8 (engine.quantize);
-    # only the fast step computes them at speed, so it is then always chosen (runtime).
-    int8: bool = False
+    # "int8" or "int4": the decoder's linear layers are (and an untied output layer is int8,
+    # engine.quantize); only the fast step computes them at speed, so it is then always
+    # chosen (runtime). "": as loaded, in `dtype`.
+    quantized: str = ""
 
     @classmethod
     def load(
@@ -124,7 +125,7 @@ class TargetModel:
     ) -> TargetModel:
         """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
         `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
-        int8, its linear layers quantized (engine.quantize)."""
+        int8 or int4, its linear layers quantized (engine.quantize)."""
         if weights not in WEIGHTS:
             raise TargetLoadError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
         resolved_device = resolve_device(device)
@@ -148,8 +149,8 @@ class TargetModel:
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{name}: {error}") from None
         plain_head, head_t = _plain_head(model, Path(name))
-        if weights == "int8":
-            _quantize(model, name)
+        if weights != "bf16":
+            _quantize(model, name, weights)
             head_t = None  # the fast step's int8 output layer computes the rows
         return cls(
             model=model,
@@ -164,13 +165,13 @@ class TargetModel:
             plain_head=plain_head,
             pass_rows=resolved_device.type != "cpu",
             kernels=kernels,
-            int8=weights == "int8",
+            quantized="" if weights == "bf16" else weights,
         )
 
     @property
     def weights(self) -> str:
-        """How the linear layers' weights are kept: int8, or the dtype (e.g. bfloat16)."""
-        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+        """How the linear layers' weights are kept: int8, int4, or the dtype (bfloat16)."""
+        return self.quantized or str(self.dtype).removeprefix("torch.")
 
     def synchronize(self) -> None:
         """Wait for the device's queued kernels (CUDA), so that a timer read after a pass
@@ -355,24 +356,26 @@ class TargetModel:
         return self.model.base_model(**inputs).last_hidden_state[0], packed.starts
 
 
-def _quantize(model: PreTrainedModel, name: str) -> None:
-    """Int8 weights (engine.quantize), where the fast step serves the model; else
+def _quantize(model: PreTrainedModel, name: str, weights: str) -> None:
+    """Int8 or int4 weights (engine.quantize), where the fast step serves the model; else
     TargetLoadError saying why not."""
+    flag = f"--weights {weights}"
     if model.device.type != "cpu":
-        raise TargetLoadError(f"--weights int8 runs on a CPU only, not {model.device.type}")
+        raise TargetLoadError(f"{flag} runs on a CPU only, not {model.device.type}")
     if model.dtype not in (torch.bfloat16, torch.float32):
         raise TargetLoadError(
-            f"--weights int8 computes in bfloat16 or float32 (--dtype), not "
+            f"{flag} computes in bfloat16 or float32 (--dtype), not "
             f"{str(model.dtype).removeprefix('torch.')}"
         )
     try:
         check(model)
     except Unsupported as reason:
         raise TargetLoadError(
-            f"{name}: --weights int8 runs through the fast step, which does not serve this "
-            f"model: {reason}"
+            f"{name}: {flag} runs through the fast step, which does not serve this model: {reason}"
         ) from None
-    quantize_model(model, model.dtype)
+    if weights == "int4" and (refusal := int4_refusal(model)) is not None:
+        raise TargetLoadError(f"{name}: {flag} cannot keep this model's layers: {refusal}")
+    quantize_model(model, model.dtype, weights)
 
 
 def _plain_head(model: PreTrainedModel, directory: Path) -> tuple[bool, torch.Tensor | None]:

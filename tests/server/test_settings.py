@@ -133,13 +133,16 @@ def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) ->
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--weights", "int4"], "--weights must be bf16 or int8, not 'int4'"),
-        (["--weights", "int8", "--no-fast-step"], "cannot be combined with --no-fast-step"),
+        (["--weights", "int2"], "--weights must be bf16, int8 or int4, not 'int2'"),
+        (["--weights", "int8", "--no-fast-step"], "int8 runs through the fast step: it cannot"),
         (["--weights", "int8", "--batch-invariant"], "cannot be combined with --batch-invariant"),
         (["--weights", "int8", "--dtype", "float16"], "not with --dtype float16"),
+        (["--weights", "int4", "--no-fast-step"], "int4 runs through the fast step: it cannot"),
+        (["--weights", "int4", "--batch-invariant"], "int4 cannot be combined with --batch-inv"),
+        (["--weights", "int4", "--dtype", "float16"], "--weights int4 computes in bfloat16 or"),
     ],
 )
-def test_int8_weights_conflicts_are_refused_with_both_flags_named(flags, message, capsys) -> None:
+def test_quantized_weights_conflicts_are_refused_with_both_flags_named(flags, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         parse_settings(flags, env={})
     assert exit_.value.code == 2

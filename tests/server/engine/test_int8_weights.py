@@ -183,7 +183,7 @@ def test_loading_int8_quantizes_the_layers_and_keeps_a_tied_embedding(
     tokenizer, llama_dir: Path, tmp_path: Path
 ) -> None:
     target = TargetModel.load(llama_dir, device="cpu", dtype="float32", weights="int8")
-    assert target.int8 and target.weights == "int8" and target.head_t is None
+    assert target.quantized == "int8" and target.weights == "int8" and target.head_t is None
     layer = target.model.base_model.layers[0]
     for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(module, Int8Linear)
