@@ -1,4 +1,4 @@
-"""`python -m bench.perplexity`: what int8 weights cost in quality, on held-out text.
+"""`python -m bench.perplexity`: what int8 and int4 weights cost in quality, on held-out text.
 
 Each mode loads the target as the server does (`--dtype`, `--weights`) and scores every
 line of the text files as its own sequence through the target's own passes (the fast step
@@ -8,7 +8,7 @@ token after a line's first, and top-1 agreement, position by position, with the 
     python -m bench.perplexity --out bench/results/int8-weights/perplexity.json
 
 Modes: fp32 (--dtype float32), bf16 (--dtype bfloat16), int8 (--dtype bfloat16 --weights
-int8), int8-fp32 (--dtype float32 --weights int8). The default text is the evaluation prompts
+int8), int8-fp32 (--dtype float32 --weights int8), int4 and int4-fp32 likewise. The default text is the evaluation prompts
 (prompts/dev, ood, grounded, templated: not the draft's training prompts).
 """
 
@@ -34,6 +34,8 @@ MODES = {  # name: (--dtype, --weights)
     "bf16": ("bfloat16", "bf16"),
     "int8": ("bfloat16", "int8"),
     "int8-fp32": ("float32", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "int4-fp32": ("float32", "int4"),
 }
 TEXTS = [REPO_ROOT / "prompts" / f"{name}.txt" for name in ("dev", "ood", "grounded", "templated")]
 
