@@ -24,7 +24,13 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # Whatever did start (gRPC, HTTP) stops while the loop runs: left to the garbage
+        # collector, gRPC's server schedules its shutdown on a closed loop (a traceback).
+        await server.stop(0)
+        raise
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

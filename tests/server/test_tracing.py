@@ -6,6 +6,7 @@ would be."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -321,3 +322,21 @@ def test_trace_context_from_grpc_metadata(memory_tracing) -> None:
 
 async def _read(stream) -> list:
     return [item async for item in stream]
+
+
+def test_a_port_in_use_fails_the_start_up_cleanly() -> None:
+    """The metrics port is taken after gRPC and HTTP listen: the start-up fails with the
+    reason, exit 1, and what had started stops before the loop closes (no traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = ["--port", "0", "--http-port", "0", "--metrics-port", str(port)]
+        result = subprocess.run(
+            [sys.executable, "-m", "server", *flags, "--log-format", "json"],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "startup_failed" in output and "address already in use" in output
+    assert "Traceback" not in output and "never awaited" not in output
