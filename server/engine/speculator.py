@@ -38,6 +38,14 @@ AcceptanceKey = tuple[Source, bool]  # (draft source, sampled): what acceptance 
 FORCED = Source("grammar")  # a round whose drafts are forced tokens alone, as users see it
 
 
+# A round's tree holds at most this many nodes, or as many as its longest candidate chain (a
+# long match), within the tree budget. Guesses branching from uncertain tokens pay less than
+# their pass costs past ~10 nodes: served on one core, held-out chat ran 4-8% faster at 10
+# than at 16 (four pairs), repeated prompts (long suffix matches) no slower (docs/design.md,
+# "One draft length").
+BUSHY_TREE_NODES = 10
+
+
 class DraftConstraint(Protocol):
     """What a grammar does to a round's draft (engine.grammar.GrammarState)."""
 
@@ -226,7 +234,9 @@ class Speculator:
     ) -> tuple[DraftTree, Source]:
         """The session's candidates as one draft tree, cut to the cap (see the module doc)."""
         candidates = session.propose(k)
-        tree, source = self._as_tree(session, candidates, min(self._tree_budget, cap), limit)
+        longest = max((len(chain) for chain in candidates), default=0)
+        nodes = min(self._tree_budget, cap, max(BUSHY_TREE_NODES, longest))
+        tree, source = self._as_tree(session, candidates, nodes, limit)
         return tree.within(cap, limit), source  # the one cut: nodes and depth
 
     def _as_tree(

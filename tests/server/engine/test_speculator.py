@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from server.engine.draft import Candidates, Chain, DraftSession
-from server.engine.draft_tree import Source
+from server.engine.draft_tree import DraftTree, Source
 from server.engine.params import SpeculationParams
-from server.engine.speculator import AcceptanceStats, Speculator
+from server.engine.speculator import BUSHY_TREE_NODES, AcceptanceStats, Speculator
 
 A, B = Source("a"), Source("b")
 
@@ -93,3 +93,39 @@ def test_a_tree_holds_at_most_num_draft_tokens_nodes() -> None:
     assert capped.propose(limit=30) == budget.prefix(4)  # the best 4 of the same tree
     shallow = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=2)
     assert max(shallow.depths()) == 2 and len(shallow) == 3  # 1, then 2 and 5
+
+
+class Guesses(DraftSession):
+    """Three chains of 9 tokens branching at the root, and, when `long`, a long match."""
+
+    def __init__(self, long: int = 0) -> None:
+        self.long = long
+
+    def propose(self, k: int) -> Candidates:
+        chains = tuple(
+            Chain(tuple(range(first, first + 9)), (1.0,) * 9, A) for first in (10, 30, 50)
+        )
+        match = Chain(tuple(range(200, 200 + self.long)), (1.0,) * self.long, B)
+        return chains + ((match,) if self.long else ())
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        pass
+
+
+def test_a_tree_of_guesses_stays_bushy_sized_and_a_long_match_takes_the_budget() -> None:
+    """Without a chain longer than BUSHY_TREE_NODES a tree keeps that many nodes whatever the
+    budget (27 proposed); a long match raises that to its length, within the budget; a
+    smaller budget is kept."""
+    shared = AcceptanceStats()
+    for _ in range(50):  # sure sources: every proposed node is worth a place
+        shared.observe((A, False), drafted=4, accepted=4)
+        shared.observe((B, False), drafted=4, accepted=4)
+    params = SpeculationParams(num_draft_tokens=16)
+
+    def tree(session: DraftSession, budget: int) -> DraftTree:
+        return Speculator(session, params, shared=shared, tree_budget=budget).propose(limit=30)
+
+    assert len(tree(Guesses(), 16)) == BUSHY_TREE_NODES < 16
+    assert len(tree(Guesses(long=14), 16)) == 14  # the match's length
+    assert len(tree(Guesses(long=20), 16)) == 16  # within the budget
+    assert len(tree(Guesses(), 6)) == len(tree(Guesses(long=14), 6)) == 6
