@@ -326,7 +326,7 @@ class Products:
 
     @property
     def quantized(self) -> str:
-        """ "int8", "int4", or "" (the model's dtype)."""
+        """The products' weights: "int8", "int4", or "" (the model's dtype)."""
         return "int8" if self.int8 else "int4" if self.int4 else ""
 
     @property
