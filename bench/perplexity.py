@@ -8,8 +8,9 @@ token after a line's first, and top-1 agreement, position by position, with the 
     python -m bench.perplexity --out bench/results/int8-weights/perplexity.json
 
 Modes: fp32 (--dtype float32), bf16 (--dtype bfloat16), int8 (--dtype bfloat16 --weights
-int8), int8-fp32 (--dtype float32 --weights int8), int4 and int4-fp32 likewise. The default text is the evaluation prompts
-(prompts/dev, ood, grounded, templated: not the draft's training prompts).
+int8), int8-fp32 (--dtype float32 --weights int8), int4 and int4-fp32 likewise. The default
+text is the evaluation prompts (prompts/dev, ood, grounded, templated: not the draft's training
+prompts).
 """
 
 from __future__ import annotations

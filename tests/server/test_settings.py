@@ -142,7 +142,7 @@ def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) ->
         (["--weights", "int4", "--dtype", "float16"], "--weights int4 computes in bfloat16 or"),
     ],
 )
-def test_quantized_weights_conflicts_are_refused_with_both_flags_named(flags, message, capsys) -> None:
+def test_quantized_weights_conflicts_are_refused_with_flags_named(flags, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         parse_settings(flags, env={})
     assert exit_.value.code == 2
