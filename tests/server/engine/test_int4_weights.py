@@ -26,11 +26,15 @@ from server.engine.quantize import (
 )
 from server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
-from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm, plain_decoding
+from tests.server.engine.quantized_models import (
+    biased_qwen2,
+    check_float32_decoding_is_generate,
+    check_greedy_speculation_is_plain_decoding,
+    llama,
+)
 from tests.tiny_architectures import save_architecture
 
 DTYPES = [torch.float32, torch.bfloat16]
-PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
 PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu
 
 
@@ -140,20 +144,12 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def llama_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_architecture(tmp_path_factory.mktemp("int4") / "llama", tokenizer, "llama")
+    return llama(tmp_path_factory.mktemp("int4"), tokenizer)
 
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Biases on q, k and v (random: they start at zero), which the int4 product adds."""
-    directory = save_architecture(tmp_path_factory.mktemp("int4") / "qwen2", tokenizer, "qwen2")
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for layer in model.base_model.layers:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(layer.self_attn, name).bias.normal_(std=0.5)
-    return tiny.save_model(model, tokenizer, directory)
+    return biased_qwen2(tmp_path_factory.mktemp("int4"), tokenizer, seed=5)
 
 
 def _served(directory: Path, dtype: str) -> TargetModel:
@@ -189,15 +185,7 @@ def test_greedy_speculation_is_plain_decoding_of_the_int4_target(
     """Exactness restated for int4: whatever is drafted (always right, never right), greedy
     output equals plain decoding of the same int4 target, token for token."""
     target = _served(llama_dir, dtype)
-    plain = plain_decoding(target, PROMPTS, max_new_tokens=20)
-    seen = {token for _, output in plain.values() for token in output}
-    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
-    for ids, expected in plain.values():
-        for draft in (OracleDraft(expected), never):
-            solo = generate(target, draft, ids, max_new_tokens=20, k=4)
-            for _ in solo:
-                pass
-            assert solo.output_ids == expected, draft.name
+    check_greedy_speculation_is_plain_decoding(target, tmp_path)
 
 
 @pytest.mark.parametrize("model", ["llama_dir", "qwen2_dir"])
@@ -207,16 +195,7 @@ def test_float32_int4_decoding_is_transformers_generate_of_the_quantized_model(
     """In float32 the fast step's int4 products are the quantized model's own (Int4Linear,
     the same kernel): greedy output equals transformers' generate on it."""
     target = _served(request.getfixturevalue(model), "float32")
-    for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        output = target.model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=20,
-        )  # fmt: skip
-        solo = generate(target, None, ids, max_new_tokens=20, enabled=False)
-        for _ in solo:
-            pass
-        assert solo.output_ids == output[0, len(ids) :].tolist()
+    check_float32_decoding_is_generate(target)
 
 
 @pytest.mark.parametrize(

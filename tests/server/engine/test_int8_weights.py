@@ -20,13 +20,17 @@ from server.engine.fast_step import LlamaStep, Product, Products, RowPlan
 from server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
 from server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
-from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm, plain_decoding
+from tests.server.engine.quantized_models import (
+    biased_qwen2,
+    check_float32_decoding_is_generate,
+    check_greedy_speculation_is_plain_decoding,
+    llama,
+)
 from tests.tiny_architectures import save_architecture
 
 GEMV8 = cpu_gemv.load_int8()
 NO_GEMV8 = pytest.mark.skipif(GEMV8 is None, reason="the CPU has no AVX-512 F/BW/VL/DQ")
 DTYPES = [torch.float32, torch.bfloat16]
-PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
 
 
 @pytest.fixture(params=["stock", "dequant", pytest.param("gemv", marks=NO_GEMV8)])
@@ -155,20 +159,12 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def llama_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_architecture(tmp_path_factory.mktemp("int8") / "llama", tokenizer, "llama")
+    return llama(tmp_path_factory.mktemp("int8"), tokenizer)
 
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Biases on q, k and v (random: they start at zero), which the fused int8 product adds."""
-    directory = save_architecture(tmp_path_factory.mktemp("int8") / "qwen2", tokenizer, "qwen2")
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for layer in model.base_model.layers:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(layer.self_attn, name).bias.normal_(std=0.5)
-    return tiny.save_model(model, tokenizer, directory)
+    return biased_qwen2(tmp_path_factory.mktemp("int8"), tokenizer, seed=4)
 
 
 def _served(directory: Path, dtype: str, kernel: str) -> TargetModel:
@@ -205,15 +201,7 @@ def test_greedy_speculation_is_plain_decoding_of_the_quantized_target(
     """Exactness restated for int8: whatever is drafted (always right, never right), greedy
     output equals plain decoding of the same int8 target, token for token."""
     target = _served(llama_dir, dtype, kernel)
-    plain = plain_decoding(target, PROMPTS, max_new_tokens=20)
-    seen = {token for _, output in plain.values() for token in output}
-    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
-    for ids, expected in plain.values():
-        for draft in (OracleDraft(expected), never):
-            solo = generate(target, draft, ids, max_new_tokens=20, k=4)
-            for _ in solo:
-                pass
-            assert solo.output_ids == expected, draft.name
+    check_greedy_speculation_is_plain_decoding(target, tmp_path)
 
 
 @pytest.mark.parametrize("model", ["llama_dir", "qwen2_dir"])
@@ -223,16 +211,7 @@ def test_float32_int8_decoding_is_transformers_generate_of_the_quantized_model(
     """In float32 the fast step's int8 products are the quantized model's own (Int8Linear)
     up to summation order: greedy output equals transformers' generate on it."""
     target = _served(request.getfixturevalue(model), "float32", kernel)
-    for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        output = target.model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=20,
-        )  # fmt: skip
-        solo = generate(target, None, ids, max_new_tokens=20, enabled=False)
-        for _ in solo:
-            pass
-        assert solo.output_ids == output[0, len(ids) :].tolist()
+    check_float32_decoding_is_generate(target)
 
 
 @pytest.mark.parametrize(
