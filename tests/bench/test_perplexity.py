@@ -32,6 +32,6 @@ def test_modes_score_the_same_tokens_and_agree_with_themselves(tiny_model_dir, t
 
 def test_unknown_modes_are_refused(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
-        perplexity.main(["--modes", "fp32,int4"])
+        perplexity.main(["--modes", "fp32,int2"])
     assert exit_.value.code == 2
-    assert "unknown ['int4']" in capsys.readouterr().err
+    assert "unknown ['int2']" in capsys.readouterr().err
