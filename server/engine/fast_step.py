@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -195,13 +196,9 @@ class Product:
                 weight = layers[0].weight.detach().contiguous()
             else:
                 weight = torch.cat([layer.weight.detach() for layer in layers])
-                first = 0
-                for layer in layers:
-                    rows = layer.out_features
-                    layer.weight = nn.Parameter(
-                        weight[first : first + rows], requires_grad=layer.weight.requires_grad
-                    )
-                    first += rows
+                for layer, rows in zip(layers, _row_ranges(layers), strict=True):
+                    grad = layer.weight.requires_grad
+                    layer.weight = nn.Parameter(weight[rows], requires_grad=grad)
             return cls(weight, _joined_bias(layers, weight))
 
     @classmethod
@@ -213,12 +210,8 @@ class Product:
         else:
             values = torch.cat([layer.values for layer in layers])
             scales = torch.cat([layer.scales for layer in layers])
-            first = 0
-            for layer in layers:
-                rows = layer.out_features
-                layer.values = values[first : first + rows]
-                layer.scales = scales[first : first + rows]
-                first += rows
+            for layer, rows in zip(layers, _row_ranges(layers), strict=True):
+                layer.values, layer.scales = values[rows], scales[rows]
         return cls(values, _joined_bias(layers, scales), scales=scales)
 
     @classmethod
@@ -230,12 +223,8 @@ class Product:
         if len(layers) > 1 and all(layer.out_features % INT4_JOINED_ROWS == 0 for layer in layers):
             packed = torch.cat([part.packed for part in parts])
             scales_zeros = torch.cat([part.scales_zeros for part in parts], dim=1)
-            first = 0
-            for layer in layers:
-                rows = layer.out_features
-                layer.packed = packed[first : first + rows]
-                layer.scales_zeros = scales_zeros[:, first : first + rows]
-                first += rows
+            for layer, rows in zip(layers, _row_ranges(layers), strict=True):
+                layer.packed, layer.scales_zeros = packed[rows], scales_zeros[:, rows]
             parts = [Int4Weight(packed, scales_zeros)]
         bias = _joined_bias(layers, parts[0].scales_zeros.new_empty(0))
         return cls(parts[0].packed, bias, int4=tuple(parts))
@@ -280,6 +269,12 @@ class Product:
     def _biased(self, out: torch.Tensor) -> torch.Tensor:
         """A kernel's product without bias, the bias added in place."""
         return out if self.bias is None else out.add_(self.bias)
+
+
+def _row_ranges(layers: Sequence[nn.Linear | Int8Linear | Int4Linear]) -> list[slice]:
+    """Each layer's rows among the layers' rows side by side."""
+    ends = list(itertools.accumulate(layer.out_features for layer in layers))
+    return [slice(end - layer.out_features, end) for layer, end in zip(layers, ends, strict=True)]
 
 
 def _joined_bias(
