@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from server.engine.params import (
     MAX_DRAFT_TOKENS,
+    WEIGHTS,
     InvalidParameter,
     SpeculationParams,
 )
@@ -414,8 +415,9 @@ def parse_settings(
 
 def _check_weights(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
     """--weights: int8 and int4 layers are computed by the fast step's kernels only."""
-    if namespace.weights not in ("bf16", "int8", "int4"):
-        parser.error(f"--weights must be bf16, int8 or int4, not {namespace.weights!r}")
+    if namespace.weights not in WEIGHTS:
+        known = f"{', '.join(WEIGHTS[:-1])} or {WEIGHTS[-1]}"
+        parser.error(f"--weights must be {known}, not {namespace.weights!r}")
     if namespace.weights == "bf16":
         return
     flag = f"--weights {namespace.weights}"

@@ -17,6 +17,9 @@ class InvalidParameter(ValueError):
 MAX_DRAFT_TOKENS = 64  # draft tokens one round may verify, whatever a request asks
 DRAFT_TOKENS = 16  # the default cap: a round's token tree (16 nodes) or long match (16 tokens)
 CHAIN_TOKENS = 6  # an ordinary chain's length k (a short match's, KenLM's)
+# How the target's linear layers are kept (--weights): bf16 as --dtype loads them, or
+# quantized (engine.quantize)
+WEIGHTS = ("bf16", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)

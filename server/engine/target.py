@@ -30,6 +30,7 @@ from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_fol
 from server.engine.kernels import Kernels
 from server.engine.kv_cache import SlotCache
 from server.engine.packed_pass import pack
+from server.engine.params import WEIGHTS
 from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
 from server.engine.quantize import int4_refusal, quantize_model
 from server.engine.screened_head import ScreenedHead
@@ -38,7 +39,6 @@ from server.engine.verify_pass import VerifyPass
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHTS = ("bf16", "int8", "int4")  # how the linear layers are kept (bf16: as --dtype loads them)
 # Architectures whose logits are exactly the output layer of the base model's last hidden state
 # (soft-capped by config.final_logit_softcapping where set): no bias or scaling. For these, rows
 # of logits are computed one at a time and only when the verification needs them.
