@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -35,7 +35,7 @@ class RoundStream(Iterator[Round]):
     thread, before or during the iteration, which then raises `KenspecError` (CANCELLED);
     ``close()``, like a generator's, from the iterating thread."""
 
-    def __init__(self, rounds: Callable[[RoundStream], Iterator[Round]]) -> None:
+    def __init__(self, rounds: Callable[[RoundStream], Generator[Round, None, None]]) -> None:
         """`rounds(self)` yields the rounds, telling `calling` each call it makes."""
         self._lock = threading.Lock()
         self._call: grpc.Call | None = None
@@ -46,9 +46,7 @@ class RoundStream(Iterator[Round]):
         return next(self._rounds)
 
     def close(self) -> None:
-        close = getattr(self._rounds, "close", None)
-        if close is not None:
-            close()
+        self._rounds.close()
 
     def cancel(self) -> None:
         with self._lock:
@@ -211,7 +209,7 @@ class Client:
         trace: Pairs,
         session_id: str | None,
         stream: RoundStream,
-    ) -> Iterator[Round]:
+    ) -> Generator[Round, None, None]:
         routes = self._routes(session_id)
         options = self._call_options(timeout, trace, session_id)
         for index, (address, stub) in enumerate(routes):

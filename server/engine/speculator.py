@@ -42,7 +42,7 @@ FORCED = Source("grammar")  # a round whose drafts are forced tokens alone, as u
 # long match), within the tree budget. Guesses branching from uncertain tokens pay less than
 # their pass costs past ~10 nodes: served on one core, held-out chat ran 4-8% faster at 10
 # than at 16 (four pairs), repeated prompts (long suffix matches) no slower (docs/design.md,
-# "One draft length").
+# "Bushy trees stop at 10 nodes").
 BUSHY_TREE_NODES = 10
 
 
