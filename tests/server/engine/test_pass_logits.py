@@ -89,9 +89,26 @@ def test_together_is_the_most_rows_at_about_one_rows_cost() -> None:
         1: {"gemv": 1.6, "packed": 1.7},
         4: {"gemv": 1.8, "packed": 1.9},
         8: {"gemv": 1.4, "packed": 2.4},
-        12: {"gemv": 1.95, "packed": 2.9},  # 22% over one row's: still together
-        17: {"gemv": 2.6, "packed": 3.5},
-        24: {"gemv": 3.6, "packed": 1.0},  # (past the first count over: not reached)
+        12: {"gemv": 2.3, "packed": 2.9},  # 44% over one row's: still together
+        17: {"gemv": 2.6, "packed": 3.5},  # 63% over: lazily
+        24: {"gemv": 1.0, "packed": 3.6},  # (the plan's kernel here is oneDNN's)
     }
     assert rows_at_one_rows_cost(timings, plan) == 12
     assert rows_at_one_rows_cost({4: {"gemv": 1.0}}, plan) == 1
+
+
+def test_one_noisy_count_does_not_cut_together_short() -> None:
+    """A slow timing at 4 rows (a neighbour's burst) must not leave a dozen rows to be read
+    a block at a time: the largest count within the bound is taken (it was 3 here)."""
+    from server.engine.fast_step import RowPlan, rows_at_one_rows_cost
+
+    plan = RowPlan(((1, "packed"), (6, "gemv")))
+    timings = {  # a start-up's output-layer timings on the EPYC, ms
+        1: {"gemv": 1.99, "packed": 1.82},
+        2: {"gemv": 2.15, "packed": 2.11},
+        4: {"gemv": 2.41, "packed": 2.95},  # over 1.5 x 1.82
+        8: {"gemv": 2.63, "packed": 2.84},
+        12: {"gemv": 2.06, "packed": 3.5},
+        17: {"gemv": 3.88, "packed": 4.75},
+    }
+    assert rows_at_one_rows_cost(timings, plan) == 12
