@@ -14,11 +14,18 @@
 #include "simd.h"
 
 /* Output rows x pass rows a block takes at once: 16 accumulators, reduced together. One-row
- * passes take 8 weight rows at once, two-row passes 8 x 2, others 4 x 4 (two rows as 4 x 2
+ * passes take 16 weight rows at once, two-row passes 8 x 2, others 4 x 4 (two rows as 4 x 2
  * left 8 accumulators: on the 2-core EPYC an output layer's 2-row product took 1.2x its
- * 1-row time, more than oneDNN's). */
+ * 1-row time, more than oneDNN's).
+ *
+ * A block of one pass row reads its weight rows one after another, each start to end: read
+ * a 64-byte piece of each of 8 rows in turn, as the wider blocks do, a one-row product of a
+ * 170 MB layer streamed 29.6-33.7 GB/s on the EPYC where a plain read of it took 39-42; row
+ * after row, 37.5-40.2. Each output's partial sums are the same, in the same order, so the
+ * bits are too. Wider blocks keep the interleaved order: their weights are read once for
+ * several pass rows, and read row after row an 8-row product fell from 31 to 19 GB/s. */
 #ifndef ONE_ROW_BLOCK
-#define ONE_ROW_BLOCK 8
+#define ONE_ROW_BLOCK 16
 #endif
 #define TWO_ROW_BLOCK 8
 #ifndef OUT_BLOCK
@@ -36,6 +43,11 @@ _Static_assert(OUT_BLOCK <= 16 && (OUT_BLOCK & (OUT_BLOCK - 1)) == 0,
 #ifndef PREFETCH
 #define PREFETCH 16384
 #endif
+/* A one-row block's, read row after row: about 7 rows of a 576-wide layer ahead (4,096 and
+ * 16,384 measured the same, within the VM's noise). */
+#ifndef ONE_ROW_PREFETCH
+#define ONE_ROW_PREFETCH 8192
+#endif
 
 /* 32 weights from `at` as bfloat16: bf16 as they are, or int8 widened (exact: every int8
  * is a bfloat16). */
@@ -46,6 +58,17 @@ static inline __attribute__((always_inline)) __m512bh weights(const void *w, lon
   const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
   const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
   return _mm512_cvtne2ps_pbh(high, low);
+}
+
+/* scales[o + l % nb] in lane l (nb: 1, 2, 4, 8 or 16), as float32: an int8 block's scales
+ * for its lanes (lane j * nb + i: pass row j, output i). */
+static inline __attribute__((always_inline)) __m512 spread_scales(const uint16_t *scales, long o,
+                                                                 const int nb) {
+  const __m512i lane = _mm512_and_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(nb - 1));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << nb) - 1u), scales + o)), 16));
+  return _mm512_permutexvar_ps(lane, scale);
 }
 
 /* y[r0 .. r0 + rb, o .. o + nb] for compile-time nb * rb <= 16 and int8 (each call site
@@ -79,17 +102,36 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
    * count. Lane j * nb + i: pass row j, output i; rounded to nearest even, as to_bf16. */
   for (int a = nb * rb; a < 16; a++) acc[a] = _mm512_setzero_ps();
   __m512 sums = reduce16(acc);
-  if (scaled) { /* lane l takes scales[o + l % nb] (nb: 1, 4 or 8) */
-    const __m512i lane = _mm512_and_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(nb - 1));
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << nb) - 1u), scales + o)), 16));
-    sums = _mm512_mul_ps(sums, _mm512_permutexvar_ps(lane, scale));
-  }
+  if (scaled) sums = _mm512_mul_ps(sums, spread_scales(scales, o, nb));
   const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
   for (int j = 0; j < rb; j++)
     _mm256_mask_storeu_epi16(y + (r0 + j) * out + o - j * nb,
                              (__mmask16)(((1u << nb) - 1u) << (j * nb)), rounded);
+}
+
+/* y[0, o .. o + nb] of a one-row pass, as block(..., nb, 1, ...) computes it (the same partial
+ * sums in the same order, one horizontal sum, the same rounding), with its weight rows read
+ * one after another, each start to end (see ONE_ROW_BLOCK). */
+static inline __attribute__((always_inline)) void one_row(const uint16_t *x, const void *w,
+                                                          const uint16_t *scales, uint16_t *y,
+                                                          long k, long o, const int nb,
+                                                          const int int8) {
+  const long whole = k & ~31L;
+  const __mmask32 tail = (__mmask32)((1ULL << (k - whole)) - 1ULL);
+  const long size = int8 ? 1 : 2; /* bytes a weight */
+  __m512 acc[16];
+  for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
+  for (int i = 0; i < nb; i++)
+    for (long c = 0; c < k; c += 32) {
+      const __mmask32 mask = c < whole ? (__mmask32)0xffffffffu : tail;
+      _mm_prefetch((const char *)w + ((o + i) * k + c) * size + ONE_ROW_PREFETCH / (3 - size),
+                   _MM_HINT_T0);
+      const __m512bh xs = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c);
+      acc[i] = _mm512_dpbf16_ps(acc[i], weights(w, (o + i) * k + c, mask, int8), xs);
+    }
+  __m512 sums = reduce16(acc);
+  if (int8) sums = _mm512_mul_ps(sums, spread_scales(scales, o, nb));
+  _mm256_mask_storeu_epi16(y + o, (__mmask16)((1u << nb) - 1u), (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
 #define ROWS(w, nb, int8, scaled, wo)                                                         \
@@ -119,10 +161,9 @@ static inline __attribute__((always_inline)) int columns(const uint16_t *x, cons
                                                          long first, long last, const int int8) {
   long o = first;
   if (rows == 1) {
-    for (; o + ONE_ROW_BLOCK <= last; o += ONE_ROW_BLOCK)
-      block(x, w, scales, y, k, out, o, 0, ONE_ROW_BLOCK, 1, int8, int8, o);
-    for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) block(x, w, scales, y, k, out, o, 0, OUT_BLOCK, 1, int8, int8, o);
-    for (; o < last; o++) block(x, w, scales, y, k, out, o, 0, 1, 1, int8, int8, o);
+    for (; o + ONE_ROW_BLOCK <= last; o += ONE_ROW_BLOCK) one_row(x, w, scales, y, k, o, ONE_ROW_BLOCK, int8);
+    for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) one_row(x, w, scales, y, k, o, OUT_BLOCK, int8);
+    for (; o < last; o++) one_row(x, w, scales, y, k, o, 1, int8);
     return 0;
   }
   if (rows == 2) /* the rest (fewer than 8 outputs) below, 4 x 2 and 1 x 2 */

@@ -99,7 +99,7 @@ def test_gemv_is_the_product_rounded_once(k: int) -> None:
 @pytest.mark.parametrize(("out", "k"), [(1536, 576), (301, 77)])
 def test_gemv_row_bits_do_not_depend_on_the_row_count(out: int, k: int) -> None:
     """A row's outputs are bit-identical alone or among 1..17 rows, whatever block of outputs
-    and rows they fall in (one-row blocks of 8, 4 x 4 blocks, single-output tails) and with
+    and rows they fall in (one-row blocks of 16, 4 x 4 blocks, single-output tails) and with
     one thread or two: one summation order."""
     assert GEMV is not None
     torch.manual_seed(1)
