@@ -99,7 +99,8 @@ def test_together_is_the_most_rows_at_about_one_rows_cost() -> None:
 
 def test_one_noisy_count_does_not_cut_together_short() -> None:
     """A slow timing at 4 rows (a neighbour's burst) must not leave a dozen rows to be read
-    a block at a time: the largest count within the bound is taken (it was 3 here)."""
+    a block at a time: the largest count within the bound is taken (the old rule, stopping at
+    the first count over, gave 2 here)."""
     from server.engine.fast_step import RowPlan, rows_at_one_rows_cost
 
     plan = RowPlan(((1, "packed"), (6, "gemv")))
