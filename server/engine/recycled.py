@@ -57,7 +57,7 @@ class RecycledPredictions:
         pairs = [(i, row) for i, row in rows if 0 <= token_ids[i] < self.vocab_size]
         if not pairs:
             return
-        logits = torch.stack([row for _, row in pairs]).float()  # [rows, vocab]
+        logits = _stacked([row for _, row in pairs]).float()  # [rows, vocab]
         width = min(self.width, logits.shape[-1])
         if self._top_probs is not None and logits.device.type == "cpu" and width <= 16:
             ids, probs = self._top_probs(logits, width)
@@ -101,3 +101,25 @@ class RecycledPredictions:
             probs.append(path)
             token = following
         return tokens, probs
+
+
+def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """rows [vocab] as one [rows, vocab] tensor: a view where they lie one after another in
+    one tensor already (a pass's rows computed in one product: no 2.4 MB copy for 12 rows of
+    49k float32 logits), else stacked."""
+    first = rows[0]
+    size = first.shape[-1]
+    if (
+        first.dim() == 1
+        and first.stride(0) == 1
+        and all(
+            row.dtype == first.dtype
+            and row.shape == first.shape
+            and row.stride(0) == 1
+            and row.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and row.storage_offset() == first.storage_offset() + i * size
+            for i, row in enumerate(rows)
+        )
+    ):
+        return first.as_strided((len(rows), size), (size, 1))
+    return torch.stack(list(rows))

@@ -10,7 +10,7 @@ from kenspec_api.outputs import BreakerState
 from server.engine.context_draft import ContextDraft
 from server.engine.draft_tree import Source
 from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
-from server.engine.recycled import RecycledPredictions
+from server.engine.recycled import RecycledPredictions, _stacked
 from server.engine.speculative_engine import BreakerSettings
 from tests.server.engine.drafts import generate
 
@@ -40,6 +40,24 @@ def test_a_newer_row_for_the_same_token_replaces_the_older() -> None:
     assert table.next_tokens(5)[0][0] == 8
     table.record([5], [(0, row(10, {1: 3.0}))])
     assert table.next_tokens(5)[0][0] == 1
+
+
+def test_rows_of_one_product_are_read_in_place_and_give_what_copies_give() -> None:
+    """A pass's rows computed in one product are recorded from a view of it (no copy),
+    others stacked: the table is the same either way, whichever rows are kept (a token
+    outside the vocabulary drops its row from the middle) and wherever the block starts."""
+    scores = [row(12, {1 + i: 2.0, 11 - i: 1.0}) for i in range(6)]
+    block = torch.stack([row(12, {}), *scores])[1:]  # a view that starts one row in
+    for tokens in ([0, 1, 2, 3, 4, 5], [0, 1, 99, 3, 4, 5]):
+        viewed, copied = RecycledPredictions(12, width=2), RecycledPredictions(12, width=2)
+        viewed.record(tokens, [(i, block[i]) for i in range(6)])
+        copied.record(tokens, [(i, scores[i].clone()) for i in range(6)])
+        assert [viewed.next_tokens(t) for t in range(12)] == [
+            copied.next_tokens(t) for t in range(12)
+        ]
+        assert viewed.next_tokens(4) == copied.next_tokens(4) and viewed.next_tokens(4)
+    assert _stacked([block[i] for i in range(6)]).data_ptr() == block.data_ptr()
+    assert torch.equal(_stacked([block[0], block[2]]), block[[0, 2]])
 
 
 def test_a_chain_follows_the_best_next_token_until_unseen_or_improbable() -> None:
