@@ -1,11 +1,13 @@
 """Products for a few rows at memory speed on AVX-512 CPUs: bfloat16 weights on CPUs with
-AVX512-BF16 (csrc/gemv.c), int8 weights on any with AVX-512 F/BW/VL/DQ (csrc/gemv_int8.c).
+AVX512-BF16 (csrc/gemv.c), int8 weights on any with AVX-512 F/BW/VL/DQ (csrc/gemv_int8.c),
+and the screened output layer's approximate int8 x int8 product with AVX512-VNNI
+(csrc/gemv_u8s8.c).
 
 torch's bfloat16 `F.linear` reads a one-row pass's weights at a third of the memory's speed on
 the CPUs kenspec targets (docs/design.md, "The target's step"); these kernels stream them once.
 Each is compiled with the machine's C compiler the first time it is needed and kept under
 `~/.cache/kenspec/kernels/<hash>/` (a restart loads it in milliseconds), and called through
-ctypes. `load()` and `load_int8()` are None where they cannot run: the CPU lacks the
+ctypes. `load()`, `load_int8()` and `load_u8s8()` are None where they cannot run: the CPU lacks the
 instructions, no compiler, or a build that fails (then the server uses torch's kernels).
 """
 
@@ -32,6 +34,9 @@ LAYER_SOURCE = Path(__file__).with_name("csrc") / "step.c"  # layer.c and gemv.c
 INT8_SOURCE = Path(__file__).with_name("csrc") / "gemv_int8.c"
 INT8_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
 INT8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+U8S8_SOURCE = Path(__file__).with_name("csrc") / "gemv_u8s8.c"
+U8S8_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp")
+U8S8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 CACHE = Path(os.environ.get("KENSPEC_KERNEL_CACHE", "~/.cache/kenspec/kernels")).expanduser()
 
 
@@ -185,13 +190,21 @@ class LayerKernels:
         return ids, probs
 
     def screen(
-        self, approximate: torch.Tensor, error: torch.Tensor, norm: float, out: torch.Tensor
+        self,
+        approximate: torch.Tensor,
+        error: torch.Tensor,
+        norm: float,
+        out: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        residue: float = 0.0,
     ) -> int:
         """layer.c's kenspec_screen: the candidates of a screened argmax (engine.screened_head)
         into out (int32, ascending); their count (more than out holds: out is partial), or
-        -1 where a bound is not finite."""
+        -1 where a bound is not finite. weight and residue: the bound's term for quantized
+        activations (GemvU8S8), if any."""
         count: int = self.library.kenspec_screen(
-            approximate.data_ptr(), error.data_ptr(), norm, approximate.shape[-1],
+            approximate.data_ptr(), error.data_ptr(), norm,
+            None if weight is None else weight.data_ptr(), residue, approximate.shape[-1],
             out.data_ptr(), out.shape[0],
         )  # fmt: skip
         return count
@@ -201,6 +214,42 @@ class LayerKernels:
         layer of a pass whose products all take the GEMV, in one call."""
         if self.library.kenspec_decoder_pass(*arguments):
             raise MemoryError("kenspec_decoder_pass: no memory for the pass's buffers")
+
+
+@dataclass(frozen=True)
+class GemvU8S8:
+    """Approximate products of bfloat16 rows with an int8 layer, the rows quantized to 8 bits
+    as well (csrc/gemv_u8s8.c, AVX512-VNNI): for the screened output layer's verify passes."""
+
+    library: ctypes.CDLL
+    path: Path
+
+    def prepare(self, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row of int8 values [out, k] (bf16 scales [out]): its scale as float32 and the
+        sum of its values (int32), which __call__ takes."""
+        out, k = values.shape
+        scale = torch.empty(out, dtype=torch.float32)
+        offset = torch.empty(out, dtype=torch.int32)
+        self.library.kenspec_u8s8_prepare(
+            values.data_ptr(), scales.data_ptr(), k, out, scale.data_ptr(), offset.data_ptr()
+        )
+        return scale, offset
+
+    def __call__(
+        self, x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Approximate (x @ values^T) * scale, float32 [rows, out], for contiguous bf16 x
+        [rows, k]; and each row's quantization residue |x - t p|_2 (float64 [rows])."""
+        rows, k = x.shape
+        y = torch.empty(rows, values.shape[0], dtype=torch.float32)
+        residue = torch.empty(rows, dtype=torch.float64)
+        failed = self.library.kenspec_gemv_u8s8(
+            x.data_ptr(), values.data_ptr(), scale.data_ptr(), offset.data_ptr(), y.data_ptr(),
+            residue.data_ptr(), rows, k, values.shape[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_u8s8: no memory for the quantized rows")
+        return y, residue
 
 
 class DecoderLayer(ctypes.Structure):
@@ -254,7 +303,7 @@ def load_layer() -> LayerKernels | None:
         ),
         "kenspec_silu_mul": (None, [pointer] * 2 + [size] * 2),
         "kenspec_top_probs": (None, [pointer] + [size] * 3 + [pointer] * 2),
-        "kenspec_screen": (size, [pointer] * 2 + [real, size, pointer, size]),
+        "kenspec_screen": (size, [pointer] * 2 + [real, pointer, real, size, pointer, size]),
         "kenspec_decoder_pass": (
             ctypes.c_int,
             [ctypes.POINTER(DecoderLayer), size] + [pointer] * 3 + [size] * 6 + [ctypes.c_int]
@@ -265,6 +314,25 @@ def load_layer() -> LayerKernels | None:
         function = getattr(library, name)
         function.restype, function.argtypes = result, arguments
     return LayerKernels(*built)
+
+
+@cache
+def load_u8s8() -> GemvU8S8 | None:
+    """The compiled approximate int8 x int8 product, built once per machine and source; None
+    where it cannot run (a CPU without AVX512-VNNI and -BW, or no compiler)."""
+    if not U8S8_CPU_FLAGS.issubset(cpu_flags()):
+        return None
+    built = _library(U8S8_SOURCE, U8S8_FLAGS)
+    if built is None:
+        return None
+    library = built[0]
+    library.kenspec_u8s8_prepare.restype = None
+    library.kenspec_u8s8_prepare.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+    )
+    library.kenspec_gemv_u8s8.restype = ctypes.c_int
+    library.kenspec_gemv_u8s8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3
+    return GemvU8S8(*built)
 
 
 @cache

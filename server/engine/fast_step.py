@@ -64,7 +64,7 @@ from server.engine.quantize import (
     int8_linear,
     quantize,
 )
-from server.engine.screened_head import SCREEN_ROWS, ScreenedHead
+from server.engine.screened_head import ScreenedHead
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's products take
@@ -465,7 +465,7 @@ class LlamaStep:
         self.together = 1
         # greedy tokens through an int8 copy of a bf16 output layer, exactly (screened_head)
         self.screen = (
-            ScreenedHead(head.weight, gemv, cpu_gemv.load_layer())
+            ScreenedHead(head.weight, gemv, cpu_gemv.load_layer(), cpu_gemv.load_u8s8())
             if gemv is not None
             and not self.products.quantized
             and isinstance(head, nn.Linear)
@@ -500,7 +500,7 @@ class LlamaStep:
         """The screen for a greedy pass of `rows` rows of logits (None: no screen). Its exact
         logits are the GEMV's whatever the output layer's plan, so a screened token does not
         depend on what else is in the pass."""
-        return self.screen if rows <= SCREEN_ROWS else None
+        return self.screen if self.screen is not None and rows <= self.screen.rows else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits [rows, vocab] of hidden states [rows, hidden]."""

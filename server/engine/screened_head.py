@@ -22,6 +22,19 @@ and with L = max_k (A_k - b_k), every token with G_j >= G_k for all k has A_j + 
 L: the candidates {j : A_j + b_j >= L} hold every maximum of G. On SmolLM2's own hidden states
 a median of 3 tokens pass, at most 45 in 4,407 steps.
 
+Verify passes (2 to WIDE_SCREEN_ROWS rows, CPUs with AVX512-VNNI) quantize the rows as well:
+x ~= t p with p = round(x / t) in [-127, 127] (csrc/gemv_u8s8.c), so the product is integer
+multiply-adds, 64 a vpdpbusd where dpbf16 does 32. Then A_j = s_j t (p . q_j), and
+
+    |x . w_j - s_j t (p . q_j)| <= |x . (w_j - s_j q_j)| + |(x - t p) . s_j q_j|
+                                <= |x|_2 e_j + |x - t p|_2 |s_j q_j|_2
+
+so the bound gains the term d |s_j q_j|_2 (d = |x - t p|_2 per row, from the kernel in
+float64; |s_j q_j|_2 once, in float64), inside the same 1.01. Looser (hidden states have a
+few channels ~10x the rest, which set t): a median of 69 candidates on SmolLM2's passes, 90th
+percentile 333. The candidates' exact logits are written back into the approximate row, so a
+row the walk read recycles the exact best token.
+
 Only the argmax is screened: rows a request reads whole (sampling, logprobs, penalties,
 grammars) are computed exactly, as before; the approximate rows serve the recycled predictions
 (drafts only) and the screen.
@@ -37,13 +50,15 @@ from server.engine import cpu_gemv
 from server.engine.pass_logits import Logits
 from server.engine.quantize import quantize
 
-# The widest pass (rows of logits) screened: one row, a plain step. A verify pass's rows are
-# computed together in one read of the bf16 layer at about one row's cost (lazy_logits'
-# `together`), where an int8 product of 7 rows is bound by its multiply-adds and saved 0.3 ms
-# a pass, and the recycled predictions lose by the approximation (2.38 -> 2.29 tokens a round
-# on 20 dev prompts).
+# The widest pass (rows of logits) screened with the int8 copy alone: one row, a plain step.
+# A verify pass's rows are computed together in one read of the bf16 layer at about one row's
+# cost (lazy_logits' `together`), where an int8 product of 7 rows (weights widened to bf16) is
+# bound by its multiply-adds and saved 0.3 ms a pass.
 SCREEN_ROWS = 1
-CANDIDATES = 1024  # more than this many candidates: the whole row, exactly
+# ... and with the rows quantized too (csrc/gemv_u8s8.c, AVX512-VNNI: half dpbf16's
+# instructions a weight), up to this many rows.
+WIDE_SCREEN_ROWS = 64
+CANDIDATES = 4096  # more than this many candidates: the whole row, exactly
 
 
 class ScreenedHead:
@@ -55,9 +70,11 @@ class ScreenedHead:
         weight: torch.Tensor,
         gemv: cpu_gemv.Gemv,
         kernels: cpu_gemv.LayerKernels | None = None,
+        u8s8: cpu_gemv.GemvU8S8 | None = None,
     ) -> None:
         """kernels: csrc/layer.c's, whose kenspec_screen finds the candidates in two reads of
-        the approximate row (torch's operations otherwise: ~0.3 ms a row)."""
+        the approximate row (torch's operations otherwise: ~0.3 ms a row). u8s8: the product
+        that also quantizes the rows, for passes of 2 to WIDE_SCREEN_ROWS rows (`rows`)."""
         if weight.dtype != torch.bfloat16:
             raise ValueError(f"the screen takes a bfloat16 output layer, not {weight.dtype}")
         self.exact = weight.detach().contiguous()
@@ -66,34 +83,50 @@ class ScreenedHead:
         # In float64 a block of rows at a time, not three float64 copies of the whole layer
         # at once (680 MB at start-up for SmolLM2's)
         blocks = [slice(first, first + BLOCK) for first in range(0, self.exact.shape[0], BLOCK)]
-        error = torch.cat([_error(self.exact[b], self.values[b], self.scales[b]) for b in blocks])
-        # float32, rounded up (the bound may only grow)
-        rounded = error.float()
-        up = torch.nextafter(rounded, rounded.new_tensor(torch.inf))
-        self.error = torch.where(rounded.double() < error, up, rounded)
+        bounds = [_error(self.exact[b], self.values[b], self.scales[b]) for b in blocks]
+        self.error = _rounded_up(torch.cat([error for error, _ in bounds]))
+        # |s_j q_j|_2: the quantized rows' residues' weight in the bound
+        self.weight = _rounded_up(torch.cat([weight for _, weight in bounds]))
         self.gemv = gemv
         self.kernels = kernels
+        self.u8s8 = u8s8
+        if u8s8 is not None:
+            self.u8s8_scale, self.u8s8_offset = u8s8.prepare(self.values, self.scales)
+        # the widest pass screened (FastStep.screens)
+        self.rows = WIDE_SCREEN_ROWS if u8s8 is not None else SCREEN_ROWS
         self._found = torch.empty(CANDIDATES, dtype=torch.int32)  # kenspec_screen's output
 
-    def approximate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Approximate logits [rows, vocab] (float32) of bf16 hidden [rows, hidden]."""
-        return self.gemv.int8_widened(hidden.contiguous(), self.values, self.scales).float()
+    def approximate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Approximate logits [rows, vocab] (float32) of bf16 hidden [rows, hidden], and the
+        rows' quantization residues (float64 [rows]; None: the rows were not quantized)."""
+        hidden = hidden.contiguous()
+        if self.u8s8 is not None and hidden.shape[0] > 1:
+            return self.u8s8(hidden, self.values, self.u8s8_scale, self.u8s8_offset)
+        return self.gemv.int8_widened(hidden, self.values, self.scales).float(), None
 
     def row(self, x: torch.Tensor) -> torch.Tensor:
         """The exact logits [vocab] (float32) of one hidden state x [hidden]."""
         return self.gemv(x[None].contiguous(), self.exact)[0].float()
 
-    def argmax(self, x: torch.Tensor, approximate: torch.Tensor) -> int:
+    def argmax(
+        self, x: torch.Tensor, approximate: torch.Tensor, residue: float | None = None
+    ) -> int:
         """The exact row's argmax (the earlier token among equal logits), from its
-        approximation (see the module doc)."""
+        approximation and, where x was quantized for it, x's residue (see the module doc).
+        Writes the candidates' exact logits into approximate (its largest is then exact)."""
         norm = float(x.double().norm()) * (1 + 1e-6)
+        weight = None if residue is None else self.weight
         if self.kernels is not None:
-            count = self.kernels.screen(approximate, self.error, norm, self._found)
+            count = self.kernels.screen(
+                approximate, self.error, norm, self._found, weight, residue or 0.0
+            )
             if not 0 <= count <= CANDIDATES:  # a non-finite logit, or too many: the whole row
                 return int(self.row(x).argmax())
             candidates = self._found[:count].long()
         else:
             bound = self.error * norm
+            if residue is not None:
+                bound.add_(self.weight, alpha=residue)
             bound = bound.add_(approximate.abs(), alpha=2.0**-8).mul_(1.01).add_(1e-30)
             low = (approximate - bound).max()
             if not torch.isfinite(low):  # (a non-finite logit: the whole row, exactly)
@@ -101,6 +134,11 @@ class ScreenedHead:
             candidates = torch.nonzero(approximate + bound >= low).flatten()
         weights = self.exact.index_select(0, candidates)
         exact = self.gemv(x[None].contiguous(), weights)[0].float()
+        # The candidates' exact logits into the approximate row, so the row's recycled
+        # predictions (drafts) start from the exact best token: every other token's A_j is
+        # below L, which no exact maximum is below.
+        with torch.inference_mode():  # (the pass made approximate under it)
+            approximate.index_copy_(0, candidates, exact)
         return int(candidates[int(exact.argmax())])
 
     def logits(self, hidden: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[Logits]:
@@ -108,41 +146,57 @@ class ScreenedHead:
         approximation now, in one int8 product; argmax and whole rows exact, on access."""
         index = [i for begin, end in spans for i in range(begin, end)]
         rows = hidden[index].contiguous()
-        approximate = self.approximate(rows)
+        approximate, residues = self.approximate(rows)
+        residue = residues.tolist() if residues is not None else [None] * len(index)
         result: list[Logits] = []
         first = 0
         for begin, end in spans:
-            count = end - begin
+            last = first + end - begin
             result.append(
-                ScreenedLogits(
-                    self, rows[first : first + count], approximate[first : first + count]
-                )
+                ScreenedLogits(self, rows[first:last], approximate[first:last], residue[first:last])
             )
-            first += count
+            first = last
         return result
 
 
 BLOCK = 4096  # output rows whose error bound is computed at once
 
 
-def _error(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """|w_j - s_j q_j|_2 + 1e-4 |w_j|_2 per row of weight [rows, in], in float64."""
+def _error(
+    weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """|w_j - s_j q_j|_2 + 1e-4 |w_j|_2 and |s_j q_j|_2 per row of weight [rows, in], in
+    float64."""
     with torch.no_grad():
         exact = weight.double()
-        residue = exact - scales.double()[:, None] * values.double()
-        error: torch.Tensor = residue.norm(dim=1) + 1e-4 * exact.norm(dim=1)
-    return error
+        quantized = scales.double()[:, None] * values.double()
+        error = (exact - quantized).norm(dim=1) + 1e-4 * exact.norm(dim=1)
+        return error, quantized.norm(dim=1)
+
+
+def _rounded_up(bound: torch.Tensor) -> torch.Tensor:
+    """float64 bound as float32, rounded up (a bound may only grow)."""
+    rounded = bound.float()
+    up = torch.nextafter(rounded, rounded.new_tensor(torch.inf))
+    return torch.where(rounded.double() < bound, up, rounded)
 
 
 class ScreenedLogits(Logits):
     """A pass row's logits through a ScreenedHead: `argmax` and `[i]` exact, `computed` the
     approximations (for recycling: drafts only)."""
 
-    def __init__(self, head: ScreenedHead, hidden: torch.Tensor, approximate: torch.Tensor):
+    def __init__(
+        self,
+        head: ScreenedHead,
+        hidden: torch.Tensor,
+        approximate: torch.Tensor,
+        residues: Sequence[float | None] | None = None,
+    ):
         super().__init__(int(hidden.shape[0]))
         self._screen = head
         self._rows = hidden  # [count, hidden_size], bf16
         self._approximate = approximate  # [count, vocab]
+        self._residues = residues if residues is not None else [None] * self._count
         self._argmax: dict[int, int] = {}
 
     def __getitem__(self, index: int) -> torch.Tensor:
@@ -160,7 +214,9 @@ class ScreenedLogits(Logits):
             if row is not None:
                 token = int(row.argmax())
             else:
-                token = self._screen.argmax(self._rows[index], self._approximate[index])
+                token = self._screen.argmax(
+                    self._rows[index], self._approximate[index], self._residues[index]
+                )
             self._argmax[index] = token
         return token
 

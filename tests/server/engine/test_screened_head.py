@@ -11,7 +11,12 @@ import torch
 
 from server.engine import cpu_gemv
 from server.engine.fast_step import LlamaStep, RowPlan
-from server.engine.screened_head import SCREEN_ROWS, ScreenedHead, ScreenedLogits
+from server.engine.screened_head import (
+    SCREEN_ROWS,
+    WIDE_SCREEN_ROWS,
+    ScreenedHead,
+    ScreenedLogits,
+)
 from server.engine.target import TargetModel
 from server.engine.verify_pass import PassRow, VerifyPass
 from tests import tiny
@@ -20,6 +25,8 @@ from tests.tiny_architectures import save_architecture
 
 GEMV = cpu_gemv.load()
 LAYER = cpu_gemv.load_layer()
+U8S8 = cpu_gemv.load_u8s8()
+needs_vnni = pytest.mark.skipif(U8S8 is None, reason="the CPU has no avx512_vnni")
 pytestmark = pytest.mark.skipif(
     GEMV is None or LAYER is None, reason="the CPU has no avx512_bf16 (or no compiler)"
 )
@@ -54,10 +61,71 @@ def test_the_screened_argmax_is_the_exact_rows_argmax(kernels: bool) -> None:
             x = (weight[700].float() * 40 + torch.randn(hidden, generator=generator)).bfloat16()
         if trial % 4 == 1:
             x = (weight[40].float() * 40).bfloat16()
-        approximate = head.approximate(x[None])[0]
+        approximate = head.approximate(x[None])[0][0]
         assert head.argmax(x, approximate) == _exact_argmax(weight, x), trial
     x = (weight[700].float() * 40).bfloat16()
-    assert head.argmax(x, head.approximate(x[None])[0]) == 700  # not 2500
+    assert head.argmax(x, head.approximate(x[None])[0][0]) == 700  # not 2500
+
+
+@needs_vnni
+@pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
+def test_a_verify_pass_screened_with_quantized_rows_gives_each_rows_exact_argmax(
+    kernels: bool,
+) -> None:
+    """Passes of 2-16 rows take the int8 x int8 approximation (the rows quantized too, with
+    each row's residue in the bound): every row's token is the exact row's argmax, ties to
+    the earlier token, for hidden states of every scale, some aimed at a tie and at rows a
+    bf16 step apart, one all zeros."""
+    assert GEMV is not None
+    generator = torch.Generator().manual_seed(5)
+    vocab, hidden = 3000, 96
+    weight = (torch.randn(vocab, hidden, generator=generator) * 0.05).bfloat16()
+    weight[2500] = weight[700]
+    nudged = weight[40].clone()
+    nudged[3] = torch.nextafter(nudged[3].float(), torch.tensor(1.0)).bfloat16()
+    weight[1200] = nudged
+    head = ScreenedHead(weight, GEMV, LAYER if kernels else None, U8S8)
+    assert head.rows == WIDE_SCREEN_ROWS
+    for trial in range(40):
+        rows = 2 + trial % (WIDE_SCREEN_ROWS - 1)
+        scale = [0.01, 1.0, 30.0][trial % 3]
+        x = torch.randn(rows, hidden, generator=generator) * scale
+        x[0] = weight[700].float() * 40 + torch.randn(hidden, generator=generator)
+        x[1] = weight[40].float() * 40
+        if trial == 0:
+            x[-1] = 0.0
+        x = x.bfloat16()
+        (logits,) = head.logits(x, [(0, rows)])
+        assert isinstance(logits, ScreenedLogits)
+        exact = GEMV(x.contiguous(), weight).float().argmax(-1).tolist()
+        assert [logits.argmax(i) for i in range(rows)] == exact, trial
+        # each row read so: its recycled approximation's best token is the exact one
+        assert [int(row.argmax()) for _, row in logits.computed(rows)] == exact, trial
+    x = (weight[700].float() * 40).bfloat16().expand(3, hidden)
+    (logits,) = head.logits(x, [(0, 3)])
+    assert logits.argmax(2) == 700  # not 2500
+
+
+@needs_vnni
+def test_the_quantized_rows_product_is_its_integer_sums_scaled() -> None:
+    """csrc/gemv_u8s8.c against its definition in torch: each row quantized to p = round(x /
+    t) with t = max|x| / 127, the sums exact in integers, then y = float(sum) * s_j * t in
+    float32 (bit for bit); the residue it reports bounds |x - t p|_2 from above."""
+    assert U8S8 is not None
+    generator = torch.Generator().manual_seed(6)
+    for out, k, rows in ((37, 64, 1), (130, 96, 5), (257, 200, 16)):  # (k: whole and partial)
+        weight = (torch.randn(out, k, generator=generator) * 0.05).bfloat16()
+        head = ScreenedHead(weight, GEMV, LAYER, U8S8)
+        x = (torch.randn(rows, k, generator=generator) * 3).bfloat16()
+        approximate, residue = U8S8(x, head.values, head.u8s8_scale, head.u8s8_offset)
+        exact = x.float()
+        t = exact.abs().amax(dim=1) / 127
+        p = torch.round(exact / t[:, None]).clamp(-127, 127)
+        sums = p.long() @ head.values.long().T
+        expected = sums.float() * head.scales.float() * t[:, None]
+        assert torch.equal(approximate, expected)
+        d = (exact.double() - t.double()[:, None] * p.double()).norm(dim=1)
+        assert bool((residue >= d).all()) and bool((residue <= d * 1.001 + 1e-12).all())
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
@@ -68,6 +136,7 @@ def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bo
     generator = torch.Generator().manual_seed(1)
     weight = (torch.randn(500, 64, generator=generator) * 0.1).bfloat16()
     head = ScreenedHead(weight, GEMV, LAYER if kernels else None)
+    missed = 0
     for _ in range(50):
         x = torch.randn(64, generator=generator).bfloat16()
         exact = GEMV(x[None], weight)[0].float()
@@ -78,6 +147,15 @@ def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bo
         worst += bound * 0.99
         worst[winner] -= 2 * bound[winner] * 0.99
         assert head.argmax(x, worst) == winner
+        assert int(worst.argmax()) == winner  # the candidates' exact logits written back
+        if U8S8 is not None:  # with a quantized row's residue, its own term in the bound
+            residue = 0.05 * norm
+            wider = exact + (bound + head.weight * residue) * 0.99
+            wider[winner] = exact[winner] - (bound + head.weight * residue)[winner] * 0.99
+            assert head.argmax(x, wider.clone(), residue) == winner
+            # without the residue term the same approximation may miss the winner
+            missed += head.argmax(x, wider.clone()) != winner
+    assert U8S8 is None or missed > 0  # (the residue term is needed, so the check can fail)
 
 
 def test_screened_logits_give_exact_rows_and_recycle_the_approximations() -> None:
@@ -139,8 +217,9 @@ def test_greedy_serving_through_the_screen_is_plain_decoding_through_the_bf16_he
 
 def test_only_greedy_steps_the_screen_takes(tokenizer, tmp_path: Path) -> None:
     """A pass whose rows read whole rows (sampling, logprobs, processors) is not screened,
-    nor one of more than SCREEN_ROWS rows of logits; a screened pass's rows are
-    ScreenedLogits, with the unscreened pass's tokens and rows."""
+    nor one of more rows of logits than the screen takes (SCREEN_ROWS, or WIDE_SCREEN_ROWS
+    where the CPU has VNNI); a screened pass's rows are ScreenedLogits, with the unscreened
+    pass's tokens and rows."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
     target = _served(directory, True)
     ids = target.encode_prompt("The quick brown fox jumps")
@@ -152,6 +231,15 @@ def test_only_greedy_steps_the_screen_takes(tokenizer, tmp_path: Path) -> None:
     assert isinstance(greedy, ScreenedLogits) and not isinstance(whole, ScreenedLogits)
     assert greedy.argmax(0) == int(whole[0].argmax())
     assert torch.equal(greedy[0], whole[0])
-    wide = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + SCREEN_ROWS)))
+    widest = SCREEN_ROWS if U8S8 is None else WIDE_SCREEN_ROWS
+    wide = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + widest)))
     verify = target.forward(cache, VerifyPass((wide,), argmax_only=True))[0]
     assert not isinstance(verify, ScreenedLogits)
+    if U8S8 is not None:  # the widest it takes: screened, with the whole pass's tokens
+        drafts = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + widest - 1)))
+        screened = target.forward(cache, VerifyPass((drafts,), argmax_only=True))[0]
+        exact = target.forward(cache, VerifyPass((drafts,)))[0]
+        assert isinstance(screened, ScreenedLogits)
+        assert [screened.argmax(i) for i in range(widest)] == [
+            int(exact[i].argmax()) for i in range(widest)
+        ]
