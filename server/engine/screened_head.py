@@ -99,6 +99,8 @@ class ScreenedHead:
     def approximate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Approximate logits [rows, vocab] (float32) of bf16 hidden [rows, hidden], and the
         rows' quantization residues (float64 [rows]; None: the rows were not quantized)."""
+        if hidden.dtype != torch.bfloat16:
+            raise ValueError(f"the screen takes bfloat16 hidden states, not {hidden.dtype}")
         hidden = hidden.contiguous()
         if self.u8s8 is not None and hidden.shape[0] > 1:
             return self.u8s8(hidden, self.values, self.u8s8_scale, self.u8s8_offset)
@@ -121,7 +123,7 @@ class ScreenedHead:
                 approximate, self.error, norm, self._found, weight, residue or 0.0
             )
             if not 0 <= count <= CANDIDATES:  # a non-finite logit, or too many: the whole row
-                return int(self.row(x).argmax())
+                return self._whole(x, approximate)
             candidates = self._found[:count].long()
         else:
             bound = self.error * norm
@@ -130,8 +132,10 @@ class ScreenedHead:
             bound = bound.add_(approximate.abs(), alpha=2.0**-8).mul_(1.01).add_(1e-30)
             low = (approximate - bound).max()
             if not torch.isfinite(low):  # (a non-finite logit: the whole row, exactly)
-                return int(self.row(x).argmax())
+                return self._whole(x, approximate)
             candidates = torch.nonzero(approximate + bound >= low).flatten()
+            if len(candidates) > CANDIDATES:
+                return self._whole(x, approximate)
         weights = self.exact.index_select(0, candidates)
         exact = self.gemv(x[None].contiguous(), weights)[0].float()
         # The candidates' exact logits into the approximate row, so the row's recycled
@@ -140,6 +144,13 @@ class ScreenedHead:
         with torch.inference_mode():  # (the pass made approximate under it)
             approximate.index_copy_(0, candidates, exact)
         return int(candidates[int(exact.argmax())])
+
+    def _whole(self, x: torch.Tensor, approximate: torch.Tensor) -> int:
+        """The argmax of x's exact row, computed whole; the row written into approximate."""
+        row = self.row(x)
+        with torch.inference_mode():
+            approximate.copy_(row)
+        return int(row.argmax())
 
     def logits(self, hidden: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[Logits]:
         """Per span [begin, end) of hidden [positions, hidden], its rows screened: every row's
@@ -204,6 +215,8 @@ class ScreenedLogits(Logits):
         row = self._lazy.get(index)
         if row is None:
             row = self._lazy[index] = self._screen.row(self._rows[index])
+            with torch.inference_mode():  # (recycled: the exact row, now it is known)
+                self._approximate[index].copy_(row)
         return row
 
     def argmax(self, index: int) -> int:

@@ -151,6 +151,7 @@ int kenspec_gemv_u8s8(const uint16_t *x, const int8_t *q, const float *scale,
       const float value = from_bf16(x[r * k + c]);
       float p = step > 0.0f ? nearbyintf(value / step) : 0.0f;
       p = p > 127.0f ? 127.0f : (p < -127.0f ? -127.0f : p);
+      if (p != p) p = 0.0f; /* NaN: its residue is NaN too, and the screen computes the row */
       u[r * kp + c] = (uint8_t)((int)p + 128);
       const double d = (double)value - (double)step * (double)p; /* exact: 24 + 8 bits */
       square += d * d;

@@ -342,35 +342,36 @@ void kenspec_top_probs(const float *logits, long rows, long vocab, long width, i
  * 1.01 (norm error_j + residue weight_j + 2^-8 |a_j|) + 1e-30 bounds how far a_j may be from
  * the exact logit (weight NULL: no residue term, for approximations of unquantized
  * activations). Writes at most `room` of them to out; returns how many there are (more than
- * room: the caller computes the whole row), or -1 where the largest lower bound is not finite
- * (a NaN or infinite logit). */
+ * room: the caller computes the whole row), or -1 where a lower bound is NaN or the largest
+ * is not finite (a NaN or infinite logit). */
 long kenspec_screen(const float *a, const float *error, float norm, const float *weight,
                     float residue, long vocab, int32_t *out, long room) {
   const __m512 scale = _mm512_set1_ps(norm), step = _mm512_set1_ps(0x1p-8f);
-  const __m512 rest = _mm512_set1_ps(weight == NULL ? 0.0f : residue);
+  const __m512 rest = _mm512_set1_ps(residue);
   const __m512 slack = _mm512_set1_ps(1.01f), tiny = _mm512_set1_ps(1e-30f);
   const __m512i absolute = _mm512_set1_epi32(0x7fffffff);
-  /* (with no weights, w reads the error again, times zero) */
-  const float *w = weight == NULL ? error : weight;
 #define BOUND(v, e, r)                                                                           \
   _mm512_add_ps(_mm512_mul_ps(slack, _mm512_add_ps(_mm512_fmadd_ps(rest, r, _mm512_mul_ps(scale, e)), \
                 _mm512_mul_ps(step, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), absolute))))), tiny)
   __m512 low = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
   for (long i = 0; i < vocab; i += 16) {
     const __mmask16 m = lanes(vocab - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, a + i), e = _mm512_maskz_loadu_ps(m, error + i);
-    const __m512 r = _mm512_maskz_loadu_ps(m, w + i);
-    low = _mm512_mask_max_ps(low, m, low, _mm512_sub_ps(v, BOUND(v, e, r)));
+    const __m512 r = weight == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, weight + i);
+    const __m512 lower = _mm512_sub_ps(v, BOUND(v, e, r));
+    unordered |= _mm512_mask_cmp_ps_mask(m, lower, lower, _CMP_UNORD_Q);
+    low = _mm512_mask_max_ps(low, m, low, lower);
   }
   const float least = _mm512_reduce_max_ps(low);
-  if (!isfinite(least)) return -1;
+  if (unordered || !isfinite(least)) return -1; /* (a NaN would compare as no candidate) */
   const __m512 floor = _mm512_set1_ps(least);
   __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   long count = 0;
   for (long i = 0; i < vocab; i += 16) {
     const __mmask16 m = lanes(vocab - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, a + i), e = _mm512_maskz_loadu_ps(m, error + i);
-    const __m512 r = _mm512_maskz_loadu_ps(m, w + i);
+    const __m512 r = weight == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, weight + i);
     const __mmask16 in = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(v, BOUND(v, e, r)), floor, _CMP_GE_OQ);
     if (in) {
       const long found = __builtin_popcount(in);

@@ -113,14 +113,17 @@ def test_the_quantized_rows_product_is_its_integer_sums_scaled() -> None:
     float32 (bit for bit); the residue it reports bounds |x - t p|_2 from above."""
     assert U8S8 is not None
     generator = torch.Generator().manual_seed(6)
-    for out, k, rows in ((37, 64, 1), (130, 96, 5), (257, 200, 16)):  # (k: whole and partial)
+    cases = ((37, 64, 1), (130, 96, 5), (66, 128, 2), (99, 64, 3), (257, 200, 7), (257, 200, 16))
+    for out, k, rows in cases:  # (k: whole and partial 64-byte loads; every row block)
         weight = (torch.randn(out, k, generator=generator) * 0.05).bfloat16()
         head = ScreenedHead(weight, GEMV, LAYER, U8S8)
-        x = (torch.randn(rows, k, generator=generator) * 3).bfloat16()
+        x = torch.randn(rows, k, generator=generator) * 3
+        x[-1] = 0.0 if rows == 3 else x[-1]  # an all-zero row: t = 0
+        x = x.bfloat16()
         approximate, residue = U8S8(x, head.values, head.u8s8_scale, head.u8s8_offset)
         exact = x.float()
         t = exact.abs().amax(dim=1) / 127
-        p = torch.round(exact / t[:, None]).clamp(-127, 127)
+        p = torch.round(exact / t[:, None]).clamp(-127, 127).nan_to_num(0.0)
         sums = p.long() @ head.values.long().T
         expected = sums.float() * head.scales.float() * t[:, None]
         assert torch.equal(approximate, expected)
@@ -156,6 +159,32 @@ def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bo
             # without the residue term the same approximation may miss the winner
             missed += head.argmax(x, wider.clone()) != winner
     assert U8S8 is None or missed > 0  # (the residue term is needed, so the check can fail)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
+def test_a_row_the_screen_cannot_narrow_is_computed_whole_and_recycled_exact(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too many candidates (here: any), or a NaN in the approximation (even at the winner,
+    whose bound a NaN would otherwise drop from the candidates): the whole row is computed,
+    its argmax taken, and the row written into the approximation recycling reads."""
+    assert GEMV is not None
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(300, 64, generator=generator) * 0.1).bfloat16()
+    head = ScreenedHead(weight, GEMV, LAYER if kernels else None, U8S8)
+    hidden = torch.randn(4, 64, generator=generator).bfloat16()
+    exact = GEMV(hidden, weight).float()
+    winners = exact.argmax(-1).tolist()
+    (logits,) = head.logits(hidden, [(0, 4)])
+    logits._approximate[1, winners[1]] = float("nan")
+    assert logits.argmax(1) == winners[1]
+    assert torch.equal(logits.computed(4)[1][1], exact[1])
+    monkeypatch.setattr("server.engine.screened_head.CANDIDATES", 0)
+    (logits,) = head.logits(hidden, [(0, 4)])
+    assert [logits.argmax(i) for i in range(4)] == winners
+    assert torch.equal(torch.stack([row for _, row in logits.computed(4)]), exact)
+    with pytest.raises(ValueError, match="bfloat16"):
+        head.logits(hidden.float(), [(0, 4)])
 
 
 def test_screened_logits_give_exact_rows_and_recycle_the_approximations() -> None:
