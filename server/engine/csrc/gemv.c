@@ -190,14 +190,11 @@ static inline __attribute__((always_inline)) int columns(const uint16_t *x, cons
 
 static int product(const uint16_t *x, const void *w, const uint16_t *scales, uint16_t *y,
                    long rows, long k, long out, const int int8) {
-  const long blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
   int failed = 0;
 #pragma omp parallel reduction(| : failed)
   {
-    const long t = omp_get_thread_num(), n = omp_get_num_threads();
-    const long first = blocks * t / n * OUT_BLOCK;
-    long last = blocks * (t + 1) / n * OUT_BLOCK;
-    if (last > out) last = out;
+    long first, last;
+    thread_share(out, OUT_BLOCK, &first, &last);
     if (first < last) {
       if (int8)
         failed |= columns(x, w, scales, y, rows, k, out, first, last, 1) != 0;

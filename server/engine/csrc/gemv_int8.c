@@ -72,13 +72,10 @@ int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y
     xf = converted;
     sf = converted + rows * k;
   }
-  const long blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel
   {
-    const long t = omp_get_thread_num(), n = omp_get_num_threads();
-    const long first = blocks * t / n * OUT_BLOCK;
-    long last = blocks * (t + 1) / n * OUT_BLOCK;
-    if (last > out) last = out;
+    long first, last;
+    thread_share(out, OUT_BLOCK, &first, &last);
     if (first < last) columns(xf, q, sf, y, bf16, rows, k, out, first, last);
   }
   free(converted);

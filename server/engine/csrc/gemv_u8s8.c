@@ -36,27 +36,6 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
   return acc;
 }
 
-/* out lane j = the sum of a[j]'s 16 lanes, for j < 16 (simd.h's reduce16 in integers: exact,
- * so any order would do; this one takes 15 additions for 16 sums). */
-static inline __m512i reduce16i(const __m512i a[16]) {
-  __m512i b[8], c[4], f[2];
-  for (int i = 0; i < 8; i++)
-    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44),
-                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++)
-    c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88),
-                            _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++)
-    f[i] = _mm512_add_epi32(
-        _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(c[2 * i]), _mm512_castsi512_ps(c[2 * i + 1]), 0x44)),
-        _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(c[2 * i]), _mm512_castsi512_ps(c[2 * i + 1]), 0xEE)));
-  const __m512i g = _mm512_add_epi32(
-      _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(f[0]), _mm512_castsi512_ps(f[1]), 0x88)),
-      _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(f[0]), _mm512_castsi512_ps(f[1]), 0xDD)));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_epi32(order, g);
-}
-
 static inline __attribute__((always_inline)) void block(const uint8_t *u, const int8_t *q,
                                                         const float *scale, const int32_t *offset,
                                                         const float *t, float *y, long k,
@@ -160,13 +139,10 @@ int kenspec_gemv_u8s8(const uint16_t *x, const int8_t *q, const float *scale,
     t[r] = step;
     residue[r] = sqrt(square) * (1.0 + 1e-6);
   }
-  const long blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel
   {
-    const long th = omp_get_thread_num(), n = omp_get_num_threads();
-    const long first = blocks * th / n * OUT_BLOCK;
-    long last = blocks * (th + 1) / n * OUT_BLOCK;
-    if (last > out) last = out;
+    long first, last;
+    thread_share(out, OUT_BLOCK, &first, &last);
     if (first < last) columns(u, q, scale, offset, t, y, rows, k, kp, out, first, last);
   }
   free(u);

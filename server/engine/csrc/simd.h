@@ -1,9 +1,11 @@
-/* Helpers shared by the fast step's kernels (gemv.c, layer.c): bfloat16 conversions and the
- * horizontal sum of 16 vectors at once. Included, not compiled on its own; cpu_gemv.py builds
- * each kernel with this folder on the include path and hashes this file into its cache key. */
+/* Helpers shared by the kernels in this folder: bfloat16 conversions, a thread's share of a
+ * product's outputs and the horizontal sum of 16 vectors at once. Included, not compiled on
+ * its own; cpu_gemv.py builds each kernel with this folder on the include path and hashes
+ * this file into its cache key. */
 #ifndef KENSPEC_SIMD_H
 #define KENSPEC_SIMD_H
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -22,23 +24,39 @@ static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch
   return (uint16_t)(bits >> 16);
 }
 
-/* out[j] = the sum of a[j]'s 16 lanes, for j < 16: every sum by the same tree (lanes l and
- * l + 8, then + 4, + 2, + 1), so a key's score does not depend on where in a block it lies. */
-static inline __m512 reduce16(const __m512 a[16]) {
-  __m512 b[8], c[4], f[2];
-  for (int i = 0; i < 8; i++)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++)
-    f[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-  /* lane 4k + m of g holds a[4m + k]'s sum */
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, g);
+/* This OpenMP thread's share [first, last) of `out` outputs, in whole blocks of `block`. */
+static inline void thread_share(long out, long block, long *first, long *last) {
+  const long blocks = (out + block - 1) / block;
+  const long t = omp_get_thread_num(), n = omp_get_num_threads();
+  *first = blocks * t / n * block;
+  *last = blocks * (t + 1) / n * block;
+  if (*last > out) *last = out;
 }
+
+/* name(a)[j] = the sum of a[j]'s 16 lanes, for j < 16: every sum by the same tree (lanes l and
+ * l + 8, then + 4, + 2, + 1), so a key's score does not depend on where in a block it lies.
+ * One body for float32 lanes (reduce16) and int32 lanes (reduce16i: exact in any order, and
+ * 15 additions for 16 sums); ps/from_ps move an int32 vector through the float shuffles. */
+#define KENSPEC_REDUCE16(name, vector, add, shuffle128, ps, from_ps, permute)                     \
+  static inline vector name(const vector a[16]) {                                              \
+    vector b[8], c[4], f[2];                                                                   \
+    for (int i = 0; i < 8; i++)                                                                \
+      b[i] = add(shuffle128(a[2 * i], a[2 * i + 1], 0x44), shuffle128(a[2 * i], a[2 * i + 1], 0xEE)); \
+    for (int i = 0; i < 4; i++)                                                                \
+      c[i] = add(shuffle128(b[2 * i], b[2 * i + 1], 0x88), shuffle128(b[2 * i], b[2 * i + 1], 0xDD)); \
+    for (int i = 0; i < 2; i++)                                                                \
+      f[i] = add(from_ps(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0x44)),             \
+                 from_ps(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0xEE)));            \
+    const vector g = add(from_ps(_mm512_shuffle_ps(ps(f[0]), ps(f[1]), 0x88)),                 \
+                         from_ps(_mm512_shuffle_ps(ps(f[0]), ps(f[1]), 0xDD)));                \
+    /* lane 4k + m of g holds a[4m + k]'s sum */                                               \
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); \
+    return permute(order, g);                                                                  \
+  }
+#define KENSPEC_SAME(v) (v)
+KENSPEC_REDUCE16(reduce16, __m512, _mm512_add_ps, _mm512_shuffle_f32x4, KENSPEC_SAME, KENSPEC_SAME,
+                 _mm512_permutexvar_ps)
+KENSPEC_REDUCE16(reduce16i, __m512i, _mm512_add_epi32, _mm512_shuffle_i32x4, _mm512_castsi512_ps,
+                 _mm512_castps_si512, _mm512_permutexvar_epi32)
 
 #endif
