@@ -31,9 +31,14 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits: [num_positions, vocab_size]; returns float32 probabilities of the same shape.
     """
     # Shifted by the row's best first (nothing below depends on a shift): a temperature so
-    # small that a logit over it overflows (1e-45) still gives the best tokens, not NaN.
+    # small that a logit over it overflows (1e-45) still gives the best tokens, not NaN. One
+    # below float32's least (5e-324 is 0 there, and 0 / 0 NaN) is its limit: the best tokens.
     scores = logits.float()
-    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    if float(torch.tensor(params.temperature, dtype=torch.float32)) > 0.0:
+        scores = scores / params.temperature
+    else:
+        scores = torch.where(scores == 0.0, 0.0, float("-inf"))
     vocab_size = scores.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]

@@ -96,10 +96,11 @@ def test_warp_logits_temperature_sharpens() -> None:
 
 def test_a_temperature_too_small_for_the_logits_samples_the_best_tokens() -> None:
     """1e-45 (a denormal: a logit of 10 over it overflows to inf, which made NaN
-    probabilities and an INTERNAL error, found by the gRPC fuzzing): the best token, or an
-    even draw among tied best ones, as the limit of softmax(logits / t) is."""
+    probabilities and an INTERNAL error, found by the gRPC fuzzing) and 5e-324 (0 in float32:
+    0 / 0 made NaN, found by the HTTP fuzzing): the best token, or an even draw among tied
+    best ones, as the limit of softmax(logits / t) is."""
     logits = torch.tensor([[10.0, 3.0, 10.0, -5.0, float("-inf")]])
-    for temperature in (1.401298464324817e-45, 1e-30):
+    for temperature in (5e-324, 7e-46, 1.401298464324817e-45, 1e-30):
         probs = warp_logits(logits, SamplingParams(temperature=temperature))[0]
         assert probs.tolist() == [0.5, 0.0, 0.5, 0.0, 0.0]
         filtered = warp_logits(logits, SamplingParams(temperature=temperature, top_p=0.4))[0]
