@@ -123,7 +123,7 @@ class ScreenedHead:
                 approximate, self.error, norm, self._found, weight, residue or 0.0
             )
             if not 0 <= count <= CANDIDATES:  # a non-finite logit, or too many: the whole row
-                return self._whole(x, approximate)
+                return int(self.exact_row(x, approximate).argmax())
             candidates = self._found[:count].long()
         else:
             bound = self.error * norm
@@ -132,10 +132,10 @@ class ScreenedHead:
             bound = bound.add_(approximate.abs(), alpha=2.0**-8).mul_(1.01).add_(1e-30)
             low = (approximate - bound).max()
             if not torch.isfinite(low):  # (a non-finite logit: the whole row, exactly)
-                return self._whole(x, approximate)
+                return int(self.exact_row(x, approximate).argmax())
             candidates = torch.nonzero(approximate + bound >= low).flatten()
             if len(candidates) > CANDIDATES:
-                return self._whole(x, approximate)
+                return int(self.exact_row(x, approximate).argmax())
         weights = self.exact.index_select(0, candidates)
         exact = self.gemv(x[None].contiguous(), weights)[0].float()
         # The candidates' exact logits into the approximate row, so the row's recycled
@@ -145,12 +145,13 @@ class ScreenedHead:
             approximate.index_copy_(0, candidates, exact)
         return int(candidates[int(exact.argmax())])
 
-    def _whole(self, x: torch.Tensor, approximate: torch.Tensor) -> int:
-        """The argmax of x's exact row, computed whole; the row written into approximate."""
+    def exact_row(self, x: torch.Tensor, approximate: torch.Tensor) -> torch.Tensor:
+        """x's exact row, computed whole, and written over its approximation (what recycling
+        reads)."""
         row = self.row(x)
-        with torch.inference_mode():
+        with torch.inference_mode():  # (the pass made approximate under it)
             approximate.copy_(row)
-        return int(row.argmax())
+        return row
 
     def logits(self, hidden: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[Logits]:
         """Per span [begin, end) of hidden [positions, hidden], its rows screened: every row's
@@ -214,9 +215,8 @@ class ScreenedLogits(Logits):
         self._check(index)
         row = self._lazy.get(index)
         if row is None:
-            row = self._lazy[index] = self._screen.row(self._rows[index])
-            with torch.inference_mode():  # (recycled: the exact row, now it is known)
-                self._approximate[index].copy_(row)
+            row = self._screen.exact_row(self._rows[index], self._approximate[index])
+            self._lazy[index] = row
         return row
 
     def argmax(self, index: int) -> int:
