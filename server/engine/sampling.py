@@ -23,6 +23,10 @@ from server.engine.params import SamplingParams
 from server.engine.pass_logits import Logits
 from server.engine.processors import RowProcessor
 
+# float32 rounds every positive float64 up to this to 0 (2^-150: half its least denormal,
+# a tie to the even 0); a divisor of float32 scores above it stays positive.
+FLOAT32_ZERO_UP_TO = 2.0**-150
+
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target probabilities after temperature, top-k, top-p and min-p, in that order (as HF
@@ -32,10 +36,10 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     # Shifted by the row's best first (nothing below depends on a shift): a temperature so
     # small that a logit over it overflows (1e-45) still gives the best tokens, not NaN. One
-    # below float32's least (5e-324 is 0 there, and 0 / 0 NaN) is its limit: the best tokens.
+    # that is 0 in float32 (5e-324: 0 / 0 is NaN) is its limit: the best tokens.
     scores = logits.float()
     scores = scores - scores.amax(dim=-1, keepdim=True)
-    if float(torch.tensor(params.temperature, dtype=torch.float32)) > 0.0:
+    if params.temperature > FLOAT32_ZERO_UP_TO:
         scores = scores / params.temperature
     else:
         scores = torch.where(scores == 0.0, 0.0, float("-inf"))
