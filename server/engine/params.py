@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 class InvalidParameter(ValueError):
@@ -17,9 +18,27 @@ class InvalidParameter(ValueError):
 MAX_DRAFT_TOKENS = 64  # draft tokens one round may verify, whatever a request asks
 DRAFT_TOKENS = 16  # the default cap: a round's token tree (16 nodes) or long match (16 tokens)
 CHAIN_TOKENS = 6  # an ordinary chain's length k (a short match's, KenLM's)
-# How the target's linear layers are kept (--weights): bf16 as --dtype loads them, or
-# quantized (engine.quantize)
-WEIGHTS = ("bf16", "int8", "int4")
+
+
+class Weights(StrEnum):
+    """How the target's linear layers are kept (--weights): as --dtype loads them, or
+    quantized (engine.quantize)."""
+
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class AttentionMode(StrEnum):
+    """Attention of passes with a few queries per row (--attention): grouped products where
+    measured faster than SDPA, SDPA always, or grouped always (up to 16 queries per row)."""
+
+    AUTO = "auto"
+    SDPA = "sdpa"
+    GROUPED = "grouped"
+
+
+WEIGHTS = tuple(mode.value for mode in Weights)
 
 
 @dataclass(frozen=True, slots=True)
