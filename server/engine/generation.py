@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from kenspec_api.outputs import BreakerState, FinishReason, Mode, TokenLogprob, Usage
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from server.engine.draft_tree import DraftTree
 from server.engine.grammar import GrammarState
 from server.engine.params import (
     MAX_TOP_LOGPROBS,
@@ -22,7 +21,7 @@ from server.engine.pass_logits import Logits
 from server.engine.processors import RowProcessor, penalties
 from server.engine.recycled import RecycledPredictions
 from server.engine.sampling import PositionalGenerator, TokenChooser
-from server.engine.speculator import Speculator
+from server.engine.speculator import Proposal, Speculator
 from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT
 from server.engine.verify_pass import PassRow
@@ -61,8 +60,9 @@ class Generation:
     1 + accepted, and the round's last emitted token becomes the new pending token. With k = 0
     the same loop is plain autoregressive decoding.
 
-    A Batch verifies many generations in one pass (engine.round): `propose()` drafts,
-    `pass_row()` lays out what the pass scores, the walk uses `token_choice()`, `accept()` emits.
+    A Batch verifies many generations in one pass (engine.round): `propose()` drafts (a
+    `Proposal`), `pass_row()` lays out what the pass scores, the walk uses `token_choice()`,
+    `accept()` emits the round of the proposal the batch kept.
     """
 
     def __init__(
@@ -166,16 +166,17 @@ class Generation:
         """The most drafts a round could use: with n tokens left to emit, n - 1."""
         return self._stopping.max_new_tokens - len(self._output) - 1
 
-    def propose(self) -> DraftTree:
-        """This round's draft tree (see Speculator.propose)."""
+    def propose(self) -> Proposal:
+        """This round's drafts (see Speculator.propose)."""
         if self.finished:
             raise RuntimeError("propose() needs an unfinished generation")
         return self.speculator.propose(limit=self.draft_limit, constraint=self.grammar)
 
-    def pass_row(self, tree: DraftTree) -> PassRow:
-        """This generation's row of a verify pass with the drafts `tree`: the prompt tokens
+    def pass_row(self, proposal: Proposal) -> PassRow:
+        """This generation's row of a verify pass with the drafts `proposal`: the prompt tokens
         not yet in the cache, if any (a prompt prefilled in the same pass as its first round),
         then the pending token and the drafts."""
+        tree = proposal.tree
         return PassRow(
             cache_length=self.cache_length,
             pending=self._pending,
@@ -206,13 +207,15 @@ class Generation:
 
     def accept(
         self,
+        proposal: Proposal,
         row: PassRow,
         emitted: list[int],
         path: list[int],
         logprobs: Sequence[TokenLogprob] = (),
     ) -> Round:
-        """The pass wrote `row` and the walk accepted the nodes `path`: emit `emitted` (with
-        their `logprobs`, one per emitted token, when the request asked for them)."""
+        """The pass wrote `row`, the drafts of `proposal` (as the batch cut it), and the walk
+        accepted the nodes `path`: emit `emitted` (with their `logprobs`, one per emitted token,
+        when the request asked for them)."""
         self._prefilled += len(row.prompt_tail)  # the pass wrote the rest of the prompt
         # A tree's accepted nodes were written at pending + 1 + node; they belong at
         # pending + 1 + depth (their rotary positions already are): the batch moves them.
@@ -223,7 +226,11 @@ class Generation:
             if node != depth
         ]
         return self._emit(
-            emitted, drafted=len(row.drafts), accepted=len(emitted) - 1, logprobs=logprobs
+            emitted,
+            drafted=len(row.drafts),
+            accepted=len(emitted) - 1,
+            source=proposal.source,
+            logprobs=logprobs,
         )
 
     def _emit(
@@ -232,6 +239,7 @@ class Generation:
         *,
         drafted: int,
         accepted: int,
+        source: str,
         logprobs: Sequence[TokenLogprob] = (),
     ) -> Round:
         """Append emitted tokens one by one, cutting at EOS, a stop sequence or the length limit."""
@@ -264,7 +272,7 @@ class Generation:
             window_acceptance=self.speculator.window_acceptance,
             finish_reason=self.finish_reason,
             usage=self._usage() if self.finished else None,
-            source=self.speculator.source if drafted else "",
+            source=source if drafted else "",
             choice=self.choice,
             logprobs=tuple(logprobs[: len(kept)]) if self._top_logprobs is not None else None,
         )

@@ -1,4 +1,4 @@
-"""One round for every decoding row: propose, choose, build the pass, forward, walk, commit.
+"""One round for every decoding row: propose, choose, cut, build the pass, forward, walk, commit.
 
 The accept rule (docs/design.md, "Verification"). A row feeds [pending, d_1 .. d_k] and the
 pass gives a next-token distribution p_i after each. Walking the draft tree from the pending
@@ -23,11 +23,11 @@ from typing import Protocol
 import structlog
 
 from server.engine.draft_choice import DraftChoice
-from server.engine.draft_tree import DraftTree
 from server.engine.generation import Round
 from server.engine.intake import BatchStats, Entry
 from server.engine.pass_logits import Logits
 from server.engine.sampling import walk
+from server.engine.speculator import Proposal
 from server.engine.verify_pass import PassRow, VerifyPass
 
 log = structlog.get_logger("kenspec.batch")
@@ -57,37 +57,42 @@ class BatchRows(Protocol):
 
 def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
     started = time.perf_counter()
-    # 1. Propose: every row drafts a tree (its own k, breakers, sampling; an open breaker
-    # means none). A row whose draft raises leaves before the pass is laid out.
-    trees = _propose(rows)
+    # 1. Propose: every row's Proposal, its drafts with their gains and sources (its own k,
+    # breakers, sampling; an open breaker means none). A row whose draft raises leaves
+    # before the pass is laid out.
+    proposed = _propose(rows)
     entries = list(rows.entries)
     if not entries:
         return
+    proposals = [proposed[id(entry)] for entry in entries]
+    offered = [
+        entry.generation.pass_row(proposal)
+        for entry, proposal in zip(entries, proposals, strict=True)
+    ]
     # 2. Choose what to verify by measured cost: the drafts worth their share of the pass.
-    proposed = [entry.generation.pass_row(trees[id(entry)]) for entry in entries]
-    gains = [entry.generation.speculator.gains() for entry in entries]
-    chosen = choice.choose(proposed, gains)
-    kept = [row.prefix(count) for row, count in zip(proposed, chosen.counts, strict=True)]
-    for entry, row, verified in zip(entries, proposed, kept, strict=True):
-        entry.generation.speculator.cut(len(row.drafts), len(verified.drafts))
-    # 3. Build the pass: one packed sequence of every row's tokens, padded where it pays.
+    chosen = choice.choose(offered, [proposal.gains for proposal in proposals])
+    # 3. Cut: each row keeps the drafts chosen, its proposal and its pass row alike.
+    kept = [p.cut(count) for p, count in zip(proposals, chosen.counts, strict=True)]
+    kept_rows = [row.prefix(count) for row, count in zip(offered, chosen.counts, strict=True)]
+    # 4. Build the pass: one packed sequence of every row's tokens, padded where it pays.
     verify = VerifyPass(
-        tuple(kept),
-        width=choice.width(kept, chosen.explore),
+        tuple(kept_rows),
+        width=choice.width(kept_rows, chosen.explore),
         argmax_only=all(entry.generation.argmax_only for entry in entries),
     )
     started = stats.timed("plan", started)
-    # 4. Forward (the batch reruns a failed pass row by row).
+    # 5. Forward (the batch reruns a failed pass row by row).
     results = rows.forward(verify)
     started = stats.timed("forward", started)
-    # 5-6. Walk each tree and commit what it accepted; deliver; finished rows leave.
+    # 6-7. Walk each tree, record and commit what it accepted; deliver; finished rows leave.
     finished: Finished = []
-    for index, (entry, row, logits) in enumerate(zip(entries, kept, results, strict=True)):
+    rounds = zip(entries, kept, kept_rows, results, strict=True)
+    for index, (entry, proposal, row, logits) in enumerate(rounds):
         if isinstance(logits, Exception):
             finished.append((entry, logits))
             continue
         try:
-            round_ = _walk_and_commit(rows, index, entry, row, logits)
+            round_ = _walk_and_commit(rows, index, entry, proposal, row, logits)
         except Exception as error:
             log.exception("complete_failed")
             finished.append((entry, error))
@@ -99,21 +104,22 @@ def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
     stats.timed("accept", started)
 
 
-def _propose(rows: BatchRows) -> dict[int, DraftTree]:
-    """Each row's draft tree, by id(entry); a row whose draft raises is failed and gone."""
-    trees: dict[int, DraftTree] = {}
+def _propose(rows: BatchRows) -> dict[int, Proposal]:
+    """Each row's proposal, by id(entry); a row whose draft raises is failed and gone."""
+    proposals: dict[int, Proposal] = {}
     for entry in list(rows.entries):
         try:
-            trees[id(entry)] = entry.generation.propose()
+            proposals[id(entry)] = entry.generation.propose()
         except Exception as error:
             log.exception("plan_failed")
             rows.fail(entry, error)  # rows move: the pass is laid out after this
-    return trees
+    return proposals
 
 
 def _walk_and_commit(
-    rows: BatchRows, index: int, entry: Entry, row: PassRow, logits: Logits
+    rows: BatchRows, index: int, entry: Entry, proposal: Proposal, row: PassRow, logits: Logits
 ) -> Round:
+    """Walk `row`'s drafts (`proposal`, as the batch cut it) on `logits`, learn and emit."""
     generation = entry.generation
     # Walk the tree (the accept rule above): what the target emits, and the accepted nodes.
     choice = generation.token_choice(logits)
@@ -121,9 +127,9 @@ def _walk_and_commit(
     if generation.recycled is not None:  # the rows the pass computed, kept as drafts
         generation.recycled.record([row.pending, *row.drafts], logits.computed(row.scored))
     # Breakers and adaptive k learn what was accepted, per draft source.
-    generation.speculator.record(len(row.drafts), len(emitted) - 1, path)
+    generation.speculator.record(proposal, len(emitted) - 1, path)
     # The stream: its prompt tail is cached now, its output grows, stops are checked.
-    round_ = generation.accept(row, emitted, path, choice.logprobs)
+    round_ = generation.accept(proposal, row, emitted, path, choice.logprobs)
     # Cache moves: a tree's accepted nodes were written at their slots, not their positions.
     rows.relocate(index, generation.kv_moves)
     return round_

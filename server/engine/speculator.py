@@ -12,11 +12,17 @@ drafted whatever the breakers say (the grammar's, not a draft's guess, so they a
 learned as one); the session is given them before it drafts, so the learned tree is drafted
 after them; then the nodes the constraint forbids are pruned. Everything learned (acceptance,
 k, the breaker) counts the learned nodes alone.
+
+A round's life: `propose` returns a `Proposal`, a value holding the tree, its gains and its
+sources; the batch keeps `proposal.cut(kept)` of it; `record(kept_proposal, accepted, path)`
+learns from the value it is handed. Nothing is left between the calls: the speculator holds
+only what it learned (acceptance, k, the breaker, how long its drafts have been starved).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
@@ -44,6 +50,63 @@ FORCED = Source("grammar")  # a round whose drafts are forced tokens alone, as u
 # than at 16 (four pairs), repeated prompts (long suffix matches) no slower (docs/design.md,
 # "Bushy trees stop at 10 nodes").
 BUSHY_TREE_NODES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What one round's drafting decided, and, once `cut`, what the batch kept of it.
+
+    `tree` is what the pass verifies: the `forced` grammar tokens first (a chain), then the
+    learned tree below them, drafted by `learned` (a chain's `Source`, or TREE). A `probe`
+    (a starved request re-measuring a stale estimate) counts each learned draft a gain of 1.0.
+    `proposed` is how many nodes drafting proposed, before the batch cut any.
+    """
+
+    tree: DraftTree = NO_DRAFTS
+    forced: int = 0
+    learned: Source = UNNAMED
+    probe: bool = False
+    proposed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.forced <= len(self.tree) <= self.proposed:
+            raise ValueError(
+                f"a proposal needs 0 <= forced <= nodes <= proposed: {self.forced} forced, "
+                f"{len(self.tree)} nodes, {self.proposed} proposed"
+            )
+
+    @classmethod
+    def of(
+        cls, tree: DraftTree, forced: int = 0, learned: Source = UNNAMED, probe: bool = False
+    ) -> Proposal:
+        """A round's proposal of `tree`, before any cut."""
+        return cls(tree, forced, learned, probe, len(tree))
+
+    @property
+    def learned_tree(self) -> DraftTree:
+        """The learned nodes, below the forced ones (rooted at the pending token)."""
+        return self.tree.below(self.forced)
+
+    @property
+    def gains(self) -> list[float]:
+        """Expected accepted tokens each draft adds, in order (non-increasing): 1.0 for a
+        forced token, then a chain's alpha^j or a tree's path probabilities (1.0 for a probe)."""
+        learned = len(self.tree) - self.forced
+        gains = chain_gains(learned, 1.0) if self.probe else list(self.tree.probs[self.forced :])
+        return [1.0] * self.forced + gains if self.forced else gains
+
+    @property
+    def source(self) -> str:
+        """Where the drafts came from, as users see it ("kenlm", "context:3", "tree",
+        "grammar" when only forced tokens were drafted)."""
+        return str(FORCED if self.forced and self.forced == len(self.tree) else self.learned)
+
+    def cut(self, kept: int) -> Proposal:
+        """The proposal as a batch cut it: its first `kept` drafts (a tree's first nodes are a
+        tree, the forced ones first)."""
+        if kept >= len(self.tree):
+            return self
+        return replace(self, tree=self.tree.prefix(kept), forced=min(self.forced, kept))
 
 
 class DraftConstraint(Protocol):
@@ -121,9 +184,6 @@ class Speculator:
         self._shared = shared if shared is not None else AcceptanceStats()
         self._own = AcceptanceStats(decay=_OWN_DECAY)
         self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
-        self._source = UNNAMED  # of this round's draft: its chain's source, or TREE
-        self._tree = NO_DRAFTS  # this round's learned draft, as the batch cut it
-        self._forced = 0  # forced tokens before it this round (a chain; see DraftConstraint)
         self._ahead: list[int] = []  # forced tokens the session holds that the output does not
 
     @property
@@ -131,33 +191,21 @@ class Speculator:
         return self._acceptance.state if self._acceptance else BreakerState.CLOSED
 
     @property
-    def source(self) -> str:
-        """Where this round's draft came from, as users see it ("kenlm", "context:3", "tree",
-        "grammar" when only forced tokens were drafted)."""
-        return str(FORCED if self._forced and not self._tree else self._source)
-
-    @property
     def window_acceptance(self) -> float:
         return self._acceptance.window_acceptance if self._acceptance else 0.0
 
-    def acceptance_estimate(self) -> float:
-        """Per-token acceptance to expect of this round's draft, for a batch choosing its
-        width: this request's recent acceptance of drafts from the same source (KenLM, or the
-        context after a match of a given length), shrunk towards the shared prior for that
-        source over all recent requests by PRIOR_TRIES pseudo-tries.
+    def acceptance_estimate(self, proposal: Proposal) -> float:
+        """Per-token acceptance to expect of `proposal`'s learned drafts: this request's recent
+        acceptance of drafts from the same source (KenLM, or the context after a match of a
+        given length), shrunk towards the shared prior for that source over all recent
+        requests by PRIOR_TRIES pseudo-tries.
 
         After `probe_every` rounds in a row whose drafts a batch cut entirely, 1.0 once (a
         probe: a stale estimate is re-measured); a probe that fails doubles the wait for the
         next one (up to PROBE_AFTER_MAX), one that pays resets it."""
-        if self._probe_due:
+        if proposal.probe:
             return 1.0
-        return self._rate(self._source)
-
-    def gains(self) -> list[float]:
-        """Expected accepted tokens each of this round's drafts adds, in order (non-increasing):
-        a chain's alpha^j, a tree's path probabilities; 1.0 each for a probe."""
-        gains = chain_gains(len(self._tree), 1.0) if self._probe_due else list(self._tree.probs)
-        return [1.0] * self._forced + gains if self._forced else gains
+        return self._rate(proposal.learned)
 
     def _rate(self, source: Source) -> float:
         """This request's acceptance of `source`, shrunk towards the shared rate."""
@@ -174,48 +222,35 @@ class Speculator:
     def _probe_due(self) -> bool:
         return self._starved > 0 and self._starved % self._probe_every == 0
 
-    def cut(self, proposed: int, kept: int) -> None:
-        """A batch kept `kept` of this round's `proposed` drafts."""
-        if kept and self._probe_due:
-            self._probing = True
-        self._starved = self._starved + 1 if proposed and not kept else 0
-        self._tree = self._tree.prefix(max(0, kept - self._forced))
-        self._forced = min(self._forced, kept)
-
-    def propose(self, limit: int, constraint: DraftConstraint | None = None) -> DraftTree:
+    def propose(self, limit: int, constraint: DraftConstraint | None = None) -> Proposal:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
         tokens left); none when speculation is off; no learned nodes when not paying. With a
         constraint, its forced tokens first (see the module doc)."""
-        self._tree, self._forced = NO_DRAFTS, 0
         if not self._params.enabled or limit <= 0:
-            return NO_DRAFTS
+            return Proposal()
         cap = self._params.num_draft_tokens
         forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
-        learned = self._learned(limit - len(forced), cap - len(forced), forced)
+        learned, source = self._learned(limit - len(forced), cap - len(forced), forced)
         if constraint is None:
-            self._tree = learned
-            return learned
+            return Proposal.of(learned, 0, source, self._probe_due)
         chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
         tree = constraint.prune(learned.after(chain))
-        self._forced = _leading_forced(tree)
-        self._tree = tree.below(self._forced)
-        return tree
+        return Proposal.of(tree, _leading_forced(tree), source, self._probe_due)
 
-    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> DraftTree:
-        """The session's draft after `forced` (given to it first): up to `cap` nodes, none
-        deeper than `limit`; none without a session or while the breaker says no."""
+    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> tuple[DraftTree, Source]:
+        """The session's draft after `forced` (given to it first) and its source: up to `cap`
+        nodes, none deeper than `limit`; none without a session or while the breaker says no."""
         if self._session is None or limit <= 0 or cap <= 0:
-            return NO_DRAFTS
+            return NO_DRAFTS, UNNAMED
         if self._acceptance is not None and not self._acceptance.allows_speculation():
-            return NO_DRAFTS
+            return NO_DRAFTS, UNNAMED
         self._give_ahead(self._session, forced)
         draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
         else:
             drafted = self._faults.call(draft, self._request_id)
-        tree, self._source = drafted or (NO_DRAFTS, UNNAMED)
-        return tree
+        return drafted or (NO_DRAFTS, UNNAMED)
 
     def _give_ahead(self, session: DraftSession, forced: tuple[int, ...]) -> None:
         """Extend the session by the forced tokens it does not hold yet. A session cannot take
@@ -261,14 +296,20 @@ class Speculator:
         gains = chain_gains(len(best), self._rate(best.source))
         return DraftTree.chain(best.tokens, gains, best.source), best.source
 
-    def record(self, drafted: int, accepted: int, path: Sequence[int] = ()) -> None:
-        """A round verified `drafted` drafts and accepted `accepted` (for a tree: the accepted
-        nodes, `path`); acceptance is learned per source (per node's sources in a tree)."""
-        if self._forced:  # forced nodes are the grammar's: learn the nodes after them only
-            if accepted < self._forced:
+    def record(self, proposal: Proposal, accepted: int, path: Sequence[int] = ()) -> None:
+        """A round verified `proposal` (as the batch cut it) and accepted `accepted` drafts (for
+        a tree: the accepted nodes, `path`): the cut counts towards a probe (see
+        `acceptance_estimate`); acceptance is learned per source (per node's sources in a
+        tree)."""
+        drafted, forced = len(proposal.tree), proposal.forced
+        if drafted and proposal.probe:
+            self._probing = True
+        self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
+        if forced:  # forced nodes are the grammar's: learn the nodes after them only
+            if accepted < forced:
                 return  # the learned nodes were not reached
-            drafted, accepted = drafted - self._forced, accepted - self._forced
-            path = [node - self._forced for node in path[self._forced :]]
+            drafted, accepted = drafted - forced, accepted - forced
+            path = [node - forced for node in path[forced:]]
         if drafted == 0:
             return
         if self._probing:  # a probe pays when at least half its drafts were accepted
@@ -277,10 +318,10 @@ class Speculator:
             self._probe_every = (
                 min(2 * self._probe_every, PROBE_AFTER_MAX) if failed else PROBE_AFTER
             )
-        if self._source == TREE:
-            full, judged = self._learn_tree(self._tree.prefix(drafted), accepted, path)
+        if proposal.learned == TREE:
+            full, judged = self._learn_tree(proposal.learned_tree, accepted, path)
         else:
-            key = (self._source, self._sampled)
+            key = (proposal.learned, self._sampled)
             self._own.observe(key, drafted, accepted)
             self._shared.observe(key, drafted, accepted)
             full, judged = accepted == drafted, (drafted, accepted)

@@ -397,12 +397,14 @@ def test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_rejection() ->
     assert speculator.k == 6
     steps = [(6, 2, 5), (5, 5, 6), (6, 0, 5), (5, 0, 4), (4, 0, 3), (3, 0, 2), (2, 0, 1), (1, 0, 1)]
     for drafted, accepted, k_after in steps:
-        speculator.record(drafted, accepted)
+        proposal = speculator.propose(6)
+        assert len(proposal.tree) == drafted  # k drafts
+        speculator.record(proposal, accepted)
         assert speculator.k == k_after
-    speculator.record(1, 1)
+    speculator.record(speculator.propose(6), 1)
     assert speculator.k == 3
     fixed = Speculator(FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=False))
-    fixed.record(6, 0)
+    fixed.record(fixed.propose(6), 0)
     assert fixed.k == 6
 
 
@@ -507,64 +509,67 @@ def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() ->
     draft = FixedDraft([1] * 8, source="long-match")
     params = SpeculationParams(num_draft_tokens=6, adaptive=True)
     first = Speculator(draft, params, shared=shared)
-    first.propose(6)
-    assert first.acceptance_estimate() == 0.5  # nothing seen: the unseen prior
+    long = first.propose(6)
+    assert first.acceptance_estimate(long) == 0.5  # nothing seen: the unseen prior
     for _ in range(20):
-        first.record(6, 6)  # long matches are always accepted
-    assert first.acceptance_estimate() > 0.95
+        first.record(long, 6)  # long matches are always accepted
+    assert first.acceptance_estimate(long) > 0.95
     draft.source = "short-match"
-    first.propose(6)
+    short = first.propose(6)
     for _ in range(20):
-        first.record(6, 0)  # short ones never
-    assert first.acceptance_estimate() < 0.1
+        first.record(short, 0)  # short ones never
+    assert first.acceptance_estimate(short) < 0.1
     draft.source = "long-match"
-    first.propose(6)
-    assert first.acceptance_estimate() > 0.95  # each source keeps its own estimate
+    assert first.acceptance_estimate(first.propose(6)) > 0.95  # each keeps its own estimate
 
     second = Speculator(draft, params, shared=shared)  # a new request: the shared prior
-    second.propose(6)
-    assert second.acceptance_estimate() == pytest.approx(shared.rate((Source("long-match"), False)))
-    assert second.acceptance_estimate() > 0.85
-    second.record(6, 0)  # one early failure moves it, but does not decide it alone
-    assert 0.2 < second.acceptance_estimate() < 0.85
-    assert second.acceptance_estimate() == pytest.approx(
+    long = second.propose(6)
+    assert second.acceptance_estimate(long) == pytest.approx(
+        shared.rate((Source("long-match"), False))
+    )
+    assert second.acceptance_estimate(long) > 0.85
+    second.record(long, 0)  # one early failure moves it, but does not decide it alone
+    assert 0.2 < second.acceptance_estimate(long) < 0.85
+    assert second.acceptance_estimate(long) == pytest.approx(
         PRIOR_TRIES * shared.rate((Source("long-match"), False)) / (1 + PRIOR_TRIES)
     )
     sampled = Speculator(draft, params, shared=shared, sampled=True)
-    sampled.propose(6)
-    assert sampled.acceptance_estimate() == 0.5  # sampled rounds have priors of their own
+    assert sampled.acceptance_estimate(sampled.propose(6)) == 0.5  # sampled: priors of their own
 
 
 def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
     from server.engine.speculator import PROBE_AFTER
 
     speculator = Speculator(
-        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=True)
+        FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=False)
     )
-    speculator.propose(6)
     for _ in range(8):
-        speculator.record(6, 0)
-    low = speculator.acceptance_estimate()
-    assert low < 0.1
-    for _ in range(PROBE_AFTER - 1):
-        speculator.cut(6, 0)  # a batch dropped every draft of the round
-        assert speculator.acceptance_estimate() == low
-    speculator.cut(6, 0)
-    assert speculator.acceptance_estimate() == 1.0  # a stale estimate gets a probe
-    speculator.cut(6, 6)  # the batch let the probe draft
-    speculator.record(6, 1)  # and it failed: the next probe waits twice as long
-    stale = speculator.acceptance_estimate()
+        speculator.record(speculator.propose(6), 0)
+    proposal = speculator.propose(6)
+    low = speculator.acceptance_estimate(proposal)
+    assert low < 0.1 and not proposal.probe
+
+    def starve(rounds: int, estimate: float) -> None:
+        """`rounds` rounds whose drafts a batch dropped entirely, none a probe."""
+        for _ in range(rounds):
+            proposal = speculator.propose(6)
+            assert speculator.acceptance_estimate(proposal) == estimate
+            assert not proposal.probe and proposal.gains == [estimate**j for j in range(1, 7)]
+            speculator.record(proposal.cut(0), 0)
+
+    starve(PROBE_AFTER, low)
+    probe = speculator.propose(6)
+    assert probe.probe and speculator.acceptance_estimate(probe) == 1.0  # a stale estimate
+    assert probe.gains == [1.0] * 6  # gets a probe
+    speculator.record(probe.cut(6), 1)  # the batch let it draft, and it failed:
+    stale = speculator.acceptance_estimate(speculator.propose(6))
     assert stale < 0.5
-    for _ in range(2 * PROBE_AFTER - 1):
-        speculator.cut(6, 0)
-        assert speculator.acceptance_estimate() == stale
-    speculator.cut(6, 0)
-    assert speculator.acceptance_estimate() == 1.0
-    speculator.cut(6, 6)
-    speculator.record(6, 5)  # a probe that pays resets the wait
-    for _ in range(PROBE_AFTER):
-        speculator.cut(6, 0)
-    assert speculator.acceptance_estimate() == 1.0
+    starve(2 * PROBE_AFTER, stale)  # the next probe waits twice as long
+    probe = speculator.propose(6)
+    assert speculator.acceptance_estimate(probe) == 1.0
+    speculator.record(probe, 5)  # a probe that pays resets the wait
+    starve(PROBE_AFTER, speculator.acceptance_estimate(speculator.propose(6)))
+    assert speculator.propose(6).probe
 
 
 def test_calibration_measures_batched_passes(tiny_target) -> None:

@@ -241,12 +241,14 @@ class Forcing:
 def test_the_learned_tree_is_drafted_after_the_forced_tokens_and_learned_alone() -> None:
     session = Recording()
     speculator = Speculator(session, SpeculationParams(num_draft_tokens=8))
-    tree = speculator.propose(limit=10, constraint=Forcing())
+    proposal = speculator.propose(limit=10, constraint=Forcing())
+    tree = proposal.tree
     assert tree.tokens == (7, 8, 100) and tree.parents == (-1, 0, 1)
-    assert tree.sources[:2] == ((GRAMMAR,), (GRAMMAR,))
+    assert tree.sources[:2] == ((GRAMMAR,), (GRAMMAR,)) and proposal.forced == 2
     assert session.calls == [("extend", (7, 8)), ("propose", ())]  # forced first, then drafted
-    assert speculator.gains()[:2] == [1.0, 1.0]
-    speculator.record(3, 3, [0, 1, 2])
+    assert proposal.gains[:2] == [1.0, 1.0] and proposal.source == "a"
+    assert proposal.cut(2).source == "grammar"  # only forced tokens kept
+    speculator.record(proposal, 3, [0, 1, 2])
     speculator.extend([7, 8, 100, 5])
     assert session.calls[-1] == ("extend", (100, 5))  # the forced ones it held already
     own = speculator._own.counts((Source("a"), False))

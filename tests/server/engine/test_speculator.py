@@ -28,7 +28,7 @@ def speculator(shared: AcceptanceStats) -> Speculator:
 
 
 def test_unmeasured_sources_keep_the_drafts_own_order() -> None:
-    assert speculator(AcceptanceStats()).propose(limit=10).sources[0] == (Source("a"),)
+    assert speculator(AcceptanceStats()).propose(limit=10).tree.sources[0] == (Source("a"),)
 
 
 def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() -> None:
@@ -38,8 +38,9 @@ def test_the_source_accepted_more_wins_and_is_what_acceptance_is_recorded_for() 
         shared.observe((B, False), drafted=4, accepted=4)
     chosen = speculator(shared)
     proposal = chosen.propose(limit=10)
-    assert proposal.sources[0] == (Source("b"),) and proposal.tokens == (2, 2, 2, 2)
-    assert chosen.acceptance_estimate() > 0.8  # the estimate is b's, the chosen chain's
+    assert proposal.tree.sources[0] == (Source("b"),) and proposal.tree.tokens == (2, 2, 2, 2)
+    assert proposal.learned == B and proposal.source == "b"
+    assert chosen.acceptance_estimate(proposal) > 0.8  # the estimate is b's, the chosen chain's
     # A shorter alternative loses to a longer chain of the same measured acceptance.
     assert (
         max(
@@ -63,16 +64,16 @@ class LongMatch(DraftSession):
 def test_a_chain_past_k_is_kept_up_to_the_limit_and_never_past_it() -> None:
     params = SpeculationParams(chain_tokens=4)
     chosen = Speculator(LongMatch(), params)
-    assert chosen.propose(limit=10).tokens == tuple(range(10, 20))  # 12 proposed, 10 left
-    assert chosen.propose(limit=30).tokens == tuple(range(10, 22))
-    assert chosen.propose(limit=3).tokens == (10, 11, 12)
+    assert chosen.propose(limit=10).tree.tokens == tuple(range(10, 20))  # 12 proposed, 10 left
+    assert chosen.propose(limit=30).tree.tokens == tuple(range(10, 22))
+    assert chosen.propose(limit=3).tree.tokens == (10, 11, 12)
 
 
 def test_num_draft_tokens_caps_a_long_match_and_k() -> None:
     """The cap is on the round's draft tokens, whatever drafted them: a long match's chain is
     cut to it, and k never exceeds it."""
     capped = Speculator(LongMatch(), SpeculationParams(num_draft_tokens=5, chain_tokens=4))
-    assert capped.propose(limit=30).tokens == tuple(range(10, 15))  # 12 proposed, cap 5
+    assert capped.propose(limit=30).tree.tokens == tuple(range(10, 15))  # 12 proposed, cap 5
     assert Speculator(LongMatch(), SpeculationParams(num_draft_tokens=3)).k == 3
 
 
@@ -87,11 +88,11 @@ class Forked(DraftSession):
 
 
 def test_a_tree_holds_at_most_num_draft_tokens_nodes() -> None:
-    budget = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=30)
+    budget = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=30).tree
     assert len(budget) == 6 and not budget.is_chain and budget.sources[0] == (A, B)
     capped = Speculator(Forked(), SpeculationParams(num_draft_tokens=4), tree_budget=16)
-    assert capped.propose(limit=30) == budget.prefix(4)  # the best 4 of the same tree
-    shallow = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=2)
+    assert capped.propose(limit=30).tree == budget.prefix(4)  # the best 4 of the same tree
+    shallow = Speculator(Forked(), SpeculationParams(), tree_budget=16).propose(limit=2).tree
     assert max(shallow.depths()) == 2 and len(shallow) == 3  # 1, then 2 and 5
 
 
@@ -123,7 +124,8 @@ def test_a_tree_of_guesses_stays_bushy_sized_and_a_long_match_takes_the_budget()
     params = SpeculationParams(num_draft_tokens=16)
 
     def tree(session: DraftSession, budget: int) -> DraftTree:
-        return Speculator(session, params, shared=shared, tree_budget=budget).propose(limit=30)
+        speculator = Speculator(session, params, shared=shared, tree_budget=budget)
+        return speculator.propose(limit=30).tree
 
     assert len(tree(Guesses(), 16)) == BUSHY_TREE_NODES < 16
     assert len(tree(Guesses(long=14), 16)) == 14  # the match's length
