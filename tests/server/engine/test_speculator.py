@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
 
 from server.engine.draft import Candidates, Chain, DraftSession
 from server.engine.draft_tree import DraftTree, Source
 from server.engine.params import SpeculationParams
-from server.engine.speculator import BUSHY_TREE_NODES, AcceptanceStats, Speculator
+from server.engine.speculator import (
+    BUSHY_TREE_NODES,
+    FORCED,
+    PROBE_AFTER,
+    AcceptanceStats,
+    Proposal,
+    Speculator,
+)
 
 A, B = Source("a"), Source("b")
 
@@ -131,3 +141,62 @@ def test_a_tree_of_guesses_stays_bushy_sized_and_a_long_match_takes_the_budget()
     assert len(tree(Guesses(long=14), 16)) == 14  # the match's length
     assert len(tree(Guesses(long=20), 16)) == 16  # within the budget
     assert len(tree(Guesses(), 6)) == len(tree(Guesses(long=14), 6)) == 6
+
+
+def test_a_proposal_holds_its_drafts_gains_and_source_and_is_cut_as_a_value() -> None:
+    """Forced tokens first, then the learned ones: a cut keeps the first drafts, forced first,
+    and says "grammar" when only forced ones are left."""
+    forced = DraftTree.chain((7, 8), (1.0, 1.0), FORCED)
+    tree = DraftTree.chain((9, 10), (0.5, 0.25), A).after(forced)
+    proposal = Proposal.of(tree, forced=2, learned=A)
+    assert proposal.gains == [1.0, 1.0, 0.5, 0.25] and proposal.source == "a"
+    assert replace(proposal, probe=True).gains == [1.0] * 4  # a probe: every draft 1.0
+    three = proposal.cut(3)
+    assert three.tree.tokens == (7, 8, 9) and three.forced == 2 and three.proposed == 4
+    assert three.gains == [1.0, 1.0, 0.5] and three.learned_tree.tokens == (9,)
+    assert proposal.cut(1).forced == 1 and proposal.cut(1).source == "grammar"
+    assert proposal.cut(0).tree == DraftTree() and proposal.cut(0).forced == 0
+    assert proposal.tree.tokens == (7, 8, 9, 10)  # cutting made new values
+    with pytest.raises(ValueError, match="forced <= nodes"):
+        Proposal.of(tree, forced=5)
+
+
+class Switching(DraftSession):
+    """Proposes a chain of four tokens from `source`, settable between rounds."""
+
+    def __init__(self) -> None:
+        self.source = A
+
+    def propose(self, k: int) -> Candidates:
+        return (Chain((1,) * 4, (1.0,) * 4, self.source),)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        pass
+
+
+def test_record_learns_from_the_proposal_it_is_handed_whatever_was_proposed_since() -> None:
+    shared = AcceptanceStats()
+    session = Switching()
+    params = SpeculationParams(num_draft_tokens=4, adaptive=False)
+    speculator = Speculator(session, params, shared=shared)
+    first = speculator.propose(limit=10)
+    session.source = B
+    second = speculator.propose(limit=10)  # proposed again before the first is recorded
+    assert (first.source, second.source) == ("a", "b")
+    speculator.record(first.cut(3), 3)  # a batch kept 3 of the first's drafts: all accepted
+    assert shared.counts((A, False)) == (3.0, 3.0) and shared.counts((B, False)) == (0.0, 0.0)
+    speculator.record(second, 0)  # the second, uncut: its first draft rejected
+    assert shared.counts((B, False)) == (0.0, 1.0) and shared.counts((A, False)) == (3.0, 3.0)
+
+
+def test_proposing_leaves_nothing_a_round_must_call_in_order() -> None:
+    """Proposals of the same state are equal whatever came between; a starved round counts
+    when recorded, with the cut its proposal carries."""
+    speculator = Speculator(Switching(), SpeculationParams(num_draft_tokens=4))
+    first = speculator.propose(limit=10)
+    assert speculator.propose(limit=10) == first and first.gains == speculator.propose(10).gains
+    for _ in range(PROBE_AFTER):
+        speculator.record(speculator.propose(limit=10).cut(0), 0)  # every draft cut
+    probe = speculator.propose(limit=10)
+    assert probe.probe and probe.gains == [1.0] * 4
+    assert not first.probe and first.gains != probe.gains  # an earlier value is unchanged
