@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_ttft = {}
     for dtype in args.dtypes:
         runtime = load_runtime(
-            Settings(
+            Settings.of(
                 model=args.model,
                 draft=args.draft,
                 dtype=dtype,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import json
 import sys
@@ -311,9 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _server_shares_answers() -> bool:
-    from server.settings import Settings
+    from server.settings import FIELD_GROUPS
 
-    return "share_answers" in {field.name for field in dataclasses.fields(Settings)}
+    return "share_answers" in FIELD_GROUPS
 
 
 def _progress(line: str) -> None:

@@ -77,7 +77,8 @@ def check_exact(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[
 
     engine, settings = _engine(flags, "float32")
     model = engine.target.model
-    on, off = settings.speculation, replace(settings.speculation, enabled=False)
+    on = settings.speculation.request_defaults
+    off = replace(on, enabled=False)
     penalties = ProcessorParams(**PENALTIES)
     hf_like = ProcessorParams(
         repetition_penalty=PENALTIES["repetition_penalty"], logit_bias=PENALTIES["logit_bias"]
@@ -156,7 +157,7 @@ def measure_speed(prompts: Path, limit: int, max_new_tokens: int, flags: Sequenc
             generation, _ = _run(
                 engine,
                 ids,
-                speculation=settings.speculation,
+                speculation=settings.speculation.request_defaults,
                 max_new_tokens=max_new_tokens,
                 **options,
             )
@@ -188,7 +189,7 @@ def _choices(engine, ids, settings, max_new_tokens: int, *, together: bool) -> i
             ids,
             sampling=SamplingParams(temperature=0.8, seed=seed),
             stopping=StoppingParams(max_new_tokens=max_new_tokens),
-            speculation=settings.speculation,
+            speculation=settings.speculation.request_defaults,
             choice=seed,
         )
         for seed in range(4)

@@ -141,7 +141,7 @@ def check_exact(
                 ids,
                 sampling=SamplingParams(),
                 stopping=StoppingParams(max_new_tokens=max_new_tokens),
-                speculation=settings.speculation,
+                speculation=settings.speculation.request_defaults,
             )
             served = list(engine.batch.rounds(generation))
             with torch.inference_mode():

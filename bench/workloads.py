@@ -291,10 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt_lookup:
         settings = parse_settings([*server_args, *args.server_args])
         lookup_setup = {
-            "model": loaded.get("model", settings.model),
+            "model": loaded.get("model", settings.model.model),
             "device": loaded.get("device", "cpu"),
             "dtype": loaded.get("dtype", "auto"),  # "auto": the server did not log its dtype
-            "threads": settings.threads,
+            "threads": settings.kernels.threads,
             "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
         }
         print(f"prompt lookup: {json.dumps(lookup_setup)}", file=sys.stderr, flush=True)

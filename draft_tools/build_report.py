@@ -11,7 +11,7 @@ from typing import Any
 
 from draft_tools.train import evaluate
 from server.engine.kenlm_draft import DRAFT_MANIFEST
-from server.settings import Settings
+from server.settings import SpeculationSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +49,16 @@ class StageTime:
         return f"{self.stage} {_duration(self.seconds)}" + " (done before)" * self.skipped
 
 
-def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> CheckResult:
+def check_draft(
+    model: Path, draft: Path, answers: Path, speculation: SpeculationSettings
+) -> CheckResult:
     """Replay the held-out answers through the draft alone and with context drafting (as the
     server drafts by default: the request's own tokens and the suffix index seeded from the
     draft's corpus; chains, not trees, which no cost model would cut in a replay)."""
     served = {
-        "k": settings.speculation.k,
-        "adaptive": settings.adaptive,
-        "min_draft_prob": settings.min_draft_prob,
+        "k": speculation.request_defaults.k,
+        "adaptive": speculation.adaptive,
+        "min_draft_prob": speculation.min_draft_prob,
     }
     alone = evaluate(model, draft, answers, **served)
     context = evaluate(
@@ -65,15 +67,15 @@ def check_draft(model: Path, draft: Path, answers: Path, settings: Settings) -> 
         answers,
         **served,
         context=True,
-        min_match=settings.context_min_match,
-        suffix=settings.suffix_index,
-        long_draft_tokens=settings.long_draft_tokens,
+        min_match=speculation.context_min_match,
+        suffix=speculation.suffix_index,
+        long_draft_tokens=speculation.long_draft_tokens,
     )
     return CheckResult(
         answers=alone.answers,
         tokens=alone.tokens,
-        k=settings.speculation.k,
-        min_draft_prob=settings.min_draft_prob,
+        k=speculation.request_defaults.k,
+        min_draft_prob=speculation.min_draft_prob,
         tokens_per_round=round(alone.tokens_per_round, 4),
         acceptance=round(alone.acceptance, 4),
         context_tokens_per_round=round(context.tokens_per_round, 4),

@@ -296,7 +296,7 @@ def load_target(
     if chat_template is not None:
         argv += ["--chat-template", str(chat_template)]
     settings = parse_settings(argv, env={})
-    return Target(load_runtime(settings).engine, settings.speculation)
+    return Target(load_runtime(settings).engine, settings.speculation.request_defaults)
 
 
 def distill(

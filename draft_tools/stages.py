@@ -25,7 +25,7 @@ from draft_tools.stamps import Stamps, file_digest, folder_digest
 from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
 from server.engine.kenlm_draft import DRAFT_MANIFEST
 from server.engine.suffix_index import SUFFIX_CORPUS
-from server.settings import Settings
+from server.settings import SpeculationSettings
 
 
 class BuildError(Exception):
@@ -297,16 +297,16 @@ class Build:
 
     def check_heldout(self, answers: Path) -> None:
         self.begin("check", f"replay the held-out answers ({answers.name}) through the draft")
-        settings = Settings()
+        served = SpeculationSettings()  # what the server drafts by default
         inputs = {
             "draft": self.stamps.get("fit"),
             "answers": file_digest(answers),
-            "k": settings.speculation.k,
-            "min_draft_prob": settings.min_draft_prob,
+            "k": served.request_defaults.k,
+            "min_draft_prob": served.min_draft_prob,
         }
         result_path = self.work / "check.json"
         if not self.skip_if_done(inputs, [result_path]):
-            result = check_draft(self.model_dir, self.out, answers, settings)
+            result = check_draft(self.model_dir, self.out, answers, served)
             result_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
             _update_manifest(self.out, heldout_check=result.to_json())
             self.stamps.record("check", inputs)

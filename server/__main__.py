@@ -48,7 +48,7 @@ async def serve(settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.server.log_format, settings.server.log_level)
     # The engine thread runs Python between torch kernels and waits for the GIL whenever the
     # event loop holds it; with Python's default 5 ms switch interval that wait stalls a whole
     # batch (see docs/design.md, "Threads").

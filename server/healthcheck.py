@@ -38,12 +38,12 @@ class Probe:
 
 def local_address(settings: Settings) -> str:
     """The address of the server's gRPC port from inside its host or container."""
-    host = settings.host
+    host, port = settings.server.host, settings.server.port
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def probe_for(
@@ -56,21 +56,22 @@ def probe_for(
 ) -> Probe:
     """The probe for a server run with `settings` (at `address`, else its local address)."""
     address = address or local_address(settings)
-    if not settings.tls_cert:
+    security = settings.security
+    if not security.tls_cert:
         return Probe(address)
     chain = key = None
-    if settings.tls_client_ca:  # mutual TLS: the server refuses a handshake without one
-        chain = Path(client_cert or settings.tls_cert).read_bytes()
-        key = Path(client_key or settings.tls_key).read_bytes()
+    if security.tls_client_ca:  # mutual TLS: the server refuses a handshake without one
+        chain = Path(client_cert or security.tls_cert).read_bytes()
+        key = Path(client_key or security.tls_key).read_bytes()
     host = address.rsplit(":", 1)[0].strip("[]")
     return Probe(
         address,
         # The server's own chain as the trust anchor: gRPC accepts a chain that ends at a
         # trusted certificate, so this holds for a self-signed one and for a CA-signed one.
-        root_certificates=Path(settings.tls_cert).read_bytes(),
+        root_certificates=Path(security.tls_cert).read_bytes(),
         certificate_chain=chain,
         private_key=key,
-        server_name=server_name or certificate_name(settings.tls_cert, host),
+        server_name=server_name or certificate_name(security.tls_cert, host),
     )
 
 

@@ -34,7 +34,7 @@ from server.scheduler import Scheduler
 from server.security import BearerTokenInterceptor, read_tokens, server_credentials
 from server.service import GeneratorService, generator_handler
 from server.serving import Serving
-from server.settings import Settings
+from server.settings import LimitSettings, ModelSettings, Settings
 from server.tracing import build_tracing
 
 log = structlog.get_logger("kenspec.server")
@@ -45,13 +45,13 @@ GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
 SHARED_ANSWERS_FLUSH_S = 2.0  # at stop, how long buffered answers get to reach Redis
 
 
-def served_model_id(settings: Settings) -> str:
+def served_model_id(model: ModelSettings) -> str:
     """The model id the HTTP API lists and expects: --served-model-name, else the model's
     folder name, or a GGUF file's name without .gguf (`gemma-3-270m-q4_k_m`, as a folder of
     the converted model would be named)."""
-    if settings.served_model_name:
-        return settings.served_model_name
-    path = Path(settings.model)
+    if model.served_model_name:
+        return model.served_model_name
+    path = Path(model.model)
     return path.stem if path.suffix == GGUF_SUFFIX else path.name
 
 
@@ -63,53 +63,55 @@ class KenspecServer:
     ) -> None:
         self.settings = settings
         self._loader = loader
+        server, limits, security = settings.server, settings.limits, settings.security
         self.scheduler = Scheduler(
-            max_active=settings.max_concurrent_streams, max_queue=settings.max_queue
+            max_active=limits.max_concurrent_streams, max_queue=limits.max_queue
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        model_name = served_model_id(settings)
-        self.tracing = build_tracing(settings.otel, settings.otel_service_name, model_name)
-        tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
+        model_name = served_model_id(settings.model)
+        self.tracing = build_tracing(server.otel, server.otel_service_name, model_name)
+        tokens = read_tokens(security.auth_tokens_file) if security.auth_tokens_file else ()
         self.serving = Serving(
             self.scheduler,
             self.metrics,
-            settings.max_deadline_s,
-            stall_timeout_s=settings.stream_stall_timeout_s,
+            limits.max_deadline_s,
+            stall_timeout_s=limits.stream_stall_timeout_s,
             tracing=self.tracing,
             tokens=tokens,
-            report_draft_source=settings.report_draft_source,
+            report_draft_source=settings.speculation.report_draft_source,
         )
         self.service = GeneratorService(self.serving)
         self.health = health_aio.HealthServicer()
         self.port = 0
         refused = self._count_grpc_refusal
         interceptors = [BearerTokenInterceptor(tokens, on_refused=refused)] if tokens else []
-        self.http = self._http_server(tokens) if settings.http_port >= 0 else None
+        self.http = self._http_server(tokens) if server.http_port >= 0 else None
         self.http_port: int | None = None
         self.answers: AnswerStream | None = None  # --share-answers, from load()
-        self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
+        self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(limits))
         self._register()
 
     def _http_server(self, tokens: tuple[bytes, ...]) -> HttpServer:
         """The OpenAI-compatible API, on this loop and this Serving (server.openai_api)."""
         settings = self.settings
+        server, limits, security = settings.server, settings.limits, settings.security
         app = build_app(
             self.serving,
-            model_name=served_model_id(settings),
+            model_name=served_model_id(settings.model),
             tokens=tokens,
-            limits=HttpLimits(settings.max_message_bytes, settings.http_body_timeout_s),
-            allowed_hosts=settings.allowed_hosts,
-            bind_host=settings.host,
+            limits=HttpLimits(limits.max_message_bytes, limits.http_body_timeout_s),
+            allowed_hosts=security.allowed_hosts,
+            bind_host=server.host,
         )
         return HttpServer(
             app,
-            settings.host,
-            settings.http_port,
-            tls_cert=settings.tls_cert,
-            tls_key=settings.tls_key,
-            tls_client_ca=settings.tls_client_ca,
-            limits=http_connection_limits(settings),
+            server.host,
+            server.http_port,
+            tls_cert=security.tls_cert,
+            tls_key=security.tls_key,
+            tls_client_ca=security.tls_client_ca,
+            limits=http_connection_limits(limits),
             on_refused=self._count_http_refusal,
         )
 
@@ -132,12 +134,13 @@ class KenspecServer:
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING until load() finishes); returns the bound port."""
-        address = f"{self.settings.host}:{self.settings.port}"
-        if self.settings.tls_cert or self.settings.tls_key:
-            if not (self.settings.tls_cert and self.settings.tls_key):
+        server, security = self.settings.server, self.settings.security
+        address = f"{server.host}:{server.port}"
+        if security.tls_cert or security.tls_key:
+            if not (security.tls_cert and security.tls_key):
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
             credentials = server_credentials(
-                self.settings.tls_cert, self.settings.tls_key, self.settings.tls_client_ca
+                security.tls_cert, security.tls_key, security.tls_client_ca
             )
             self.port = self._server.add_secure_port(address, credentials)
         else:
@@ -146,15 +149,15 @@ class KenspecServer:
             raise OSError(f"cannot listen on {address}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
-        log.info("listening", address=f"{self.settings.host}:{self.port}")
+        log.info("listening", address=f"{server.host}:{self.port}")
         if self.http is not None:
             self.http_port = await self.http.start()
-            scheme = "https" if self.settings.tls_cert else "http"
-            log.info("http_listening", address=f"{scheme}://{self.settings.host}:{self.http_port}")
-        if self.settings.metrics_port >= 0:
-            access = metrics_access(self.settings, self.serving.tokens)
-            host = self.settings.metrics_host
-            self.metrics_port = self.metrics.serve(host, self.settings.metrics_port, access)
+            scheme = "https" if security.tls_cert else "http"
+            log.info("http_listening", address=f"{scheme}://{server.host}:{self.http_port}")
+        if server.metrics_port >= 0:
+            access = metrics_access(security, self.serving.tokens)
+            host = server.metrics_host
+            self.metrics_port = self.metrics.serve(host, server.metrics_port, access)
             address = f"{access.scheme}://{host}:{self.metrics_port}/metrics"
             log.info("metrics", address=address, token=bool(access.tokens))
         return self.port
@@ -169,7 +172,7 @@ class KenspecServer:
         runtime = await self.scheduler.run(self._loader, self.settings, events)
         self.metrics.set_draft_breaker(runtime.engine.draft_breaker_state)
         self.serving.runtime = runtime
-        if self.settings.share_answers:
+        if self.settings.speculation.share_answers:
             await self._share_answers(runtime)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("ready", seconds=round(time.perf_counter() - started, 2))
@@ -182,12 +185,13 @@ class KenspecServer:
             log.warning("shared_answers_off", reason="the runtime has no suffix index")
             return
         fingerprint = await asyncio.to_thread(model_fingerprint, engine.target)
+        speculation = self.settings.speculation
         settings = StreamSettings(
-            url=self.settings.share_answers,
+            url=speculation.share_answers,
             fingerprint=fingerprint,
             vocab_size=engine.target.vocab_size,
-            maxlen=self.settings.share_answers_maxlen,
-            buffer=self.settings.share_answers_buffer,
+            maxlen=speculation.share_answers_maxlen,
+            buffer=speculation.share_answers_buffer,
             isolate_tenants=engine.isolate_tenants,
         )
         self.answers = AnswerStream(settings, engine.suffix, self.metrics)
@@ -196,7 +200,7 @@ class KenspecServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
-        grace = self.settings.grace_period_s if grace_s is None else grace_s
+        grace = self.settings.server.grace_period_s if grace_s is None else grace_s
         self.serving.draining = True  # before the log line: no call slips in after it
         log.info("draining", grace_s=grace)
         await self.health.enter_graceful_shutdown()
@@ -223,38 +227,38 @@ class KenspecServer:
             await self.health.set(name, status)
 
 
-def http_connection_limits(settings: Settings) -> ConnectionLimits:
+def http_connection_limits(limits: LimitSettings) -> ConnectionLimits:
     return ConnectionLimits(
-        max_connections=settings.http_max_connections,
-        max_requests=settings.http_max_requests,
-        header_timeout_s=settings.http_header_timeout_s,
-        keepalive_timeout_s=settings.http_keepalive_timeout_s,
+        max_connections=limits.http_max_connections,
+        max_requests=limits.http_max_requests,
+        header_timeout_s=limits.http_header_timeout_s,
+        keepalive_timeout_s=limits.http_keepalive_timeout_s,
     )
 
 
-def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+def grpc_options(limits: LimitSettings) -> list[tuple[str, int]]:
     """Channel arguments of the gRPC server: message size and the bounds on connections."""
 
     def ms(seconds: float) -> int:
         return max(1, round(seconds * 1000))
 
     options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.so_reuseport", 0),
-        ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
-        ("grpc.max_concurrent_streams", settings.grpc_max_streams_per_connection),
-        ("grpc.server_handshake_timeout_ms", ms(settings.grpc_handshake_timeout_s)),
-        ("grpc.max_connection_idle_ms", ms(settings.grpc_idle_timeout_s)),
+        ("grpc.max_allowed_incoming_connections", limits.grpc_max_connections),
+        ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
+        ("grpc.server_handshake_timeout_ms", ms(limits.grpc_handshake_timeout_s)),
+        ("grpc.max_connection_idle_ms", ms(limits.grpc_idle_timeout_s)),
         # Keepalive enforcement: during calls, pings no closer than this; with no call open,
         # none at all (the idle limit closes such connections anyway); the third ping too
         # early gets GOAWAY too_many_pings. (grpc core's own server defaults are 5 min and 2
         # strikes; set here so they are stated, and the interval is a flag.)
-        ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.grpc_min_ping_interval_s)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(limits.grpc_min_ping_interval_s)),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.keepalive_permit_without_calls", 0),
     ]
-    if settings.grpc_max_connection_age_s > 0:  # calls open at the GOAWAY may finish
-        options.append(("grpc.max_connection_age_ms", ms(settings.grpc_max_connection_age_s)))
+    if limits.grpc_max_connection_age_s > 0:  # calls open at the GOAWAY may finish
+        options.append(("grpc.max_connection_age_ms", ms(limits.grpc_max_connection_age_s)))
     return options
 
 

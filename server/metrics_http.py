@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from server.security import bearer_token, token_allowed
-from server.settings import Settings
+from server.settings import MetricsAuth, SecuritySettings
 
 READ_TIMEOUT_S = 10.0  # for the handshake and the request head; a scrape sends both at once
 MAX_CONNECTIONS = 16  # a scraper or two, and someone with curl
@@ -46,25 +46,24 @@ class MetricsAccess:
         return "https" if self.tls is not None else "http"
 
 
-def metrics_access(settings: Settings, tokens: tuple[bytes, ...]) -> MetricsAccess:
+def metrics_access(security: SecuritySettings, tokens: tuple[bytes, ...]) -> MetricsAccess:
     """--metrics-auth resolved: 'auto' asks what the APIs ask (TLS with --tls-cert, a token
     of `tokens`, the APIs' --auth-tokens-file as the server read it); parse_settings checked
     that what it names is configured."""
-    mode = settings.metrics_auth
-    if mode == "auto":
-        parts = {"tls"} if settings.tls_cert else set()
-        parts |= {"token"} if settings.auth_tokens_file else set()
+    if security.metrics_auth == MetricsAuth.AUTO:
+        parts = {"tls"} if security.tls_cert else set()
+        parts |= {"token"} if security.auth_tokens_file else set()
     else:
-        parts = set(mode.split("+")) - {"none"}
-    tls = _tls_context(settings) if "tls" in parts else None
+        parts = set(security.metrics_auth.parts)
+    tls = _tls_context(security) if "tls" in parts else None
     return MetricsAccess(tokens if "token" in parts else (), tls)
 
 
-def _tls_context(settings: Settings) -> ssl.SSLContext:
+def _tls_context(security: SecuritySettings) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    if settings.tls_client_ca:
-        context.load_verify_locations(settings.tls_client_ca)
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    if security.tls_client_ca:
+        context.load_verify_locations(security.tls_client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
     context.set_alpn_protocols(["http/1.1"])
     return context

@@ -54,17 +54,17 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     """Load, calibrate and warm up; blocking (run it off the event loop). The engine reports
     passes, reuse and breaker transitions to `events` (the server's metrics)."""
     started = time.perf_counter()
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
+    if settings.kernels.threads > 0:
+        torch.set_num_threads(settings.kernels.threads)
     target = TargetModel.load(
-        settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        gguf_cache=settings.gguf_cache,
-        weights=settings.weights,
+        settings.model.model,
+        device=settings.kernels.device,
+        dtype=settings.kernels.dtype,
+        gguf_cache=settings.model.gguf_cache,
+        weights=settings.kernels.weights,
     )
-    if settings.chat_template:
-        template = Path(settings.chat_template).expanduser().read_text(encoding="utf-8")
+    if settings.model.chat_template:
+        template = Path(settings.model.chat_template).expanduser().read_text(encoding="utf-8")
         target.tokenizer.chat_template = template
     draft = _load_draft(settings, target)
     log.info(
@@ -76,8 +76,8 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         draft=draft.name if draft else None,
         seconds=round(time.perf_counter() - started, 2),
     )
-    tree_budget = settings.tree_budget
-    if settings.batch_invariant:
+    tree_budget = settings.speculation.tree_budget
+    if settings.kernels.batch_invariant:
         invariance = make_invariant(target)
         if invariance.value_block is None:  # trees would sum a node's keys in another order
             tree_budget = 1
@@ -91,27 +91,27 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         )
         skinny_rows: set[int] = set()
     else:
-        if settings.fast_step or target.quantized:  # (settings refuse int8/int4 without it)
+        if settings.kernels.fast_step or target.quantized:  # (settings refuse int8/int4 without it)
             choose_fast_step(target)
-        skinny_rows = _choose_linear_kernels(target) if settings.skinny_gemm else set()
-        _choose_attention_kernels(target, settings.attention)
+        skinny_rows = _choose_linear_kernels(target) if settings.kernels.skinny_gemm else set()
+        _choose_attention_kernels(target, settings.kernels.attention)
     breaker_settings, costs, save_costs = _breaker_settings_and_costs(
         settings, target, sorted(skinny_rows)
     )
     context = ContextSettings(
-        enabled=settings.draft_context,
-        min_match=settings.context_min_match,
-        max_match=settings.context_max_match,
-        long_draft_tokens=settings.long_draft_tokens,
+        enabled=settings.speculation.draft_context,
+        min_match=settings.speculation.context_min_match,
+        max_match=settings.speculation.context_max_match,
+        long_draft_tokens=settings.speculation.long_draft_tokens,
         tree_budget=tree_budget,
-        learn_prompts=settings.suffix_learn_prompts,
+        learn_prompts=settings.speculation.suffix_learn_prompts,
     )
     batching = BatchSettings(
-        max_rows=settings.max_batch_size,
-        prefill_chunk=settings.prefill_chunk,
-        prefill_chunk_alone=settings.prefill_chunk_alone,
-        pad_passes=settings.pad_verify,
-        prefix_cache_bytes=_prefix_cache_bytes(settings.prefix_cache_mb, target),
+        max_rows=settings.limits.max_batch_size,
+        prefill_chunk=settings.limits.prefill_chunk,
+        prefill_chunk_alone=settings.limits.prefill_chunk_alone,
+        pad_passes=settings.kernels.pad_verify,
+        prefix_cache_bytes=_prefix_cache_bytes(settings.limits.prefix_cache_mb, target),
     )
     engine = SpeculativeEngine(
         target,
@@ -122,32 +122,36 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         costs=costs,
         events=events,
         suffix=_load_suffix_index(settings, target),
-        isolate_tenants=settings.suffix_index_scope == "tenant",
+        isolate_tenants=settings.speculation.suffix_index_scope == "tenant",
         recycled=(
             _recycled_predictions(target)
-            if settings.recycled_predictions and settings.draft_context
+            if settings.speculation.recycled_predictions and settings.speculation.draft_context
             else None
         ),
     )
     _warm_up(engine)
-    max_prompt_tokens = min(settings.max_prompt_tokens or target.max_context, target.max_context)
+    max_prompt_tokens = min(
+        settings.limits.max_prompt_tokens or target.max_context, target.max_context
+    )
     limits = Limits(
-        default_max_new_tokens=settings.default_max_new_tokens,
-        max_new_tokens=settings.max_new_tokens_limit,
+        default_max_new_tokens=settings.limits.default_max_new_tokens,
+        max_new_tokens=settings.limits.max_new_tokens_limit,
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=prompt_char_limit(
-            settings.max_prompt_chars, max_prompt_tokens, target.tokenizer.get_vocab()
+            settings.limits.max_prompt_chars, max_prompt_tokens, target.tokenizer.get_vocab()
         ),
-        tokenize_concurrency=settings.tokenize_concurrency,
-        max_stop_sequences=settings.max_stop_sequences,
-        max_stop_length=settings.max_stop_length,
+        tokenize_concurrency=settings.limits.tokenize_concurrency,
+        max_stop_sequences=settings.limits.max_stop_sequences,
+        max_stop_length=settings.limits.max_stop_length,
     )
     defaults = Defaults(
-        num_draft_tokens=settings.num_draft_tokens,
-        adaptive=settings.adaptive,
-        chain_tokens=settings.chain_tokens,
+        num_draft_tokens=settings.speculation.num_draft_tokens,
+        adaptive=settings.speculation.adaptive,
+        chain_tokens=settings.speculation.chain_tokens,
     )
-    info = _model_info(settings, engine, limits, calibrated=settings.breaker_threshold < 0)
+    info = _model_info(
+        settings, engine, limits, calibrated=settings.speculation.breaker_threshold < 0
+    )
     log.info("loaded", seconds=round(time.perf_counter() - started, 2))
     return Runtime(
         engine=engine, limits=limits, defaults=defaults, info=info, save_costs=save_costs
@@ -164,14 +168,14 @@ def _recycled_predictions(target: TargetModel) -> RecycledPredictions:
 
 
 def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
-    if not settings.has_draft:
+    if not settings.model.has_draft:
         return None
     eos = target.tokenizer.eos_token_id
     return KenLMDraft.load(
-        settings.draft,
+        settings.model.draft,
         vocab_size=target.vocab_size,
         fingerprint=tokenizer_fingerprint(target.tokenizer.get_vocab()),
-        min_draft_prob=settings.min_draft_prob,
+        min_draft_prob=settings.speculation.min_draft_prob,
         end_token_id=eos,
     )
 
@@ -180,35 +184,35 @@ def _load_suffix_index(settings: Settings, target: TargetModel) -> TenantSuffixI
     """The index of past answers: the draft folder's corpus if it has one and the text of
     --suffix-corpus (shared by every tenant, never evicted), and each tenant's learned answers
     within what the bound leaves."""
-    if not (settings.suffix_index and settings.draft_context):
+    if not (settings.speculation.suffix_index and settings.speculation.draft_context):
         return None
     started = time.perf_counter()
     seeded, corpus = SuffixIndex.for_draft(
-        Path(settings.draft) if settings.has_draft else None,
+        Path(settings.model.draft) if settings.model.has_draft else None,
         target.vocab_size,
-        max_tokens=settings.suffix_index_tokens,
-        max_match=settings.suffix_max_match,
+        max_tokens=settings.speculation.suffix_index_tokens,
+        max_match=settings.speculation.suffix_max_match,
     )
     text_tokens = 0
-    if settings.suffix_corpus:
+    if settings.speculation.suffix_corpus:
         text_tokens = add_text_corpus(
-            seeded, Path(settings.suffix_corpus).expanduser(), _batch_encoder(target)
+            seeded, Path(settings.speculation.suffix_corpus).expanduser(), _batch_encoder(target)
         )
-    shared = settings.suffix_index_scope == "shared"
+    shared = settings.speculation.suffix_index_scope == "shared"
     index = TenantSuffixIndex(
         seeded,
-        max_tokens=settings.suffix_index_tokens,
-        max_tenants=1 if shared else settings.suffix_index_tenants,
+        max_tokens=settings.speculation.suffix_index_tokens,
+        max_tenants=1 if shared else settings.speculation.suffix_index_tenants,
     )
     log.info(
         "suffix_index",
         corpus=str(corpus) if corpus else None,
-        text_corpus=settings.suffix_corpus or None,
+        text_corpus=settings.speculation.suffix_corpus or None,
         text_corpus_tokens=text_tokens,
         tokens=index.tokens,
         max_tokens=index.max_tokens,
         learned_tokens=index.learned_budget,  # for every tenant together
-        scope=settings.suffix_index_scope,
+        scope=settings.speculation.suffix_index_scope,
         max_tenants=index.max_tenants,
         seconds=round(time.perf_counter() - started, 2),
     )
@@ -357,37 +361,43 @@ def _breaker_settings_and_costs(
     """The breakers' settings, the pass costs batches choose widths by (measured, or read from the
     calibration cache; live unless --no-live-costs), and what saves them at shutdown."""
     breaker_settings = BreakerSettings(
-        window_rounds=settings.breaker_window,
-        threshold=max(0.0, settings.breaker_threshold),
-        reset_timeout_s=settings.breaker_reset_timeout_s,
-        fault_max=settings.draft_fault_max,
-        fault_reset_timeout_s=settings.draft_fault_reset_timeout_s,
-        draft_latency_budget_s=settings.draft_latency_budget_ms / 1000.0,
+        window_rounds=settings.speculation.breaker_window,
+        threshold=max(0.0, settings.speculation.breaker_threshold),
+        reset_timeout_s=settings.speculation.breaker_reset_timeout_s,
+        fault_max=settings.speculation.draft_fault_max,
+        fault_reset_timeout_s=settings.speculation.draft_fault_reset_timeout_s,
+        draft_latency_budget_s=settings.speculation.draft_latency_budget_ms / 1000.0,
     )
-    speculates = settings.has_draft or settings.draft_context
+    speculates = settings.model.has_draft or settings.speculation.draft_context
     if not speculates:
         return breaker_settings, None, _nothing
-    k, rows = settings.speculation.k, settings.max_batch_size  # chains of k, within the cap
+    k, rows = (
+        settings.speculation.request_defaults.k,  # chains of k, within the cap
+        settings.limits.max_batch_size,
+    )
     long_draft_tokens = (
-        min(max(settings.long_draft_tokens, settings.tree_budget), settings.num_draft_tokens)
-        if settings.draft_context
+        min(
+            max(settings.speculation.long_draft_tokens, settings.speculation.tree_budget),
+            settings.speculation.num_draft_tokens,
+        )
+        if settings.speculation.draft_context
         else 0
     )
     key = calibration_cache.cache_key(
-        settings.model,
+        settings.model.model,
         dtype=str(target.dtype),
         device=str(target.device),
         skinny_rows=sorted(skinny_rows),
         fast_step=None if target.fast_step is None else target.fast_step.describe(),
         attention=[list(entry) for entry in target.kernels.grouped],
-        batch_invariant=settings.batch_invariant,
+        batch_invariant=settings.kernels.batch_invariant,
         gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         k=k,
         rows=rows,
         long_draft_tokens=long_draft_tokens,
     )
     started = time.perf_counter()
-    cached = calibration_cache.load(settings.calibration_cache, key)
+    cached = calibration_cache.load(settings.kernels.calibration_cache, key)
     needed = {(1, w) for w in range(1, k + 2)} | {(rows, rows), (rows, rows * (k + 1))}
     if cached is not None and not needed <= cached.keys():
         log.warning("calibration_cache_ignored", error="it lacks passes calibration measures")
@@ -397,14 +407,18 @@ def _breaker_settings_and_costs(
     else:
         result = calibrate(target, k, rows=rows, long_draft_tokens=long_draft_tokens)
         calibration_cache.store(
-            settings.calibration_cache, key, result.pass_seconds, source="start-up"
+            settings.kernels.calibration_cache, key, result.pass_seconds, source="start-up"
         )
     _log_calibration(result, rows, cached=cached is not None, seconds=time.perf_counter() - started)
-    fixed = settings.breaker_threshold if settings.breaker_threshold >= 0 else None
+    fixed = (
+        settings.speculation.breaker_threshold
+        if settings.speculation.breaker_threshold >= 0
+        else None
+    )
     breaker_settings = replace(
         breaker_settings, threshold=result.threshold if fixed is None else fixed
     )
-    if not settings.live_costs:
+    if not settings.kernels.live_costs:
         return breaker_settings, result.pass_costs, _nothing
     live = LiveCosts(result.pass_seconds, k=k, fixed_threshold=fixed)
 
@@ -412,7 +426,7 @@ def _breaker_settings_and_costs(
         log.info("pass_costs", final=True, **live.summary())
         if live.passes >= SAVE_AFTER_PASSES:
             calibration_cache.store(
-                settings.calibration_cache, key, dict(live.table.seconds), source="live"
+                settings.kernels.calibration_cache, key, dict(live.table.seconds), source="live"
             )
 
     return breaker_settings, live, save
@@ -484,10 +498,10 @@ def _model_info(
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
         weights=target.weights,
-        num_draft_tokens=settings.num_draft_tokens,
-        adaptive_draft=settings.adaptive,
-        min_draft_prob=settings.min_draft_prob,
-        draft_context=settings.draft_context,
+        num_draft_tokens=settings.speculation.num_draft_tokens,
+        adaptive_draft=settings.speculation.adaptive,
+        min_draft_prob=settings.speculation.min_draft_prob,
+        draft_context=settings.speculation.draft_context,
         breaker=pb.BreakerSettings(
             window_rounds=breaker_settings.window_rounds,
             threshold=breaker_settings.threshold,

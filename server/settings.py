@@ -1,71 +1,181 @@
-"""Server settings: one dataclass, filled from CLI flags with KENSPEC_* environment fallbacks.
+"""Server settings: six groups, filled from CLI flags with KENSPEC_* environment fallbacks.
 
-Every flag `--some-name` falls back to the environment variable `KENSPEC_SOME_NAME`, then to
-the default shown in `--help`. Read once in `__main__`, then passed down explicitly.
+`Settings` is what the server reads, grouped as the engine uses it: `model` (what is served),
+`kernels` (how the target computes), `speculation` (what drafts and when it stops), `server`
+(listeners, logs, tracing), `limits` (what a caller may ask and hold) and `security` (TLS,
+tokens, who may reach what). Each group checks its own fields when made; `check_rules` checks
+the rules between flags, once a Settings is whole. Every flag `--some-name` falls back to the
+environment variable `KENSPEC_SOME_NAME`, then to the default shown in `--help` (under its
+group's heading); field names are unique across groups, so flags stay flat. Read once in
+`__main__`, then passed down explicitly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from server.engine.params import (
     MAX_DRAFT_TOKENS,
-    WEIGHTS,
+    AttentionMode,
     InvalidParameter,
     SpeculationParams,
+    Weights,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m"
 MAX_TIMEOUT_S = 1_000_000  # connection timeouts, in seconds (gRPC takes them as int32 ms)
+SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class SettingsError(ValueError):
+    """A refused setting: `flag` names it (--tree-budget), `message` says why, naming it too.
+    parse_settings reports it as a usage error; Settings made in code raise it."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+        self.message = message
+
+
+class SuffixIndexScope(StrEnum):
+    """Whose answers and cached prefixes a caller drafts from (--suffix-index-scope)."""
+
+    TENANT = "tenant"
+    SHARED = "shared"
+
+
+class MetricsAuth(StrEnum):
+    """What /metrics asks of a scraper (--metrics-auth); auto: what the APIs ask."""
+
+    AUTO = "auto"
+    NONE = "none"
+    TOKEN = "token"
+    TLS = "tls"
+    TLS_TOKEN = "tls+token"
+
+    @property
+    def parts(self) -> frozenset[str]:
+        """The checks it names: {"tls"}, {"token"}, both, or none (auto and none)."""
+        return frozenset(self.value.split("+")) & {"tls", "token"}
+
+
+class LogFormat(StrEnum):
+    """console, json, or auto: console on a terminal, else JSON (--log-format)."""
+
+    AUTO = "auto"
+    CONSOLE = "console"
+    JSON = "json"
+
+
+class LogLevel(StrEnum):
+    """The least severe log lines written (--log-level)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+_Mode = TypeVar("_Mode", bound=StrEnum)
+
+
+def _flag(name: str) -> str:
+    return (
+        "--"
+        + name.removesuffix("_s").removesuffix("_ms").replace("_", "-")
+        + ("-s" if name.endswith("_s") else "-ms" if name.endswith("_ms") else "")
+    )
+
+
+def env_name(name: str) -> str:
+    return "KENSPEC_" + _flag(name)[2:].replace("-", "_").upper()
+
+
+def _mode(kind: type[_Mode], group: object, name: str, known: str = "") -> None:
+    """Turn the field `name` of `group` into its enum `kind` (flags and the environment give
+    strings), or refuse it naming the flag and the values it takes."""
+    value = getattr(group, name)
+    try:
+        mode = kind(value)
+    except ValueError:
+        values = [member.value for member in kind]
+        known = known or f"{', '.join(values[:-1])} or {values[-1]}"
+        raise SettingsError(_flag(name), f"{_flag(name)} must be {known}, not {value!r}") from None
+    object.__setattr__(group, name, mode)  # (frozen: once, while it is made)
+
+
+def _at_least(group: object, names: Sequence[str], least: int) -> None:
+    for name in names:
+        value = getattr(group, name)
+        if value < least:
+            raise SettingsError(_flag(name), f"{_flag(name)} must be at least {least}, not {value}")
+
+
+def _existing_file(name: str, path: str) -> None:
+    if path and not Path(path).expanduser().is_file():
+        raise SettingsError(_flag(name), f"{_flag(name)} {path}: no such file")
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    # model and draft
+class ModelSettings:
+    """What is served: the target, its draft, and the name the HTTP API gives it."""
+
     model: str = str(DEFAULT_MODEL)
     draft: str = str(DEFAULT_DRAFT)
     gguf_cache: str = "~/.cache/kenspec/gguf"
     chat_template: str = ""
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        _existing_file("chat_template", self.chat_template)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft.lower() not in ("", "none", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSettings:
+    """How the target computes: device, dtype, weights, and the kernels timed at start-up."""
+
     device: str = "auto"
     dtype: str = "auto"
-    weights: str = "bf16"
+    weights: Weights = Weights.BF16
     threads: int = 0
-    # network
-    host: str = "127.0.0.1"
-    port: int = 50051
-    grace_period_s: float = 30.0
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    auth_tokens_file: str = ""
-    max_deadline_s: float = 600.0
-    stream_stall_timeout_s: float = 30.0
-    metrics_port: int = 9400
-    metrics_host: str = "127.0.0.1"
-    metrics_auth: str = "auto"
-    http_port: int = 8000
-    served_model_name: str = ""
-    allowed_hosts: str = ""
-    http_body_timeout_s: float = 10.0
-    # speculation
+    fast_step: bool = True
+    skinny_gemm: bool = True
+    attention: AttentionMode = AttentionMode.AUTO
+    batch_invariant: bool = False
+    pad_verify: bool = True
+    live_costs: bool = True
+    calibration_cache: str = "~/.cache/kenspec/calibration"
+
+    def __post_init__(self) -> None:
+        _mode(Weights, self, "weights")
+        _mode(AttentionMode, self, "attention")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSettings:
+    """What drafts (KenLM, the request's context, the suffix index, recycled predictions), how
+    much a round verifies, and the breakers that stop speculating."""
+
     # One default per knob: a request's SpeculationParams' (cap 16 nodes, chains of 6, fixed k).
     num_draft_tokens: int = SpeculationParams().num_draft_tokens
     chain_tokens: int = SpeculationParams().chain_tokens
     adaptive: bool = SpeculationParams().adaptive
     min_draft_prob: float = 0.4
-    pad_verify: bool = True
-    skinny_gemm: bool = True
-    fast_step: bool = True
-    attention: str = "auto"
-    batch_invariant: bool = False
     draft_context: bool = True
     context_min_match: int = 1
     context_max_match: int = 16
@@ -76,23 +186,125 @@ class Settings:
     suffix_max_match: int = 32
     suffix_learn_prompts: bool = False
     suffix_corpus: str = ""
-    suffix_index_scope: str = "tenant"
+    suffix_index_scope: SuffixIndexScope = SuffixIndexScope.TENANT
     suffix_index_tenants: int = 16
     share_answers: str = ""  # redis://host:port/db; empty: this replica's answers are its own
     share_answers_maxlen: int = 100_000
     share_answers_buffer: int = 1024
     report_draft_source: bool = False
     recycled_predictions: bool = True
-    live_costs: bool = True
-    calibration_cache: str = "~/.cache/kenspec/calibration"
-    # circuit breaker
+    # circuit breakers
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
     breaker_reset_timeout_s: float = 2.0
     draft_fault_max: int = 3
     draft_fault_reset_timeout_s: float = 30.0
     draft_latency_budget_ms: float = 50.0
-    # limits
+
+    def __post_init__(self) -> None:
+        try:  # the draft lengths are checked where a request's are: SpeculationParams
+            SpeculationParams(
+                num_draft_tokens=self.num_draft_tokens, chain_tokens=self.chain_tokens
+            )
+        except InvalidParameter as error:
+            flag = _flag(error.field)
+            raise SettingsError(flag, f"{flag} {error.message}") from None
+        if not 1 <= self.tree_budget <= MAX_DRAFT_TOKENS:
+            raise SettingsError(
+                "--tree-budget",
+                f"--tree-budget must be in [1, {MAX_DRAFT_TOKENS}], not {self.tree_budget}",
+            )
+        if not 0 <= self.long_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SettingsError(
+                "--long-draft-tokens",
+                f"--long-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}], "
+                f"not {self.long_draft_tokens}",
+            )
+        if self.suffix_index_tokens < 0:
+            raise SettingsError(
+                "--suffix-index-tokens",
+                f"--suffix-index-tokens must be 0 or more, not {self.suffix_index_tokens}",
+            )
+        _at_least(self, ("suffix_max_match",), 2)
+        _mode(SuffixIndexScope, self, "suffix_index_scope")
+        _at_least(self, ("suffix_index_tenants", "share_answers_maxlen", "share_answers_buffer"), 1)
+        _check_share_answers_url(self.share_answers)
+        _existing_file("suffix_corpus", self.suffix_corpus)
+
+    @property
+    def request_defaults(self) -> SpeculationParams:
+        """What a request drafts when it asks nothing: these flags' draft lengths."""
+        return SpeculationParams(
+            num_draft_tokens=self.num_draft_tokens,
+            chain_tokens=self.chain_tokens,
+            adaptive=self.adaptive,
+        )
+
+
+def _check_share_answers_url(url: str) -> None:
+    """--share-answers: a Redis URL the client can open (never a password in the message)."""
+    if not url:
+        return
+    parsed = urlsplit(url)
+    if parsed.scheme not in SHARE_ANSWERS_SCHEMES:
+        shown = url.rpartition("@")[2]
+        raise SettingsError(
+            "--share-answers",
+            "--share-answers must be a Redis URL starting redis://, rediss:// or unix:// "
+            f"(redis://host:6379/0), not {shown!r}",
+        )
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    database = parsed.path.strip("/") if parsed.scheme != "unix" else ""
+    if (
+        (parsed.scheme != "unix" and not parsed.hostname)
+        or port == -1
+        or not (database == "" or database.isdigit())
+    ):
+        raise SettingsError(
+            "--share-answers",
+            "--share-answers: a Redis URL needs a host, an optional numeric port and an "
+            "optional database number (redis://host:6379/0)",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Where the server listens (gRPC, HTTP, /metrics), how it drains, logs and traces."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace_period_s: float = 30.0
+    metrics_port: int = 9400
+    metrics_host: str = "127.0.0.1"
+    http_port: int = 8000
+    log_format: LogFormat = LogFormat.AUTO
+    log_level: LogLevel = LogLevel.INFO
+    otel: bool = False
+    otel_service_name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "metrics_port"):
+            if getattr(self, name) < -1:
+                raise SettingsError(
+                    _flag(name),
+                    f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number",
+                )
+        _mode(LogFormat, self, "log_format")
+        if isinstance(self.log_level, str):  # INFO as info, as the logging module names them
+            object.__setattr__(self, "log_level", self.log_level.lower())
+        _mode(LogLevel, self, "log_level")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    """What callers may ask and hold: deadlines, slots, batch rows, prompt and output lengths,
+    messages, and both APIs' connections."""
+
+    max_deadline_s: float = 600.0
+    stream_stall_timeout_s: float = 30.0
     max_concurrent_streams: int = 8
     max_batch_size: int = 8
     prefill_chunk: int = 64
@@ -111,30 +323,203 @@ class Settings:
     http_max_requests: int = 128
     http_header_timeout_s: float = 10.0
     http_keepalive_timeout_s: float = 5.0
+    http_body_timeout_s: float = 10.0
     grpc_max_connections: int = 256
     grpc_max_streams_per_connection: int = 100
     grpc_handshake_timeout_s: float = 10.0
     grpc_idle_timeout_s: float = 300.0
     grpc_max_connection_age_s: float = 0.0  # 0: no limit (streams may be long)
     grpc_min_ping_interval_s: float = 60.0
-    # logs
-    log_format: str = "auto"
-    log_level: str = "info"
-    # tracing
-    otel: bool = False
-    otel_service_name: str = ""
 
-    @property
-    def has_draft(self) -> bool:
-        return self.draft.lower() not in ("", "none", "off")
+    def __post_init__(self) -> None:
+        if not self.stream_stall_timeout_s > 0:
+            raise SettingsError(
+                "--stream-stall-timeout-s",
+                f"--stream-stall-timeout-s must be above 0, not {self.stream_stall_timeout_s}",
+            )
+        if not self.http_body_timeout_s > 0:
+            raise SettingsError(
+                "--http-body-timeout-s",
+                f"--http-body-timeout-s must be above 0, not {self.http_body_timeout_s}",
+            )
+        _at_least(
+            self,
+            (
+                "http_max_connections",
+                "http_max_requests",
+                "grpc_max_connections",
+                "grpc_max_streams_per_connection",
+            ),
+            1,
+        )
+        for name in (
+            "http_header_timeout_s",
+            "http_keepalive_timeout_s",
+            "grpc_handshake_timeout_s",
+            "grpc_idle_timeout_s",
+            "grpc_min_ping_interval_s",
+        ):
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:  # (NaN too)
+                raise SettingsError(
+                    _flag(name),
+                    f"{_flag(name)} must be above 0 and at most {MAX_TIMEOUT_S}, "
+                    f"not {getattr(self, name)}",
+                )
+        if not 0 <= self.grpc_max_connection_age_s <= MAX_TIMEOUT_S:
+            raise SettingsError(
+                "--grpc-max-connection-age-s",
+                f"--grpc-max-connection-age-s must be 0 (no limit) to {MAX_TIMEOUT_S}, "
+                f"not {self.grpc_max_connection_age_s}",
+            )
+        if self.prefix_cache_mb < -1:
+            raise SettingsError(
+                "--prefix-cache-mb",
+                f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {self.prefix_cache_mb}",
+            )
+        if self.max_prompt_chars < 0:
+            raise SettingsError(
+                "--max-prompt-chars",
+                f"--max-prompt-chars must be 0 (derived) or more, not {self.max_prompt_chars}",
+            )
+        _at_least(
+            self,
+            (
+                "tokenize_concurrency",
+                "max_batch_size",
+                "prefill_chunk",
+                "prefill_chunk_alone",
+                "max_concurrent_streams",
+            ),
+            1,
+        )
 
-    @property
-    def speculation(self) -> SpeculationParams:
-        """What a request drafts when it asks nothing: these flags' draft lengths."""
-        return SpeculationParams(
-            num_draft_tokens=self.num_draft_tokens,
-            chain_tokens=self.chain_tokens,
-            adaptive=self.adaptive,
+
+_HOST_NAME = re.compile(r"\*|[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f:.]+\]?")
+
+
+@dataclass(frozen=True, slots=True)
+class SecuritySettings:
+    """TLS, bearer tokens, what /metrics asks, and the Host names the HTTP API answers."""
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_tokens_file: str = ""
+    metrics_auth: MetricsAuth = MetricsAuth.AUTO
+    allowed_hosts: str = ""
+
+    def __post_init__(self) -> None:
+        known = f"one of {', '.join(MetricsAuth)}"
+        _mode(MetricsAuth, self, "metrics_auth", known)
+        for name in self.allowed_hosts.split(","):
+            if name.strip() and not _HOST_NAME.fullmatch(name.strip()):
+                raise SettingsError(
+                    "--allowed-hosts",
+                    f"--allowed-hosts: {name.strip()!r} is not a host name or address "
+                    "(comma-separated names, no ports, '*' for any)",
+                )
+
+
+# The groups, as --help shows them: Settings' field, its heading's description.
+GROUPS: dict[str, tuple[type, str]] = {
+    "model": (ModelSettings, "what is served: the target model, its draft, its name"),
+    "kernels": (KernelSettings, "how the target computes: device, dtype, weights, kernels"),
+    "speculation": (SpeculationSettings, "what drafts, how much a round verifies, the breakers"),
+    "server": (ServerSettings, "listeners, shutdown, logs and tracing"),
+    "limits": (LimitSettings, "what callers may ask and hold; both APIs' connections"),
+    "security": (SecuritySettings, "TLS, bearer tokens, /metrics access, allowed Host names"),
+}
+
+# Every field's group: its flag (--name) and variable (KENSPEC_NAME) are flat, names unique.
+FIELD_GROUPS: dict[str, str] = {
+    item.name: group for group, (kind, _) in GROUPS.items() for item in fields(kind)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The server's settings, in the groups the engine uses them by; made whole, it checks the
+    rules between flags (check_rules). `Settings.of(**flat)` and `settings.replace(**flat)`
+    take flat field names (port=0, dtype="bfloat16"), routed to their groups."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+
+    def __post_init__(self) -> None:
+        check_rules(self)
+
+    @classmethod
+    def of(cls, **flat: Any) -> Settings:
+        """Settings from flat field names, each group's others at their defaults."""
+        return cls().replace(**flat)
+
+    def replace(self, **flat: Any) -> Settings:
+        """These settings with flat fields changed (each group checks its own again)."""
+        unknown = sorted(set(flat) - set(FIELD_GROUPS))
+        if unknown:
+            raise TypeError(f"Settings has no field {', '.join(unknown)}")
+        groups = {
+            group: dataclasses.replace(
+                getattr(self, group),
+                **{name: value for name, value in flat.items() if FIELD_GROUPS[name] == group},
+            )
+            for group in {FIELD_GROUPS[name] for name in flat}
+        }
+        return dataclasses.replace(self, **groups)
+
+
+def check_rules(settings: Settings) -> None:
+    """The rules between flags, in one place (each group checked its own fields)."""
+    kernels, speculation, security = settings.kernels, settings.speculation, settings.security
+    if kernels.weights != Weights.BF16:  # int8 and int4 are computed by the fast step only
+        flag = f"--weights {kernels.weights}"
+        if not kernels.fast_step:
+            raise SettingsError(
+                "--weights",
+                f"{flag} runs through the fast step: it cannot be combined with --no-fast-step",
+            )
+        if kernels.batch_invariant:
+            raise SettingsError(
+                "--weights",
+                f"{flag} cannot be combined with --batch-invariant (which pads the model's "
+                f"own layers; {kernels.weights} runs through the fast step)",
+            )
+        if kernels.dtype == "float16":
+            raise SettingsError(
+                "--weights", f"{flag} computes in bfloat16 or float32: not with --dtype float16"
+            )
+    indexed = speculation.suffix_index and speculation.draft_context
+    if speculation.share_answers and not indexed:
+        raise SettingsError(
+            "--share-answers",
+            "--share-answers shares the suffix index: it needs --suffix-index and --draft-context",
+        )
+    if speculation.suffix_corpus:
+        if not indexed:
+            raise SettingsError(
+                "--suffix-corpus",
+                "--suffix-corpus seeds the suffix index: it needs --suffix-index and "
+                "--draft-context",
+            )
+        if speculation.suffix_index_tokens == 0:
+            raise SettingsError(
+                "--suffix-corpus",
+                "--suffix-corpus needs room in the suffix index: --suffix-index-tokens is 0",
+            )
+    auth = security.metrics_auth
+    if "token" in auth.parts and not security.auth_tokens_file:
+        raise SettingsError(
+            "--metrics-auth",
+            f"--metrics-auth {auth} needs --auth-tokens-file (the tokens it accepts)",
+        )
+    if "tls" in auth.parts and not (security.tls_cert and security.tls_key):
+        raise SettingsError(
+            "--metrics-auth",
+            f"--metrics-auth {auth} needs --tls-cert and --tls-key (what it serves)",
         )
 
 
@@ -325,223 +710,18 @@ _HELP = {
 }
 
 
-def _flag(name: str) -> str:
-    return (
-        "--"
-        + name.removesuffix("_s").removesuffix("_ms").replace("_", "-")
-        + ("-s" if name.endswith("_s") else "-ms" if name.endswith("_ms") else "")
-    )
-
-
-def env_name(name: str) -> str:
-    return "KENSPEC_" + _flag(name)[2:].replace("-", "_").upper()
-
-
 def parse_settings(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Flags override KENSPEC_* variables, which override the defaults."""
+    """Flags override KENSPEC_* variables, which override the defaults; a refused value is a
+    usage error naming its flag (exit 2)."""
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     namespace = parser.parse_args(argv)
-    try:  # the draft lengths are checked where a request's are: SpeculationParams
-        SpeculationParams(
-            num_draft_tokens=namespace.num_draft_tokens, chain_tokens=namespace.chain_tokens
-        )
-    except InvalidParameter as error:
-        parser.error(f"{_flag(error.field)} {error.message}")
-    if not 1 <= namespace.tree_budget <= MAX_DRAFT_TOKENS:
-        parser.error(
-            f"--tree-budget must be in [1, {MAX_DRAFT_TOKENS}], not {namespace.tree_budget}"
-        )
-    if not 0 <= namespace.long_draft_tokens <= MAX_DRAFT_TOKENS:
-        parser.error(
-            f"--long-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}], "
-            f"not {namespace.long_draft_tokens}"
-        )
-    if namespace.suffix_index_tokens < 0:
-        parser.error(
-            f"--suffix-index-tokens must be 0 or more, not {namespace.suffix_index_tokens}"
-        )
-    if namespace.suffix_max_match < 2:
-        parser.error(f"--suffix-max-match must be at least 2, not {namespace.suffix_max_match}")
-    if namespace.suffix_index_scope not in ("tenant", "shared"):
-        parser.error(
-            f"--suffix-index-scope must be tenant or shared, not {namespace.suffix_index_scope!r}"
-        )
-    if namespace.suffix_index_tenants < 1:
-        parser.error(
-            f"--suffix-index-tenants must be at least 1, not {namespace.suffix_index_tenants}"
-        )
-    _check_share_answers(parser, namespace)
-    _check_suffix_corpus(parser, namespace)
-    if namespace.chat_template and not Path(namespace.chat_template).expanduser().is_file():
-        parser.error(f"--chat-template {namespace.chat_template}: no such file")
-    _check_weights(parser, namespace)
-    if namespace.attention not in ("auto", "sdpa", "grouped"):
-        parser.error(f"--attention must be auto, sdpa or grouped, not {namespace.attention!r}")
-    if namespace.stream_stall_timeout_s <= 0:
-        parser.error(
-            f"--stream-stall-timeout-s must be above 0, not {namespace.stream_stall_timeout_s}"
-        )
-    _check_http(parser, namespace)
-    for name in ("http_port", "metrics_port"):
-        if getattr(namespace, name) < -1:
-            parser.error(f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number")
-    _check_metrics_auth(parser, namespace)
-    _check_connection_limits(parser, namespace)
-    if namespace.prefix_cache_mb < -1:
-        parser.error(
-            f"--prefix-cache-mb must be -1 (auto), 0 (off) or more, not {namespace.prefix_cache_mb}"
-        )
-    if namespace.max_prompt_chars < 0:
-        parser.error(
-            f"--max-prompt-chars must be 0 (derived) or more, not {namespace.max_prompt_chars}"
-        )
-    if namespace.tokenize_concurrency < 1:
-        parser.error(
-            f"--tokenize-concurrency must be at least 1, not {namespace.tokenize_concurrency}"
-        )
-    for name in (
-        "max_batch_size",
-        "prefill_chunk",
-        "prefill_chunk_alone",
-        "max_concurrent_streams",
-    ):
-        if getattr(namespace, name) < 1:
-            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
-    return Settings(**{field.name: getattr(namespace, field.name) for field in fields(Settings)})
-
-
-def _check_weights(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    """--weights: int8 and int4 layers are computed by the fast step's kernels only."""
-    if namespace.weights not in WEIGHTS:
-        known = f"{', '.join(WEIGHTS[:-1])} or {WEIGHTS[-1]}"
-        parser.error(f"--weights must be {known}, not {namespace.weights!r}")
-    if namespace.weights == "bf16":
-        return
-    flag = f"--weights {namespace.weights}"
-    if not namespace.fast_step:
-        parser.error(
-            f"{flag} runs through the fast step: it cannot be combined with --no-fast-step"
-        )
-    if namespace.batch_invariant:
-        parser.error(
-            f"{flag} cannot be combined with --batch-invariant (which pads the model's "
-            f"own layers; {namespace.weights} runs through the fast step)"
-        )
-    if namespace.dtype == "float16":
-        parser.error(f"{flag} computes in bfloat16 or float32: not with --dtype float16")
-
-
-SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")
-
-
-def _check_share_answers(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    """--share-answers: a Redis URL the client can open, and an index to share."""
-    url = namespace.share_answers
-    for name in ("share_answers_maxlen", "share_answers_buffer"):
-        if getattr(namespace, name) < 1:
-            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
-    if not url:
-        return
-    parsed = urlsplit(url)
-    if parsed.scheme not in SHARE_ANSWERS_SCHEMES:
-        shown = url.rpartition("@")[2]  # never a password in the message
-        parser.error(
-            "--share-answers must be a Redis URL starting redis://, rediss:// or unix:// "
-            f"(redis://host:6379/0), not {shown!r}"
-        )
     try:
-        port = parsed.port
-    except ValueError:
-        port = -1
-    database = parsed.path.strip("/") if parsed.scheme != "unix" else ""
-    if (
-        (parsed.scheme != "unix" and not parsed.hostname)
-        or port == -1
-        or not (database == "" or database.isdigit())
-    ):
-        parser.error(
-            "--share-answers: a Redis URL needs a host, an optional numeric port and an "
-            "optional database number (redis://host:6379/0)"
-        )
-    if not (namespace.suffix_index and namespace.draft_context):
-        parser.error(
-            "--share-answers shares the suffix index: it needs --suffix-index and --draft-context"
-        )
-
-
-def _check_suffix_corpus(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    corpus = namespace.suffix_corpus
-    if not corpus:
-        return
-    if not Path(corpus).expanduser().is_file():
-        parser.error(f"--suffix-corpus {corpus}: no such file")
-    if not (namespace.suffix_index and namespace.draft_context):
-        parser.error(
-            "--suffix-corpus seeds the suffix index: it needs --suffix-index and --draft-context"
-        )
-    if namespace.suffix_index_tokens == 0:
-        parser.error("--suffix-corpus needs room in the suffix index: --suffix-index-tokens is 0")
-
-
-METRICS_AUTH = ("auto", "none", "token", "tls", "tls+token")
-
-
-def _check_metrics_auth(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    auth = namespace.metrics_auth
-    if auth not in METRICS_AUTH:
-        parser.error(f"--metrics-auth must be one of {', '.join(METRICS_AUTH)}, not {auth!r}")
-    if "token" in auth.split("+") and not namespace.auth_tokens_file:
-        parser.error(f"--metrics-auth {auth} needs --auth-tokens-file (the tokens it accepts)")
-    if "tls" in auth.split("+") and not (namespace.tls_cert and namespace.tls_key):
-        parser.error(f"--metrics-auth {auth} needs --tls-cert and --tls-key (what it serves)")
-
-
-def _check_connection_limits(
-    parser: argparse.ArgumentParser, namespace: argparse.Namespace
-) -> None:
-    for name in (
-        "http_max_connections",
-        "http_max_requests",
-        "grpc_max_connections",
-        "grpc_max_streams_per_connection",
-    ):
-        if getattr(namespace, name) < 1:
-            parser.error(f"{_flag(name)} must be at least 1, not {getattr(namespace, name)}")
-    for name in (
-        "http_header_timeout_s",
-        "http_keepalive_timeout_s",
-        "grpc_handshake_timeout_s",
-        "grpc_idle_timeout_s",
-        "grpc_min_ping_interval_s",
-    ):
-        if not 0 < getattr(namespace, name) <= MAX_TIMEOUT_S:  # (NaN too)
-            parser.error(
-                f"{_flag(name)} must be above 0 and at most {MAX_TIMEOUT_S}, "
-                f"not {getattr(namespace, name)}"
-            )
-    if not 0 <= namespace.grpc_max_connection_age_s <= MAX_TIMEOUT_S:
-        parser.error(
-            f"--grpc-max-connection-age-s must be 0 (no limit) to {MAX_TIMEOUT_S}, "
-            f"not {namespace.grpc_max_connection_age_s}"
-        )
-
-
-_HOST_NAME = re.compile(r"\*|[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f:.]+\]?")
-
-
-def _check_http(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-    """The HTTP API's own flags (server/openai_api)."""
-    for name in namespace.allowed_hosts.split(","):
-        if name.strip() and not _HOST_NAME.fullmatch(name.strip()):
-            parser.error(
-                f"--allowed-hosts: {name.strip()!r} is not a host name or address "
-                "(comma-separated names, no ports, '*' for any)"
-            )
-    if not namespace.http_body_timeout_s > 0:
-        parser.error(f"--http-body-timeout-s must be above 0, not {namespace.http_body_timeout_s}")
+        return Settings.of(**vars(namespace))
+    except SettingsError as error:
+        parser.error(error.message)
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -550,39 +730,45 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         description="kenspec: speculative decoding over gRPC (KenLM draft, transformers target). "
         "Every flag can also be set with the KENSPEC_* variable shown.",
     )
-    defaults = Settings()
-    for field in fields(Settings):
-        default = getattr(defaults, field.name)
-        raw = environ.get(env_name(field.name))
-        value = default if raw is None else _convert(raw, default, parser, field.name)
-        help_text = f"{_HELP[field.name]} [env {env_name(field.name)}; default: %(default)s]"
-        if isinstance(default, bool):
-            parser.add_argument(
-                _flag(field.name),
-                dest=field.name,
-                default=value,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                _flag(field.name),
-                dest=field.name,
-                default=value,
-                type=type(default),
-                metavar=field.name.upper(),
-                help=help_text,
-            )
+    for group, (kind, description) in GROUPS.items():
+        section = parser.add_argument_group(group, description)
+        defaults = kind()
+        for item in fields(kind):
+            default = getattr(defaults, item.name)
+            raw = environ.get(env_name(item.name))
+            value = default if raw is None else _convert(raw, default, parser, item.name)
+            help_text = f"{_HELP[item.name]} [env {env_name(item.name)}; default: %(default)s]"
+            if isinstance(default, bool):
+                section.add_argument(
+                    _flag(item.name),
+                    dest=item.name,
+                    default=value,
+                    action=argparse.BooleanOptionalAction,
+                    help=help_text,
+                )
+            else:
+                section.add_argument(
+                    _flag(item.name),
+                    dest=item.name,
+                    default=value,
+                    type=str if isinstance(default, StrEnum) else type(default),
+                    metavar=item.name.upper(),
+                    help=help_text,
+                )
     return parser
 
 
 def _convert(raw: str, default: object, parser: argparse.ArgumentParser, name: str) -> object:
+    """A KENSPEC_* variable's value as its field's type; a mode stays a string, checked with
+    the flag's (the group's message names the values it takes)."""
     try:
         if isinstance(default, bool):
             if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise ValueError(raw)
             return raw.lower() in ("1", "true", "yes", "on")
-        return type(default)(raw)
+        if isinstance(default, StrEnum):
+            return raw
+        kind: Any = type(default)  # int, float or str
+        return kind(raw)
     except ValueError:
         parser.error(f"{env_name(name)}={raw!r} is not a valid {type(default).__name__}")
-        raise  # unreachable: parser.error exits

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from server.settings import Settings, env_name
+from server.settings import FIELD_GROUPS, Settings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_compose_services_and_mounts() -> None:
 
 
 def test_environment_names_real_settings() -> None:
-    known = {env_name(field) for field in Settings.__dataclass_fields__}
+    known = {env_name(field) for field in FIELD_GROUPS}
     environment = compose()["services"]["kenspec"]["environment"]
     assert set(environment) <= known, set(environment) - known
 
@@ -99,7 +99,7 @@ def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> Non
     # sent on a connection the replica is closing fails), in both pools
     for upstream in ("kenspec_http", "kenspec_http_session"):
         idle = re.search(r"keepalive_timeout\s+(\d+)s;", upstream_block(text, upstream))
-        assert idle is not None and int(idle.group(1)) < Settings().http_keepalive_timeout_s
+        assert idle is not None and int(idle.group(1)) < Settings().limits.http_keepalive_timeout_s
 
 
 def upstream_block(text: str, name: str) -> str:
@@ -193,7 +193,7 @@ def test_replicas_publish_nothing_and_prometheus_reaches_their_metrics() -> None
     kenspec = compose()["services"]["kenspec"]
     assert "ports" not in kenspec
     assert kenspec["environment"]["KENSPEC_METRICS_HOST"] == "0.0.0.0"
-    assert Settings().metrics_host == "127.0.0.1"
+    assert Settings().server.metrics_host == "127.0.0.1"
 
 
 def test_the_tokens_overlay_gives_replicas_and_prometheus_one_secret() -> None:
@@ -202,7 +202,7 @@ def test_the_tokens_overlay_gives_replicas_and_prometheus_one_secret() -> None:
     (secret,) = overlay["secrets"]
     assert overlay["secrets"][secret]["file"].startswith("./deploy/secrets/")
     mounted = f"/run/secrets/{secret}"
-    known = {env_name(field) for field in Settings.__dataclass_fields__}
+    known = {env_name(field) for field in FIELD_GROUPS}
     assert set(services["kenspec"]["environment"]) <= known
     assert services["kenspec"]["environment"]["KENSPEC_AUTH_TOKENS_FILE"] == mounted
     assert "KENSPEC_METRICS_AUTH" not in services["kenspec"]["environment"]  # auto: token

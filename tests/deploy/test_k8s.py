@@ -13,13 +13,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.settings import Settings, env_name, parse_settings
+from server.settings import FIELD_GROUPS, Settings, env_name, parse_settings
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((REPO / "deploy" / "k8s").glob("*.yaml"))
 # The version the README states, and the oldest the manifest needs (gRPC probes are GA in 1.27).
 KUBERNETES_VERSIONS = ("1.30", "1.27")
-PORTS = {"grpc": "port", "http": "http_port", "metrics": "metrics_port"}  # -> Settings fields
+PORTS = {"grpc": "port", "http": "http_port", "metrics": "metrics_port"}  # -> ServerSettings
 
 
 def documents() -> list[dict]:
@@ -95,12 +95,12 @@ def test_probes_ask_the_grpc_health_service_on_the_servers_port() -> None:
 
 def test_ports_and_environment_are_the_servers() -> None:
     env = environment()
-    known = {env_name(field) for field in Settings.__dataclass_fields__}
+    known = {env_name(field) for field in FIELD_GROUPS}
     assert set(env) <= known, set(env) - known
     settings = parse_settings([], env)  # every value parses as the server would read it
     ports = {p["name"]: p["containerPort"] for p in container("kenspec")["ports"]}
-    assert ports == {name: getattr(settings, field) for name, field in PORTS.items()}
-    assert settings.host == settings.metrics_host == "0.0.0.0"  # other pods reach them
+    assert ports == {name: getattr(settings.server, field) for name, field in PORTS.items()}
+    assert settings.server.host == settings.server.metrics_host == "0.0.0.0"  # other pods: any
 
 
 def test_the_replicas_run_as_compose_runs_them() -> None:
@@ -162,8 +162,8 @@ def test_the_http_api_answers_to_the_service_names() -> None:
 
 def test_termination_waits_for_the_drain() -> None:
     pod = one("Deployment", "kenspec")["spec"]["template"]["spec"]
-    grace = parse_settings([], environment()).grace_period_s
-    assert grace == Settings().grace_period_s
+    grace = parse_settings([], environment()).server.grace_period_s
+    assert grace == Settings().server.grace_period_s
     sleep = container("kenspec")["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"
     # preStop runs within the grace period; the drain follows it, then saving the costs.
@@ -180,7 +180,7 @@ def test_runs_as_the_images_user_with_a_read_only_root() -> None:
     assert kenspec["securityContext"]["readOnlyRootFilesystem"] is True
     assert kenspec["securityContext"]["allowPrivilegeEscalation"] is False
     # The calibration cache is written under the user's home: onto an emptyDir there.
-    cache = Path("/home/kenspec") / Settings().calibration_cache.removeprefix("~/")
+    cache = Path("/home/kenspec") / Settings().kernels.calibration_cache.removeprefix("~/")
     mounts = {m["mountPath"]: m["name"] for m in kenspec["volumeMounts"]}
     (mounted,) = [name for path, name in mounts.items() if cache.is_relative_to(path)]
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -190,11 +190,11 @@ def test_runs_as_the_images_user_with_a_read_only_root() -> None:
 def test_resources_fit_the_default_model() -> None:
     """About 1.05 GB resident once ready, plus the prefix cache as prompts fill it."""
     resources = container("kenspec")["resources"]
-    prefix_cache = parse_settings([], environment()).prefix_cache_mb
+    prefix_cache = parse_settings([], environment()).limits.prefix_cache_mb
     assert prefix_cache > 0  # fixed: the automatic size reads the node's memory, not the limit
     assert mebibytes(resources["requests"]["memory"]) >= 1024
     assert mebibytes(resources["limits"]["memory"]) >= 1100 + prefix_cache
-    threads = parse_settings([], environment()).threads
+    threads = parse_settings([], environment()).kernels.threads
     assert float(resources["limits"]["cpu"]) >= threads
 
 

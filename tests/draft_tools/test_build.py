@@ -23,7 +23,7 @@ from harness.server_process import ServerProcess
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
-from server.settings import Settings
+from server.settings import SpeculationSettings
 from tests import tiny
 from tests.gguf_files import write_header_only_gguf, write_llama_gguf
 from tests.server.engine.drafts import reference_greedy
@@ -99,13 +99,14 @@ def test_one_command_writes_a_loadable_draft_checked_on_held_out_prompts(
     # The check reported is the replay of those answers through this draft.
     manifest = json.loads((out / "draft.json").read_text())
     check = manifest["heldout_check"]
-    served = Settings()
-    assert (check["k"], check["min_draft_prob"]) == (served.speculation.k, served.min_draft_prob)
+    served = SpeculationSettings()
+    k = served.request_defaults.k
+    assert (check["k"], check["min_draft_prob"]) == (k, served.min_draft_prob)
     replayed = train_draft.evaluate(
         tiny_model_dir,
         out,
         out / "work" / "heldout.ids",
-        k=served.speculation.k,
+        k=k,
         adaptive=served.adaptive,
         min_draft_prob=served.min_draft_prob,
     )

@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -56,7 +56,7 @@ def serve_loaded_fixture() -> Callable:
 
 @pytest.fixture(scope="session")
 def base_settings(tiny_model_dir: Path, tiny_draft_path: Path) -> Settings:
-    return Settings(
+    return Settings.of(
         model=str(tiny_model_dir),
         draft=str(tiny_draft_path),
         device="cpu",
@@ -112,7 +112,7 @@ async def start_server(base_settings, runtime) -> AsyncIterator[Callable]:
     channels: list[grpc.aio.Channel] = []
 
     async def start(load: bool = True, **overrides) -> tuple[KenspecServer, pb_grpc.GeneratorStub]:
-        server = KenspecServer(replace(base_settings, **overrides), loader=serve_loaded(runtime))
+        server = KenspecServer(base_settings.replace(**overrides), loader=serve_loaded(runtime))
         servers.append(server)
         await server.start()
         if load:

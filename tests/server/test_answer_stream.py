@@ -17,7 +17,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -100,8 +99,7 @@ async def replica(base_settings: Settings, redis_server, servers: Servers) -> Ca
     sharing answers through redis_server (or not)."""
 
     async def start(share: bool = True, **overrides: object) -> KenspecServer:
-        settings = replace(
-            base_settings,
+        settings = base_settings.replace(
             tree_budget=1,
             report_draft_source=True,
             share_answers=redis_server.url if share else "",

@@ -78,7 +78,7 @@ def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
     draft = tmp_path_factory.mktemp(f"{model_type}-draft") / "draft.arpa"
     firsts = [continuation[:10] for continuation in references.values()]
     tiny.train_arpa(draft, firsts, range(len(tokenizer)), order=3)
-    settings = Settings(
+    settings = Settings.of(
         model=str(directory),
         draft=str(draft),
         device="cpu",
@@ -119,7 +119,7 @@ async def serve(
         return queued
 
     monkeypatch.setattr(Batch, "add", counting_add)
-    settings = Settings(model=str(served.directory), port=0, metrics_port=-1, grace_period_s=5.0)
+    settings = Settings.of(model=str(served.directory), port=0, metrics_port=-1, grace_period_s=5.0)
     server = KenspecServer(settings, loader=lambda *_: served.runtime)
     await server.start()
     await server.load()

@@ -4,7 +4,6 @@ any change in what they depend on, or a damaged file, means measuring again."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -57,7 +56,7 @@ def test_the_key_follows_the_model_files(tiny_model_dir, tmp_path) -> None:
 def test_a_restart_reads_the_costs_and_shutdown_keeps_the_live_ones(
     tiny_model_dir, tiny_draft_path, tmp_path, monkeypatch
 ) -> None:
-    settings = Settings(
+    settings = Settings.of(
         model=str(tiny_model_dir),
         draft=str(tiny_draft_path),
         device="cpu",
@@ -87,7 +86,7 @@ def test_a_restart_reads_the_costs_and_shutdown_keeps_the_live_ones(
     assert saved["source"] == "live"
     assert dict(((r, t), s) for r, t, s in saved["pass_seconds"])[1, 1] > measured[1, 1]
     with pytest.raises(AssertionError, match="measured again"):
-        load_runtime(replace(settings, num_draft_tokens=3))  # another key: measured
+        load_runtime(settings.replace(num_draft_tokens=3))  # another key: measured
     # An entry under the right key that lacks a width calibration measures is not trusted.
     entry.write_text(json.dumps({**saved, "pass_seconds": [[1, 1, 0.02], [1, 2, 0.02]]}))
     with pytest.raises(AssertionError, match="measured again"):

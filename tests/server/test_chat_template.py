@@ -3,7 +3,6 @@ one (a GGUF file of a base model often carries none); a missing file is refused 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,10 @@ TEMPLATE = (
 def test_the_template_file_renders_every_chat(base_settings: Settings, tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE, encoding="utf-8")
-    settings = replace(base_settings, chat_template=str(template), draft="none")
+    settings = base_settings.replace(chat_template=str(template), draft="none")
     target = load_runtime(settings).engine.target
     assert target.chat_text([{"role": "user", "content": "hi"}]) == "<<user>>hi<<assistant>>"
-    own = load_runtime(replace(base_settings, draft="none")).engine.target
+    own = load_runtime(base_settings.replace(draft="none")).engine.target
     assert own.chat_text([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
 
 
@@ -31,4 +30,4 @@ def test_a_missing_template_file_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--chat-template", "/no/such/chat.jinja"], env={})
     assert "--chat-template /no/such/chat.jinja: no such file" in capsys.readouterr().err
-    assert parse_settings([], env={}).chat_template == ""
+    assert parse_settings([], env={}).model.chat_template == ""

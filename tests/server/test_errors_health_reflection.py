@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -154,7 +153,7 @@ def test_reflection_lists_services_and_resolves_types(serve_loaded) -> None:
     holder = {}
 
     async def serve():
-        settings = replace(Settings(), port=0, draft="none", metrics_port=-1)
+        settings = Settings.of(port=0, draft="none", metrics_port=-1)
         server = KenspecServer(settings, loader=serve_loaded(None))  # never loaded
         holder["done"] = asyncio.Event()
         holder["port"] = await server.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -177,8 +176,8 @@ async def test_keepalive_pings_as_often_as_the_flag_allows_keep_a_call_alive(
 
 
 def test_the_grpc_options_carry_the_flags() -> None:
-    settings = replace(Settings(), grpc_idle_timeout_s=2.5, grpc_max_streams_per_connection=7)
-    options = dict(grpc_options(settings))
+    settings = Settings.of(grpc_idle_timeout_s=2.5, grpc_max_streams_per_connection=7)
+    options = dict(grpc_options(settings.limits))
     assert options["grpc.max_connection_idle_ms"] == 2500
     assert options["grpc.max_concurrent_streams"] == 7
     assert options["grpc.max_allowed_incoming_connections"] == 256
@@ -187,14 +186,14 @@ def test_the_grpc_options_carry_the_flags() -> None:
     assert options["grpc.http2.max_ping_strikes"] == 2
     assert options["grpc.keepalive_permit_without_calls"] == 0
     assert "grpc.max_connection_age_ms" not in options  # off by default: streams may be long
-    aged = dict(grpc_options(replace(settings, grpc_max_connection_age_s=60)))
+    aged = dict(grpc_options(settings.replace(grpc_max_connection_age_s=60).limits))
     assert aged["grpc.max_connection_age_ms"] == 60_000
 
 
 def test_the_bundled_client_never_pings_faster_than_the_server_allows() -> None:
     options = dict(channel_spec("127.0.0.1:1", None, None).options)
     keepalive_ms = options.get("grpc.keepalive_time_ms")  # (grpc's client default: no pings)
-    assert keepalive_ms is None or keepalive_ms >= 1000 * Settings().grpc_min_ping_interval_s
+    assert keepalive_ms is None or keepalive_ms >= 1000 * Settings().limits.grpc_min_ping_interval_s
     assert not options.get("grpc.keepalive_permit_without_calls")
 
 

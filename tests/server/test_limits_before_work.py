@@ -105,7 +105,7 @@ async def test_http_refuses_a_prompt_over_the_character_limit_before_tokenizing(
 ) -> None:
     server, _ = await start_server(http_port=0)
     limit = runtime.limits.max_prompt_chars
-    body = {"model": Path(server.settings.model).name, "prompt": "a" * (limit + 1)}
+    body = {"model": Path(server.settings.model.model).name, "prompt": "a" * (limit + 1)}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         response = await client.post(
             f"http://127.0.0.1:{server.http_port}/v1/completions", json=body
@@ -140,7 +140,7 @@ async def test_tokenize_refuses_what_generate_would_and_counts_what_fits(start_s
 
 
 def test_the_flags_set_the_limits(base_settings) -> None:
-    settings_ = replace(base_settings, max_prompt_chars=100, tokenize_concurrency=3)
+    settings_ = base_settings.replace(max_prompt_chars=100, tokenize_concurrency=3)
     limits = load_runtime(settings_).limits
     assert (limits.max_prompt_chars, limits.tokenize_concurrency) == (100, 3)
 
@@ -180,7 +180,7 @@ async def start_with_limits(base_settings, runtime, serve_loaded) -> AsyncIterat
 
     async def start(**limits: int) -> KenspecServer:
         limited = replace(runtime, limits=replace(runtime.limits, **limits))
-        server = KenspecServer(replace(base_settings, http_port=0), serve_loaded(limited))
+        server = KenspecServer(base_settings.replace(http_port=0), serve_loaded(limited))
         servers.append(server)
         await server.start()
         await server.load()

@@ -6,8 +6,6 @@ made before the requests."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import grpc
 import pytest
 
@@ -19,7 +17,7 @@ from server.lifecycle import KenspecServer
 @pytest.fixture
 async def strict_server(base_settings):
     """A server whose per-request breaker opens quickly (threshold 0.95 over 2 rounds)."""
-    settings = replace(base_settings, breaker_threshold=0.95, breaker_window=2, metrics_port=0)
+    settings = base_settings.replace(breaker_threshold=0.95, breaker_window=2, metrics_port=0)
     server = KenspecServer(settings)
     await server.start()
     await server.load()

@@ -70,10 +70,10 @@ def tokens_file(tmp_path) -> Path:
 
 
 def test_metrics_listen_on_loopback_unless_told_otherwise() -> None:
-    assert parse_settings([], {}).metrics_host == "127.0.0.1"
+    assert parse_settings([], {}).server.metrics_host == "127.0.0.1"
     everywhere = parse_settings([], {"KENSPEC_HOST": "0.0.0.0"})
-    assert everywhere.metrics_host == "127.0.0.1"  # the APIs' --host does not carry over
-    assert parse_settings(["--metrics-host", "0.0.0.0"], {}).metrics_host == "0.0.0.0"
+    assert everywhere.server.metrics_host == "127.0.0.1"  # the APIs' --host does not carry over
+    assert parse_settings(["--metrics-host", "0.0.0.0"], {}).server.metrics_host == "0.0.0.0"
 
 
 async def test_metrics_listen_on_metrics_host_not_host(start_server) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.lifecycle import served_model_id
-from server.settings import Settings
+from server.settings import ModelSettings
 
 
 @pytest.mark.parametrize(
@@ -21,4 +21,4 @@ from server.settings import Settings
 def test_the_id_is_the_flag_or_the_folder_or_the_gguf_file_without_its_suffix(
     model: str, served_name: str, expected: str
 ) -> None:
-    assert served_model_id(Settings(model=model, served_model_name=served_name)) == expected
+    assert served_model_id(ModelSettings(model=model, served_model_name=served_name)) == expected

@@ -10,7 +10,6 @@ import asyncio
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -68,8 +67,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def served(base_settings, runtime, serve_loaded):
-    settings = replace(
-        base_settings,
+    settings = base_settings.replace(
         max_new_tokens_limit=16,
         default_max_new_tokens=8,
         max_concurrent_streams=8,

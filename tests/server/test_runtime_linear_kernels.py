@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from server import runtime as runtime_module
@@ -16,7 +14,7 @@ def test_runtime_uses_the_row_counts_measured_faster(base_settings, monkeypatch)
     monkeypatch.setattr(
         runtime_module, "measure_skinny_rows", lambda model: (frozenset({2, 4}), timings)
     )
-    runtime = load_runtime(replace(base_settings, draft="none", draft_context=False))
+    runtime = load_runtime(base_settings.replace(draft="none", draft_context=False))
     layers = decoder_linears(runtime.engine.target.model)
     assert layers and all(type(layer) is SkinnyLinear for layer in layers)
     assert all(layer.skinny_rows == {2, 4} for layer in layers)
@@ -27,6 +25,6 @@ def test_no_skinny_gemm_keeps_plain_linear_layers(base_settings, monkeypatch) ->
         raise AssertionError("measured although --no-skinny-gemm")
 
     monkeypatch.setattr(runtime_module, "measure_skinny_rows", never)
-    settings = replace(base_settings, draft="none", draft_context=False, skinny_gemm=False)
+    settings = base_settings.replace(draft="none", draft_context=False, skinny_gemm=False)
     runtime = load_runtime(settings)
     assert all(type(layer) is nn.Linear for layer in decoder_linears(runtime.engine.target.model))

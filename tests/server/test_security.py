@@ -4,7 +4,6 @@ server's deadline cap."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -111,7 +110,7 @@ def test_empty_tokens_file_is_refused(tmp_path, base_settings) -> None:
     empty = tmp_path / "tokens"
     empty.write_text("# nobody\n")
     with pytest.raises(ValueError, match="no tokens"):
-        KenspecServer(replace(base_settings, auth_tokens_file=str(empty)))
+        KenspecServer(base_settings.replace(auth_tokens_file=str(empty)))
 
 
 async def test_server_caps_the_deadline(start_server, held_passes, collect, prompt_request):

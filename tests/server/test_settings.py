@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.params import SpeculationParams
-from server.settings import Settings, parse_settings
+from server.engine.params import AttentionMode, SpeculationParams, Weights
+from server.settings import (
+    FIELD_GROUPS,
+    GROUPS,
+    LogLevel,
+    MetricsAuth,
+    Settings,
+    SettingsError,
+    SuffixIndexScope,
+    env_name,
+    parse_settings,
+)
 
 
 def test_flags_override_the_environment_which_overrides_defaults() -> None:
     env = {"KENSPEC_PREFILL_CHUNK_ALONE": "256", "KENSPEC_PREFILL_CHUNK": "32"}
     settings = parse_settings(["--prefill-chunk", "16"], env=env)
-    assert settings.prefill_chunk == 16
-    assert settings.prefill_chunk_alone == 256
-    assert parse_settings([], env={}).prefill_chunk_alone == Settings().prefill_chunk_alone
+    assert settings.limits.prefill_chunk == 16
+    assert settings.limits.prefill_chunk_alone == 256
+    default = parse_settings([], env={}).limits
+    assert default.prefill_chunk_alone == Settings().limits.prefill_chunk_alone
 
 
 @pytest.mark.parametrize(
@@ -31,8 +42,8 @@ def test_a_negative_prefix_cache_is_refused_and_zero_turns_it_off(capsys) -> Non
     with pytest.raises(SystemExit):
         parse_settings(["--prefix-cache-mb", "-2"], env={})
     assert "--prefix-cache-mb must be -1 (auto), 0 (off) or more, not -2" in capsys.readouterr().err
-    assert parse_settings(["--prefix-cache-mb", "0"], env={}).prefix_cache_mb == 0
-    assert parse_settings([], env={}).prefix_cache_mb == -1  # sized at start-up
+    assert parse_settings(["--prefix-cache-mb", "0"], env={}).limits.prefix_cache_mb == 0
+    assert parse_settings([], env={}).limits.prefix_cache_mb == -1  # sized at start-up
 
 
 @pytest.mark.parametrize("value", ["0", "65"])
@@ -40,7 +51,7 @@ def test_draft_tokens_outside_the_one_limit_are_refused(value, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--num-draft-tokens", value], env={})
     assert f"--num-draft-tokens must be in [1, 64], got {value}" in capsys.readouterr().err
-    assert parse_settings(["--num-draft-tokens", "64"], env={}).num_draft_tokens == 64
+    assert parse_settings(["--num-draft-tokens", "64"], env={}).speculation.num_draft_tokens == 64
     with pytest.raises(SystemExit):
         parse_settings(["--chain-tokens", "0"], env={})
     assert "--chain-tokens must be in [1, 64], got 0" in capsys.readouterr().err
@@ -49,10 +60,11 @@ def test_draft_tokens_outside_the_one_limit_are_refused(value, capsys) -> None:
 def test_the_served_draft_lengths_are_a_requests_defaults() -> None:
     """One default per knob: what a request drafts when it asks nothing is what the flags say
     by default (a cap of 16 nodes a round, chains of 6, fixed k)."""
-    assert parse_settings([], env={}).speculation == SpeculationParams()
+    assert parse_settings([], env={}).speculation.request_defaults == SpeculationParams()
     assert (SpeculationParams().num_draft_tokens, SpeculationParams().k) == (16, 6)
     assert not SpeculationParams().adaptive
-    capped = parse_settings(["--num-draft-tokens", "4", "--adaptive"], env={}).speculation
+    flags = ["--num-draft-tokens", "4", "--adaptive"]
+    capped = parse_settings(flags, env={}).speculation.request_defaults
     assert (capped.num_draft_tokens, capped.k, capped.adaptive) == (4, 4, True)
 
 
@@ -63,7 +75,7 @@ def test_suffix_index_bounds_are_checked(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--suffix-max-match", "1"], env={})
     assert "--suffix-max-match must be at least 2, not 1" in capsys.readouterr().err
-    assert not parse_settings(["--no-suffix-index"], env={}).suffix_index
+    assert not parse_settings(["--no-suffix-index"], env={}).speculation.suffix_index
 
 
 @pytest.mark.parametrize(
@@ -77,9 +89,10 @@ def test_suffix_index_scope_and_tenants_are_checked(argv, message, capsys) -> No
     with pytest.raises(SystemExit):
         parse_settings(argv, env={})
     assert message in capsys.readouterr().err
-    default = parse_settings([], env={})
+    default = parse_settings([], env={}).speculation
     assert (default.suffix_index_scope, default.report_draft_source) == ("tenant", False)
-    assert parse_settings(["--suffix-index-scope", "shared"], env={}).suffix_index_scope == "shared"
+    shared = parse_settings(["--suffix-index-scope", "shared"], env={}).speculation
+    assert shared.suffix_index_scope == "shared" == SuffixIndexScope.SHARED
 
 
 @pytest.mark.parametrize(
@@ -100,9 +113,9 @@ def test_the_shared_answer_stream_url_and_bounds_are_checked(argv, message, caps
         parse_settings(argv, env={})
     error = capsys.readouterr().err
     assert message in error and "secret" not in error
-    assert parse_settings([], env={}).share_answers == ""  # off by default
+    assert parse_settings([], env={}).speculation.share_answers == ""  # off by default
     for url in ("redis://127.0.0.1:6379/2", "rediss://:pw@cache.internal", "unix:///run/r.sock"):
-        assert parse_settings(["--share-answers", url], env={}).share_answers == url
+        assert parse_settings(["--share-answers", url], env={}).speculation.share_answers == url
 
 
 def test_help_says_what_a_shared_suffix_index_reveals(capsys) -> None:
@@ -126,8 +139,9 @@ def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) ->
     with pytest.raises(SystemExit):
         parse_settings([flag, value], env={})
     assert message in capsys.readouterr().err
-    settings = parse_settings(["--tree-budget", "1", "--no-recycled-predictions"], env={})
-    assert (settings.tree_budget, settings.recycled_predictions) == (1, False)
+    flags = ["--tree-budget", "1", "--no-recycled-predictions"]
+    speculation = parse_settings(flags, env={}).speculation
+    assert (speculation.tree_budget, speculation.recycled_predictions) == (1, False)
 
 
 @pytest.mark.parametrize(
@@ -150,6 +164,84 @@ def test_quantized_weights_conflicts_are_refused_with_flags_named(flags, message
 
 
 def test_weights_default_to_bf16_and_take_int8_from_the_environment() -> None:
-    assert parse_settings([], env={}).weights == "bf16"
-    assert parse_settings([], env={"KENSPEC_WEIGHTS": "int8"}).weights == "int8"
-    assert parse_settings(["--weights", "int8", "--dtype", "float32"], env={}).weights == "int8"
+    assert parse_settings([], env={}).kernels.weights == "bf16"
+    assert parse_settings([], env={"KENSPEC_WEIGHTS": "int8"}).kernels.weights == "int8"
+    flags = ["--weights", "int8", "--dtype", "float32"]
+    assert parse_settings(flags, env={}).kernels.weights == Weights.INT8
+
+
+def test_settings_are_grouped_as_the_engine_uses_them() -> None:
+    settings = parse_settings(["--port", "0", "--dtype", "bfloat16", "--max-queue", "3"], env={})
+    assert settings.server.port == 0 and settings.kernels.dtype == "bfloat16"
+    assert settings.limits.max_queue == 3 and settings.model.has_draft
+    assert list(GROUPS) == ["model", "kernels", "speculation", "server", "limits", "security"]
+    assert FIELD_GROUPS["metrics_auth"] == "security" and FIELD_GROUPS["fast_step"] == "kernels"
+    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 86
+
+
+def test_modes_are_enums_that_compare_with_their_strings() -> None:
+    settings = parse_settings(["--attention", "sdpa", "--log-level", "WARNING"], env={})
+    assert settings.kernels.attention is AttentionMode.SDPA and settings.kernels.attention == "sdpa"
+    assert settings.server.log_level is LogLevel.WARNING  # INFO as info, as logging names them
+    assert settings.security.metrics_auth is MetricsAuth.AUTO and not MetricsAuth.AUTO.parts
+    assert MetricsAuth("tls+token").parts == {"tls", "token"}
+    made = Settings.of(weights="int4", suffix_index_scope="shared")  # strings, as flags give
+    assert made.kernels.weights is Weights.INT4
+    assert made.speculation.suffix_index_scope is SuffixIndexScope.SHARED
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--log-level", "loud"], {}, "--log-level must be debug, info, warning or error, not"),
+        (["--log-format", "xml"], {}, "--log-format must be auto, console or json, not 'xml'"),
+        ([], {"KENSPEC_LOG_FORMAT": "xml"}, "--log-format must be auto, console or json, not"),
+        ([], {"KENSPEC_WEIGHTS": "int2"}, "--weights must be bf16, int8 or int4, not 'int2'"),
+    ],
+)
+def test_modes_are_refused_naming_the_values_they_take(argv, env, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(argv, env=env)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_settings_made_in_code_are_checked_as_flags_are() -> None:
+    """Each group checks its own fields, and a whole Settings the rules between flags."""
+    with pytest.raises(SettingsError, match=r"--tree-budget must be in \[1, 64\], not 0") as error:
+        Settings.of(tree_budget=0)
+    assert error.value.flag == "--tree-budget"
+    with pytest.raises(SettingsError, match="int8 runs through the fast step") as error:
+        Settings.of(weights="int8", fast_step=False)
+    assert error.value.flag == "--weights"
+    with pytest.raises(SettingsError, match="needs --auth-tokens-file"):
+        Settings().replace(metrics_auth="token")
+    with pytest.raises(TypeError, match="no field colour"):
+        Settings.of(colour="red")
+
+
+def test_replace_routes_flat_names_to_their_groups() -> None:
+    base = Settings.of(port=0, http_port=-1, dtype="float32")
+    changed = base.replace(dtype="bfloat16", max_queue=4)
+    assert (changed.kernels.dtype, changed.limits.max_queue) == ("bfloat16", 4)
+    assert changed.server == base.server and changed.model is base.model  # others untouched
+    assert base.kernels.dtype == "float32"
+
+
+def test_help_is_grouped_by_the_settings_headings(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings(["--help"], env={})
+    text = capsys.readouterr().out
+    starts = [text.index(f"\n{group}:\n") for group in GROUPS]
+    assert starts == sorted(starts)
+    ends = [*starts[1:], len(text)]
+    flags = (
+        "--gguf-cache",
+        "--weights",
+        "--tree-budget",
+        "--http-port",
+        "--max-queue",
+        "--tls-cert",
+    )
+    for start, end, flag in zip(starts, ends, flags, strict=True):
+        assert start < text.index(f"  {flag} ") < end
+    assert "[env KENSPEC_WEIGHTS; default: bf16]" in " ".join(text.split())

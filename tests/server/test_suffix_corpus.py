@@ -5,7 +5,6 @@ so that a round's source is one source. Without the corpus the same first round 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -32,8 +31,7 @@ async def undrafted(base_settings: Settings, tmp_path: Path, servers: Servers) -
     corpus.write_text(CORPUS, encoding="utf-8")
 
     async def start(with_corpus: bool) -> KenspecServer:
-        settings = replace(
-            base_settings,
+        settings = base_settings.replace(
             draft="none",
             tree_budget=1,
             report_draft_source=True,
@@ -81,5 +79,6 @@ def test_the_flag_is_checked(argv, message, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(flags, env={})
     assert message in capsys.readouterr().err
-    assert parse_settings(["--suffix-corpus", str(corpus)], env={}).suffix_corpus == str(corpus)
-    assert parse_settings([], env={}).suffix_corpus == ""
+    seeded = parse_settings(["--suffix-corpus", str(corpus)], env={}).speculation
+    assert seeded.suffix_corpus == str(corpus)
+    assert parse_settings([], env={}).speculation.suffix_corpus == ""

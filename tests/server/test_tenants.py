@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -35,11 +34,11 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def runtimes(base_settings: Settings) -> dict[str, Runtime]:
     """A runtime per suffix-index scope (and one with a small bound, for floods)."""
-    chains = replace(base_settings, tree_budget=1)
+    chains = base_settings.replace(tree_budget=1)
     return {
         "tenant": load_runtime(chains),
-        "shared": load_runtime(replace(chains, suffix_index_scope="shared")),
-        "small": load_runtime(replace(chains, suffix_index_tokens=1200)),
+        "shared": load_runtime(chains.replace(suffix_index_scope="shared")),
+        "small": load_runtime(chains.replace(suffix_index_tokens=1200)),
     }
 
 
@@ -57,7 +56,7 @@ async def serve(base_settings, serve_loaded, servers: Servers) -> Callable:
     """serve(runtime, **settings) -> a started, loaded KenspecServer over `runtime`."""
 
     async def start(runtime: Runtime, **overrides: object) -> KenspecServer:
-        return await servers.start(replace(base_settings, **overrides), serve_loaded(runtime))
+        return await servers.start(base_settings.replace(**overrides), serve_loaded(runtime))
 
     return start
 
@@ -106,7 +105,7 @@ async def test_the_tenant_is_the_token_whichever_api_the_call_came_through(
     runtime = runtimes["tenant"]
     server = await serve(runtime, auth_tokens_file=str(path), report_draft_source=True, http_port=0)
     body = {
-        "model": Path(server.settings.model).name,
+        "model": Path(server.settings.model.model).name,
         "prompt": PROMPT,
         "max_tokens": 24,
         "temperature": 0,
@@ -162,7 +161,7 @@ async def test_per_round_draft_sources_are_streamed_only_with_the_operator_flag(
     assert all(bool(r.draft_source) is report for r in drafted)
     assert streamed[-1].usage.drafted_tokens == sum(r.round.drafted for r in streamed)
     body = {
-        "model": Path(server.settings.model).name,
+        "model": Path(server.settings.model.model).name,
         "prompt": PROMPT,
         "max_tokens": 24,
         "temperature": 0,

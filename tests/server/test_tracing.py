@@ -81,7 +81,7 @@ async def test_grpc_call_is_a_child_span_of_the_bundled_clients_context(
     assert dict(span.attributes) == {
         "kenspec.api": "grpc",
         "kenspec.request_id": "t-1",
-        "kenspec.model": Path(server.settings.model).name,
+        "kenspec.model": Path(server.settings.model.model).name,
         "kenspec.status": "OK",
         "kenspec.finish_reason": "length",
         "kenspec.prompt_tokens": usage.prompt_tokens,
@@ -107,7 +107,7 @@ async def test_grpc_call_is_a_child_span_of_the_bundled_clients_context(
 async def test_http_call_is_a_child_span_of_the_traceparent_header(start_server, exporter) -> None:
     server, _ = await start_server(otel=True, http_port=0)
     body = {
-        "model": Path(server.settings.model).name,
+        "model": Path(server.settings.model.model).name,
         "prompt": "Hello there",
         "max_tokens": 12,
         "ignore_eos": True,
@@ -158,7 +158,7 @@ async def test_refused_calls_end_their_span_with_an_error(start_server, exporter
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Generate(request, timeout=TIMEOUT).read()
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    body = {"model": Path(server.settings.model).name, "prompt": "Hi", "max_tokens": 100000}
+    body = {"model": Path(server.settings.model.model).name, "prompt": "Hi", "max_tokens": 100000}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         url = f"http://127.0.0.1:{server.http_port}/v1/completions"
         response = await client.post(url, json=body)

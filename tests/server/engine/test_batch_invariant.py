@@ -242,7 +242,7 @@ def test_padding_is_chosen_by_measurement_and_refused_when_none_works(wide_model
 def test_the_server_runtime_verifies_trees_in_the_mode(wide_model_dir) -> None:
     """The mode keeps the server's token trees: attention sums a node's keys in sequence
     order, and the batch keeps nodes within the measured block of summed keys."""
-    settings = Settings(
+    settings = Settings.of(
         model=str(wide_model_dir),
         draft="none",
         device="cpu",
@@ -255,8 +255,8 @@ def test_the_server_runtime_verifies_trees_in_the_mode(wide_model_dir) -> None:
     target = runtime.engine.target
     try:
         measured = value_block(torch.device("cpu"), 32)
-        trees = settings.tree_budget if measured else 1  # no block measured: chains
-        assert runtime.engine.context.tree_budget == trees and settings.tree_budget > 1
+        trees = settings.speculation.tree_budget if measured else 1  # no block measured: chains
+        assert runtime.engine.context.tree_budget == trees and settings.speculation.tree_budget > 1
         assert target.tree_key_block == (measured or 1)
         assert target.kernels.invariant and target.head_t is None
     finally:

@@ -237,16 +237,14 @@ def test_models_it_does_not_reproduce_are_refused(
 def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> None:
     """The served bf16 target runs the lean loop (a plan measured at start-up, whatever it
     chose); float32 and --no-fast-step keep transformers' forward."""
-    from dataclasses import replace
-
     from server.runtime import load_runtime
 
-    settings = replace(base_settings, draft="none", draft_context=False)
-    bf16 = load_runtime(replace(settings, dtype="bfloat16")).engine.target
+    settings = base_settings.replace(draft="none", draft_context=False)
+    bf16 = load_runtime(settings.replace(dtype="bfloat16")).engine.target
     assert isinstance(bf16.fast_step, LlamaStep)
     assert bf16.fast_step.products.plan.choices[0][0] == 1
     assert load_runtime(settings).engine.target.fast_step is None  # float32
-    off = load_runtime(replace(settings, dtype="bfloat16", fast_step=False))
+    off = load_runtime(settings.replace(dtype="bfloat16", fast_step=False))
     assert off.engine.target.fast_step is None
 
 

@@ -272,13 +272,11 @@ def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
 def test_runtime_serves_bf16_through_the_fused_layer(
     base_settings, tokenizer, tmp_path: Path
 ) -> None:
-    from dataclasses import replace
-
     from server.runtime import load_runtime
 
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
-    settings = replace(
-        base_settings, model=str(directory), draft="none", draft_context=False, dtype="bfloat16"
+    settings = base_settings.replace(
+        model=str(directory), draft="none", draft_context=False, dtype="bfloat16"
     )
     step = load_runtime(settings).engine.target.fast_step
     assert LAYER is not None and isinstance(step, LlamaStep) and step.fused is not None

@@ -130,7 +130,7 @@ def test_the_plain_copy_keeps_tied_embeddings_tied_and_drops_the_gguf_claim() ->
 
 
 def test_the_server_default_cache_is_the_loader_default() -> None:
-    assert Settings().gguf_cache == gguf_model.DEFAULT_GGUF_CACHE
+    assert Settings().model.gguf_cache == gguf_model.DEFAULT_GGUF_CACHE
 
 
 def test_a_generation_ends_at_the_files_end_of_turn_token(tiny_target, tmp_path) -> None:

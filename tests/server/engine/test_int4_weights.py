@@ -6,7 +6,6 @@ so every test runs on the CI's too."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -223,7 +222,7 @@ def test_runtime_serves_int4_through_the_fast_step(base_settings) -> None:
     every row count (the invariant one) and its output layer int8, and reported."""
     from server.runtime import load_runtime
 
-    runtime = load_runtime(replace(base_settings, weights="int4"))
+    runtime = load_runtime(base_settings.replace(weights="int4"))
     step = runtime.engine.target.fast_step
     assert isinstance(step, LlamaStep) and step.weights == "int4"
     assert runtime.info.weights == "int4"

@@ -8,7 +8,6 @@ unavailable too (`kernels` fixture)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -251,7 +250,7 @@ def test_runtime_serves_int8_through_the_fast_step(
 
     if not avx512:
         monkeypatch.setattr(cpu_gemv, "load_int8", lambda: None)
-    settings = replace(base_settings, weights="int8")
+    settings = base_settings.replace(weights="int8")
     runtime = load_runtime(settings)
     step = runtime.engine.target.fast_step
     assert isinstance(step, LlamaStep) and step.weights == "int8"

@@ -200,7 +200,7 @@ def test_an_unusable_corpus_is_refused_naming_the_file(
         SuffixIndex.from_corpus(corpus, vocab_size=1000)
     assert str(corpus) in str(error.value) and names in str(error.value)
     # The server refuses to start with it, with the same message (python -m server exits 1).
-    settings = Settings(draft=str(tmp_path), draft_context=True, suffix_index=True)
+    settings = Settings.of(draft=str(tmp_path), draft_context=True, suffix_index=True)
     with pytest.raises(CorpusError, match=r"corpus\.ids\.gz"):
         runtime._load_suffix_index(settings, tiny_target)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -216,8 +215,8 @@ class _Errors(logging.Handler):
 def served(base_settings, runtime, serve_loaded):
     """A real uvicorn over the tiny model in a thread of its own; every error-level line
     logged while the module runs, structlog's and the standard library's."""
-    settings_ = replace(
-        base_settings, http_port=0, max_new_tokens_limit=16, default_max_new_tokens=4
+    settings_ = base_settings.replace(
+        http_port=0, max_new_tokens_limit=16, default_max_new_tokens=4
     )
     errors = _Errors()
     logging.getLogger().addHandler(errors)
@@ -240,7 +239,7 @@ def served(base_settings, runtime, serve_loaded):
 @given(data=st.data())
 def test_through_the_server_never_a_5xx(served, chat, data) -> None:
     server, client, logged_errors = served
-    model = Path(server.server.settings.model).name
+    model = Path(server.server.settings.model.model).name
     body = data.draw(mutated(chat, model) | st.binary(max_size=100))
     route = "/v1/chat/completions" if chat else "/v1/completions"
     answer = client.post(route, content=body, headers={"content-type": "application/json"})
@@ -253,7 +252,7 @@ def test_through_the_server_never_a_5xx(served, chat, data) -> None:
 def test_the_server_is_healthy_after_the_fuzzing(served) -> None:
     server, client, logged_errors = served
     assert client.get("/health").status_code == 200
-    model = Path(server.server.settings.model).name
+    model = Path(server.server.settings.model.model).name
     answer = client.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
     assert answer.status_code == 200
     assert logged_errors() == []

@@ -55,7 +55,7 @@ def logged(caplog):
 
 
 def model(server) -> str:
-    return Path(server.settings.model).name
+    return Path(server.settings.model.model).name
 
 
 def counted(server, code: str) -> float:
@@ -324,13 +324,13 @@ def test_allowed_hosts_flag_refuses_what_is_not_a_name(value, capsys) -> None:
         parse_settings(["--allowed-hosts", value])
     assert "is not a host name or address" in capsys.readouterr().err
     names = "api.example, [::1],10.0.0.7,*"
-    assert parse_settings(["--allowed-hosts", names]).allowed_hosts == names
+    assert parse_settings(["--allowed-hosts", names]).security.allowed_hosts == names
 
 
 def test_body_timeout_flag_must_be_positive(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--http-body-timeout-s", "0"])
-    assert parse_settings(["--http-body-timeout-s", "2.5"]).http_body_timeout_s == 2.5
+    assert parse_settings(["--http-body-timeout-s", "2.5"]).limits.http_body_timeout_s == 2.5
 
 
 def _send_slowly(port: int, head: bytes, trickle: bool) -> bytes:

@@ -25,7 +25,7 @@ GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}
 
 
 def model_id(server) -> str:
-    return Path(server.settings.model).name
+    return Path(server.settings.model.model).name
 
 
 def sdk(base_url: str, api_key: str = "unused", **options) -> openai.AsyncOpenAI:
