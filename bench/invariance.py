@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.engine.forward.plan import ExecutionOptions
 from server.engine.target import TargetModel
 from server.engine.verify_pass import PassRow, VerifyPass
 from server.settings import DEFAULT_MODEL
@@ -180,11 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = TargetModel.load(args.model, device="cpu", dtype=args.dtype)
-    if args.batch_invariant:
-        from server.engine.invariant import make_invariant
-
-        print("padding:", make_invariant(target).padding)
+    execution = ExecutionOptions(batch_invariant=args.batch_invariant)
+    target = TargetModel.load(args.model, device="cpu", dtype=args.dtype, execution=execution)
+    if target.plan.invariance is not None:
+        print("padding:", target.plan.invariance.padding)
     filler = " ".join(f"word{i}" for i in range(args.prompt_words))
     prompt = target.encode_chat([{"role": "user", "content": f"{filler} {PROMPT}".strip()}])
     others = [target.encode_chat([{"role": "user", "content": o}]) for o in OTHERS]

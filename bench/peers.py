@@ -8,7 +8,7 @@ a time, then `--streams` concurrent streams:
 
 - kenspec OFF and AUTO: one `python -m server` (flags after `--`), reached over its HTTP API,
   the two modes alternating prompt by prompt (`speculation: "off"` per request); its
-  `calibrated` and `fast_step` log lines are kept with the results;
+  `calibrated` and `execution_plan` log lines are kept with the results;
 - llama.cpp through llama-cpp-python (`--llama-python`: the interpreter of a venv holding it,
   never kenspec's), plain and with prompt-lookup decoding, on the default model's own GGUF
   (Q4_1, `--gguf`) and a BF16 copy of it (llama.cpp's quantize: the same values); the Python
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server.url, prompts, args.streams, args.max_new_tokens, {"speculation": mode}
                 )
     finally:
-        calibrated, fast = server.line("calibrated"), server.line("fast_step")
+        calibrated, plan = server.line("calibrated"), server.line("execution_plan")
         server.stop()
     if args.llama_python:
         if not args.gguf.exists():
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     report = {"machine": machine(), "prompts": str(args.prompts), "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "server_flags": args.server_flags,
-              "calibrated": calibrated, "fast_step": fast, "summary": summary,
+              "calibrated": calibrated, "execution_plan": plan, "summary": summary,
               "streams": streams, "failures": failures, "runs": runs}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     (args.out / "summary.md").write_text(_markdown(report))

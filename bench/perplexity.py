@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine
+from server.engine.forward.plan import ExecutionOptions, LeanMode
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
-from server.runtime import choose_fast_step
 from server.settings import DEFAULT_MODEL, REPO_ROOT
 
 MODES = {  # name: (--dtype, --weights)
@@ -42,12 +42,16 @@ TEXTS = [REPO_ROOT / "prompts" / f"{name}.txt" for name in ("dev", "ood", "groun
 
 
 def load(model: str, mode: str) -> TargetModel:
-    """The target as the server loads it in `mode`, its fast step chosen by the runtime's own
-    rule."""
+    """The target as the server loads it in `mode` (its lean forward where the server's
+    defaults would choose it)."""
     dtype, weights = MODES[mode]
-    target = TargetModel.load(model, device="cpu", dtype=dtype, weights=weights)
-    choose_fast_step(target)
-    return target
+    return TargetModel.load(
+        model,
+        device="cpu",
+        dtype=dtype,
+        weights=weights,
+        execution=ExecutionOptions(lean=LeanMode.AUTO),
+    )
 
 
 def score(target: TargetModel, ids: Sequence[int]) -> tuple[list[float], list[int]]:
@@ -79,7 +83,7 @@ def run(model: str, modes: Sequence[str], lines: Sequence[str]) -> dict:
         results["modes"][mode] = {
             "perplexity": round(math.exp(sum(nll) / len(nll)), 3),
             "tokens": len(nll),
-            "fast_step": None if target.fast_step is None else target.fast_step.describe(),
+            "plan": target.plan.describe(),
             "seconds": round(time.perf_counter() - started, 1),
         }
         print(mode, results["modes"][mode], flush=True)

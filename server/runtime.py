@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -14,16 +13,13 @@ import torch
 
 from kenspec_api import generator_pb2 as pb
 from server import __version__, calibration_cache
-from server.engine import cpu_gemv
-from server.engine.attention_choice import measure_grouped
 from server.engine.calibration import Calibration, calibrate
 from server.engine.costs import Costs, one_row_steps
 from server.engine.events import NO_EVENTS, EngineEvents
-from server.engine.fast_step import LlamaStep, Unsupported
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.plan import ExecutionOptions, LeanMode
 from server.engine.intake import BatchSettings
-from server.engine.invariant import make_invariant
 from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
-from server.engine.linear_kernels import measure_skinny_rows, use_skinny
 from server.engine.live_costs import LiveCosts
 from server.engine.params import (
     SamplingParams,
@@ -62,6 +58,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         dtype=settings.kernels.dtype,
         gguf_cache=settings.model.gguf_cache,
         weights=settings.kernels.weights,
+        execution=execution_options(settings),
     )
     if settings.model.chat_template:
         template = Path(settings.model.chat_template).expanduser().read_text(encoding="utf-8")
@@ -77,27 +74,10 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         seconds=round(time.perf_counter() - started, 2),
     )
     tree_budget = settings.speculation.tree_budget
-    if settings.kernels.batch_invariant:
-        invariance = make_invariant(target)
-        if invariance.value_block is None:  # trees would sum a node's keys in another order
-            tree_budget = 1
-        log.info(
-            "batch_invariant",
-            linear_padding=str(invariance.padding),
-            attention="invariant",
-            value_block=invariance.value_block,
-            short_keys=list(target.kernels.short_keys),
-            tree_budget=tree_budget,
-        )
-        skinny_rows: set[int] = set()
-    else:
-        if settings.kernels.fast_step or target.quantized:  # (settings refuse int8/int4 without it)
-            choose_fast_step(target)
-        skinny_rows = _choose_linear_kernels(target) if settings.kernels.skinny_gemm else set()
-        _choose_attention_kernels(target, settings.kernels.attention)
-    breaker_settings, costs, save_costs = _breaker_settings_and_costs(
-        settings, target, sorted(skinny_rows)
-    )
+    invariance = target.plan.invariance
+    if invariance is not None and invariance.value_block is None:
+        tree_budget = 1  # trees would sum a node's keys in another order
+    breaker_settings, costs, save_costs = _breaker_settings_and_costs(settings, target)
     context = ContextSettings(
         enabled=settings.speculation.draft_context,
         min_match=settings.speculation.context_min_match,
@@ -159,11 +139,11 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
 
 
 def _recycled_predictions(target: TargetModel) -> RecycledPredictions:
-    """The table of the target's recent predictions; on a CPU with the fast step's kernels,
-    each row's top tokens in one read of it (csrc/layer.c) instead of torch's top-k and
-    logsumexp (~100 us a row: every row a pass computed is recorded)."""
-    kernels = cpu_gemv.load_layer() if target.device.type == "cpu" else None
-    top_probs = kernels.top_probs if kernels is not None else None
+    """The table of the target's recent predictions; on a CPU with kenspec's kernels, each
+    row's top tokens in one read of it (csrc/layer.c) instead of torch's top-k and logsumexp
+    (~100 us a row: every row a pass computed is recorded)."""
+    kernels = load_kernels() if target.device.type == "cpu" else None
+    top_probs = kernels.top_probs if kernels is not None and kernels.bf16 else None
     return RecycledPredictions(target.vocab_size, top_probs=top_probs)
 
 
@@ -267,96 +247,19 @@ def _available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _choose_linear_kernels(target: TargetModel) -> set[int]:
-    """Small passes on a CPU in float32: W @ x^T where timed faster (engine.linear_kernels);
-    the row counts chosen."""
-    if target.device.type != "cpu" or target.dtype != torch.float32:
-        return set()
-    rows, timings = measure_skinny_rows(target.model)
-    use_skinny(target.model, rows)
-    log.info(
-        "linear_kernels",
-        skinny_rows=sorted(rows),
-        ms={r: [round(p * 1000, 1), round(s * 1000, 1)] for r, (p, s) in timings.items()},
-    )
-    return set(rows)
-
-
-def _rows(count: int) -> int | str:
-    return "all" if count == sys.maxsize else count
-
-
-def choose_fast_step(target: TargetModel) -> None:
-    """A bfloat16 Llama-family target on a CPU, or one with int8 or int4 weights: the lean
-    decoder loop, its products' kernels timed by row count (engine.fast_step), where it serves
-    the model (TargetModel.load checked it does for quantized weights)."""
-    if not target.quantized and (target.device.type != "cpu" or target.dtype != torch.bfloat16):
-        return
-    started = time.perf_counter()
-    try:
-        step = LlamaStep(
-            target.model,
-            cpu_gemv.load(),
-            cpu_gemv.load_int8() if target.quantized else None,
-            cpu_gemv.load_layer(),
-        )
-    except Unsupported as reason:
-        log.info("fast_step", used=False, reason=str(reason))
-        return
-    timings = step.measure()
-    target.fast_step = step
-    log.info(
-        "fast_step",
-        used=True,
-        weights=step.weights,
-        decoder=step.products.plan.describe(),
-        head=step.head.plan.describe(),
-        fused_layer=step.fused is not None,
-        logits_together=step.together,
-        # passes of fewer tokens than this compute each row as a one-token pass would
-        row_invariant_below=_rows(
-            min(
-                step.products.plan.invariant_below(step.products.invariant),
-                step.head.plan.invariant_below(step.head.invariant),
-            )
-        ),
-        seconds=round(time.perf_counter() - started, 2),
-        ms={
-            part: {rows: {k: round(s * 1000, 2) for k, s in by.items()} for rows, by in t.items()}
-            for part, t in timings.items()
-        },
-    )
-
-
-def _choose_attention_kernels(target: TargetModel, mode: str = "auto") -> None:
-    """Passes of a few queries per row through grouped products instead of SDPA, by width and
-    from the context length where timed faster (engine.attention_choice); or (--attention)
-    SDPA always, or grouped up to 16 queries per row at any length. The target's kernels."""
-    if mode != "auto":
-        target.kernels = target.kernels.with_grouped({} if mode == "sdpa" else {16: 0})
-        log.info("attention_kernels", mode=mode)
-        return
-    lengths = [n for n in (128, 512, 2048) if n <= target.max_context] or [target.max_context]
-    chosen, timings = measure_grouped(
-        *target.attention_shape,
-        target.dtype,
-        target.device,
-        kv_lengths=lengths,
-        kernels=target.kernels,
-    )
-    target.kernels = target.kernels.with_grouped(chosen)
-    log.info(
-        "attention_kernels",
-        grouped={str(width): length for width, length in chosen.items()},
-        ms={
-            f"{w}x{n}": [round(a * 1000, 3), round(b * 1000, 3)]
-            for (w, n), (a, b) in timings.items()
-        },
+def execution_options(settings: Settings) -> ExecutionOptions:
+    """What the server's flags ask of the target's passes (engine.forward decides within it)."""
+    kernels = settings.kernels
+    return ExecutionOptions(
+        lean=LeanMode.AUTO if kernels.fast_step else LeanMode.OFF,
+        skinny_gemm=kernels.skinny_gemm,
+        attention=kernels.attention,
+        batch_invariant=kernels.batch_invariant,
     )
 
 
 def _breaker_settings_and_costs(
-    settings: Settings, target: TargetModel, skinny_rows: Sequence[int]
+    settings: Settings, target: TargetModel
 ) -> tuple[BreakerSettings, Costs | None, Callable[[], None]]:
     """The breakers' settings, the pass costs batches choose widths by (measured, or read from the
     calibration cache; live unless --no-live-costs), and what saves them at shutdown."""
@@ -387,10 +290,9 @@ def _breaker_settings_and_costs(
         settings.model.model,
         dtype=str(target.dtype),
         device=str(target.device),
-        skinny_rows=sorted(skinny_rows),
-        fast_step=None if target.fast_step is None else target.fast_step.describe(),
-        attention=[list(entry) for entry in target.kernels.grouped],
-        batch_invariant=settings.kernels.batch_invariant,
+        # the plan names every kernel choice and the C kernels' build: a calibration measured
+        # with other kernels is not reused
+        execution=target.plan.describe(),
         gpu=torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         k=k,
         rows=rows,

@@ -22,22 +22,22 @@ pass, so speculation, batching, chunked prefill and the prefix cache change gree
   model's own output layer, padded like the others, computes the pass's rows.
 
 Rows of zeros change no other row's result; what they cost is measured in bench/ (see
-docs/design.md, "Batch invariance"). The mode is a property of the target's Kernels (a
-BatchInvariance in them, which every pass hands to attention), not of the process.
+docs/design.md, "Batch invariance"). The mode is a property of the target's execution plan (a
+BatchInvariance in its attention Kernels, which every pass hands to attention; the padding
+switched on in the model's layers when its forward is built: engine.forward), not of the
+process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from server.engine.kernels import KEY_BLOCK, MIN_KEYS, BatchInvariance, Kernels, Padding
+from server.engine.kernels import KEY_BLOCK, MIN_KEYS, Padding
 
 # Tried in order; the first that makes every layer of the model invariant is used. The blocked
 # ones are for CPUs whose bf16 products switch kernels past a row count (on AMX, oneDNN gives
@@ -228,53 +228,3 @@ def short_key_counts(device: torch.device, dim: int, rows: int = 8) -> tuple[int
         if same:
             counts.append(count)
     return tuple(counts)
-
-
-class InvariantTarget(Protocol):
-    """What make_invariant switches (TargetModel): its layers, kernels and output layer."""
-
-    head_t: torch.Tensor | None
-    plain_head: bool
-    kernels: Kernels
-
-    @property
-    def model(self) -> nn.Module: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def attention_shape(self) -> tuple[int, int, int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Invariance:
-    """What `make_invariant` switched, to report and to undo."""
-
-    padding: Padding
-    # keys attention sums in order (value_block); None: token trees cannot be verified
-    value_block: int | None
-    head_t: torch.Tensor | None
-    plain_head: bool
-
-
-def make_invariant(target: InvariantTarget) -> Invariance:
-    """Switch `target` (a TargetModel) to batch-invariant execution: padded linear layers and
-    passes, invariant_attention for every pass, the output layer over the pass's rows, token
-    trees cut to the measured block of summed keys. The target's own: its layers and its
-    Kernels (a new value, holding what was measured), nothing process-wide."""
-    padding = choose_padding(target.model)
-    dim = target.attention_shape[2]
-    block = value_block(target.device, dim)
-    before = Invariance(padding, block, target.head_t, target.plain_head)
-    measured = BatchInvariance(padding, block, short_key_counts(target.device, dim))
-    target.kernels = target.kernels.with_invariance(measured)
-    target.head_t = None  # no lazy rows: the output layer runs as a linear layer of the pass
-    target.plain_head = False
-    return before
-
-
-def undo_invariant(target: InvariantTarget, before: Invariance) -> None:
-    use_padding(target.model, None)
-    target.kernels = target.kernels.with_invariance(None)
-    target.head_t, target.plain_head = before.head_t, before.plain_head

@@ -28,7 +28,7 @@ import torch
 WIDTH = 8  # next tokens kept per token, as in Token Recycling's adjacency matrix
 
 # (float32 logits [rows, vocab] on the host, width) -> ids [rows, width] (int32) and their
-# probabilities [rows, width], best first: cpu_gemv.LayerKernels.top_probs
+# probabilities [rows, width], best first: forward.cpu_kernels.CpuKernels.top_probs
 TopProbs = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 

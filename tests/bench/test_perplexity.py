@@ -22,7 +22,7 @@ def test_modes_score_the_same_tokens_and_agree_with_themselves(tiny_model_dir, t
     results = json.loads(out.read_text())
     fp32, int8 = results["modes"]["fp32"], results["modes"]["int8-fp32"]
     assert fp32["tokens"] == int8["tokens"] > 0
-    assert int8["fast_step"].startswith("int8 ") and fp32["fast_step"] is None
+    assert int8["plan"].startswith("lean; int8;") and fp32["plan"].startswith("eager;")
     assert 0.0 <= results["top1_agreement"]["int8-fp32 vs fp32"] <= 1.0
     target = TargetModel.load(tiny_model_dir, device="cpu", dtype="float32")
     prompts = [ids for p in tiny.PROMPTS if len(ids := target.encode_prompt(p)) > 1]

@@ -9,6 +9,7 @@ attention, its own output layer), never from the served one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,11 @@ from transformers.pytorch_utils import Conv1D
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
-from server import runtime as runtime_module
 from server.engine import attention
 from server.engine.architecture import served_context
 from server.engine.batch import Batch
+from server.engine.forward import choose
+from server.engine.forward.plan import HeadKind
 from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_linears, use_skinny
 from server.engine.packed_pass import pack
 from server.engine.prefix_cache import PrefixCache
@@ -48,6 +50,7 @@ class Served:
     directory: Path
     runtime: Runtime
     references: dict[str, list[int]]  # prompt -> transformers' greedy continuation
+    settings: Settings
 
 
 def shipped_greedy(model: transformers.PreTrainedModel, ids: list[int], new: int) -> list[int]:
@@ -92,12 +95,9 @@ def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
         calibration_cache="none",
         pad_verify=False,
     )
-    patch = pytest.MonkeyPatch()
-    patch.setattr(runtime_module, "measure_skinny_rows", lambda model: (frozenset(range(2, 6)), {}))
-    try:
-        yield Served(model_type, directory, load_runtime(settings), references)
-    finally:
-        patch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(choose, "measure_skinny_rows", lambda model: (frozenset(range(2, 6)), {}))
+        yield Served(model_type, directory, load_runtime(settings), references, settings)
 
 
 async def serve(
@@ -171,8 +171,11 @@ async def test_a_solo_stream_equals_transformers_greedy(served: Served, monkeypa
     tokens, which take W @ x^T in every linear layer; attention by SDPA (soft-capped scores
     by grouped attention: SDPA has no capping). Twice: the second copies the first's keys
     and values from the prefix cache."""
-    target = served.runtime.engine.target
-    monkeypatch.setattr(target, "kernels", target.kernels.with_grouped({}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(choose, "measure_skinny_rows", lambda model: (frozenset(range(2, 6)), {}))
+        runtime = load_runtime(served.settings.replace(attention="sdpa"))
+    assert runtime.engine.target.plan.attention.grouped == ()
+    served = dataclasses.replace(served, runtime=runtime)
     copies: list[int] = []
     copy_into = PrefixCache.copy_into
 
@@ -196,7 +199,7 @@ def test_output_rows_equal_the_shipped_logits(served: Served) -> None:
     where the model caps it), the others take the model's logits: either way, the rows
     equal the shipped model's logits."""
     target = served.runtime.engine.target
-    assert (target.head_t is None) == (served.name in MODEL_LOGITS)
+    assert (target.plan.head is HeadKind.MODEL) == (served.name in MODEL_LOGITS)
     shipped = AutoModelForCausalLM.from_pretrained(served.directory, dtype=torch.float32).eval()
     ids = target.encode_prompt("The quick brown fox jumps over the lazy dog.")
     assert len(ids) > WINDOW  # the windowed layers' mask is used

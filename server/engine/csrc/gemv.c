@@ -4,13 +4,14 @@
  * Each output is one dot product summed in float32 in a fixed order (32-wide partial sums
  * with AVX512-BF16's dpbf16, then one horizontal sum), whatever the row count: a row's
  * result does not depend on what else is in the pass. Threads split the output columns.
- * Built at start-up by server/engine/cpu_gemv.py, for CPUs with avx512_bf16 only.
+ * Compiled with AVX512-BF16 into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
 
+#include "kenspec.h"
 #include "simd.h"
 
 /* Output rows x pass rows a block takes at once: 16 accumulators, reduced together. One-row

@@ -7,7 +7,7 @@
  * (bfloat16 outputs are rounded once, to nearest even). Each output is summed in this one
  * order whatever the row count, so a row's result does not depend on what else is in the pass
  * (batch-invariant by construction). Threads split the output rows.
- * Built at start-up by server/engine/cpu_gemv.py, for CPUs with AVX-512 F/BW/VL/DQ only.
+ * Compiled with AVX-512 F/BW/VL/DQ into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -15,6 +15,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "kenspec.h"
 #include "simd.h"
 
 #define OUT_BLOCK 4

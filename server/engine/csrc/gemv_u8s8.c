@@ -11,7 +11,7 @@
  *
  * The caller's exact screen (engine.screened_head) bounds |x . w_j - y_j| with the residues
  * this returns: d_r = |x_r - t_r p_r|_2 (float64, rounded up by one part in 10^6).
- * Built at start-up by server/engine/cpu_gemv.py, for CPUs with AVX512-VNNI and -BW.
+ * Compiled with AVX512-VNNI and -BW into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,6 +20,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "kenspec.h"
 #include "simd.h"
 
 #define OUT_BLOCK 4 /* (block() spreads its lanes for 4 or 1 outputs) */

@@ -14,7 +14,7 @@
  * same in a one-token step as in a verify pass, a token tree's node the same as the
  * sequence of its ancestors (their slots come in depth order).
  *
- * Built at start-up by server/engine/cpu_gemv.py, for CPUs with avx512_bf16 only.
+ * Compiled with AVX512-BF16 into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -23,23 +23,11 @@
 #include <string.h>
 #include <omp.h>
 
+#include "kenspec.h"
 #include "simd.h"
+#include "bf16.h"
 
 #define MASKED (-1e30f) /* a mask at or below this hides its key (finfo.min in practice) */
-
-static inline __m512 load16(const uint16_t *p, __mmask16 m) { /* 16 bf16 -> float32 */
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline void store16(uint16_t *p, __m512 v, __mmask16 m) { /* RNE, as to_bf16 */
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __m512 rounded(__m512 v) { /* through bfloat16 and back */
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 
 /* exp(x) for each lane, a degree-6 polynomial on x - n ln 2 (relative error ~2e-7); lanes
  * below -87.3 (where exp(x) < FLT_MIN) give 0, above 88.7 infinity. Lane-independent. */

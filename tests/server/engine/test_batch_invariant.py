@@ -8,7 +8,6 @@ them layer by layer on a real model)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,13 @@ import torch
 from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
 from server.engine import attention
 from server.engine.batch import Batch
+from server.engine.forward.plan import ExecutionOptions, HeadKind
 from server.engine.intake import BatchSettings
 from server.engine.invariant import (
     CANDIDATES,
+    InvariantLinear,
     choose_padding,
     invariant_under,
-    make_invariant,
-    undo_invariant,
     use_padding,
     value_block,
 )
@@ -48,13 +47,20 @@ def wide_model_dir(tmp_path_factory) -> Path:
     )
 
 
+INVARIANT = ExecutionOptions(batch_invariant=True)
+
+
+def _invariant(directory: Path, dtype: str) -> TargetModel:
+    """The model loaded in the mode (its plan measured; its layers padded)."""
+    target = TargetModel.load(directory, device="cpu", dtype=dtype, execution=INVARIANT)
+    assert target.plan.invariance is not None and target.plan.head is HeadKind.MODEL
+    return target
+
+
 @pytest.fixture(params=["bfloat16", "float32"])
-def invariant_target(request, wide_model_dir) -> Iterator[TargetModel]:
-    """The wide model in the mode; its layers and kernels restored after."""
-    target = TargetModel.load(wide_model_dir, device="cpu", dtype=request.param)
-    before = make_invariant(target)
-    yield target
-    undo_invariant(target, before)
+def invariant_target(request, wide_model_dir) -> TargetModel:
+    """The wide model in the mode."""
+    return _invariant(wide_model_dir, request.param)
 
 
 def test_logits_and_every_layer_are_bit_identical_in_every_layout(invariant_target) -> None:
@@ -88,12 +94,7 @@ def test_a_tree_summed_across_a_block_of_keys_differs_which_is_why_the_batch_cut
     layout differs; placed before it, it does not; and the batch's cut keeps only the nodes
     before such a straddle (PassRow.nodes_in_key_blocks). In float32: the tiny model's bf16
     layer outputs round such differences away."""
-    target = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
-    before = make_invariant(target)
-    try:
-        _check_block_boundary(target)
-    finally:
-        undo_invariant(target, before)
+    _check_block_boundary(_invariant(wide_model_dir, "float32"))
 
 
 def _measured_block(target: TargetModel) -> int:
@@ -215,7 +216,7 @@ def test_without_the_mode_some_logits_depend_on_the_pass(wide_model_dir) -> None
     """What the mode is for: the stock kernels give some token other bits in another pass.
     The wide pass has 40 tokens: some CPUs' kernels agree from 1 to 32 rows (oneDNN on AMX)."""
     target = TargetModel.load(wide_model_dir, device="cpu", dtype="bfloat16")
-    assert not target.kernels.invariant
+    assert target.plan.invariance is None
     differing = 0
     for prompt_text in PROMPTS:
         prompt = target.encode_prompt(prompt_text)
@@ -253,20 +254,17 @@ def test_the_server_runtime_verifies_trees_in_the_mode(wide_model_dir) -> None:
     )
     runtime = load_runtime(settings)
     target = runtime.engine.target
-    try:
-        measured = value_block(torch.device("cpu"), 32)
-        trees = settings.speculation.tree_budget if measured else 1  # no block measured: chains
-        assert runtime.engine.context.tree_budget == trees and settings.speculation.tree_budget > 1
-        assert target.tree_key_block == (measured or 1)
-        assert target.kernels.invariant and target.head_t is None
-    finally:
-        use_padding(target.model, None)
+    measured = value_block(torch.device("cpu"), 32)
+    trees = settings.speculation.tree_budget if measured else 1  # no block measured: chains
+    assert runtime.engine.context.tree_budget == trees and settings.speculation.tree_budget > 1
+    assert target.tree_key_block == (measured or 1)
+    assert target.plan.invariance is not None and target.plan.head is HeadKind.MODEL
 
 
 def test_the_mode_belongs_to_its_target_not_to_the_process(wide_model_dir, monkeypatch) -> None:
-    """Batch invariance is a property of a target's kernels: a second target loaded beside
-    one in the mode keeps the stock kernels, and only the first's passes take
-    invariant_attention; undone, the first is back to the stock ones."""
+    """Batch invariance is a property of a target's plan: a second target loaded beside one
+    in the mode keeps the stock kernels, and only the first's passes take
+    invariant_attention."""
     calls: list[int] = []
     original = attention.invariant_attention
 
@@ -275,33 +273,27 @@ def test_the_mode_belongs_to_its_target_not_to_the_process(wide_model_dir, monke
         return original(query, *args, **options)
 
     monkeypatch.setattr(attention, "invariant_attention", spy)
-    invariant = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
-    before = make_invariant(invariant)
-    try:
-        stock = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
-        assert invariant.kernels.invariant and invariant.kernels.pass_padding is not None
-        assert not stock.kernels.invariant and stock.kernels.pass_padding is None
-        assert stock.tree_key_block == 0 < invariant.tree_key_block
-        for target in (stock, invariant):
-            cache = target.new_cache(1)
-            target.prefill(cache, 0, 0, target.encode_prompt(PROMPTS[0]))
-        # one call a layer, for one pass: the invariant target's prefill, not the stock one's
-        assert len(calls) == invariant.model.config.num_hidden_layers
-    finally:
-        undo_invariant(invariant, before)
-    assert not invariant.kernels.invariant and invariant.tree_key_block == 0
+    invariant = _invariant(wide_model_dir, "float32")
+    stock = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+    assert invariant.plan.attention.pass_padding is not None
+    assert stock.plan.invariance is None and stock.plan.attention.pass_padding is None
+    assert stock.tree_key_block == 0 < invariant.tree_key_block
+    assert not any(isinstance(m, InvariantLinear) for m in stock.model.modules())
+    calls.clear()  # (loading checks a packed pass)
+    for target in (stock, invariant):
+        cache = target.new_cache(1)
+        target.prefill(cache, 0, 0, target.encode_prompt(PROMPTS[0]))
+    # one call a layer, for one pass: the invariant target's prefill, not the stock one's
+    assert len(calls) == invariant.model.config.num_hidden_layers
 
 
 def test_float32_greedy_in_the_mode_with_trees_is_transformers_generate(wide_model_dir) -> None:
     """The mode's kernels compute the model, not just the same bits everywhere: in float32 its
     greedy answers, verified in token trees, are transformers' `generate`."""
-    target = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
-    prompts = [target.encode_prompt(PROMPTS[1]), _long_prompt(target, 180)]
-    expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in prompts]
-    before = make_invariant(target)
-    try:
-        for prompt, reference in zip(prompts, expected, strict=True):
-            branching = Branching(reference, target.vocab_size)
-            assert _greedy(target, prompt, branching, enabled=True, tree_budget=8) == reference
-    finally:
-        undo_invariant(target, before)
+    stock = TargetModel.load(wide_model_dir, device="cpu", dtype="float32")
+    prompts = [stock.encode_prompt(PROMPTS[1]), _long_prompt(stock, 180)]
+    expected = [reference_greedy(stock, prompt, NEW_TOKENS) for prompt in prompts]
+    target = _invariant(wide_model_dir, "float32")
+    for prompt, reference in zip(prompts, expected, strict=True):
+        branching = Branching(reference, target.vocab_size)
+        assert _greedy(target, prompt, branching, enabled=True, tree_budget=8) == reference

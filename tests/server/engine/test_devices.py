@@ -11,7 +11,6 @@ the GPU takes.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from server.engine.batch import Batch
 from server.engine.context_draft import ContextDraft
+from server.engine.forward.plan import ExecutionOptions, HeadKind
 from server.engine.intake import BatchSettings
 from server.engine.params import SamplingParams
 from server.engine.pass_logits import computed_logits
@@ -47,8 +47,10 @@ MAX_NEW = 20
 
 
 def on_device(directory: str | Path, device: str, pass_rows: bool) -> TargetModel:
-    target = TargetModel.load(directory, device=device, dtype="float32")
-    return dataclasses.replace(target, pass_rows=pass_rows)
+    """The target on `device`, its rows read as an accelerator reads them (every row in one
+    product) or, on a CPU, as they are read (pass_rows False)."""
+    execution = ExecutionOptions(head=HeadKind.PASS if pass_rows else None)
+    return TargetModel.load(directory, device=device, dtype="float32", execution=execution)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["row-reads", "pass-rows"])
@@ -99,7 +101,7 @@ def test_a_pass_gives_the_logits_its_path_reads(device_target: TargetModel, devi
     passed = VerifyPass.sequences([0, 0], [ids, ids[:3]])
     rows = device_target.forward(device_target.new_cache(2), passed)
     computed = [len(row.computed(len(row))) for row in rows]
-    if device_target.pass_rows:  # every row in one product
+    if device_target.plan.head is HeadKind.PASS:  # every row in one product
         assert computed == [len(ids), 3]
     elif device == "cpu":  # lazily: only row 0 of each
         assert computed == [1, 1]

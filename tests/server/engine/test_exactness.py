@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from kenspec_api.outputs import FinishReason, Mode
 from server.engine.context_draft import ContextDraft
 from server.engine.costs import PassCosts
-from server.engine.linear_kernels import decoder_linears, use_skinny
+from server.engine.forward.plan import ExecutionOptions, HeadKind
+from server.engine.linear_kernels import SkinnyLinear, decoder_linears
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import OracleDraft, generate, reference_greedy
@@ -86,10 +85,11 @@ def test_chat_prompt_matches_plain_greedy(tiny_target, partly_matching) -> None:
 
 
 def test_generic_logits_path_and_padded_passes_are_exact(
-    tiny_target, references, partly_matching, monkeypatch
+    tiny_model_dir, references, partly_matching, monkeypatch
 ) -> None:
     """Models outside the plain-head list take full logits; padded passes change nothing."""
-    generic = dataclasses.replace(tiny_target, head_t=None)
+    execution = ExecutionOptions(head=HeadKind.MODEL)
+    generic = TargetModel.load(tiny_model_dir, device="cpu", dtype="float32", execution=execution)
     # A 5-token pass measured cheapest: every one-row pass of 2-4 tokens is padded to 5.
     costs = PassCosts({**{(1, width): 1.0 for width in range(1, 5)}, (1, 5): 0.9})
     padded: list[int] = []
@@ -110,19 +110,18 @@ def test_generic_logits_path_and_padded_passes_are_exact(
     assert padded  # some passes really were padded
 
 
-def test_skinny_linears_are_exact(tiny_target, references, partly_matching) -> None:
+def test_skinny_linears_are_exact(tiny_model_dir, references, partly_matching) -> None:
     """Passes of 2-8 tokens through W @ x^T (engine.linear_kernels) give plain greedy output."""
+    execution = ExecutionOptions(skinny_rows=frozenset(range(2, 9)))
+    skinny = TargetModel.load(tiny_model_dir, device="cpu", dtype="float32", execution=execution)
+    layer = decoder_linears(skinny.model)[0]
+    assert isinstance(layer, SkinnyLinear) and layer.skinny_rows == frozenset(range(2, 9))
     seen: list[int] = []
-    hook = decoder_linears(tiny_target.model)[0].register_forward_pre_hook(
+    layer.register_forward_pre_hook(
         lambda _, args: seen.append(args[0].numel() // args[0].shape[-1])
     )
-    use_skinny(tiny_target.model, range(2, 9))
-    try:
-        for ids, expected in references.values():
-            generation = generate(tiny_target, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
-            list(generation)
-            assert generation.output_ids == expected
-    finally:
-        use_skinny(tiny_target.model, ())
-        hook.remove()
+    for ids, expected in references.values():
+        generation = generate(skinny, partly_matching, ids, max_new_tokens=MAX_NEW, k=4)
+        list(generation)
+        assert generation.output_ids == expected
     assert {2, 3, 4, 5} & set(seen)  # verify passes really went through the skinny path

@@ -6,8 +6,7 @@ token trees."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -17,11 +16,13 @@ from server.engine import attention
 from server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
 from server.engine.attention_choice import choose_grouped, measure_grouped
 from server.engine.batch import Batch
-from server.engine.cpu_gemv import cpu_flags
+from server.engine.forward.cpu_kernels import cpu_flags
+from server.engine.forward.plan import ExecutionOptions, HeadKind
 from server.engine.intake import BatchSettings
 from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
 from server.engine.packed_pass import pack
 from server.engine.packing import tree_key_order
+from server.engine.params import AttentionMode
 from server.engine.pass_logits import Logits
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
@@ -30,11 +31,10 @@ from tests.server.engine.drafts import Branching, Collector, generate, reference
 
 
 @pytest.fixture(autouse=True)
-def grouped_on(tiny_target: TargetModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every pass of up to 16 queries per row through the grouped kernel, at any length (the
-    tiny target's kernels, restored after)."""
-    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels.with_grouped({16: 0}))
-    yield
+def grouped_on(tiny_target: TargetModel) -> None:
+    """Every pass of up to 16 queries per row takes the grouped kernel, at any length: the
+    tiny target's plan (--attention grouped, the stock options' choice)."""
+    assert tiny_target.plan.attention.grouped == ((16, 0),)
 
 
 @pytest.fixture
@@ -251,9 +251,8 @@ def test_a_rows_logits_are_the_same_bits_beside_other_rows(tiny_model_dir, dtype
         pytest.skip("this BLAS's float32 products depend on the number of rows or keys")
     from server.engine.target import TargetModel
 
-    target = dataclasses.replace(
-        TargetModel.load(tiny_model_dir, device="cpu", dtype=dtype), head_t=None
-    )
+    execution = ExecutionOptions(head=HeadKind.MODEL)
+    target = TargetModel.load(tiny_model_dir, device="cpu", dtype=dtype, execution=execution)
     prompt = target.encode_prompt("The quick brown fox jumps over the lazy dog. " * 3)
     other = target.encode_prompt("Speculative decoding drafts tokens and verifies them. " * 6)
     tokens = [11, 12, 13, 14, 15]
@@ -311,11 +310,14 @@ def test_measure_grouped_times_every_width_and_length() -> None:
 
 
 def test_sdpa_takes_the_passes_the_choice_leaves_it(
-    tiny_target, references, partly_matching, grouped_calls, monkeypatch
+    tiny_model_dir, references, partly_matching, grouped_calls
 ) -> None:
     ids, expected = references[tiny.PROMPTS[0]]
-    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels.with_grouped({}))
-    generation = generate(tiny_target, partly_matching, ids, max_new_tokens=len(expected), k=4)
+    execution = ExecutionOptions(attention=AttentionMode.SDPA)
+    target = TargetModel.load(tiny_model_dir, device="cpu", dtype="float32", execution=execution)
+    assert target.plan.attention.grouped == ()
+    grouped_calls.clear()  # (loading checks a packed pass with the stock kernels)
+    generation = generate(target, partly_matching, ids, max_new_tokens=len(expected), k=4)
     list(generation)
     assert generation.output_ids == expected
     assert grouped_calls == []
@@ -410,12 +412,11 @@ def test_token_trees_are_exact(
 
 
 @pytest.mark.parametrize(("mode", "grouped"), [("sdpa", ()), ("grouped", ((16, 0),))])
-def test_the_attention_flag_fixes_the_choice(tiny_target, mode, grouped, monkeypatch) -> None:
-    from server import runtime
-
-    monkeypatch.setattr(tiny_target, "kernels", tiny_target.kernels)  # restored after
-    runtime._choose_attention_kernels(tiny_target, mode)
-    assert tiny_target.kernels.grouped == grouped
+def test_the_attention_flag_fixes_the_choice(tiny_model_dir, mode, grouped) -> None:
+    """--attention sdpa or grouped: the plan takes it as it is, nothing measured."""
+    execution = ExecutionOptions(attention=AttentionMode(mode))
+    target = TargetModel.load(tiny_model_dir, device="cpu", dtype="float32", execution=execution)
+    assert target.plan.attention.grouped == grouped
 
 
 # -- batch-invariant mode's kernel ----------------------------------------------------------

@@ -12,8 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, Product
+from server.engine.forward import choose
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.lean import LeanWeights
+from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
+from server.engine.forward.products import Product
 from server.engine.quantize import (
     INT4_GROUP,
     INT4_JOINED_ROWS,
@@ -152,17 +155,21 @@ def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _served(directory: Path, dtype: str) -> TargetModel:
-    """The int4 target through the fast step (its int8 output layer in torch's kernel)."""
-    target = TargetModel.load(directory, device="cpu", dtype=dtype, weights="int4")
-    target.fast_step = LlamaStep(target.model, None)
-    return target
+    """The int4 target through the lean forward, torch's kernels alone (its int8 output layer
+    in torch's int8 kernel)."""
+    stock = RowPlan.every(Kernel.STOCK)
+    options = ExecutionOptions(
+        lean=LeanMode.AUTO, decoder=stock, head_kernels=stock, cpu_kernels=False
+    )
+    return TargetModel.load(directory, device="cpu", dtype=dtype, weights="int4", execution=options)
 
 
 def test_loading_int4_quantizes_the_decoder_and_keeps_the_output_layer_int8(
     tokenizer, llama_dir: Path, tmp_path: Path
 ) -> None:
     target = TargetModel.load(llama_dir, device="cpu", dtype="bfloat16", weights="int4")
-    assert target.quantized == "int4" and target.weights == "int4" and target.head_t is None
+    assert target.quantized == "int4" and target.weights == "int4"
+    assert target.plan.forward is ForwardKind.LEAN
     layer = target.model.base_model.layers[0]
     for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.down_proj):
         assert isinstance(module, Int4Linear)
@@ -172,9 +179,9 @@ def test_loading_int4_quantizes_the_decoder_and_keeps_the_output_layer_int8(
     quantize_model(model, torch.float32, "int4")
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, torch.nn.Linear) and head.weight is embedding.weight
-    step = LlamaStep(model, None)
-    assert step.weights == "int4" and step._head.scales is not None  # its own int8 copy
-    assert "int4 decoder" in step.describe()
+    lean = LeanWeights(model)
+    assert lean.quantized == "int4"
+    assert choose.output_product(model, lean).scales is not None  # its own int8 copy
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -191,7 +198,7 @@ def test_greedy_speculation_is_plain_decoding_of_the_int4_target(
 def test_float32_int4_decoding_is_transformers_generate_of_the_quantized_model(
     model: str, request: pytest.FixtureRequest
 ) -> None:
-    """In float32 the fast step's int4 products are the quantized model's own (Int4Linear,
+    """In float32 the lean forward's int4 products are the quantized model's own (Int4Linear,
     the same kernel): greedy output equals transformers' generate on it."""
     target = _served(request.getfixturevalue(model), "float32")
     check_float32_decoding_is_generate(target)
@@ -217,17 +224,18 @@ def test_int4_is_refused_in_float16(llama_dir: Path) -> None:
         TargetModel.load(llama_dir, device="cpu", dtype="float16", weights="int4")
 
 
-def test_runtime_serves_int4_through_the_fast_step(base_settings) -> None:
-    """--weights int4 is served through the fast step, its decoder in torch's int4 kernel at
+def test_runtime_serves_int4_through_the_lean_forward(base_settings) -> None:
+    """--weights int4 is served through the lean forward, its decoder in torch's int4 kernel at
     every row count (the invariant one) and its output layer int8, and reported."""
     from server.runtime import load_runtime
 
     runtime = load_runtime(base_settings.replace(weights="int4"))
-    step = runtime.engine.target.fast_step
-    assert isinstance(step, LlamaStep) and step.weights == "int4"
+    plan = runtime.engine.target.plan
+    assert plan.forward is ForwardKind.LEAN and plan.weights == "int4"
     assert runtime.info.weights == "int4"
-    assert step.products.plan.kernels == {"stock"}
-    assert step.products.plan.invariant_below(step.products.invariant) > 17
-    gemv8 = {"gemv"} if cpu_gemv.load_int8() is not None else set()
-    assert step.head.plan.kernels <= {"stock", "dequant"} | gemv8
-    assert step.head.int8 and not step.head.int4
+    assert plan.decoder.kernels == {Kernel.STOCK}
+    assert plan.decoder.invariant_below(Kernel.STOCK) > 17
+    kernels = load_kernels()
+    gemv8 = {Kernel.GEMV} if kernels is not None and kernels.int8 else set()
+    assert plan.head_kernels.kernels <= {Kernel.STOCK, Kernel.DEQUANT} | gemv8
+    assert plan.describe().startswith("lean; int4;")

@@ -14,8 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine import cpu_gemv, fast_step
-from server.engine.fast_step import LlamaStep, Product, Products, RowPlan
+from server.engine.forward import choose
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.lean import LeanWeights
+from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
+from server.engine.forward.products import Product, candidates
 from server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
 from server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
@@ -27,16 +30,17 @@ from tests.server.engine.quantized_models import (
 )
 from tests.tiny_architectures import save_architecture
 
-GEMV8 = cpu_gemv.load_int8()
+KERNELS = load_kernels()
+GEMV8 = KERNELS.gemv_int8 if KERNELS is not None and KERNELS.int8 else None
 NO_GEMV8 = pytest.mark.skipif(GEMV8 is None, reason="the CPU has no AVX-512 F/BW/VL/DQ")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(params=["stock", "dequant", pytest.param("gemv", marks=NO_GEMV8)])
-def kernel(request: pytest.FixtureRequest) -> str:
+def kernel(request: pytest.FixtureRequest) -> Kernel:
     """The int8 kernel a test's products take: torch's int8 GEMV or its GEMM on the widened
     weight (every CPU), or the AVX-512 one."""
-    return str(request.param)
+    return Kernel(request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -63,7 +67,9 @@ def test_the_module_docs_example() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("k", [576, 77, 64, 1])
-def test_int8_product_is_the_dequantized_product(kernel: str, dtype: torch.dtype, k: int) -> None:
+def test_int8_product_is_the_dequantized_product(
+    kernel: Kernel, dtype: torch.dtype, k: int
+) -> None:
     """Each output is (x @ q^T) * s of the dequantized weight in float64, up to float32 sums
     (and, in bf16, one rounding of the result; two for dequant, which rounds before scaling):
     every kernel, any k (77: not one torch's int8 kernel takes, so a float32 product)."""
@@ -72,7 +78,7 @@ def test_int8_product_is_the_dequantized_product(kernel: str, dtype: torch.dtype
     x = torch.randn(9, k).to(dtype)
     exact = x.double() @ int8.dequantize(torch.float64).t()
     product = Product(int8.values, scales=int8.scales)
-    got = product.run(x, kernel, None, GEMV8).double()
+    got = product.run(x, kernel, KERNELS).double()
     bound = (x.double().abs() @ int8.dequantize(torch.float64).abs().t()) * k * 2.0**-23
     if dtype == torch.bfloat16:
         bound = bound + exact.abs() * 2.0 ** (-7 if kernel == "dequant" else -8)  # bf16 steps
@@ -111,17 +117,18 @@ def test_avx512_kernel_row_bits_do_not_depend_on_the_row_count(
 
 def test_without_avx512_only_torchs_kernel_is_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     """An AVX2-only CPU (the CI's) builds no int8 kernel; int8 products plan torch's only."""
-    cpu_gemv.load_int8.cache_clear()
-    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    from server.engine.forward import cpu_kernels
+
+    load_kernels.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
     try:
-        assert cpu_gemv.load_int8() is None
+        assert load_kernels() is None
     finally:
-        cpu_gemv.load_int8.cache_clear()
-    products = Products(gemv8=None)
-    products.append(Product.quantized(torch.randn(8, 32), torch.float32))
-    assert products.candidates() == ("stock", "dequant")
-    products.gemv8 = GEMV8
-    assert products.candidates() == ("stock", "dequant") + (("gemv",) if GEMV8 else ())
+        load_kernels.cache_clear()
+    products = [Product.quantized(torch.randn(8, 32), torch.float32)]
+    assert candidates(products, None) == (Kernel.STOCK, Kernel.DEQUANT)
+    gemv = (Kernel.GEMV,) if GEMV8 else ()
+    assert candidates(products, KERNELS) == (Kernel.STOCK, Kernel.DEQUANT, *gemv)
 
 
 def test_fused_int8_product_is_its_layers_side_by_side() -> None:
@@ -134,7 +141,7 @@ def test_fused_int8_product_is_its_layers_side_by_side() -> None:
     x = torch.randn(5, 32)
     expected = torch.cat([layer(x) for layer in layers], dim=-1)
     product = Product.of(layers)
-    torch.testing.assert_close(product.run(x, "stock", None), expected)
+    torch.testing.assert_close(product.run(x, Kernel.STOCK, None), expected)
     assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), expected)
     for layer in layers:
         assert layer.values.untyped_storage().data_ptr() == product.weight.data_ptr()
@@ -148,7 +155,7 @@ def test_one_int8_layers_product_holds_its_values_not_a_copy() -> None:
     assert product.weight.data_ptr() == layer.values.data_ptr()
     assert product.scales is not None and product.scales.data_ptr() == layer.scales.data_ptr()
     x = torch.randn(3, 32).to(torch.bfloat16)
-    assert torch.equal(product.run(x, "stock", None), layer(x))
+    assert torch.equal(product.run(x, Kernel.STOCK, None), layer(x))
 
 
 @pytest.fixture(scope="module")
@@ -166,19 +173,21 @@ def qwen2_dir(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return biased_qwen2(tmp_path_factory.mktemp("int8"), tokenizer, seed=4)
 
 
-def _served(directory: Path, dtype: str, kernel: str) -> TargetModel:
-    """The int8 target through the fast step, every product in `kernel`."""
-    target = TargetModel.load(directory, device="cpu", dtype=dtype, weights="int8")
-    target.fast_step = LlamaStep(target.model, None, GEMV8 if kernel == "gemv" else None)
-    target.fast_step.products.plan = target.fast_step.head.plan = RowPlan(((1, kernel),))
-    return target
+def _served(directory: Path, dtype: str, kernel: Kernel) -> TargetModel:
+    """The int8 target through the lean forward, every product in `kernel`."""
+    every = RowPlan.every(kernel)
+    options = ExecutionOptions(
+        lean=LeanMode.AUTO, decoder=every, head_kernels=every, fused_layer=False, screen=False
+    )
+    return TargetModel.load(directory, device="cpu", dtype=dtype, weights="int8", execution=options)
 
 
 def test_loading_int8_quantizes_the_layers_and_keeps_a_tied_embedding(
     tokenizer, llama_dir: Path, tmp_path: Path
 ) -> None:
     target = TargetModel.load(llama_dir, device="cpu", dtype="float32", weights="int8")
-    assert target.quantized == "int8" and target.weights == "int8" and target.head_t is None
+    assert target.quantized == "int8" and target.weights == "int8"
+    assert target.plan.forward is ForwardKind.LEAN  # (only it computes int8 at speed)
     layer = target.model.base_model.layers[0]
     for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(module, Int8Linear)
@@ -188,9 +197,9 @@ def test_loading_int8_quantizes_the_layers_and_keeps_a_tied_embedding(
     quantize_model(model, torch.float32)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, torch.nn.Linear) and head.weight is embedding.weight
-    step = LlamaStep(model, None)
-    assert step.weights == "int8" and step._head.scales is not None  # its own int8 copy
-    assert step._head.weight.data_ptr() != embedding.weight.data_ptr()
+    output = choose.output_product(model, LeanWeights(model))
+    assert output.scales is not None  # its own int8 copy
+    assert output.weight.data_ptr() != embedding.weight.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -207,7 +216,7 @@ def test_greedy_speculation_is_plain_decoding_of_the_quantized_target(
 def test_float32_int8_decoding_is_transformers_generate_of_the_quantized_model(
     kernel: str, model: str, request: pytest.FixtureRequest
 ) -> None:
-    """In float32 the fast step's int8 products are the quantized model's own (Int8Linear)
+    """In float32 the lean forward's int8 products are the quantized model's own (Int8Linear)
     up to summation order: greedy output equals transformers' generate on it."""
     target = _served(request.getfixturevalue(model), "float32", kernel)
     check_float32_decoding_is_generate(target)
@@ -221,7 +230,7 @@ def test_float32_int8_decoding_is_transformers_generate_of_the_quantized_model(
         ("mistral", "float32", "sliding-window"),
     ],
 )
-def test_int8_is_refused_at_load_where_the_fast_step_cannot_serve_it(
+def test_int8_is_refused_at_load_where_the_lean_forward_cannot_serve_it(
     model_type: str, dtype: str, reason: str, tokenizer, tmp_path: Path
 ) -> None:
     directory = save_architecture(tmp_path / model_type, tokenizer, model_type)
@@ -240,24 +249,22 @@ def test_int8_is_refused_off_a_cpu(llama_dir: Path, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2-only"])
-def test_runtime_serves_int8_through_the_fast_step(
+def test_runtime_serves_int8_through_the_lean_forward(
     avx512: bool, base_settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--weights int8 is served through the fast step, in float32 too, its plan measured at
+    """--weights int8 is served through the lean forward, in float32 too, its plan measured at
     start-up among the kernels this CPU has (an AVX2-only CPU: torch's only), calibrated and
     warmed up with the draft, and reported."""
     from server.runtime import load_runtime
 
     if not avx512:
-        monkeypatch.setattr(cpu_gemv, "load_int8", lambda: None)
+        monkeypatch.setattr(choose, "load_kernels", lambda: None)
     settings = base_settings.replace(weights="int8")
     runtime = load_runtime(settings)
-    step = runtime.engine.target.fast_step
-    assert isinstance(step, LlamaStep) and step.weights == "int8"
+    plan = runtime.engine.target.plan
+    assert plan.forward is ForwardKind.LEAN and plan.weights == "int8"
     assert runtime.info.weights == "int8" and runtime.info.dtype == "float32"
-    kernels = step.products.plan.kernels | step.head.plan.kernels
-    assert kernels <= {"stock", "dequant"} | ({"gemv"} if avx512 and GEMV8 else set())
-    assert "int8 decoder" in step.describe()  # the calibration cache's key tells them apart
-    assert fast_step.Products.candidates(step.products) == ("stock", "dequant") + (
-        ("gemv",) if avx512 and GEMV8 else ()
-    )
+    kernels = plan.decoder.kernels | plan.head_kernels.kernels
+    allowed = {Kernel.STOCK, Kernel.DEQUANT} | ({Kernel.GEMV} if avx512 and GEMV8 else set())
+    assert kernels <= allowed
+    assert plan.describe().startswith("lean; int8;")  # the calibration cache's key tells

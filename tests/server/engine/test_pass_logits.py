@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.engine.forward.plan import Kernel, RowPlan
+from server.engine.forward.products import rows_at_one_rows_cost
 from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
+
+GEMV, PACKED = Kernel.GEMV, Kernel.PACKED
 
 
 def _lazy(tiny_target, hidden: torch.Tensor) -> Logits:
-    weight = tiny_target.model.lm_head.weight
-    head = OutputLayer(weight, tiny_target.head_t)
+    head = tiny_target.passes.head.layer  # float32 llama on a CPU: rows as read
     (logits,) = lazy_logits(hidden, [(0, hidden.shape[0])], head)
     return logits
 
@@ -82,34 +85,30 @@ def test_a_pass_within_together_rows_has_them_all_computed_at_once(tiny_target) 
 
 
 def test_together_is_the_most_rows_at_about_one_rows_cost() -> None:
-    from server.engine.fast_step import RowPlan, rows_at_one_rows_cost
-
-    plan = RowPlan(((1, "gemv"), (24, "packed")))
+    plan = RowPlan(((1, GEMV), (24, PACKED)))
     timings = {
-        1: {"gemv": 1.6, "packed": 1.7},
-        4: {"gemv": 1.8, "packed": 1.9},
-        8: {"gemv": 1.4, "packed": 2.4},
-        12: {"gemv": 2.3, "packed": 2.9},  # 44% over one row's: still together
-        17: {"gemv": 2.6, "packed": 3.5},  # 63% over: lazily
-        24: {"gemv": 1.0, "packed": 3.6},  # (the plan's kernel here is oneDNN's)
+        1: {GEMV: 1.6, PACKED: 1.7},
+        4: {GEMV: 1.8, PACKED: 1.9},
+        8: {GEMV: 1.4, PACKED: 2.4},
+        12: {GEMV: 2.3, PACKED: 2.9},  # 44% over one row's: still together
+        17: {GEMV: 2.6, PACKED: 3.5},  # 63% over: lazily
+        24: {GEMV: 1.0, PACKED: 3.6},  # (the plan's kernel here is oneDNN's)
     }
     assert rows_at_one_rows_cost(timings, plan) == 12
-    assert rows_at_one_rows_cost({4: {"gemv": 1.0}}, plan) == 1
+    assert rows_at_one_rows_cost({4: {GEMV: 1.0}}, plan) == 1
 
 
 def test_one_noisy_count_does_not_cut_together_short() -> None:
     """A slow timing at 4 rows (a neighbour's burst) must not leave a dozen rows to be read
     a block at a time: the largest count within the bound is taken (the old rule, stopping at
     the first count over, gave 2 here)."""
-    from server.engine.fast_step import RowPlan, rows_at_one_rows_cost
-
-    plan = RowPlan(((1, "packed"), (6, "gemv")))
+    plan = RowPlan(((1, PACKED), (6, GEMV)))
     timings = {  # a start-up's output-layer timings on the EPYC, ms
-        1: {"gemv": 1.99, "packed": 1.82},
-        2: {"gemv": 2.15, "packed": 2.11},
-        4: {"gemv": 2.41, "packed": 2.95},  # over 1.5 x 1.82
-        8: {"gemv": 2.63, "packed": 2.84},
-        12: {"gemv": 2.06, "packed": 3.5},
-        17: {"gemv": 3.88, "packed": 4.75},
+        1: {GEMV: 1.99, PACKED: 1.82},
+        2: {GEMV: 2.15, PACKED: 2.11},
+        4: {GEMV: 2.41, PACKED: 2.95},  # over 1.5 x 1.82
+        8: {GEMV: 2.63, PACKED: 2.84},
+        12: {GEMV: 2.06, PACKED: 3.5},
+        17: {GEMV: 3.88, PACKED: 4.75},
     }
     assert rows_at_one_rows_cost(timings, plan) == 12

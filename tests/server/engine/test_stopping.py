@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kenspec_api.outputs import FinishReason
@@ -29,14 +31,14 @@ def test_max_new_tokens_inside_an_accepted_chunk(tiny_target, prompt_and_referen
     assert "".join(r.text for r in rounds) == tiny_target.tokenizer.decode(reference[:limit])
 
 
-def test_eos_inside_an_accepted_chunk(tiny_target, prompt_and_reference, monkeypatch) -> None:
+def test_eos_inside_an_accepted_chunk(tiny_target, prompt_and_reference) -> None:
     """An oracle that drafts EOS mid-chunk, followed by more tokens: nothing past EOS is kept."""
     ids, reference = prompt_and_reference
     eos = tiny_target.tokenizer.eos_token_id
     # Declare the 4th greedy token to be EOS: the oracle's 8-token chunk is accepted whole and
     # must be cut right after it.
-    monkeypatch.setattr(tiny_target, "eos_token_ids", frozenset({reference[3], eos}))
-    generation = generate(tiny_target, OracleDraft(reference), ids, max_new_tokens=24, k=8)
+    target = dataclasses.replace(tiny_target, eos_token_ids=frozenset({reference[3], eos}))
+    generation = generate(target, OracleDraft(reference), ids, max_new_tokens=24, k=8)
     rounds = list(generation)
     assert generation.output_ids == reference[:4]
     assert rounds[0].finish_reason is FinishReason.EOS and len(rounds) == 1
@@ -44,12 +46,10 @@ def test_eos_inside_an_accepted_chunk(tiny_target, prompt_and_reference, monkeyp
     assert rounds[0].usage.accepted_tokens == 4  # drafted 8, four kept: all of them drafts
 
 
-def test_ignore_eos_keeps_going(tiny_target, prompt_and_reference, monkeypatch) -> None:
+def test_ignore_eos_keeps_going(tiny_target, prompt_and_reference) -> None:
     ids, reference = prompt_and_reference
-    monkeypatch.setattr(tiny_target, "eos_token_ids", frozenset({reference[3]}))
-    generation = generate(
-        tiny_target, OracleDraft(reference), ids, max_new_tokens=12, ignore_eos=True
-    )
+    target = dataclasses.replace(tiny_target, eos_token_ids=frozenset({reference[3]}))
+    generation = generate(target, OracleDraft(reference), ids, max_new_tokens=12, ignore_eos=True)
     rounds = list(generation)
     assert generation.output_ids == reference[:12]
     assert rounds[-1].finish_reason is FinishReason.LENGTH

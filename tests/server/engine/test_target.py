@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from server.engine import target as target_module
+from server.engine.forward.plan import HeadKind
 from server.engine.packed_pass import pack
 from server.engine.target import TargetLoadError, TargetModel, resolve_dtype
 from server.engine.verify_pass import VerifyPass
@@ -124,9 +125,10 @@ def test_cache_grows_and_refuses_passes_past_its_length(tiny_target: TargetModel
 def test_lazy_transposed_head_only_in_float32(
     tiny_model_dir: Path, tiny_target: TargetModel
 ) -> None:
-    assert tiny_target.head_t is not None  # llama, float32: rows through the transposed head
+    # llama, float32: rows through the transposed head
+    assert tiny_target.plan.head is HeadKind.LAZY
     bf16 = TargetModel.load(tiny_model_dir, device="cpu", dtype="bfloat16")
-    assert bf16.head_t is None  # transformers' own head, as `generate` uses it
+    assert bf16.plan.head is HeadKind.MODEL  # transformers' own head, as `generate` uses it
     ids = bf16.encode_prompt("Hello")
     logits = bf16.forward(bf16.new_cache(), VerifyPass.sequences([0], [ids]))[0]
     assert len(logits.computed(len(ids))) == len(ids)  # every row computed, by the model

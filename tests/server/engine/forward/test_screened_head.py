@@ -1,4 +1,4 @@
-"""The greedy token through an int8 screen of the output layer (engine.screened_head): the
+"""The greedy token through an int8 screen of the output layer (engine.forward.screened_head): the
 argmax of the bf16 GEMV's logits exactly, ties to the earlier token, whatever the hidden
 state; whole rows exact; greedy serving through it is plain decoding through the bf16 head."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, RowPlan
-from server.engine.screened_head import (
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.plan import ExecutionOptions, Kernel, LeanMode, RowPlan
+from server.engine.forward.screened_head import (
     SCREEN_ROWS,
     WIDE_SCREEN_ROWS,
     ScreenedHead,
@@ -23,20 +23,18 @@ from tests import tiny
 from tests.server.engine.drafts import Branching, OracleDraft, generate, plain_decoding
 from tests.tiny_architectures import save_architecture
 
-GEMV = cpu_gemv.load()
-LAYER = cpu_gemv.load_layer()
-U8S8 = cpu_gemv.load_u8s8()
-needs_vnni = pytest.mark.skipif(U8S8 is None, reason="the CPU has no avx512_vnni")
-pytestmark = pytest.mark.skipif(
-    GEMV is None or LAYER is None, reason="the CPU has no avx512_bf16 (or no compiler)"
-)
+KERNELS = load_kernels()
+BF16 = KERNELS is not None and KERNELS.bf16
+VNNI = KERNELS is not None and KERNELS.vnni
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the CPU has no avx512_vnni")
+pytestmark = pytest.mark.skipif(not BF16, reason="the CPU has no avx512_bf16 (or no compiler)")
 WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3 4 5 6", "Hello world"]
 
 
 def _exact_argmax(weight: torch.Tensor, x: torch.Tensor) -> int:
-    assert GEMV is not None
-    return int(GEMV(x[None].contiguous(), weight)[0].float().argmax())
+    assert KERNELS is not None
+    return int(KERNELS.gemv(x[None].contiguous(), weight)[0].float().argmax())
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
@@ -44,7 +42,7 @@ def test_the_screened_argmax_is_the_exact_rows_argmax(kernels: bool) -> None:
     """Random layers and hidden states of every scale, rows that tie exactly (a duplicated
     weight row: the earlier wins) and rows a hair apart (one weight nudged by one bf16 step):
     the screen's token is the argmax of the exact logits every time."""
-    assert GEMV is not None
+    assert KERNELS is not None
     generator = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 96
     weight = (torch.randn(vocab, hidden, generator=generator) * 0.05).bfloat16()
@@ -53,7 +51,7 @@ def test_the_screened_argmax_is_the_exact_rows_argmax(kernels: bool) -> None:
     nudged = weight[1200].clone()
     nudged[3] = torch.nextafter(nudged[3].float(), torch.tensor(1.0)).bfloat16()
     weight[1200] = nudged  # 40 and 1200 a bf16 step apart in one weight
-    head = ScreenedHead(weight, GEMV, LAYER if kernels else None)
+    head = ScreenedHead(weight, KERNELS, in_c=kernels, wide=False)
     for trial in range(200):
         scale = [0.01, 1.0, 30.0][trial % 3]
         x = (torch.randn(hidden, generator=generator) * scale).bfloat16()
@@ -76,7 +74,7 @@ def test_a_verify_pass_screened_with_quantized_rows_gives_each_rows_exact_argmax
     each row's residue in the bound): every row's token is the exact row's argmax, ties to
     the earlier token, for hidden states of every scale, some aimed at a tie and at rows a
     bf16 step apart, one all zeros."""
-    assert GEMV is not None
+    assert KERNELS is not None
     generator = torch.Generator().manual_seed(5)
     vocab, hidden = 3000, 96
     weight = (torch.randn(vocab, hidden, generator=generator) * 0.05).bfloat16()
@@ -84,7 +82,7 @@ def test_a_verify_pass_screened_with_quantized_rows_gives_each_rows_exact_argmax
     nudged = weight[40].clone()
     nudged[3] = torch.nextafter(nudged[3].float(), torch.tensor(1.0)).bfloat16()
     weight[1200] = nudged
-    head = ScreenedHead(weight, GEMV, LAYER if kernels else None, U8S8)
+    head = ScreenedHead(weight, KERNELS, in_c=kernels)
     assert head.rows == WIDE_SCREEN_ROWS
     for trial in range(40):
         rows = 2 + trial % (WIDE_SCREEN_ROWS - 1)
@@ -97,7 +95,7 @@ def test_a_verify_pass_screened_with_quantized_rows_gives_each_rows_exact_argmax
         x = x.bfloat16()
         (logits,) = head.logits(x, [(0, rows)])
         assert isinstance(logits, ScreenedLogits)
-        exact = GEMV(x.contiguous(), weight).float().argmax(-1).tolist()
+        exact = KERNELS.gemv(x.contiguous(), weight).float().argmax(-1).tolist()
         assert [logits.argmax(i) for i in range(rows)] == exact, trial
         # each row read so: its recycled approximation's best token is the exact one
         assert [int(row.argmax()) for _, row in logits.computed(rows)] == exact, trial
@@ -111,16 +109,16 @@ def test_the_quantized_rows_product_is_its_integer_sums_scaled() -> None:
     """csrc/gemv_u8s8.c against its definition in torch: each row quantized to p = round(x /
     t) with t = max|x| / 127, the sums exact in integers, then y = float(sum) * s_j * t in
     float32 (bit for bit); the residue it reports bounds |x - t p|_2 from above."""
-    assert U8S8 is not None
+    assert KERNELS is not None and VNNI
     generator = torch.Generator().manual_seed(6)
     cases = ((37, 64, 1), (130, 96, 5), (66, 128, 2), (99, 64, 3), (257, 200, 7), (257, 200, 16))
     for out, k, rows in cases:  # (k: whole and partial 64-byte loads; every row block)
         weight = (torch.randn(out, k, generator=generator) * 0.05).bfloat16()
-        head = ScreenedHead(weight, GEMV, LAYER, U8S8)
+        head = ScreenedHead(weight, KERNELS)
         x = torch.randn(rows, k, generator=generator) * 3
         x[-1] = 0.0 if rows == 3 else x[-1]  # an all-zero row: t = 0
         x = x.bfloat16()
-        approximate, residue = U8S8(x, head.values, head.u8s8_scale, head.u8s8_offset)
+        approximate, residue = KERNELS.u8s8(x, head.values, head.u8s8_scale, head.u8s8_offset)
         exact = x.float()
         t = exact.abs().amax(dim=1) / 127
         p = torch.round(exact / t[:, None]).clamp(-127, 127).nan_to_num(0.0)
@@ -135,14 +133,14 @@ def test_the_quantized_rows_product_is_its_integer_sums_scaled() -> None:
 def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bool) -> None:
     """The bound, not luck: with the approximation pushed by the most the bound allows
     against the true winner, the winner is still among the candidates."""
-    assert GEMV is not None
+    assert KERNELS is not None
     generator = torch.Generator().manual_seed(1)
     weight = (torch.randn(500, 64, generator=generator) * 0.1).bfloat16()
-    head = ScreenedHead(weight, GEMV, LAYER if kernels else None)
+    head = ScreenedHead(weight, KERNELS, in_c=kernels, wide=False)
     missed = 0
     for _ in range(50):
         x = torch.randn(64, generator=generator).bfloat16()
-        exact = GEMV(x[None], weight)[0].float()
+        exact = KERNELS.gemv(x[None], weight)[0].float()
         winner = int(exact.argmax())
         norm = float(x.double().norm())
         worst = exact.clone()  # every other token raised, the winner lowered, by ~the bound
@@ -151,14 +149,14 @@ def test_the_screen_misses_nothing_when_its_approximation_is_far_off(kernels: bo
         worst[winner] -= 2 * bound[winner] * 0.99
         assert head.argmax(x, worst) == winner
         assert int(worst.argmax()) == winner  # the candidates' exact logits written back
-        if U8S8 is not None:  # with a quantized row's residue, its own term in the bound
+        if VNNI:  # with a quantized row's residue, its own term in the bound
             residue = 0.05 * norm
             wider = exact + (bound + head.weight * residue) * 0.99
             wider[winner] = exact[winner] - (bound + head.weight * residue)[winner] * 0.99
             assert head.argmax(x, wider.clone(), residue) == winner
             # without the residue term the same approximation may miss the winner
             missed += head.argmax(x, wider.clone()) != winner
-    assert U8S8 is None or missed > 0  # (the residue term is needed, so the check can fail)
+    assert not VNNI or missed > 0  # (the residue term is needed, so the check can fail)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kenspec_screen", "torch"])
@@ -168,18 +166,18 @@ def test_a_row_the_screen_cannot_narrow_is_computed_whole_and_recycled_exact(
     """Too many candidates (here: any), or a NaN in the approximation (even at the winner,
     whose bound a NaN would otherwise drop from the candidates): the whole row is computed,
     its argmax taken, and the row written into the approximation recycling reads."""
-    assert GEMV is not None
+    assert KERNELS is not None
     generator = torch.Generator().manual_seed(7)
     weight = (torch.randn(300, 64, generator=generator) * 0.1).bfloat16()
-    head = ScreenedHead(weight, GEMV, LAYER if kernels else None, U8S8)
+    head = ScreenedHead(weight, KERNELS, in_c=kernels)
     hidden = torch.randn(4, 64, generator=generator).bfloat16()
-    exact = GEMV(hidden, weight).float()
+    exact = KERNELS.gemv(hidden, weight).float()
     winners = exact.argmax(-1).tolist()
     (logits,) = head.logits(hidden, [(0, 4)])
     logits._approximate[1, winners[1]] = float("nan")
     assert logits.argmax(1) == winners[1]
     assert torch.equal(logits.computed(4)[1][1], exact[1])
-    monkeypatch.setattr("server.engine.screened_head.CANDIDATES", 0)
+    monkeypatch.setattr("server.engine.forward.screened_head.CANDIDATES", 0)
     (logits,) = head.logits(hidden, [(0, 4)])
     assert [logits.argmax(i) for i in range(4)] == winners
     assert torch.equal(torch.stack([row for _, row in logits.computed(4)]), exact)
@@ -188,14 +186,14 @@ def test_a_row_the_screen_cannot_narrow_is_computed_whole_and_recycled_exact(
 
 
 def test_screened_logits_give_exact_rows_and_recycle_the_approximations() -> None:
-    assert GEMV is not None
+    assert KERNELS is not None
     generator = torch.Generator().manual_seed(2)
     weight = (torch.randn(400, 64, generator=generator) * 0.1).bfloat16()
-    head = ScreenedHead(weight, GEMV, LAYER)
+    head = ScreenedHead(weight, KERNELS, wide=False)
     hidden = torch.randn(7, 64, generator=generator).bfloat16()
     first, second = head.logits(hidden, [(0, 3), (3, 7)])
     assert isinstance(first, ScreenedLogits) and (len(first), len(second)) == (3, 4)
-    exact = GEMV(hidden, weight).float()
+    exact = KERNELS.gemv(hidden, weight).float()
     assert torch.equal(second[1], exact[4])  # a whole row: the GEMV's bits
     assert [second.argmax(i) for i in range(4)] == exact[3:].argmax(-1).tolist()
     recycled = first.computed(9)
@@ -213,13 +211,9 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 
 def _served(directory: Path, screen: bool) -> TargetModel:
-    target = TargetModel.load(directory, device="cpu", dtype="bfloat16")
-    step = LlamaStep(target.model, GEMV, None, LAYER)
-    step.products.plan = step.head.plan = RowPlan(((1, "gemv"),))
-    if not screen:
-        step.screen = None
-    target.fast_step = step
-    return target
+    gemv = RowPlan.every(Kernel.GEMV)
+    options = ExecutionOptions(lean=LeanMode.AUTO, decoder=gemv, head_kernels=gemv, screen=screen)
+    return TargetModel.load(directory, device="cpu", dtype="bfloat16", execution=options)
 
 
 def test_greedy_serving_through_the_screen_is_plain_decoding_through_the_bf16_head(
@@ -230,7 +224,7 @@ def test_greedy_serving_through_the_screen_is_plain_decoding_through_the_bf16_he
     right) gives that output token for token."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
     screened, unscreened = _served(directory, True), _served(directory, False)
-    assert screened.fast_step is not None and screened.fast_step.screens(1) is not None
+    assert screened.plan.screen and not unscreened.plan.screen
     plain = plain_decoding(unscreened, PROMPTS, max_new_tokens=24)
     assert plain_decoding(screened, PROMPTS, max_new_tokens=24) == plain
     for ids, expected in plain.values():
@@ -260,11 +254,11 @@ def test_only_greedy_steps_the_screen_takes(tokenizer, tmp_path: Path) -> None:
     assert isinstance(greedy, ScreenedLogits) and not isinstance(whole, ScreenedLogits)
     assert greedy.argmax(0) == int(whole[0].argmax())
     assert torch.equal(greedy[0], whole[0])
-    widest = SCREEN_ROWS if U8S8 is None else WIDE_SCREEN_ROWS
+    widest = WIDE_SCREEN_ROWS if VNNI else SCREEN_ROWS
     wide = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + widest)))
     verify = target.forward(cache, VerifyPass((wide,), argmax_only=True))[0]
     assert not isinstance(verify, ScreenedLogits)
-    if U8S8 is not None:  # the widest it takes: screened, with the whole pass's tokens
+    if VNNI:  # the widest it takes: screened, with the whole pass's tokens
         drafts = PassRow(len(ids) - 1, ids[-1], tuple(range(5, 5 + widest - 1)))
         screened = target.forward(cache, VerifyPass((drafts,), argmax_only=True))[0]
         exact = target.forward(cache, VerifyPass((drafts,)))[0]

@@ -1,6 +1,6 @@
-"""The lean decoder loop (engine.fast_step) and its kernels: the same function as
-transformers' layers, the GEMV's sums independent of the row count, kernel plans by row
-count, and the models and machines it is refused for."""
+"""The lean decoder loop (engine.forward.lean), its products and their kernels: the same
+function as transformers' layers, the GEMV's sums independent of the row count, kernel plans
+by row count, and the models and machines it is refused for."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, Product, RowPlan, Unsupported, onednn_packs
+from server.engine.forward import cpu_kernels, products
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.lean import LeanWeights, Unsupported
+from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
+from server.engine.forward.products import Product, candidates, fastest_plan, onednn_packs
 from server.engine.kenlm_draft import KenLMDraft
 from server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import generate, last_rows
 from tests.tiny_architectures import save_architecture
 
-GEMV = cpu_gemv.load()
+KERNELS = load_kernels()
+GEMV = KERNELS.gemv if KERNELS is not None and KERNELS.bf16 else None
 NO_GEMV = pytest.mark.skipif(GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)")
+STOCK, PACKED, GEMV_ = Kernel.STOCK, Kernel.PACKED, Kernel.GEMV
 NO_BF16_PACKING = pytest.mark.skipif(
     not onednn_packs(torch.bfloat16),
     reason="oneDNN packs no bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
@@ -28,46 +33,46 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3", "Hello world"]
 
 
 def test_row_plan_takes_the_kernel_measured_at_or_below() -> None:
-    plan = RowPlan(((1, "gemv"), (2, "packed"), (34, "stock")))
+    plan = RowPlan(((1, GEMV_), (2, PACKED), (34, STOCK)))
     assert [plan.kernel(rows) for rows in (1, 2, 17, 33, 34, 500)] == [
-        "gemv", "packed", "packed", "packed", "stock", "stock"
+        GEMV_, PACKED, PACKED, PACKED, STOCK, STOCK
     ]  # fmt: skip
-    assert RowPlan().kernel(7) == "stock"
-    assert RowPlan(((4, "packed"),)).kernel(3) == "stock"  # below the first measured count
+    assert RowPlan().kernel(7) is STOCK
+    assert RowPlan(((4, PACKED),)).kernel(3) is STOCK  # below the first measured count
     assert plan.describe() == "1:gemv 2:packed 34:stock"
 
 
 def test_plan_is_the_fastest_kernel_by_row_count() -> None:
     timings = {
-        1: {"stock": 20.0, "packed": 13.0, "gemv": 11.0},
-        2: {"stock": 20.0, "packed": 13.0, "gemv": 15.0},
-        8: {"stock": 20.0, "packed": 13.5, "gemv": 27.0},
-        64: {"stock": 25.0, "packed": 24.9, "gemv": 130.0},  # within the margin: stock
+        1: {STOCK: 20.0, PACKED: 13.0, GEMV_: 11.0},
+        2: {STOCK: 20.0, PACKED: 13.0, GEMV_: 15.0},
+        8: {STOCK: 20.0, PACKED: 13.5, GEMV_: 27.0},
+        64: {STOCK: 25.0, PACKED: 24.9, GEMV_: 130.0},  # within the margin: stock
     }
-    assert RowPlan.fastest(timings).describe() == "1:gemv 2:packed 64:stock"
+    assert fastest_plan(timings).describe() == "1:gemv 2:packed 64:stock"
 
 
 def test_an_invariant_kernel_keeps_every_row_count_from_one_while_within_its_margin() -> None:
     """The GEMV (a row's bits independent of the row count) takes each count from the first
     while within 5% of the fastest, up to invariant_rows; past that the fastest rule."""
     timings = {
-        1: {"stock": 20.0, "packed": 13.0, "gemv": 11.0},
-        2: {"stock": 20.0, "packed": 13.0, "gemv": 13.5},  # 3.8% slower: still the GEMV
-        8: {"stock": 20.0, "packed": 13.0, "gemv": 14.0},  # 7.7% slower: packed from here
-        17: {"stock": 20.0, "packed": 15.0, "gemv": 12.0},  # the prefix ended: fastest rule
+        1: {STOCK: 20.0, PACKED: 13.0, GEMV_: 11.0},
+        2: {STOCK: 20.0, PACKED: 13.0, GEMV_: 13.5},  # 3.8% slower: still the GEMV
+        8: {STOCK: 20.0, PACKED: 13.0, GEMV_: 14.0},  # 7.7% slower: packed from here
+        17: {STOCK: 20.0, PACKED: 15.0, GEMV_: 12.0},  # the prefix ended: fastest rule
     }
-    plan = RowPlan.fastest(timings, invariant="gemv", invariant_rows=65)
+    plan = fastest_plan(timings, invariant=GEMV_, invariant_rows=65)
     assert plan.describe() == "1:gemv 8:packed 17:gemv"
     assert plan.invariant_below() == 8
-    assert RowPlan.fastest(timings).describe() == "1:gemv 2:packed 17:gemv"
-    assert RowPlan.fastest(timings).invariant_below() == 2
-    capped = RowPlan.fastest(timings, invariant="gemv", invariant_rows=2)
+    assert fastest_plan(timings).describe() == "1:gemv 2:packed 17:gemv"
+    assert fastest_plan(timings).invariant_below() == 2
+    capped = fastest_plan(timings, invariant=GEMV_, invariant_rows=2)
     assert capped.describe() == "1:gemv 8:packed 17:gemv" and capped.invariant_below() == 8
-    everywhere = {rows: {"stock": 9.0, "gemv": 9.2} for rows in (1, 4)}
-    assert RowPlan.fastest(everywhere, invariant="gemv", invariant_rows=65).describe() == "1:gemv"
-    slow = {1: {"stock": 9.0, "gemv": 10.0}, 4: {"stock": 9.0, "gemv": 9.0}}
-    assert RowPlan.fastest(slow, invariant="gemv", invariant_rows=65).describe() == "1:stock"
-    assert RowPlan.fastest(slow, invariant="gemv").invariant_below() == 0
+    everywhere = {rows: {STOCK: 9.0, GEMV_: 9.2} for rows in (1, 4)}
+    assert fastest_plan(everywhere, invariant=GEMV_, invariant_rows=65).describe() == "1:gemv"
+    slow = {1: {STOCK: 9.0, GEMV_: 10.0}, 4: {STOCK: 9.0, GEMV_: 9.0}}
+    assert fastest_plan(slow, invariant=GEMV_, invariant_rows=65).describe() == "1:stock"
+    assert fastest_plan(slow, invariant=GEMV_).invariant_below() == 0
 
 
 def test_fused_product_is_its_layers_side_by_side() -> None:
@@ -76,9 +81,9 @@ def test_fused_product_is_its_layers_side_by_side() -> None:
     product = Product.of(layers)
     x = torch.randn(5, 24)
     expected = torch.cat([layer(x) for layer in layers], dim=-1)
-    torch.testing.assert_close(product.run(x, "stock", None), expected)
+    torch.testing.assert_close(product.run(x, STOCK, None), expected)
     product.pack()
-    torch.testing.assert_close(product.run(x, "packed", None), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(product.run(x, PACKED, None), expected, rtol=1e-5, atol=1e-5)
 
 
 @NO_GEMV
@@ -115,38 +120,49 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(out: int, k: int) -> None:
         torch.set_num_threads(threads)
 
 
-def test_gemv_refused_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without avx512_bf16 neither the GEMV nor the layer kernels load, and the int8 GEMV
-    (AVX-512 F/BW/VL/DQ) keeps its float32 kernel, with no widened one."""
-    for load in (cpu_gemv.load, cpu_gemv.load_layer, cpu_gemv.load_int8):
-        load.cache_clear()
-    monkeypatch.setattr(
-        cpu_gemv, "cpu_flags", lambda: frozenset({"avx2", "fma", *cpu_gemv.INT8_CPU_FLAGS})
-    )
+def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without avx512_bf16 the library holds the int8 GEMV (AVX-512 F/BW/VL/DQ) alone: the
+    bf16 GEMV and the layer kernels refuse with a reason instead of an illegal instruction,
+    and the int8 GEMV of bf16 activations takes its float32 sums (none widened to bf16)."""
+    load_kernels.cache_clear()
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     try:
-        assert cpu_gemv.load() is None and cpu_gemv.load_layer() is None
-        gemv8 = cpu_gemv.load_int8()
-        assert gemv8 is None or gemv8.widened is None  # (None: no compiler here)
+        kernels = load_kernels()
+        if kernels is None:
+            pytest.skip("no compiler here")
+        assert kernels.int8 and not kernels.bf16 and not kernels.vnni
+        x = torch.randn(2, 64).bfloat16()
+        with pytest.raises(cpu_kernels.KernelUnavailable, match="avx512_bf16"):
+            kernels.gemv(x, torch.randn(8, 64).bfloat16())
+        values, scales = torch.randint(-9, 9, (8, 64), dtype=torch.int8), torch.ones(8).bfloat16()
+        expected = (x.float() @ values.float().t()).bfloat16()
+        torch.testing.assert_close(kernels.gemv_int8(x, values, scales), expected)
     finally:
-        for load in (cpu_gemv.load, cpu_gemv.load_layer, cpu_gemv.load_int8):
-            load.cache_clear()
+        load_kernels.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    try:
+        assert load_kernels() is None  # no AVX-512: nothing of it runs here
+    finally:
+        load_kernels.cache_clear()
 
 
-def test_gemv_build_failure_is_refused_not_raised(
+def test_a_failed_build_leaves_torchs_kernels_not_an_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A compiler that fails leaves the server on torch's kernels (load() is None)."""
-    cpu_gemv.load.cache_clear()
+    """A compiler that fails leaves the server on torch's kernels (load_kernels() is None)."""
+    load_kernels.cache_clear()
     failing = tmp_path / "cc"
     failing.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\nexit 1\n')
     failing.chmod(0o755)
-    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    monkeypatch.setattr(cpu_gemv, "CACHE", tmp_path / "kernels")
+    monkeypatch.setattr(cpu_kernels, "CACHE", tmp_path / "kernels")
     monkeypatch.setenv("CC", str(failing))
     try:
-        assert cpu_gemv.load() is None
+        assert load_kernels() is None
     finally:
-        cpu_gemv.load.cache_clear()
+        load_kernels.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -155,18 +171,19 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 
 def _served(directory: Path, dtype: str, plan: RowPlan | None) -> TargetModel:
-    target = TargetModel.load(directory, device="cpu", dtype=dtype)
-    if plan is not None:
-        target.fast_step = LlamaStep(target.model, GEMV)
-        if "packed" in plan.kernels:
-            for product in (*target.fast_step.products.products, *target.fast_step.head.products):
-                product.pack()
-        target.fast_step.products.plan = target.fast_step.head.plan = plan
-    return target
+    """The target through the lean loop with `plan` for every product (None: transformers')."""
+    if plan is None:
+        return TargetModel.load(directory, device="cpu", dtype=dtype)
+    options = ExecutionOptions(
+        lean=LeanMode.ALWAYS, decoder=plan, head_kernels=plan, fused_layer=False, screen=False
+    )
+    served = TargetModel.load(directory, device="cpu", dtype=dtype, execution=options)
+    assert served.plan.forward is ForwardKind.LEAN and served.plan.decoder == plan
+    return served
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-@pytest.mark.parametrize("plan", [RowPlan(), RowPlan(((1, "packed"),))], ids=["stock", "packed"])
+@pytest.mark.parametrize("plan", [RowPlan(), RowPlan.every(PACKED)], ids=["stock", "packed"])
 def test_float32_greedy_with_speculation_is_transformers_generate(
     model_type: str, plan: RowPlan, tokenizer, tmp_path: Path
 ) -> None:
@@ -200,8 +217,8 @@ def test_float32_greedy_with_speculation_is_transformers_generate(
 @pytest.mark.parametrize(
     "plan",
     [
-        pytest.param(RowPlan(((1, "packed"),)), marks=NO_BF16_PACKING),
-        pytest.param(RowPlan(((1, "gemv"),)), marks=NO_GEMV),
+        pytest.param(RowPlan.every(PACKED), marks=NO_BF16_PACKING),
+        pytest.param(RowPlan.every(GEMV_), marks=NO_GEMV),
     ],
     ids=["packed", "gemv"],
 )
@@ -231,7 +248,7 @@ def test_models_it_does_not_reproduce_are_refused(
         save_architecture(tmp_path / model_type, tokenizer, model_type)
     )
     with pytest.raises(Unsupported, match=reason):
-        LlamaStep(model, GEMV)
+        LeanWeights(model)
 
 
 def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> None:
@@ -241,29 +258,29 @@ def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> 
 
     settings = base_settings.replace(draft="none", draft_context=False)
     bf16 = load_runtime(settings.replace(dtype="bfloat16")).engine.target
-    assert isinstance(bf16.fast_step, LlamaStep)
-    assert bf16.fast_step.products.plan.choices[0][0] == 1
-    assert load_runtime(settings).engine.target.fast_step is None  # float32
+    assert bf16.plan.forward is ForwardKind.LEAN
+    assert bf16.plan.decoder.choices[0][0] == 1
+    float32 = load_runtime(settings).engine.target
+    assert float32.plan.forward is ForwardKind.EAGER
     off = load_runtime(settings.replace(dtype="bfloat16", fast_step=False))
-    assert off.engine.target.fast_step is None
+    assert off.engine.target.plan.forward is ForwardKind.EAGER
 
 
 def test_fused_layers_become_views_of_their_product_and_keep_their_output(
     tokenizer, tmp_path: Path
 ) -> None:
-    """The fast step holds no second copy of a weight: single layers are used as they are,
+    """The lean forward holds no second copy of a weight: single layers are used as they are,
     fused ones become views of the fused rows, and the model's own forward is unchanged."""
     directory = save_architecture(tmp_path / "qwen2", tokenizer, "qwen2")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer("The quick brown fox")["input_ids"]])
     with torch.inference_mode():
         before = model(ids).logits
-    step = LlamaStep(model, None)
+    lean = LeanWeights(model)
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, before)
-    layer, attention = step.layers[0], model.base_model.layers[0].self_attn
+    layer, attention = lean.layers[0], model.base_model.layers[0].self_attn
     assert layer.out.weight.data_ptr() == attention.o_proj.weight.data_ptr()
-    assert step._head.weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
     fused = layer.qkv.weight.untyped_storage().data_ptr()
     for name in ("q_proj", "k_proj", "v_proj"):
         assert getattr(attention, name).weight.untyped_storage().data_ptr() == fused
@@ -274,9 +291,8 @@ def test_a_cpu_whose_onednn_packs_no_bf16_is_never_planned_packed(
 ) -> None:
     """On such a CPU (AVX2 only: oneDNN's bf16 reorder refuses) the candidates are stock and
     the GEMV where it builds, never `packed`; where it packs, `packed` is measured too."""
-    from server.engine import fast_step
-
-    monkeypatch.setattr(fast_step, "onednn_packs", lambda dtype: False)
-    assert fast_step.Products(gemv=GEMV).candidates() == ("stock",) + (("gemv",) if GEMV else ())
-    monkeypatch.setattr(fast_step, "onednn_packs", lambda dtype: True)
-    assert "packed" in fast_step.Products(gemv=GEMV).candidates()
+    bf16 = [Product(torch.zeros(4, 4, dtype=torch.bfloat16))]
+    monkeypatch.setattr(products, "onednn_packs", lambda dtype: False)
+    assert candidates(bf16, KERNELS) == (STOCK,) + ((GEMV_,) if GEMV else ())
+    monkeypatch.setattr(products, "onednn_packs", lambda dtype: True)
+    assert PACKED in candidates(bf16, KERNELS)

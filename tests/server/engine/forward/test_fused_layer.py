@@ -1,4 +1,4 @@
-"""The fast step's per-layer kernels (csrc/layer.c through cpu_gemv.LayerKernels): each the
+"""The lean forward's per-layer kernels (csrc/layer.c through forward.cpu_kernels): each the
 computation of the transformers modules it replaces, its attention a query's own (the same
 bits whatever shares its pass, a tree node the same as its ancestors' sequence), and bf16
 speculation through a step of row-independent kernels equal to plain decoding."""
@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep, RowPlan
+from server.engine.forward.cpu_kernels import load_kernels
+from server.engine.forward.passes import LeanForward
+from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
 from server.engine.packing import attention_mask
 from server.engine.recycled import RecycledPredictions
 from server.engine.target import TargetModel
@@ -29,8 +30,10 @@ from tests.server.engine.drafts import (
 )
 from tests.tiny_architectures import save_architecture
 
-LAYER = cpu_gemv.load_layer()
-GEMV = cpu_gemv.load()
+KERNELS = load_kernels()
+LAYER = KERNELS if KERNELS is not None and KERNELS.bf16 else None
+GEMV = LAYER.gemv if LAYER is not None else None
+EVERY_GEMV = RowPlan.every(Kernel.GEMV)
 pytestmark = pytest.mark.skipif(
     LAYER is None or GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)"
 )
@@ -220,13 +223,20 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return tiny.build_byte_tokenizer()
 
 
-def _served(directory: Path, plan: RowPlan | None, fused: bool = True) -> TargetModel:
-    target = TargetModel.load(directory, device="cpu", dtype="bfloat16")
-    if plan is not None:
-        step = LlamaStep(target.model, GEMV, None, LAYER if fused else None)
-        assert (step.fused is not None) == fused
-        step.products.plan = step.head.plan = plan
-        target.fast_step = step
+def _served(
+    directory: Path, plan: RowPlan | None, fused: bool = True, weights: str = "bf16"
+) -> TargetModel:
+    """The bf16 target through the lean loop with `plan` for every product and the layer
+    kernels where `fused` (None: transformers' forward)."""
+    if plan is None:
+        return TargetModel.load(directory, device="cpu", dtype="bfloat16")
+    options = ExecutionOptions(
+        lean=LeanMode.AUTO, decoder=plan, head_kernels=plan, fused_layer=fused, screen=False
+    )
+    target = TargetModel.load(
+        directory, device="cpu", dtype="bfloat16", weights=weights, execution=options
+    )
+    assert target.plan.forward is ForwardKind.LEAN and target.plan.fused_layer == fused
     return target
 
 
@@ -237,7 +247,7 @@ def test_fused_pass_logits_match_transformers_layers(
     """A bf16 pass of 1, 7 and 40 tokens (past the fused attention's width: SDPA) through the
     fused step gives transformers' bf16 logits up to bf16 rounding, and the same argmax."""
     directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
-    stock, fast = _served(directory, None), _served(directory, RowPlan(((1, "gemv"),)))
+    stock, fast = _served(directory, None), _served(directory, EVERY_GEMV)
     ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
     for width in (1, 7, 40):
         rows = [last_rows(target, ids, width) for target in (stock, fast)]
@@ -252,7 +262,7 @@ def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
     attention, bf16 greedy speculation is plain decoding token for token, whatever the
     draft proposes: always right, never right, or token trees partly right."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
-    target = _served(directory, RowPlan(((1, "gemv"),)))
+    target = _served(directory, EVERY_GEMV)
     plain = plain_decoding(target, PROMPTS, max_new_tokens=24)
     seen = {token for _, output in plain.values() for token in output}
     never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
@@ -278,10 +288,10 @@ def test_runtime_serves_bf16_through_the_fused_layer(
     settings = base_settings.replace(
         model=str(directory), draft="none", draft_context=False, dtype="bfloat16"
     )
-    step = load_runtime(settings).engine.target.fast_step
-    assert LAYER is not None and isinstance(step, LlamaStep) and step.fused is not None
-    assert step.fused.path == LAYER.path  # (another test may have loaded it afresh)
-    assert step.describe().startswith(f"fused {LAYER.path.parent.name} decoder ")
+    plan = load_runtime(settings).engine.target.plan
+    assert LAYER is not None and plan.forward is ForwardKind.LEAN and plan.fused_layer
+    assert plan.kernel_build == LAYER.path.parent.name  # the build it runs, in its key
+    assert "; fused;" in plan.describe() and LAYER.path.parent.name in plan.describe()
 
 
 def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
@@ -290,14 +300,18 @@ def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
     """float32 activations, another activation function, heads it does not take (16 wide):
     the lean loop without it."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
-    bf16 = TargetModel.load(directory, device="cpu", dtype="bfloat16")
-    assert LlamaStep(bf16.model, GEMV, None, LAYER).fused is LAYER
-    float32 = TargetModel.load(directory, device="cpu", dtype="float32")
-    assert LlamaStep(float32.model, GEMV, None, LAYER).fused is None
+    lean = ExecutionOptions(lean=LeanMode.ALWAYS, decoder=EVERY_GEMV, head_kernels=EVERY_GEMV)
+
+    def fused(directory: Path, dtype: str) -> bool:
+        target = TargetModel.load(directory, device="cpu", dtype=dtype, execution=lean)
+        assert target.plan.forward is ForwardKind.LEAN
+        return target.plan.fused_layer
+
+    assert fused(directory, "bfloat16")
+    assert not fused(directory, "float32")
     for name, overrides in (("gelu", {**WIDE_HEADS, "hidden_act": "gelu"}), ("narrow", {})):
         other = save_architecture(tmp_path / name, tokenizer, "llama", **overrides)
-        model = TargetModel.load(other, device="cpu", dtype="bfloat16").model
-        assert LlamaStep(model, GEMV, None, LAYER).fused is None
+        assert not fused(other, "bfloat16")
 
 
 @pytest.mark.parametrize(
@@ -316,18 +330,16 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
     directory = save_architecture(
         tmp_path / model_type, tokenizer, model_type, **{**WIDE_HEADS, **shape}
     )
-    target = TargetModel.load(directory, device="cpu", dtype="bfloat16", weights=weights)
-    gemv8 = cpu_gemv.load_int8() if weights == "int8" else None
-    step = LlamaStep(target.model, GEMV, gemv8, LAYER)
-    step.products.plan = step.head.plan = RowPlan(((1, "gemv"),))
-    target.fast_step = step
+    target = _served(directory, EVERY_GEMV, weights=weights)
+    assert isinstance(target.passes, LeanForward)
+    decoder = target.passes.decoder
     ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
     calls: list[int] = []
-    whole = step._whole_pass
+    whole = decoder._whole_pass
     results = []
     for one_call in (True, False):
-        step._decoder = step._describe_layers() if one_call else None
-        step._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
+        decoder._layers = decoder._describe_layers() if one_call else None
+        decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
         cache = target.new_cache(1)
         target.prefill(cache, 0, 0, ids[:-8])
         rows = []

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from server.engine import cpu_gemv
+from server.engine.forward.cpu_kernels import CpuKernels
 from server.engine.pass_logits import Logits
 from server.engine.quantize import quantize
 
@@ -66,15 +66,14 @@ class ScreenedHead:
     error bound; the GEMV both are read with."""
 
     def __init__(
-        self,
-        weight: torch.Tensor,
-        gemv: cpu_gemv.Gemv,
-        kernels: cpu_gemv.LayerKernels | None = None,
-        u8s8: cpu_gemv.GemvU8S8 | None = None,
+        self, weight: torch.Tensor, kernels: CpuKernels, *, in_c: bool = True, wide: bool = True
     ) -> None:
-        """kernels: csrc/layer.c's, whose kenspec_screen finds the candidates in two reads of
-        the approximate row (torch's operations otherwise: ~0.3 ms a row). u8s8: the product
-        that also quantizes the rows, for passes of 2 to WIDE_SCREEN_ROWS rows (`rows`)."""
+        """kernels: kenspec's (AVX512-BF16: the GEMV). in_c: layer.c's kenspec_screen finds
+        the candidates in two reads of the approximate row (else torch's operations: ~0.3 ms
+        a row). wide: passes of 2 to WIDE_SCREEN_ROWS rows quantize the rows too, where the
+        CPU has AVX512-VNNI (`rows`)."""
+        if not kernels.bf16:
+            raise ValueError("the screen reads the output layer with the bf16 GEMV (AVX512-BF16)")
         if weight.dtype != torch.bfloat16:
             raise ValueError(f"the screen takes a bfloat16 output layer, not {weight.dtype}")
         self.exact = weight.detach().contiguous()
@@ -87,13 +86,13 @@ class ScreenedHead:
         self.error = _rounded_up(torch.cat([error for error, _ in bounds]))
         # |s_j q_j|_2: the quantized rows' residues' weight in the bound
         self.weight = _rounded_up(torch.cat([weight for _, weight in bounds]))
-        self.gemv = gemv
         self.kernels = kernels
-        self.u8s8 = u8s8
-        if u8s8 is not None:
-            self.u8s8_scale, self.u8s8_offset = u8s8.prepare(self.values, self.scales)
-        # the widest pass screened (FastStep.screens)
-        self.rows = WIDE_SCREEN_ROWS if u8s8 is not None else SCREEN_ROWS
+        self.in_c = in_c
+        self.wide = wide and kernels.vnni
+        if self.wide:
+            self.u8s8_scale, self.u8s8_offset = kernels.u8s8_prepare(self.values, self.scales)
+        # the widest pass screened (forward.head)
+        self.rows = WIDE_SCREEN_ROWS if self.wide else SCREEN_ROWS
         self._found = torch.empty(CANDIDATES, dtype=torch.int32)  # kenspec_screen's output
 
     def approximate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,13 +101,13 @@ class ScreenedHead:
         if hidden.dtype != torch.bfloat16:
             raise ValueError(f"the screen takes bfloat16 hidden states, not {hidden.dtype}")
         hidden = hidden.contiguous()
-        if self.u8s8 is not None and hidden.shape[0] > 1:
-            return self.u8s8(hidden, self.values, self.u8s8_scale, self.u8s8_offset)
-        return self.gemv.int8_widened(hidden, self.values, self.scales).float(), None
+        if self.wide and hidden.shape[0] > 1:
+            return self.kernels.u8s8(hidden, self.values, self.u8s8_scale, self.u8s8_offset)
+        return self.kernels.widened(hidden, self.values, self.scales).float(), None
 
     def row(self, x: torch.Tensor) -> torch.Tensor:
         """The exact logits [vocab] (float32) of one hidden state x [hidden]."""
-        return self.gemv(x[None].contiguous(), self.exact)[0].float()
+        return self.kernels.gemv(x[None].contiguous(), self.exact)[0].float()
 
     def argmax(
         self, x: torch.Tensor, approximate: torch.Tensor, residue: float | None = None
@@ -118,7 +117,7 @@ class ScreenedHead:
         Writes the candidates' exact logits into approximate (its largest is then exact)."""
         norm = float(x.double().norm()) * (1 + 1e-6)
         weight = None if residue is None else self.weight
-        if self.kernels is not None:
+        if self.in_c:
             count = self.kernels.screen(
                 approximate, self.error, norm, self._found, weight, residue or 0.0
             )
@@ -137,7 +136,7 @@ class ScreenedHead:
             if len(candidates) > CANDIDATES:
                 return int(self.exact_row(x, approximate).argmax())
         weights = self.exact.index_select(0, candidates)
-        exact = self.gemv(x[None].contiguous(), weights)[0].float()
+        exact = self.kernels.gemv(x[None].contiguous(), weights)[0].float()
         # The candidates' exact logits into the approximate row, so the row's recycled
         # predictions (drafts) start from the exact best token: every other token's A_j is
         # below L, which no exact maximum is below.

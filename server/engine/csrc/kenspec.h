@@ -1,0 +1,85 @@
+/* The CPU kernel library's interface: every function it exports and the two structs a decoder
+ * pass is described by. One shared object holds them all (engine.forward.cpu_kernels builds
+ * it): each source is compiled once, with the instructions it needs, and Python calls only the
+ * functions the CPU can run:
+ *   gemv_int8.c  AVX-512 F/BW/VL/DQ   int8 weights, float32 or bfloat16 activations
+ *   gemv.c       + AVX512-BF16        bfloat16 products (and int8 weights widened to bf16)
+ *   layer.c      + AVX512-BF16        the work between a layer's products, top-k, the screen
+ *   step.c       + AVX512-BF16        a whole decoder pass in one call
+ *   gemv_u8s8.c  + AVX512-VNNI        the screened output layer's int8 x int8 product
+ *   layout.c     any x86-64           the structs' sizes and offsets, checked by ctypes at load
+ */
+#ifndef KENSPEC_H
+#define KENSPEC_H
+#include <stdint.h>
+
+/* One decoder layer's weights: each product's weight [out, in] (bf16, or int8 with bf16
+ * scales [out]), its bias [out] or NULL; the two norms' weights; the layer's cache. */
+typedef struct {
+  const void *qkv, *qkv_scales, *qkv_bias;
+  const void *out, *out_scales, *out_bias;
+  const void *gate_up, *gate_up_scales;
+  const void *down, *down_scales;
+  const uint16_t *input_norm, *post_norm;
+  uint16_t *keys, *values; /* [slots, kv_heads, capacity, dim] */
+} kenspec_layer;
+
+/* One decoder pass (kenspec_decoder_pass): `tokens` packed tokens through `count` layers.
+ * hidden [tokens, size]: the embeddings, updated in place; normed [tokens, size]: the final
+ * norm's output. cos, sin [tokens, dim]; cache_rows, positions [tokens]: where each token's
+ * keys go; mask rows [queries, kv_length] (bfloat16 when mask_bf16, else float32), token t's
+ * being mask_rows[t]. */
+typedef struct {
+  const kenspec_layer *layers;
+  long count;
+  const uint16_t *final_norm;
+  uint16_t *hidden, *normed;
+  long tokens, size, heads, kv_heads, dim, intermediate;
+  int int8; /* the layers' weights are int8 with scales */
+  float eps;
+  const uint16_t *cos, *sin;
+  const int64_t *cache_rows, *positions;
+  long capacity;
+  const void *mask;
+  int mask_bf16;
+  const int64_t *mask_rows;
+  long kv_length;
+  float scale; /* attention's */
+} kenspec_pass;
+
+/* gemv.c */
+void kenspec_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows, long k,
+                       long out);
+int kenspec_gemv_int8_bf16(const uint16_t *x, const int8_t *q, const uint16_t *scales,
+                           uint16_t *y, long rows, long k, long out);
+/* gemv_int8.c */
+int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
+                      long k, long out, int bf16);
+/* gemv_u8s8.c */
+void kenspec_u8s8_prepare(const int8_t *q, const uint16_t *scales_bf16, long k, long out,
+                          float *scale, int32_t *offset);
+int kenspec_gemv_u8s8(const uint16_t *x, const int8_t *q, const float *scale,
+                      const int32_t *offset, float *y, double *residue, long rows, long k,
+                      long out);
+/* layer.c */
+void kenspec_add_rmsnorm(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight,
+                         uint16_t *normed, long rows, long n, float eps);
+void kenspec_rotary_cache(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, long tokens,
+                          long heads, long kv_heads, long dim, uint16_t *keys, uint16_t *values,
+                          const int64_t *cache_rows, const int64_t *positions, long capacity);
+int kenspec_attention(const uint16_t *qkv, uint16_t *out, long tokens, long heads, long kv_heads,
+                      long dim, const uint16_t *keys, const uint16_t *values,
+                      const int64_t *cache_rows, long capacity, const void *mask, int mask_bf16,
+                      const int64_t *mask_rows, long kv_length, float scale);
+void kenspec_silu_mul(const uint16_t *gate_up, uint16_t *out, long rows, long n);
+void kenspec_top_probs(const float *logits, long rows, long vocab, long width, int32_t *ids,
+                       float *probs);
+long kenspec_screen(const float *a, const float *error, float norm, const float *weight,
+                    float residue, long vocab, int32_t *out, long room);
+/* step.c */
+int kenspec_decoder_pass(const kenspec_pass *pass);
+/* layout.c: which = 0 (kenspec_layer) or 1 (kenspec_pass); writes each member's offset, in
+ * declaration order, into offsets (at most room of them); returns the struct's size. */
+long kenspec_layout(int which, long *offsets, long room);
+
+#endif

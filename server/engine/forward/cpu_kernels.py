@@ -1,0 +1,432 @@
+"""kenspec's CPU kernels: one shared object built from csrc/, called through ctypes.
+
+torch's bfloat16 `F.linear` reads a one-row pass's weights at a third of the memory's speed on
+the CPUs kenspec targets (docs/design.md, "The target's step"); these kernels stream them once,
+and do a layer's work between its products in a few calls (csrc/kenspec.h lists them). Each
+source is compiled once, with the instructions it needs, and linked into one library the first
+time a process asks for it; the library is kept under `~/.cache/kenspec/kernels/<hash>/` (a
+restart loads it in milliseconds). `CpuKernels.isa` says which of its sources this CPU can run;
+a method whose source it cannot run raises instead of executing an illegal instruction.
+
+A decoder pass's arguments cross to C as one struct (`PassArgs`, csrc/kenspec.h's
+`kenspec_pass`); at load the library reports each struct's size and member offsets and the
+ctypes mirrors are checked against them, so a member added on one side only fails there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger("kenspec.kernels")
+
+SOURCES = Path(__file__).resolve().parent.parent / "csrc"
+CACHE = Path(os.environ.get("KENSPEC_KERNEL_CACHE", "~/.cache/kenspec/kernels")).expanduser()
+
+
+class Isa(StrEnum):
+    """The instruction sets a source of the library is compiled for, each a superset of the
+    one before (its name: the /proc/cpuinfo flag it adds)."""
+
+    AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
+    BF16 = "avx512_bf16"  # bfloat16 products and the layer kernels
+    VNNI = "avx512_vnni"  # the screened output layer's int8 x int8 product
+
+
+_CPU_FLAGS = {
+    Isa.AVX512: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    Isa.BF16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    Isa.VNNI: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+}
+_AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_COMPILER_FLAGS = {
+    None: ("-O3",),
+    Isa.AVX512: _AVX512,
+    Isa.BF16: (*_AVX512, "-mavx512bf16"),
+    Isa.VNNI: (*_AVX512, "-mavx512vnni"),
+}
+# Each source once, with what it needs (None: any x86-64).
+_UNITS: tuple[tuple[str, Isa | None], ...] = (
+    ("gemv_int8.c", Isa.AVX512),
+    ("gemv.c", Isa.BF16),
+    ("layer.c", Isa.BF16),
+    ("step.c", Isa.BF16),
+    ("gemv_u8s8.c", Isa.VNNI),
+    ("layout.c", None),
+)
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class DecoderLayer(ctypes.Structure):
+    """csrc/kenspec.h's kenspec_layer: one layer's weights, biases, norms and cache."""
+
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "qkv", "qkv_scales", "qkv_bias", "out", "out_scales", "out_bias", "gate_up",
+            "gate_up_scales", "down", "down_scales", "input_norm", "post_norm", "keys", "values",
+        )
+    ]  # fmt: skip
+
+
+class PassArgs(ctypes.Structure):
+    """csrc/kenspec.h's kenspec_pass: one decoder pass's layers, buffers and shapes."""
+
+    _fields_ = [
+        ("layers", ctypes.POINTER(DecoderLayer)), ("count", _L), ("final_norm", _P),
+        ("hidden", _P), ("normed", _P), ("tokens", _L), ("size", _L), ("heads", _L),
+        ("kv_heads", _L), ("dim", _L), ("intermediate", _L), ("int8", _I), ("eps", _F),
+        ("cos", _P), ("sin", _P), ("cache_rows", _P), ("positions", _P), ("capacity", _L),
+        ("mask", _P), ("mask_bf16", _I), ("mask_rows", _P), ("kv_length", _L), ("scale", _F),
+    ]  # fmt: skip
+
+
+# name: (result, arguments, the instructions it runs)
+_SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
+    "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
+    "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
+    "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
+    "kenspec_u8s8_prepare": (None, [_P] * 2 + [_L] * 2 + [_P] * 2, Isa.VNNI),
+    "kenspec_gemv_u8s8": (_I, [_P] * 6 + [_L] * 3, Isa.VNNI),
+    "kenspec_add_rmsnorm": (None, [_P] * 4 + [_L] * 2 + [_F], Isa.BF16),
+    "kenspec_rotary_cache": (None, [_P] * 3 + [_L] * 4 + [_P] * 4 + [_L], Isa.BF16),
+    "kenspec_attention": (_I, [_P] * 2 + [_L] * 4 + [_P] * 3 + [_L, _P, _I, _P, _L, _F], Isa.BF16),
+    "kenspec_silu_mul": (None, [_P] * 2 + [_L] * 2, Isa.BF16),
+    "kenspec_top_probs": (None, [_P] + [_L] * 3 + [_P] * 2, Isa.BF16),
+    "kenspec_screen": (_L, [_P] * 2 + [_F, _P, _F, _L, _P, _L], Isa.BF16),
+    "kenspec_decoder_pass": (_I, [ctypes.POINTER(PassArgs)], Isa.BF16),
+    "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel was called on a CPU without the instructions it is compiled for."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_isa(flags: frozenset[str]) -> frozenset[Isa]:
+    """The library's instruction sets a CPU with these flags runs."""
+    return frozenset(isa for isa, needed in _CPU_FLAGS.items() if needed <= flags)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library, and which of its instruction sets this CPU runs (see the module
+    doc). Tensors passed in must be contiguous and of the dtypes each method names."""
+
+    library: ctypes.CDLL
+    path: Path
+    isa: frozenset[Isa]
+
+    @property
+    def bf16(self) -> bool:
+        """The bf16 GEMV, the layer kernels and the whole decoder pass run here."""
+        return Isa.BF16 in self.isa
+
+    @property
+    def int8(self) -> bool:
+        """The int8 GEMV with float32 (or bf16) activations runs here."""
+        return Isa.AVX512 in self.isa
+
+    @property
+    def vnni(self) -> bool:
+        """The screened output layer's int8 x int8 product runs here."""
+        return Isa.VNNI in self.isa
+
+    def _call(self, name: str, *arguments: object) -> object:
+        needed = _SIGNATURES[name][2]
+        if needed is not None and needed not in self.isa:
+            raise KernelUnavailable(f"{name} needs {needed}, which this CPU lacks")
+        return getattr(self.library, name)(*arguments)
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T for bf16 x [rows, k] and weight [out, k]: bf16 [rows, out]."""
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+        self._call(
+            "kenspec_gemv_bf16", x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, k,
+            weight.shape[0],
+        )  # fmt: skip
+        return out
+
+    def gemv_int8(
+        self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor:
+        """(x @ values^T) * scales for int8 values [out, k] and x [rows, k], scales [out] in
+        one dtype, float32 or bfloat16; out in that dtype. bfloat16 on a CPU with
+        AVX512-BF16: the weights widened to bf16, summed as `gemv` sums (`widened`); else
+        float32 sums (csrc/gemv_int8.c)."""
+        x = x.contiguous()
+        if x.dtype == torch.bfloat16 and self.bf16:
+            return self.widened(x, values, scales)
+        rows, k = x.shape
+        out = torch.empty(rows, values.shape[0], dtype=x.dtype)
+        failed = self._call(
+            "kenspec_gemv_int8", x.data_ptr(), values.data_ptr(), scales.data_ptr(),
+            out.data_ptr(), rows, k, values.shape[0], int(x.dtype == torch.bfloat16),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_int8: no memory for the widened activations")
+        return out
+
+    def widened(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """(x @ values^T) * scales for bf16 x [rows, k], int8 values [out, k] and bf16 scales
+        [out] (csrc/gemv.c's kenspec_gemv_int8_bf16): bf16 [rows, out]."""
+        rows, k = x.shape
+        out = torch.empty(rows, values.shape[0], dtype=torch.bfloat16)
+        failed = self._call(
+            "kenspec_gemv_int8_bf16", x.data_ptr(), values.data_ptr(), scales.data_ptr(),
+            out.data_ptr(), rows, k, values.shape[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_int8_bf16: no memory for the widened weights")
+        return out
+
+    def add_rmsnorm(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        normed: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """hidden += delta (None: nothing to add), in place; normed = RMSNorm(hidden)."""
+        rows, n = hidden.shape
+        self._call(
+            "kenspec_add_rmsnorm", hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+            weight.data_ptr(), normed.data_ptr(), rows, n, eps,
+        )  # fmt: skip
+
+    def rotary_cache(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: tuple[int, int, int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rotary on qkv's query and key heads in place; keys and values into the cache."""
+        self._call(
+            "kenspec_rotary_cache", qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+            *heads, keys.data_ptr(), values.data_ptr(), rows.data_ptr(), positions.data_ptr(),
+            keys.shape[2],
+        )  # fmt: skip
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        out: torch.Tensor,
+        heads: tuple[int, int, int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor,
+        mask_rows: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out [tokens, heads * dim]: each token's queries over its row's cache (layer.c)."""
+        failed = self._call(
+            "kenspec_attention", qkv.data_ptr(), out.data_ptr(), qkv.shape[0], *heads,
+            keys.data_ptr(), values.data_ptr(), rows.data_ptr(), keys.shape[2], mask.data_ptr(),
+            int(mask.dtype == torch.bfloat16), mask_rows.data_ptr(), mask.shape[-1], scale,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_attention: no memory for a query's scores")
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
+        self._call("kenspec_silu_mul", gate_up.data_ptr(), out.data_ptr(), *out.shape)
+
+    def top_probs(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids [rows, width] (int32) of each float32 logits row's `width` largest logits,
+        best first, and their probabilities [rows, width] (as torch.topk of the row's
+        softmax, in one read of the row after its maximum's)."""
+        if logits.dtype != torch.float32 or not 1 <= width <= 16:
+            raise ValueError(f"top_probs takes float32 logits and width 1..16, not {width}")
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, width, dtype=torch.int32)
+        probs = torch.empty(rows, width, dtype=torch.float32)
+        self._call(
+            "kenspec_top_probs", logits.data_ptr(), rows, vocab, width, ids.data_ptr(),
+            probs.data_ptr(),
+        )  # fmt: skip
+        return ids, probs
+
+    def screen(
+        self,
+        approximate: torch.Tensor,
+        error: torch.Tensor,
+        norm: float,
+        out: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        residue: float = 0.0,
+    ) -> int:
+        """The candidates of a screened argmax (forward.screened_head) into out (int32,
+        ascending); their count (more than out holds: out is partial), or -1 where a bound
+        is not finite. weight and residue: the bound's term for quantized activations."""
+        count = self._call(
+            "kenspec_screen", approximate.data_ptr(), error.data_ptr(), norm,
+            None if weight is None else weight.data_ptr(), residue, approximate.shape[-1],
+            out.data_ptr(), out.shape[0],
+        )  # fmt: skip
+        assert isinstance(count, int)
+        return count
+
+    def u8s8_prepare(self, values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row of int8 values [out, k] (bf16 scales [out]): its scale as float32 and the
+        sum of its values (int32), which `u8s8` takes."""
+        out, k = values.shape
+        scale = torch.empty(out, dtype=torch.float32)
+        offset = torch.empty(out, dtype=torch.int32)
+        self._call(
+            "kenspec_u8s8_prepare", values.data_ptr(), scales.data_ptr(), k, out,
+            scale.data_ptr(), offset.data_ptr(),
+        )  # fmt: skip
+        return scale, offset
+
+    def u8s8(
+        self, x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Approximate (x @ values^T) * scale, float32 [rows, out], for bf16 x [rows, k], the
+        rows quantized to 8 bits too; and each row's quantization residue |x - t p|_2
+        (float64 [rows])."""
+        rows, k = x.shape
+        y = torch.empty(rows, values.shape[0], dtype=torch.float32)
+        residue = torch.empty(rows, dtype=torch.float64)
+        failed = self._call(
+            "kenspec_gemv_u8s8", x.data_ptr(), values.data_ptr(), scale.data_ptr(),
+            offset.data_ptr(), y.data_ptr(), residue.data_ptr(), rows, k, values.shape[0],
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("kenspec_gemv_u8s8: no memory for the quantized rows")
+        return y, residue
+
+    def decoder_pass(self, arguments: PassArgs) -> None:
+        """Every layer of a pass whose products all take the GEMV, in one call (step.c)."""
+        if self._call("kenspec_decoder_pass", ctypes.byref(arguments)):
+            raise MemoryError("kenspec_decoder_pass: no memory for the pass's buffers")
+
+
+@cache
+def load_kernels() -> CpuKernels | None:
+    """The library, built once per machine and source set; None where this CPU runs none of it
+    (no AVX-512) or it cannot be built (no compiler, a failed build: the server then uses
+    torch's kernels, and says so)."""
+    isa = supported_isa(cpu_flags())
+    if not isa:
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("kernels_unavailable", reason="no C compiler (cc or gcc)")
+        return None
+    try:
+        path = _build(compiler)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        reason = getattr(error, "stderr", None) or str(error)
+        log.warning("kernels_unavailable", reason=str(reason)[-2000:])
+        return None
+    declare(library)
+    check_layout(library)
+    return CpuKernels(library, path, isa)
+
+
+def declare(library: ctypes.CDLL) -> None:
+    """Every exported function's argument and result types (_SIGNATURES)."""
+    for name, (result, arguments, _) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = result, arguments
+
+
+class LayoutMismatch(RuntimeError):
+    """A ctypes struct does not match its C declaration in csrc/kenspec.h."""
+
+
+def check_layout(library: ctypes.CDLL) -> None:
+    """Raise LayoutMismatch unless DecoderLayer and PassArgs have the C structs' sizes and
+    member offsets (kenspec_layout)."""
+    for which, mirror in enumerate((DecoderLayer, PassArgs)):
+        room = len(mirror._fields_) + 1
+        offsets = (ctypes.c_long * room)()
+        size = library.kenspec_layout(which, offsets, room)
+        ours = [getattr(mirror, field[0]).offset for field in mirror._fields_]
+        theirs = list(offsets)
+        if size != ctypes.sizeof(mirror) or theirs != [*ours, -1]:
+            raise LayoutMismatch(
+                f"{mirror.__name__} ({ctypes.sizeof(mirror)} bytes, offsets {ours}) does not "
+                f"match csrc/kenspec.h ({size} bytes, offsets {theirs[:-1]})"
+            )
+
+
+def _build(compiler: str) -> Path:
+    """The library for these sources and this compiler, built if not cached: each source
+    compiled once with its instruction set's flags (in parallel), then linked."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    texts = [path.read_text() for path in sorted(SOURCES.glob("*.[ch]"))]
+    flags = [" ".join(_COMPILER_FLAGS[isa]) for _, isa in _UNITS]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *flags]).encode()).hexdigest()[:16]
+    target = CACHE / key / "libkenspec.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = [Path(scratch) / f"{source}.o" for source, _ in _UNITS]
+        compiles = [
+            subprocess.Popen(
+                [
+                    compiler,
+                    *_COMPILER_FLAGS[isa],
+                    f"-I{SOURCES}",
+                    "-fPIC",
+                    "-c",
+                    str(SOURCES / source),
+                    "-o",
+                    str(obj),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for (source, isa), obj in zip(_UNITS, objects, strict=True)
+        ]
+        for process, (source, _) in zip(compiles, _UNITS, strict=True):
+            _, errors = process.communicate()
+            if process.returncode:
+                raise subprocess.CalledProcessError(process.returncode, source, stderr=errors)
+        built = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        built.replace(target)  # atomic: a concurrent start-up loads one or the other
+    log.info("kernels_built", path=str(target))
+    return target
