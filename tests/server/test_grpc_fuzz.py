@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -82,8 +81,7 @@ def strict_template(runtime) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served(base_settings, runtime, serve_loaded, errors, strict_template):
-    settings_ = replace(
-        base_settings,
+    settings_ = base_settings.replace(
         max_new_tokens_limit=4,
         default_max_new_tokens=2,
         max_concurrent_streams=4,
