@@ -81,7 +81,8 @@ def replay(
         position = 0
         while position < len(answer):
             started = time.perf_counter()
-            tree = speculator.propose(limit=len(answer) - position - 1)
+            proposal = speculator.propose(limit=len(answer) - position - 1)
+            tree = proposal.tree
             seconds += time.perf_counter() - started
             emitted, path = walk(tree.tokens, tree.parents, _Follow(answer, position))
             node_depths = tree.depths()
@@ -92,7 +93,7 @@ def replay(
             for node, depth in enumerate(node_depths):  # per depth (a chain: per position)
                 drafted_at[depth - 1] += 1
                 accepted_at[depth - 1] += node in on_path
-            speculator.record(len(tree), len(path), path)
+            speculator.record(proposal, len(path), path)
             speculator.extend(emitted)
             if on_round is not None:
                 on_round(number, position, len(emitted))

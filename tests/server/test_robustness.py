@@ -222,7 +222,7 @@ def test_oom_is_resource_exhausted(served, monkeypatch) -> None:
 
     _, stub, _ = served
 
-    def out_of_memory(self, row, emitted, path, logprobs=()):
+    def out_of_memory(self, proposal, row, emitted, path, logprobs=()):
         raise torch.OutOfMemoryError("simulated")
 
     monkeypatch.setattr(Generation, "accept", out_of_memory)
