@@ -38,16 +38,16 @@ _Static_assert(ONE_ROW_BLOCK <= 16 && (ONE_ROW_BLOCK & (ONE_ROW_BLOCK - 1)) == 0
                "ONE_ROW_BLOCK: a power of two, at most 16");
 _Static_assert(OUT_BLOCK <= 16 && (OUT_BLOCK & (OUT_BLOCK - 1)) == 0,
                "OUT_BLOCK: a power of two, at most 16");
-/* Bytes ahead of each weight row's next load to prefetch: about 14 rows of a 576-wide layer.
- * Measured on a 2-core Xeon (AVX-512, AMX): a one-row pass through SmolLM2's 212 MB of layers
- * 12.9 ms without, 9.5 ms with (2,048: 11.6; 4,096: 10.2; 32,768: 10.1). */
+/* Bytes ahead of each weight row's next load to prefetch, into L2 (_MM_HINT_T1): about 14
+ * rows of a 576-wide layer. Into L1 the lines prefetched ahead (four rows' worth) crowd out
+ * the pass's rows and the weights a block re-reads for its next rows; into L2 a multi-row
+ * product streamed about twice as fast on a 2-core EPYC (bench/results/verify-cost). */
 #ifndef PREFETCH
 #define PREFETCH 16384
 #endif
-/* A one-row block's, read row after row: about 7 rows of a 576-wide layer ahead (4,096 and
- * 16,384 measured the same, within the VM's noise). */
+/* A one-row block's, read row after row: two rows of a 576-wide layer ahead, into L2. */
 #ifndef ONE_ROW_PREFETCH
-#define ONE_ROW_PREFETCH 8192
+#define ONE_ROW_PREFETCH 2048
 #endif
 
 /* 32 weights from `at` as bfloat16: bf16 as they are, or int8 widened (exact: every int8
@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
       xs[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (r0 + j) * k + c);
     for (int i = 0; i < nb; i++) {
       /* (int8 rows are half as long: the same rows ahead in half the bytes) */
-      _mm_prefetch((const char *)w + ((wo + i) * k + c) * size + PREFETCH / (3 - size), _MM_HINT_T0);
+      _mm_prefetch((const char *)w + ((wo + i) * k + c) * size + PREFETCH / (3 - size), _MM_HINT_T1);
       const __m512bh ws = weights(w, (wo + i) * k + c, mask, int8);
       for (int j = 0; j < rb; j++) acc[j * nb + i] = _mm512_dpbf16_ps(acc[j * nb + i], ws, xs[j]);
     }
@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void one_row(const uint16_t *x, con
     for (long c = 0; c < k; c += 32) {
       const __mmask32 mask = c < whole ? (__mmask32)0xffffffffu : tail;
       _mm_prefetch((const char *)w + ((o + i) * k + c) * size + ONE_ROW_PREFETCH / (3 - size),
-                   _MM_HINT_T0);
+                   _MM_HINT_T1);
       const __m512bh xs = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c);
       acc[i] = _mm512_dpbf16_ps(acc[i], weights(w, (o + i) * k + c, mask, int8), xs);
     }

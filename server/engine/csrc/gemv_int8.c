@@ -41,7 +41,7 @@ static void columns(const float *x, const int8_t *q, const float *scale, void *y
         for (int j = 0; j < rb; j++) xs[j] = _mm512_maskz_loadu_ps(mask, x + (r0 + j) * k + c);
         for (int i = 0; i < nb; i++) {
           const int8_t *row = q + (o + i) * k + c;
-          _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+          _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T1); /* into L2: see gemv.c */
           const __m512 ws = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row)));
           for (int j = 0; j < rb; j++) acc[i][j] = _mm512_fmadd_ps(ws, xs[j], acc[i][j]);
         }

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void block(const uint8_t *u, const 
     for (int j = 0; j < rb; j++) xs[j] = _mm512_loadu_si512((const void *)(u + (r0 + j) * kp + c));
     for (int i = 0; i < nb; i++) {
       const int8_t *row = q + (o + i) * k + c;
-      _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T1); /* into L2: see gemv.c */
       const __m512i ws = _mm512_maskz_loadu_epi8(mask, row); /* masked weights: 0 past k */
       for (int j = 0; j < rb; j++) acc[j * nb + i] = dpbusd(acc[j * nb + i], xs[j], ws);
     }

@@ -424,7 +424,7 @@ def _build(compiler: str) -> Path:
                 raise subprocess.CalledProcessError(process.returncode, source, stderr=errors)
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built)],
+            [compiler, "-shared", "-fopenmp", *map(str, objects), "-lm", "-o", str(built)],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         built.replace(target)  # atomic: a concurrent start-up loads one or the other
