@@ -211,41 +211,48 @@ static void value_all(const float *scores, long stride, long count, long dim, co
 #undef BATCHES
 }
 
+/* Queries of one cache row a work item takes at most: a verify pass's 8-17 tokens over 3
+ * kv heads split into 6-15 items, so two threads share them evenly. */
+#define QUERY_CHUNK 4
+/* Below this much work (tokens x kv heads x keys x group x dim) a layer's attention runs on
+ * one thread: a one-token step over a short context costs less than waking the others. */
+#define PARALLEL_WORK (1L << 17)
+
 /* out [tokens, heads * dim] = attention of each token's query heads (qkv [tokens, (heads + 2
  * kv_heads) * dim], after rotary) over the first kv_length keys and values of its cache row
  * (caches [slots, kv_heads, capacity, dim]), query head h reading kv head h / (heads /
  * kv_heads); mask rows [queries, kv_length] (bfloat16 or float32, additive), token t's being
- * mask_rows[t]. dim: a multiple of 32, at most 256. The tokens of one cache row (a verify
- * pass's pending token and drafts) are taken together per kv head: their scores one query at
- * a time, then the values read once for all their heads. Threads split (run of a cache row's
- * tokens, kv head) pairs where the work is large enough to pay for them. Returns 0, or 1
- * without memory. */
+ * mask_rows[t]. dim: a multiple of 32, at most 256. A work item is up to QUERY_CHUNK
+ * consecutive tokens of one cache row (a verify pass's pending token and drafts) and one kv
+ * head: their scores one query at a time, then the values read once for all their heads.
+ * Threads take the items as they come; each head's sums are the same whichever item holds
+ * it. Returns 0, or 1 without memory. */
 int kenspec_attention(const uint16_t *qkv, uint16_t *out, long tokens, long heads, long kv_heads,
                       long dim, const uint16_t *keys, const uint16_t *values,
                       const int64_t *cache_rows, long capacity, const void *mask, int mask_bf16,
                       const int64_t *mask_rows, long kv_length, float scale) {
   const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
   const long stride = kv_length + 16;
-  long *starts = malloc(sizeof(long) * (tokens + 1));
-  if (!starts) return 1;
-  long runs = 0, longest = 0;
+  long *firsts = malloc(sizeof(long) * (tokens + 1)); /* each chunk's first token, and the end */
+  if (!firsts) return 1;
+  long chunks = 0;
   for (long t = 0; t < tokens; t++)
-    if (t == 0 || cache_rows[t] != cache_rows[t - 1]) starts[runs++] = t;
-  starts[runs] = tokens;
-  for (long r = 0; r < runs; r++)
-    if (starts[r + 1] - starts[r] > longest) longest = starts[r + 1] - starts[r];
-  const long pairs = runs * kv_heads;
+    if (t == 0 || cache_rows[t] != cache_rows[t - 1] || t - firsts[chunks - 1] == QUERY_CHUNK)
+      firsts[chunks++] = t;
+  firsts[chunks] = tokens;
+  const long items = chunks * kv_heads;
   int failed = 0;
-#pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > (1L << 20)) reduction(| : failed)
+#pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > PARALLEL_WORK) \
+    reduction(| : failed)
   {
-    float *scores = malloc(sizeof(float) * stride * group * longest);
-    uint16_t **outs = malloc(sizeof(uint16_t *) * group * longest);
+    float *scores = malloc(sizeof(float) * stride * group * QUERY_CHUNK);
+    uint16_t **outs = malloc(sizeof(uint16_t *) * group * QUERY_CHUNK);
     if (!scores || !outs) failed = 1;
-#pragma omp for schedule(static)
-    for (long pair = 0; pair < pairs; pair++) {
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < items; item++) {
       if (!scores || !outs) continue;
-      const long run = pair / kv_heads, g = pair % kv_heads;
-      const long first = starts[run], count = starts[run + 1] - first;
+      const long chunk = item / kv_heads, g = item % kv_heads;
+      const long first = firsts[chunk], count = firsts[chunk + 1] - first;
       const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
       for (long i = 0; i < count; i++) {
         const long t = first + i;
@@ -259,7 +266,7 @@ int kenspec_attention(const uint16_t *qkv, uint16_t *out, long tokens, long head
     free(scores);
     free(outs);
   }
-  free(starts);
+  free(firsts);
   return failed;
 }
 

@@ -35,13 +35,9 @@ from server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
 from server.engine.forward.products import Linear, Product, lay_out, quantized_kind
 from server.engine.kv_cache import SlotCache
 from server.engine.packing import Packing
-from server.engine.params import MAX_DRAFT_TOKENS
 from server.engine.quantize import Int4Linear, Int8Linear
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
-# The widest pass (queries per row) csrc/layer.c's attention takes: every verify pass, and
-# prefill chunks beside running streams; wider prefill chunks take SDPA (flash attention).
-FUSED_WIDTH = MAX_DRAFT_TOKENS + 1
 _FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 _LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear})
 
@@ -185,9 +181,10 @@ class LeanDecoder:
         packing: Packing,
     ) -> torch.Tensor:
         """`__call__` with the work between the products in csrc/layer.c: per layer a residual
-        add fused with each norm, rotary fused with the cache write, attention (for passes of
-        at most FUSED_WIDTH queries per row; wider ones, prefill chunks, take the attention
-        kernels packed_attention chooses) and SiLU(gate) * up."""
+        add fused with each norm, rotary fused with the cache write, attention (each query on
+        its own, in one order whatever the pass: a prompt's tokens get the same keys and values
+        prefilled whole, in chunks or after a cached prefix; a mask laid out otherwise takes
+        the attention packed_attention chooses) and SiLU(gate) * up."""
         w = self.weights
         hidden = w.embed(input_ids)[0].contiguous()  # [tokens, hidden], updated in place
         cos, sin = w.rotary(hidden[None], position_ids)
@@ -195,7 +192,7 @@ class LeanDecoder:
         tokens = hidden.shape[0]
         normed = torch.empty_like(hidden)
         mask = packing.mask
-        narrow = packing.slots.shape[1] <= FUSED_WIDTH and mask.is_contiguous()
+        narrow = mask.is_contiguous()
         mask_rows = packing.tokens.contiguous()
         if narrow and self._layers is not None and self._all_gemv(tokens):
             self._whole_pass(fused, hidden, normed, cos, sin, cache, mask, mask_rows)

@@ -244,15 +244,22 @@ def _served(
 def test_fused_pass_logits_match_transformers_layers(
     model_type: str, tokenizer, tmp_path: Path
 ) -> None:
-    """A bf16 pass of 1, 7 and 40 tokens (past the fused attention's width: SDPA) through the
-    fused step gives transformers' bf16 logits up to bf16 rounding, and the same argmax."""
+    """A bf16 pass of 1, 7 and 40 tokens (after a prefill of the rest, csrc/layer.c's
+    attention for every width) through the fused step gives transformers' bf16 logits up to
+    bf16 rounding, and the same argmax wherever transformers' top two are further apart than
+    that rounding (a nearer tie may go either way: two kernels sum in two orders)."""
     directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
     stock, fast = _served(directory, None), _served(directory, EVERY_GEMV)
     ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
+    compared = 0
     for width in (1, 7, 40):
         rows = [last_rows(target, ids, width) for target in (stock, fast)]
         torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
-        assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
+        top = rows[0].topk(2, dim=-1).values
+        clear = (top[:, 0] - top[:, 1]) > 0.1  # two tolerances apart
+        assert torch.equal(rows[1].argmax(-1)[clear], rows[0].argmax(-1)[clear])
+        compared += int(clear.sum())
+    assert compared >= 24  # most of the 48 rows are compared
 
 
 def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
