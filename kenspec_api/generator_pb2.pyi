@@ -280,7 +280,7 @@ class BreakerSettings(_message.Message):
     def __init__(self, window_rounds: _Optional[int] = ..., threshold: _Optional[float] = ..., threshold_calibrated: _Optional[bool] = ..., reset_timeout_s: _Optional[float] = ..., fault_max: _Optional[int] = ..., draft_latency_budget_ms: _Optional[float] = ..., fault_breaker_state: _Optional[_Union[BreakerState, str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "draft", "draft_order", "vocab_size", "max_context_tokens", "device", "dtype", "num_draft_tokens", "adaptive_draft", "min_draft_prob", "draft_context", "breaker", "max_new_tokens_limit", "default_max_new_tokens", "max_prompt_tokens", "version", "weights")
+    __slots__ = ("model", "draft", "draft_order", "vocab_size", "max_context_tokens", "device", "dtype", "num_draft_tokens", "adaptive_draft", "min_draft_prob", "draft_context", "breaker", "max_new_tokens_limit", "default_max_new_tokens", "max_prompt_tokens", "version", "weights", "execution_plan")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class ModelInfo(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     model: str
     draft: str
     draft_order: int
@@ -315,4 +316,5 @@ class ModelInfo(_message.Message):
     max_prompt_tokens: int
     version: str
     weights: str
-    def __init__(self, model: _Optional[str] = ..., draft: _Optional[str] = ..., draft_order: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., adaptive_draft: _Optional[bool] = ..., min_draft_prob: _Optional[float] = ..., draft_context: _Optional[bool] = ..., breaker: _Optional[_Union[BreakerSettings, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., version: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    execution_plan: str
+    def __init__(self, model: _Optional[str] = ..., draft: _Optional[str] = ..., draft_order: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., adaptive_draft: _Optional[bool] = ..., min_draft_prob: _Optional[float] = ..., draft_context: _Optional[bool] = ..., breaker: _Optional[_Union[BreakerSettings, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., version: _Optional[str] = ..., weights: _Optional[str] = ..., execution_plan: _Optional[str] = ...) -> None: ...

@@ -400,6 +400,7 @@ def _model_info(
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
         weights=target.weights,
+        execution_plan=target.plan.describe(),
         num_draft_tokens=settings.speculation.num_draft_tokens,
         adaptive_draft=settings.speculation.adaptive,
         min_draft_prob=settings.speculation.min_draft_prob,

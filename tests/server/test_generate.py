@@ -205,6 +205,7 @@ async def test_tokenize_and_model_info(start_server, tiny_target) -> None:
     assert info.vocab_size == tiny_target.vocab_size
     assert info.draft_order == 3 and info.draft.endswith("tiny.arpa")
     assert info.device == "cpu" and info.dtype == "float32" and info.weights == "float32"
+    assert info.execution_plan.startswith("eager; head lazy;")  # (the served float32 plan)
     assert info.max_context_tokens == 512 and info.max_new_tokens_limit == 400
     assert info.breaker.window_rounds == 8
     assert info.breaker.fault_breaker_state == pb.BREAKER_STATE_CLOSED

@@ -5,12 +5,16 @@ What decides what (docs/design.md, "The forward wing"):
 - the forward: the lean loop where the server asks for it (--fast-step, or int8/int4 weights,
   which only it computes at speed) and it reproduces the model (forward.lean.check), on a CPU
   in bfloat16 or with quantized weights; else transformers' eager modules;
-- the lean products' kernels, per row count, and the output layer's: measured on the model's
-  own weights (forward.products), unless the options fix them;
+- the lean products' kernels, per row count, and the output layer's: by rule where kenspec's
+  bf16 GEMV runs (it, for every product at every width: one summation order, so a token's
+  bits never depend on what shares its pass, and nothing timed at start-up can change the
+  plan); elsewhere measured on the model's own weights (forward.products), a kernel taking
+  over only where it is MARGIN faster, unless the options fix them;
 - the head: a LAZY output layer for the lean forward and for plain float32 heads on a CPU,
   PASS on an accelerator, else the MODEL's logits (forward.head); the int8 screen where the
   lean forward reads a bf16 output layer with kenspec's GEMV;
-- attention: grouped products where measured faster than SDPA (--attention auto), or fixed;
+- attention: csrc/layer.c's for every pass of a fused lean forward; else grouped products
+  where measured faster than SDPA (--attention auto), or fixed;
 - batch invariance: padded linear layers and invariant attention, measured on this CPU's
   kernels (engine.invariant); it keeps the eager forward and the model's own head;
 - skinny float32 products (W @ x^T) at the row counts measured faster (engine.linear_kernels).
@@ -127,7 +131,10 @@ def plan_execution(
         rows, skinny = measure_skinny_rows(model)
         plan = replace(plan, skinny_rows=frozenset(rows))
         timings["skinny"] = {r: [_ms(p), _ms(s)] for r, (p, s) in skinny.items()}
-    attention, attention_ms = _attention(model, options.attention, attention_shape, max_context)
+    mode = options.attention
+    if plan.fused_layer and mode is AttentionMode.AUTO:
+        mode = AttentionMode.GROUPED  # (csrc/layer.c's attention takes every pass: unused)
+    attention, attention_ms = _attention(model, mode, attention_shape, max_context)
     timings.update(attention_ms)
     if options.head is not None:
         plan = replace(plan, head=_fixed_head(model, options.head, plan))
@@ -184,17 +191,24 @@ def _lean_plan(
     output: Product,
     kernels: CpuKernels | None,
 ) -> tuple[ExecutionPlan, dict[str, object]]:
-    """The lean forward's kernels by row count, measured unless the options fix them, and how
-    many rows of logits one product computes at about one row's cost."""
+    """The lean forward's kernels by row count, and how many rows of logits one product
+    computes at about one row's cost. Where kenspec's bf16 GEMV runs, by rule: it for every
+    product at every width (one summation order, so a token's bits never depend on its pass),
+    GEMV_TOGETHER rows together. Elsewhere measured (unless the options fix them), a kernel
+    taking over only where it is MARGIN faster than the one before it in every repeat."""
     decoder, head_kernels = options.decoder, options.head_kernels
     timings: dict[str, object] = {}
     together = 1
+    if _gemv_everywhere(lean, output, kernels):
+        every = RowPlan.every(Kernel.GEMV)
+        decoder, head_kernels = decoder or every, head_kernels or every
+        together = GEMV_TOGETHER if head_kernels == every else 1
     if decoder is None:
-        measured = time_products(lean.products, kernels)
+        measured = time_products(lean.products, kernels, repeats=MEASURE_REPEATS)
         decoder = _fastest(measured, lean.products)
         timings["decoder"] = _ms_table(measured)
     if head_kernels is None:
-        measured = time_products([output], kernels, repeats=5)
+        measured = time_products([output], kernels, repeats=MEASURE_REPEATS)
         head_kernels = _fastest(measured, [output])
         together = rows_at_one_rows_cost(measured, head_kernels)
         timings["head"] = _ms_table(measured)
@@ -219,9 +233,32 @@ def _lean_plan(
     ), timings
 
 
+# Rows of logits kenspec's GEMV computes in one read of a bf16 output layer: it streams the
+# layer once for every row, at about one row's cost up to a dozen rows on two cores (about
+# 1.4 rows' on one; bench/results/verify-cost), where a walk that reads past row 0 would
+# otherwise pay a second read.
+GEMV_TOGETHER = 12
+# Measured plans (CPUs without kenspec's bf16 GEMV, int8 and int4 weights): repeats of each
+# kernel, alternating, and how much faster than the current choice another kernel must be in
+# its best repeat to take a row count over (a neighbour's burst must not flip a plan).
+MEASURE_REPEATS = 5
+MARGIN = 0.10
+
+
+def _gemv_everywhere(lean: LeanWeights, output: Product, kernels: CpuKernels | None) -> bool:
+    """Whether kenspec's bf16 GEMV computes every product: bf16 weights (the decoder's and
+    the output layer's) on a CPU with AVX512-BF16."""
+    bf16 = output.scales is None and output.weight.dtype == torch.bfloat16
+    return kernels is not None and kernels.bf16 and not lean.quantized and bf16
+
+
 def _fastest(measured: dict[int, dict[Kernel, float]], products: list[Product]) -> RowPlan:
     return fastest_plan(
-        measured, invariant=invariant_kernel(products), invariant_rows=MAX_DRAFT_TOKENS + 1
+        measured,
+        MARGIN,
+        invariant=invariant_kernel(products),
+        invariant_rows=MAX_DRAFT_TOKENS + 1,
+        invariant_margin=MARGIN,
     )
 
 
