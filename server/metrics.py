@@ -102,6 +102,15 @@ class Metrics:
             buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512),
             registry=r,
         )
+        self.round_overhead = Histogram(
+            "kenspec_round_overhead_seconds",
+            "An engine round's own work: its time outside the forward pass (drafting, choosing "
+            "the drafts, laying out the pass, walking, learning, delivery); kind is 'draft' for "
+            "rounds whose pass verified drafts, else 'plain'.",
+            ["kind"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05),
+            registry=r,
+        )
         self.reused_prompt_tokens = Counter(
             "kenspec_prefix_cache_reused_tokens_total",
             "Prompt tokens whose keys/values were copied from the prefix cache, not computed.",
@@ -160,6 +169,9 @@ class Metrics:
 
     def observe_reuse(self, tokens: int) -> None:
         self.reused_prompt_tokens.inc(tokens)
+
+    def observe_round_work(self, seconds: float, drafted: bool) -> None:
+        self.round_overhead.labels(kind="draft" if drafted else "plain").observe(seconds)
 
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self.breaker_transitions.labels(scope=scope, state=state.value).inc()

@@ -208,6 +208,9 @@ class _TracedEvents:
     def observe_reuse(self, tokens: int) -> None:
         self._events.observe_reuse(tokens)
 
+    def observe_round_work(self, seconds: float, drafted: bool) -> None:
+        self._events.observe_round_work(seconds, drafted)
+
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self._events.observe_transition(scope, state)
         if scope == "draft":  # a request's own transitions are seen in its rounds

@@ -30,7 +30,7 @@ from server.engine.generation import Generation, Round
 from server.engine.intake import BatchSettings, BatchStats, Deliver, Entry, Intake
 from server.engine.pass_logits import Logits
 from server.engine.prefix_cache import PrefixCache
-from server.engine.round import run_round
+from server.engine.round import RoundTimes, run_round
 from server.engine.target import TargetModel
 from server.engine.verify_pass import VerifyPass
 
@@ -156,7 +156,9 @@ class Batch:
         self._intake.drop_cancelled()
         self._intake.admit(self._decoding)
         if self._decoding:
-            run_round(self, self._choice, self.stats)
+            times = run_round(self, self._choice, self._timer)
+            if times is not None:
+                self._count_round(times)
 
     def _summary(self) -> dict[str, object]:
         stats = self.stats
@@ -168,6 +170,7 @@ class Batch:
             "prefill_tokens": stats.prefill_tokens,
             "reused_tokens": stats.reused_tokens,
             "seconds": {phase: round(s, 2) for phase, s in stats.seconds.items()},
+            "rounds": stats.rounds,
         }
 
     # -- the round's rows (engine.round.BatchRows) ----------------------------------------------
@@ -242,6 +245,14 @@ class Batch:
             if passed.prompt_tail:
                 generation = entry.generation
                 self.prefixes.store(self._cache, row, generation.prompt[:-1], generation.tenant)
+
+    def _count_round(self, times: RoundTimes) -> None:
+        """A round's phases into the stats, its own work to the metrics and the live costs."""
+        self.stats.rounds += 1
+        for phase, seconds in times.phases().items():
+            self.stats.add(phase, seconds)
+        self._events.observe_round_work(times.overhead, times.drafted)
+        self._choice.observe_round(times.rows, times.drafted, times.overhead)
 
     def _count_pass(self, verify: VerifyPass) -> None:
         stats, width = self.stats, max(len(row.tokens) for row in verify.rows)

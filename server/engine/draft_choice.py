@@ -73,6 +73,12 @@ class DraftChoice:
             return tokens
         return max(tokens, self.costs.pass_tokens(tokens, limit=tokens + room))
 
+    def observe_round(self, rows: int, drafted: bool, seconds: float) -> None:
+        """A round's own work (`seconds` outside its pass; `drafted`: its pass verified
+        drafts) teaches live costs."""
+        if self.live is not None:
+            self.live.observe_round(rows, drafted, seconds)
+
     def timed(self, verify: VerifyPass) -> bool:
         """Whether the pass's time teaches live costs: a whole pass without prompt tokens."""
         return self.live is not None and verify.first_row == 0 and not verify.prefills

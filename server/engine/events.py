@@ -18,6 +18,10 @@ class EngineEvents(Protocol):
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         """A breaker (scope "request" or "draft") moved to `state`."""
 
+    def observe_round_work(self, seconds: float, drafted: bool) -> None:
+        """A round spent `seconds` outside its forward pass (drafting, choosing, walking,
+        delivery); `drafted`: its pass verified drafts."""
+
 
 class NoEvents:
     """An observer that ignores everything."""
@@ -29,6 +33,9 @@ class NoEvents:
         pass
 
     def observe_transition(self, scope: str, state: BreakerState) -> None:
+        pass
+
+    def observe_round_work(self, seconds: float, drafted: bool) -> None:
         pass
 
 

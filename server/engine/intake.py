@@ -58,12 +58,17 @@ class BatchStats:
     prefill_tokens: int = 0
     reused_tokens: int = 0  # prompt positions copied from the prefix cache, not computed
     by_width: dict[int, int] = field(default_factory=dict)  # passes by their longest row
-    seconds: dict[str, float] = field(default_factory=dict)  # prefill, plan, forward, accept
+    # prefill, and a round's phases (round.RoundTimes): propose, choose, forward, walk, deliver
+    seconds: dict[str, float] = field(default_factory=dict)
+    rounds: int = 0
 
     def timed(self, phase: str, started: float) -> float:
         now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - started
+        self.add(phase, now - started)
         return now
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
 
 @dataclass(slots=True)

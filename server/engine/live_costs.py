@@ -21,8 +21,13 @@ Here every verify pass updates the bucket it falls in:
   more than SHIFTED; until its own next sample agrees): the batch verifies only as many drafts
   or, in a one-row pass, pads it to that many tokens (padding is scored, never read). Its price
   is a wider or narrower pass now and then.
+- The round's own work: every round's time outside its pass (drafting, choosing, walking,
+  delivery; round.RoundTimes) is averaged per row, apart for rounds that verified drafts and
+  rounds that did not (`observe_round`). A pass is priced with the plain rounds' work added
+  (what every round pays besides its pass), and the breaker's threshold with each kind's own:
+  speculation must pay for its drafting too, as measured, not only for its wider pass.
 - The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
-  costs, so requests judge acceptance against what a pass costs now.
+  costs, so requests judge acceptance against what a round costs now.
 
 Driven from the engine thread only (the batch's), like the batch itself.
 """
@@ -45,6 +50,7 @@ EXPLORE_EVERY = 8  # passes between two explorations, at most
 STALE_PASSES = 512  # a bucket not seen for this many passes is measured again
 UNSETTLED = 1.25  # a bucket whose last sample was off by more than this is re-measured soon
 SHIFTED = 1.6  # a sample off by more than this has every bucket re-measured soon
+ROUND_DECAY = 0.05  # weight of a round in the average of rounds' own work (about 20 rounds)
 
 
 class LiveCosts:
@@ -70,11 +76,15 @@ class LiveCosts:
         }
         self._unsettled: set[tuple[int, int]] = set()
         self._threshold: float | None = None
+        # a round's own work per row, by whether it verified drafts (observe_round)
+        self._round_work: dict[bool, float] = {False: 0.0, True: 0.0}
+        self._rounds_seen: dict[bool, int] = {False: 0, True: 0}
 
     # -- costs.Costs, for the batch's draft choice -----------------------------------------
 
     def cost(self, rows: int, tokens: int) -> float:
-        return self.table.cost(rows, tokens)
+        """A pass's seconds plus the work every round does besides it (plain rounds')."""
+        return self.table.cost(rows, tokens) + rows * self._round_work[False]
 
     def pass_tokens(self, tokens: int, limit: int) -> int:
         return self.table.pass_tokens(tokens, limit)
@@ -111,6 +121,22 @@ class LiveCosts:
         if bucket[0] == 1:
             self._threshold = None  # one row's costs set the breaker's threshold
 
+    def observe_round(self, rows: int, drafted: bool, seconds: float) -> None:
+        """A round of `rows` rows spent `seconds` outside its pass; `drafted`: its pass
+        verified drafts."""
+        if rows <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        per_row, seen = seconds / rows, self._rounds_seen[drafted]
+        weight = max(ROUND_DECAY, 1.0 / (seen + 1))  # the first rounds' plain mean, then decayed
+        self._round_work[drafted] += weight * (per_row - self._round_work[drafted])
+        self._rounds_seen[drafted] = seen + 1
+        self._threshold = None
+
+    @property
+    def round_work(self) -> dict[str, float]:
+        """A round's own work per row, seconds: plain rounds' and drafting rounds'."""
+        return {"plain": self._round_work[False], "draft": self._round_work[True]}
+
     def explore(self, rows: int, most_tokens: int | None = None) -> int | None:
         """Tokens this pass of `rows` rows should have, to measure a stale bucket; None: as
         the draft choice decides. Asked once per pass, before the drafts are cut; most_tokens:
@@ -142,8 +168,13 @@ class LiveCosts:
         if self._fixed_threshold is not None:
             return self._fixed_threshold
         if self._threshold is None:
+            work = self._round_work
             self._threshold = lowest_break_even(
-                {t: s for (r, t), s in self.table.seconds.items() if r == 1 and t <= self.k + 1}
+                {
+                    t: s + work[t > 1]
+                    for (r, t), s in self.table.seconds.items()
+                    if r == 1 and t <= self.k + 1
+                }
             )
         return self._threshold
 
@@ -165,6 +196,7 @@ class LiveCosts:
             "explorations": self.explorations,
             "step_ms": round(step * 1000, 2) if step else None,
             "steps": one_row_steps(self.table.seconds),
+            "round_work_ms": {k: round(v * 1000, 3) for k, v in self.round_work.items()},
             "threshold": round(self.threshold(), 3),
         }
 

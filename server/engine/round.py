@@ -17,14 +17,15 @@ Example: drafts [5, 7, 9], target argmaxes [5, 7, 2, 4] -> emit [5, 7, 2] (2 acc
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
 from server.engine.draft_choice import DraftChoice
 from server.engine.generation import Round
-from server.engine.intake import BatchStats, Entry
+from server.engine.intake import Entry
 from server.engine.pass_logits import Logits
 from server.engine.sampling import walk
 from server.engine.speculator import Proposal
@@ -55,15 +56,48 @@ class BatchRows(Protocol):
         """Take finished or failed rows out after a round."""
 
 
-def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
-    started = time.perf_counter()
+@dataclass(frozen=True, slots=True)
+class RoundTimes:
+    """Where one round's time went, in seconds, by phase: everything but `forward` is the
+    round's own work (drafting, choosing, laying out the pass, walking, learning, delivery)."""
+
+    rows: int
+    drafted: bool  # whether its pass verified any draft
+    propose: float
+    choose: float
+    forward: float
+    walk: float
+    deliver: float
+
+    @property
+    def overhead(self) -> float:
+        """The round's time outside the forward pass."""
+        return self.propose + self.choose + self.walk + self.deliver
+
+    def phases(self) -> dict[str, float]:
+        return {
+            "propose": self.propose,
+            "choose": self.choose,
+            "forward": self.forward,
+            "walk": self.walk,
+            "deliver": self.deliver,
+        }
+
+
+def run_round(
+    rows: BatchRows, choice: DraftChoice, timer: Callable[[], float] = time.perf_counter
+) -> RoundTimes | None:
+    """One round for every decoding row; where its time went, by `timer` (None: no row was
+    left to verify once the drafts were proposed)."""
+    clock = _Clock(timer)
     # 1. Propose: every row's Proposal, its drafts with their gains and sources (its own k,
     # breakers, sampling; an open breaker means none). A row whose draft raises leaves
     # before the pass is laid out.
     proposed = _propose(rows)
     entries = list(rows.entries)
     if not entries:
-        return
+        return None
+    propose = clock.lap()
     proposals = [proposed[id(entry)] for entry in entries]
     offered = [
         entry.generation.pass_row(proposal)
@@ -80,12 +114,13 @@ def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
         width=choice.width(kept_rows, chosen.explore),
         argmax_only=all(entry.generation.argmax_only for entry in entries),
     )
-    started = stats.timed("plan", started)
+    choose = clock.lap()
     # 5. Forward (the batch reruns a failed pass row by row).
     results = rows.forward(verify)
-    started = stats.timed("forward", started)
+    forward = clock.lap()
     # 6-7. Walk each tree, record and commit what it accepted; deliver; finished rows leave.
     finished: Finished = []
+    walk = deliver = 0.0
     rounds = zip(entries, kept, kept_rows, results, strict=True)
     for index, (entry, proposal, row, logits) in enumerate(rounds):
         if isinstance(logits, Exception):
@@ -97,11 +132,28 @@ def run_round(rows: BatchRows, choice: DraftChoice, stats: BatchStats) -> None:
             log.exception("complete_failed")
             finished.append((entry, error))
             continue
+        walk += clock.lap()
         entry.deliver(round_)
         if round_.finish_reason is not None:
             finished.append((entry, None))
+        deliver += clock.lap()
     rows.finish(finished)
-    stats.timed("accept", started)
+    deliver += clock.lap()
+    drafted = any(row.drafts for row in kept_rows)
+    return RoundTimes(len(entries), drafted, propose, choose, forward, walk, deliver)
+
+
+class _Clock:
+    """Seconds since the last lap (or since it was made)."""
+
+    def __init__(self, timer: Callable[[], float]) -> None:
+        self._timer = timer
+        self._last = timer()
+
+    def lap(self) -> float:
+        now = self._timer()
+        elapsed, self._last = now - self._last, now
+        return elapsed
 
 
 def _propose(rows: BatchRows) -> dict[int, Proposal]:

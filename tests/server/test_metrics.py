@@ -68,6 +68,11 @@ async def test_metrics_move_with_requests(strict_server, scrape, collect, prompt
     assert moved("kenspec_batch_rows_count") == rounds  # one pass per round, alone
     assert moved("kenspec_batch_rows_sum") == rounds
     assert moved("kenspec_batch_pass_tokens_sum") >= rounds
+    # Every engine round's own work, by kind: those that verified drafts and those that did not.
+    drafting = sum(1 for r in finished if r.round.drafted)
+    assert moved("kenspec_round_overhead_seconds_count", kind="draft") == drafting
+    assert moved("kenspec_round_overhead_seconds_count", kind="plain") == rounds - drafting
+    assert moved("kenspec_round_overhead_seconds_sum", kind="draft") > 0
     # The partly-matching draft falls below 0.95 acceptance: the request's breaker opened.
     assert any(r.round.breaker_state == pb.BREAKER_STATE_OPEN for r in finished)
     assert moved("kenspec_breaker_transitions_total", scope="request", state="open") >= 1

@@ -8,9 +8,11 @@ import pytest
 from server.engine import live_costs
 from server.engine.calibration import Calibration
 from server.engine.costs import lowest_break_even
+from server.engine.draft import Chain
+from server.engine.generation import Generation
 from server.engine.live_costs import LiveCosts
 from server.engine.target import TargetModel
-from tests.server.engine.drafts import OracleDraft, Solo, reference_greedy, start
+from tests.server.engine.drafts import OracleDraft, Solo, StaticDouble, reference_greedy, start
 
 # One row's passes of 1..7 tokens and of 12 and 17; two rows' of 2..14.
 QUIET = {(1, t): 0.020 * (1 + 0.02 * (t - 1)) for t in (*range(1, 8), 12, 17)}
@@ -145,3 +147,77 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeyp
     assert min(before[1:]) >= 5  # drafts nearly free: the oracle's are verified
     assert after[-50:] == [0] * 50  # wide passes priced at today's cost: none
     assert live.threshold() > 0.9
+
+
+def test_rounds_own_work_prices_passes_and_raises_the_threshold() -> None:
+    """A pass is priced with the plain rounds' own work added; the threshold with each kind's:
+    drafting that costs half a step makes speculation pay only above a higher acceptance."""
+    costs = LiveCosts(QUIET, k=6, explore=False)
+    forward_only = costs.threshold()
+    assert costs.round_work == {"plain": 0.0, "draft": 0.0} and costs.cost(1, 4) == QUIET[1, 4]
+    for _ in range(60):
+        costs.observe_round(1, False, 0.001)
+        costs.observe_round(2, True, 0.020)  # two rows: 0.010 each
+    assert costs.round_work == pytest.approx({"plain": 0.001, "draft": 0.010})
+    assert costs.cost(1, 4) == pytest.approx(QUIET[1, 4] + 0.001)
+    assert costs.cost(2, 6) == pytest.approx(costs.table.cost(2, 6) + 0.002)
+    one_row = {t: s for (r, t), s in QUIET.items() if r == 1 and t <= 7}
+    expected = lowest_break_even({t: s + (0.010 if t > 1 else 0.001) for t, s in one_row.items()})
+    assert costs.threshold() == pytest.approx(expected) and expected > forward_only + 0.1
+    assert costs.summary()["round_work_ms"] == {"plain": 1.0, "draft": 10.0}
+
+
+class _FirstRight(StaticDouble):
+    """Drafts the target's next token, then tokens it never chooses: one accepted a round."""
+
+    name = "first-right"
+
+    def __init__(self, continuation: list[int], wrong: int) -> None:
+        self._continuation, self._wrong, self._position = continuation, wrong, 0
+
+    def start(self, prompt_ids) -> _FirstRight:  # type: ignore[no-untyped-def]
+        return self
+
+    def chain(self, k: int, min_prob: float | None = None) -> Chain:
+        tokens = self._continuation[self._position : self._position + 1] + [self._wrong] * (k - 1)
+        return Chain(tuple(tokens[:k]), tuple(1.0 for _ in tokens[:k]))
+
+    def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+        self._position += len(token_ids)
+
+
+def test_speculation_slower_than_plain_decoding_by_round_time_stops(
+    tiny_target, monkeypatch
+) -> None:
+    """Passes cost one step at any width (the forward alone says any draft pays), but drafting
+    costs 1.5 steps of the round's own time: a draft accepting one token a round gives 2
+    tokens per 2.5 steps, slower than plain decoding. Priced by measured round time, the
+    request's breaker opens and it decodes plainly within a few rounds."""
+    prompt = tiny_target.encode_prompt("The quick brown fox")
+    expected = reference_greedy(tiny_target, prompt, 80)
+    wrong = next(t for t in range(3, tiny_target.vocab_size) if t not in expected)
+    clock = {"now": 0.0}
+    live = LiveCosts(QUIET, k=6, explore=False)
+    engine, generation = start(
+        tiny_target, _FirstRight(expected, wrong), prompt, max_new_tokens=80, k=6, costs=live,
+        timer=lambda: clock["now"],
+    )  # fmt: skip
+    forward, propose = TargetModel.forward, Generation.propose
+
+    def timed_forward(self, cache, verify):  # type: ignore[no-untyped-def]
+        clock["now"] += 0.020  # one step, whatever the width
+        return forward(self, cache, verify)
+
+    def slow_propose(self):  # type: ignore[no-untyped-def]
+        proposal = propose(self)
+        clock["now"] += 0.030 if len(proposal.tree) else 0.001
+        return proposal
+
+    monkeypatch.setattr(TargetModel, "forward", timed_forward)
+    monkeypatch.setattr(Generation, "propose", slow_propose)
+    drafted = [round_.drafted for round_ in Solo(engine, generation)]
+    assert generation.output_ids == expected  # exact whatever is drafted
+    assert live.round_work["draft"] > 0.02 and live.threshold() > 0.5
+    first_plain = drafted.index(0)
+    assert first_plain <= 12  # the breaker's window of 8 rounds, and a few
+    assert drafted[first_plain : first_plain + 20] == [0] * 20
