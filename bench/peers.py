@@ -3,8 +3,11 @@
     python -m bench.peers --llama-python /path/to/venv/bin/python --out bench/results/peers
     python -m bench.peers --openai vllm=http://127.0.0.1:8001 --openai vllm-ngram=http://...
 
-Same prompts (a chat set, `--limit` of them), greedy, up to `--max-new-tokens`, one request at
-a time, then `--streams` concurrent streams:
+What users run: kenspec at its default flags (all cores) unless flags follow `--`, the peers at
+the same thread count (`--threads`, default all cores), `--starts` fresh starts of every side
+(3), interleaved: a start runs kenspec, then each peer, so the VM's drift hits all alike. Same
+prompts (a chat set, `--skip` then `--limit` of them: keep prompts you tuned on out), greedy,
+up to `--max-new-tokens`, one request at a time, then `--streams` concurrent streams:
 
 - kenspec OFF and AUTO: one `python -m server` (flags after `--`), reached over its HTTP API,
   the two modes alternating prompt by prompt (`speculation: "off"` per request); its
@@ -16,9 +19,12 @@ a time, then `--streams` concurrent streams:
 - any OpenAI-compatible server already running (`--openai NAME=URL`, e.g. vLLM CPU plain and
   with n-gram speculation), one stream and `--streams`.
 
-Per mode, medians over prompts: decode tokens/s ((completion tokens - 1) / (last token's time
-- first token's)), time to first token, and for concurrent streams the aggregate tokens/s
-(all completion tokens over the wall time). Writes results.json, summary.md and peers.png.
+Per mode and start, medians over prompts: decode tokens/s ((completion tokens - 1) / (last
+token's time - first token's)), time to first token, and for concurrent streams the aggregate
+tokens/s (all completion tokens over the wall time). Each ratio (kenspec AUTO or OFF over each
+other side) is taken within a start and reported as min / median / max over the starts, with
+every start's `calibrated` and `execution_plan` lines. Writes results.json, summary.md and
+peers.png.
 """
 
 from __future__ import annotations
@@ -193,23 +199,55 @@ def _median(results: Sequence[dict], key: str) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=Path, default=REPO / "prompts/dev.txt")
+    parser.add_argument("--skip", type=int, default=0, help="prompts skipped before --limit")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams (0: none)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--starts", type=int, default=3, help="fresh starts of every side, interleaved"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="the peers' threads (kenspec's: its own default, all cores, unless its flags say)",
+    )
     parser.add_argument("--llama-python", help="python of a venv with llama-cpp-python")
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
-    parser.add_argument("--lookup", type=int, default=6, help="prompt-lookup draft tokens")
+    parser.add_argument("--llama-files", default="BF16,Q4_1", help="llama.cpp's files to run")
+    parser.add_argument("--lookup", type=int, default=0, help="prompt-lookup drafts (0: none)")
     parser.add_argument("--openai", action="append", default=[], help="NAME=URL of a peer")
     parser.add_argument("--port", type=int, default=18080)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/peers")
     parser.add_argument("server_flags", nargs="*", help="kenspec server flags (after --)")
     args = parser.parse_args(argv)
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(args.prompts, args.skip + args.limit)[args.skip :]
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {}
-    streams: dict[str, dict] = {}
-    failures: dict[str, str] = {}
+    starts: list[dict] = []
+    for number in range(args.starts):  # every side once a start, in turn: drift hits all alike
+        start: dict = {"runs": {}, "streams": {}, "failures": {}}
+        _kenspec(args, prompts, start)
+        _llama(args, prompts, start)
+        _openai(args, prompts, start)
+        start["summary"] = _summary(start["runs"])
+        starts.append(start)
+        print(f"start {number + 1}: " + ", ".join(
+            f"{name} {s['decode_tok_s']:.1f}" for name, s in start["summary"].items()
+            if s["decode_tok_s"]
+        ), flush=True)  # fmt: skip
+    report = {"machine": machine(), "prompts": str(args.prompts), "skip": args.skip,
+              "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "threads": args.threads, "server_flags": args.server_flags,
+              "starts": starts, "ratios": ratios(starts)}  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    (args.out / "summary.md").write_text(_markdown(report))
+    _plot(starts, args.out / "peers.png")
+    print(_markdown(report))
+    return 0
+
+
+def _kenspec(args: argparse.Namespace, prompts: Sequence[str], start: dict) -> None:
+    """A fresh kenspec server: AUTO and OFF prompt by prompt, then the concurrent streams."""
     server = KenspecServer(args.server_flags, args.port)
     try:
         chat_stream(server.url, "Say hello.", 8)  # a warm-up, not counted
@@ -217,94 +255,145 @@ def main(argv: Sequence[str] | None = None) -> int:
             # AUTO first: an answer OFF gave would be in the suffix index AUTO drafts from.
             for mode in ("auto", "off"):
                 result = chat_stream(server.url, prompt, args.max_new_tokens, {"speculation": mode})
-                runs.setdefault(f"kenspec {mode.upper()}", []).append(result)
+                start["runs"].setdefault(f"kenspec {mode.upper()}", []).append(result)
                 print(f"kenspec {mode} {i}: {result['decode_tok_s']:.1f} tok/s", flush=True)
         if args.streams:
             for mode in ("off", "auto"):
-                streams[f"kenspec {mode.upper()}"] = concurrent(
+                start["streams"][f"kenspec {mode.upper()}"] = concurrent(
                     server.url, prompts, args.streams, args.max_new_tokens, {"speculation": mode}
                 )
     finally:
-        calibrated, plan = server.line("calibrated"), server.line("execution_plan")
+        start["calibrated"] = server.line("calibrated")
+        start["execution_plan"] = server.line("execution_plan")
         server.stop()
-    if args.llama_python:
-        if not args.gguf.exists():
-            raise SystemExit(f"{args.gguf}: no such GGUF file (make model extracts it; or --gguf)")
-        bf16 = args.out / "model-bf16.gguf"
-        if not bf16.exists():
-            llama_cpp(args.llama_python, {"model": str(args.gguf), "quantize_bf16": str(bf16)})
-        for name, model in (("BF16", bf16), ("Q4_1", args.gguf)):
-            for lookup in (0, args.lookup):
-                label = f"llama.cpp {name}" + (f" lookup {lookup}" if lookup else "")
-                job = {"model": str(model), "prompts": prompts, "threads": args.threads,
-                       "max_tokens": args.max_new_tokens, "lookup": lookup}  # fmt: skip
-                try:
-                    runs[label] = llama_cpp(args.llama_python, job)
-                except RuntimeError as error:  # one peer's failure costs only its rows
-                    failures[label] = str(error)[-500:]
-                    print(f"{label}: failed: {failures[label]}", flush=True)
-                    continue
-                print(f"{label}: {_median(runs[label], 'decode_tok_s'):.1f} tok/s", flush=True)
+
+
+def _llama(args: argparse.Namespace, prompts: Sequence[str], start: dict) -> None:
+    """llama.cpp on each of --llama-files, plain and (--lookup) with prompt lookup."""
+    if not args.llama_python:
+        return
+    if not args.gguf.exists():
+        raise SystemExit(f"{args.gguf}: no such GGUF file (make model extracts it; or --gguf)")
+    bf16 = args.out / "model-bf16.gguf"
+    if not bf16.exists():
+        llama_cpp(args.llama_python, {"model": str(args.gguf), "quantize_bf16": str(bf16)})
+    files = {"BF16": bf16, "Q4_1": args.gguf}
+    for name in args.llama_files.split(","):
+        for lookup in (0, args.lookup) if args.lookup else (0,):
+            label = f"llama.cpp {name}" + (f" lookup {lookup}" if lookup else "")
+            job = {"model": str(files[name]), "prompts": list(prompts), "threads": args.threads,
+                   "max_tokens": args.max_new_tokens, "lookup": lookup}  # fmt: skip
+            try:
+                start["runs"][label] = llama_cpp(args.llama_python, job)
+            except RuntimeError as error:  # one peer's failure costs only its rows
+                start["failures"][label] = str(error)[-500:]
+                print(f"{label}: failed: {start['failures'][label]}", flush=True)
+                continue
+            rate = _median(start["runs"][label], "decode_tok_s")
+            print(f"{label}: {rate:.1f} tok/s", flush=True)
+
+
+def _openai(args: argparse.Namespace, prompts: Sequence[str], start: dict) -> None:
+    """Every --openai peer (already running), one stream, then --streams."""
     for peer in args.openai:
         name, url = peer.split("=", 1)
-        runs[name] = [chat_stream(url, p, args.max_new_tokens, {}) for p in prompts]
+        start["runs"][name] = [chat_stream(url, p, args.max_new_tokens, {}) for p in prompts]
         if args.streams:
-            streams[name] = concurrent(url, prompts, args.streams, args.max_new_tokens, {})
-    summary = {
+            start["streams"][name] = concurrent(url, prompts, args.streams, args.max_new_tokens, {})
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    return {
         name: {"decode_tok_s": _median(r, "decode_tok_s"), "ttft_s": _median(r, "ttft_s"),
                "tokens": _median(r, "completion_tokens"), "events": _median(r, "events")}
         for name, r in runs.items()
     }  # fmt: skip
-    report = {"machine": machine(), "prompts": str(args.prompts), "limit": args.limit,
-              "max_new_tokens": args.max_new_tokens, "server_flags": args.server_flags,
-              "calibrated": calibrated, "execution_plan": plan, "summary": summary,
-              "streams": streams, "failures": failures, "runs": runs}  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    (args.out / "summary.md").write_text(_markdown(report))
-    _plot(summary, streams, args.out / "peers.png")
-    print(_markdown(report))
-    return 0
+
+
+def ratios(starts: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Each kenspec mode's median decode rate over every other side's, start by start (one
+    start's servers beside each other): {"kenspec AUTO / llama.cpp BF16": {min, median, max,
+    starts}}; and the same for aggregate rates at --streams ("... streams")."""
+    found: dict[str, list[float]] = {}
+
+    def add(name: str, ours: float | None, theirs: float | None) -> None:
+        if ours and theirs:
+            found.setdefault(name, []).append(ours / theirs)
+
+    for start in starts:
+        summary, streams = start["summary"], start["streams"]
+        for mode in ("kenspec AUTO", "kenspec OFF"):
+            for other in summary:
+                if other != mode and not (mode == "kenspec OFF" and other == "kenspec AUTO"):
+                    add(f"{mode} / {other}", (summary.get(mode) or {}).get("decode_tok_s"),
+                        summary[other]["decode_tok_s"])  # fmt: skip
+            for other in streams:
+                if other != mode and not (mode == "kenspec OFF" and other == "kenspec AUTO"):
+                    add(f"{mode} / {other} streams",
+                        (streams.get(mode) or {}).get("aggregate_tok_s"),
+                        streams[other]["aggregate_tok_s"])  # fmt: skip
+    return {
+        name: {"min": min(v), "median": statistics.median(v), "max": max(v), "starts": v}
+        for name, v in found.items()
+    }
 
 
 def _markdown(report: dict) -> str:
-    lines = ["| server | decode tok/s (median) | TTFT ms | tokens | stream events |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for name, s in report["summary"].items():
-        rate, ttft, tokens, events = (
-            "n/a" if value is None else f"{value:{spec}}"
-            for value, spec in ((s["decode_tok_s"], ".1f"), (None if s["ttft_s"] is None else
-                                s["ttft_s"] * 1000, ".0f"), (s["tokens"], ".0f"),
-                                (s["events"], ".0f"))
-        )  # fmt: skip
-        lines.append(f"| {name} | {rate} | {ttft} | {tokens} | {events} |")
-    for name, error in report.get("failures", {}).items():
+    starts = report["starts"]
+    names = list(dict.fromkeys(name for start in starts for name in start["summary"]))
+    lines = [
+        "| server | " + " | ".join(f"start {i + 1}" for i in range(len(starts))) + " |",
+        "|---|" + "---|" * len(starts),
+    ]
+    for name in names:
+        cells = []
+        for start in starts:
+            rate = (start["summary"].get(name) or {}).get("decode_tok_s")
+            failed = start["failures"].get(name)
+            cells.append("failed" if failed else "n/a" if rate is None else f"{rate:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "decode tokens/s, median over prompts, one stream, each start's servers fresh"]
+    stream_names = list(dict.fromkeys(n for start in starts for n in start["streams"]))
+    if stream_names:
+        lines += ["", "| server | " + " | ".join(f"start {i + 1}" for i in range(len(starts)))
+                  + " |", "|---|" + "---|" * len(starts)]  # fmt: skip
+        for name in stream_names:
+            cells = [f"{start['streams'][name]['aggregate_tok_s']:.1f}"
+                     if name in start["streams"] else "n/a" for start in starts]  # fmt: skip
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        streams = next(iter(starts[0]["streams"].values()))["streams"]
+        lines += ["", f"aggregate tokens/s at {streams} concurrent streams"]
+    lines += ["", "| ratio | min | median | max |", "|---|---|---|---|"]
+    for name, r in report["ratios"].items():
+        lines.append(f"| {name} | {r['min']:.2f} | {r['median']:.2f} | {r['max']:.2f} |")
+    lines.append("")
+    for i, start in enumerate(starts):
+        cal = start.get("calibrated") or {}
+        plan = (start.get("execution_plan") or {}).get("plan")
         lines.append(
-            f"| {name} | failed: {error.splitlines()[-1] if error.strip() else 'crashed'} | | | |"
+            f"start {i + 1}: calibrated step {cal.get('step_ms')} ms, verify {cal.get('verify_ms')}"
+            f" ms, cost ratio {cal.get('cost_ratio')}, steps {cal.get('steps')}; plan: {plan}"
         )
-    if report["streams"]:
-        lines += ["", "| server | streams | aggregate tok/s |", "|---|---|---|"]
-        for name, s in report["streams"].items():
-            lines.append(f"| {name} | {s['streams']} | {s['aggregate_tok_s']:.1f} |")
-    cal = report.get("calibrated") or {}
-    lines += ["", f"calibrated: step {cal.get('step_ms')} ms, verify {cal.get('verify_ms')} ms, "
-              f"cost ratio {cal.get('cost_ratio')}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def _plot(summary: dict, streams: dict, path: Path) -> None:
+def _plot(starts: Sequence[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n, s in summary.items() if s["decode_tok_s"]]
-    figure, axes = plt.subplots(1, 2 if streams else 1, figsize=(11 if streams else 6, 4))
-    first = axes[0] if streams else axes
-    first.barh(names, [summary[n]["decode_tok_s"] for n in names])
-    first.set_xlabel("decode tokens/s, one stream (median)")
-    if streams:
-        axes[1].barh(list(streams), [s["aggregate_tok_s"] for s in streams.values()])
-        axes[1].set_xlabel(f"aggregate tokens/s, {next(iter(streams.values()))['streams']} streams")
+    names = list(dict.fromkeys(n for start in starts for n in start["summary"]))
+    figure, axis = plt.subplots(figsize=(8, 0.5 + 0.45 * len(names)))
+    for number, start in enumerate(starts):
+        rates = [(start["summary"].get(n) or {}).get("decode_tok_s") or 0.0 for n in names]
+        offsets = [
+            i + (number - (len(starts) - 1) / 2) * 0.8 / len(starts) for i in range(len(names))
+        ]
+        axis.barh(offsets, rates, height=0.8 / len(starts), label=f"start {number + 1}")
+    axis.set_yticks(range(len(names)), names)
+    axis.set_xlabel("decode tokens/s, one stream (median over prompts)")
+    axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 

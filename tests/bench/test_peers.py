@@ -37,6 +37,8 @@ def test_peers_measures_kenspec_off_and_auto(tiny_model_dir, tiny_draft_path, tm
             "8",
             "--streams",
             "2",
+            "--starts",
+            "2",
             "--port",
             str(_free_pair()),
             "--out",
@@ -56,14 +58,28 @@ def test_peers_measures_kenspec_off_and_auto(tiny_model_dir, tiny_draft_path, tm
     )
     assert code == 0
     report = json.loads((out / "results.json").read_text())
-    assert set(report["summary"]) == {"kenspec AUTO", "kenspec OFF"}
-    for mode in ("kenspec AUTO", "kenspec OFF"):
-        assert len(report["runs"][mode]) == 2
-        assert all(1 <= run["completion_tokens"] <= 8 for run in report["runs"][mode])
-        assert report["streams"][mode]["requests"] == 4  # 2 streams x 2 prompts
-        assert report["streams"][mode]["tokens"] >= 4
-    for run in report["runs"]["kenspec OFF"] + report["runs"]["kenspec AUTO"]:
-        assert 1 <= run["events"] <= run["completion_tokens"]  # a text event holds >= 1 token
-    assert report["calibrated"]["step_ms"] > 0
-    assert "| kenspec OFF |" in (out / "summary.md").read_text()
+    assert len(report["starts"]) == 2  # each start a fresh server
+    for start in report["starts"]:
+        assert set(start["summary"]) == {"kenspec AUTO", "kenspec OFF"}
+        for mode in ("kenspec AUTO", "kenspec OFF"):
+            assert len(start["runs"][mode]) == 2
+            assert all(1 <= run["completion_tokens"] <= 8 for run in start["runs"][mode])
+            assert start["streams"][mode]["requests"] == 4  # 2 streams x 2 prompts
+            assert start["streams"][mode]["tokens"] >= 4
+        for run in start["runs"]["kenspec OFF"] + start["runs"]["kenspec AUTO"]:
+            assert 1 <= run["events"] <= run["completion_tokens"]  # a text event: >= 1 token
+        assert start["calibrated"]["step_ms"] > 0
+        assert start["execution_plan"]["plan"].startswith("eager;")  # (float32, tiny model)
+    ratio = report["ratios"]["kenspec AUTO / kenspec OFF"]
+    assert len(ratio["starts"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    expected = [
+        start["summary"]["kenspec AUTO"]["decode_tok_s"]
+        / start["summary"]["kenspec OFF"]["decode_tok_s"]
+        for start in report["starts"]
+    ]
+    assert ratio["starts"] == expected
+    assert "kenspec AUTO / kenspec OFF streams" in report["ratios"]
+    summary = (out / "summary.md").read_text()
+    assert "| kenspec OFF |" in summary and "| kenspec AUTO / kenspec OFF |" in summary
+    assert summary.count("calibrated step") == 2
     assert (out / "peers.png").stat().st_size > 0
