@@ -198,3 +198,41 @@ int kenspec_gemv_int8_bf16(const uint16_t *x, const int8_t *q, const uint16_t *s
                            uint16_t *y, long rows, long k, long out) {
   return product(x, q, scales, y, rows, k, out, 1);
 }
+
+/* The exact logits of a screened row's candidates (engine.forward.screened_head): for bf16 x
+ * [k] and the rows `candidates` (ascending) of w [vocab, k], each logit as kenspec_gemv_bf16
+ * computes it (the same 32-wide dpbf16 partial sums in order, the same reduce16, the same
+ * rounding to bfloat16), written into approximate[candidate] (float32). Returns the candidate
+ * with the largest logit, the earliest among equals (as torch's argmax), or -1 for none. */
+long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
+                              const int32_t *candidates, long count, float *approximate) {
+  const long whole = k & ~31L;
+  const __mmask32 tail = (__mmask32)((1ULL << (k - whole)) - 1ULL);
+  long best = -1;
+  float top = 0.0f;
+  for (long first = 0; first < count; first += 16) {
+    const long n = count - first < 16 ? count - first : 16;
+    __m512 acc[16];
+    for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
+    for (long i = 0; i < n; i++) {
+      const uint16_t *row = w + (long)candidates[first + i] * k;
+      for (long c = 0; c < k; c += 32) {
+        const __mmask32 mask = c < whole ? (__mmask32)0xffffffffu : tail;
+        const __m512bh xs = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c);
+        acc[i] = _mm512_dpbf16_ps(acc[i], weights(row, c, mask, 0), xs);
+      }
+    }
+    float values[16];
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(reduce16(acc));
+    _mm512_storeu_ps(values, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    for (long i = 0; i < n; i++) {
+      const long token = candidates[first + i];
+      approximate[token] = values[i];
+      if (best < 0 || values[i] > top) {
+        best = token;
+        top = values[i];
+      }
+    }
+  }
+  return best;
+}

@@ -52,6 +52,8 @@ void kenspec_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long r
                        long out);
 int kenspec_gemv_int8_bf16(const uint16_t *x, const int8_t *q, const uint16_t *scales,
                            uint16_t *y, long rows, long k, long out);
+long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
+                              const int32_t *candidates, long count, float *approximate);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

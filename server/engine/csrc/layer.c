@@ -292,6 +292,7 @@ void kenspec_silu_mul(const uint16_t *gate_up, uint16_t *out, long rows, long n)
  * leaves id -1 and probability 0 in the places it cannot fill. */
 void kenspec_top_probs(const float *logits, long rows, long vocab, long width, int32_t *ids,
                        float *probs) {
+#pragma omp parallel for schedule(static) if (rows > 1) /* rows are independent */
   for (long r = 0; r < rows; r++) {
     const float *x = logits + r * vocab;
     float best[16];

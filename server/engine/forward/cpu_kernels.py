@@ -98,6 +98,7 @@ class PassArgs(ctypes.Structure):
 _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
+    "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
     "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
     "kenspec_u8s8_prepare": (None, [_P] * 2 + [_L] * 2 + [_P] * 2, Isa.VNNI),
     "kenspec_gemv_u8s8": (_I, [_P] * 6 + [_L] * 3, Isa.VNNI),
@@ -171,6 +172,19 @@ class CpuKernels:
             weight.shape[0],
         )  # fmt: skip
         return out
+
+    def exact_candidates(
+        self, x: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, row: torch.Tensor
+    ) -> int:
+        """For bf16 x [k] and the rows `candidates` (int32, ascending) of weight [vocab, k]:
+        each candidate's logit as `gemv` computes it, written into row[candidate] (float32
+        [vocab]); the candidate with the largest, the earliest among equals (-1: none)."""
+        best = self._call(
+            "kenspec_exact_candidates", x.data_ptr(), weight.data_ptr(), weight.shape[1],
+            candidates.data_ptr(), candidates.shape[0], row.data_ptr(),
+        )  # fmt: skip
+        assert isinstance(best, int)
+        return best
 
     def gemv_int8(
         self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor

@@ -123,18 +123,20 @@ class ScreenedHead:
             )
             if not 0 <= count <= CANDIDATES:  # a non-finite logit, or too many: the whole row
                 return int(self.exact_row(x, approximate).argmax())
-            candidates = self._found[:count].long()
-        else:
-            bound = self.error * norm
-            if residue is not None:
-                bound.add_(self.weight, alpha=residue)
-            bound = bound.add_(approximate.abs(), alpha=2.0**-8).mul_(1.01).add_(1e-30)
-            low = (approximate - bound).max()
-            if not torch.isfinite(low):  # (a non-finite logit: the whole row, exactly)
-                return int(self.exact_row(x, approximate).argmax())
-            candidates = torch.nonzero(approximate + bound >= low).flatten()
-            if len(candidates) > CANDIDATES:
-                return int(self.exact_row(x, approximate).argmax())
+            # The candidates' exact logits, written into the approximate row (as below), and
+            # their best, in one call.
+            found = self._found[:count]
+            return self.kernels.exact_candidates(x.contiguous(), self.exact, found, approximate)
+        bound = self.error * norm
+        if residue is not None:
+            bound.add_(self.weight, alpha=residue)
+        bound = bound.add_(approximate.abs(), alpha=2.0**-8).mul_(1.01).add_(1e-30)
+        low = (approximate - bound).max()
+        if not torch.isfinite(low):  # (a non-finite logit: the whole row, exactly)
+            return int(self.exact_row(x, approximate).argmax())
+        candidates = torch.nonzero(approximate + bound >= low).flatten()
+        if len(candidates) > CANDIDATES:
+            return int(self.exact_row(x, approximate).argmax())
         weights = self.exact.index_select(0, candidates)
         exact = self.kernels.gemv(x[None].contiguous(), weights)[0].float()
         # The candidates' exact logits into the approximate row, so the row's recycled

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 
 from server.engine.forward import cpu_kernels
 from server.engine.forward.cpu_kernels import (
@@ -67,3 +68,28 @@ def test_a_member_added_on_one_side_only_fails_at_load(
         monkeypatch.setattr(cpu_kernels, name, short)
         with pytest.raises(LayoutMismatch):
             check_layout(KERNELS.library)
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.bf16, reason="the CPU has no avx512_bf16")
+@pytest.mark.parametrize("k", [576, 77])
+def test_exact_candidates_are_the_gemvs_bits_and_their_first_best(k: int) -> None:
+    """A screened row's candidates (any count, in blocks of 16 and a tail) get the logits the
+    GEMV computes for them, bit for bit; the best is the earliest of equal ones."""
+    assert KERNELS is not None
+    generator = torch.Generator().manual_seed(k)
+    weight = torch.randn(300, k, generator=generator).bfloat16()
+    weight[250] = weight[40]  # an exact tie: 40 first
+    x = torch.randn(k, generator=generator).bfloat16()
+    exact = KERNELS.gemv(x[None], weight)[0].float()
+    top = int(exact.argmax())
+    for candidates in ([5], [3, 40, 99, 250], list(range(0, 300, 7)), [top, *range(280, 299)]):
+        found = torch.tensor(sorted(set(candidates)), dtype=torch.int32)
+        row = torch.full((300,), -1e30)
+        best = KERNELS.exact_candidates(x, weight, found, row)
+        chosen = found.long()
+        assert torch.equal(row[chosen], exact[chosen])
+        assert (row == -1e30).sum() == 300 - len(found)  # nothing else written
+        assert best == int(chosen[int(exact[chosen].argmax())])
+    forty = torch.tensor([40, 250], dtype=torch.int32)
+    x = weight[40].clone()  # along the duplicated row: 40 and 250 tie at the top
+    assert KERNELS.exact_candidates(x, weight, forty, torch.zeros(300)) == 40
