@@ -16,15 +16,14 @@
 
 /* Output rows x pass rows a block takes at once: 16 accumulators, reduced together. One-row
  * passes take 16 weight rows at once, two-row passes 8 x 2, others 4 x 4 (two rows as 4 x 2
- * left 8 accumulators: on the 2-core EPYC an output layer's 2-row product took 1.2x its
- * 1-row time, more than oneDNN's).
+ * would leave 8 accumulators idle).
  *
- * A block of one pass row reads its weight rows one after another, each start to end: read
- * a 64-byte piece of each of 8 rows in turn, as the wider blocks do, a one-row product of a
- * 170 MB layer streamed 29.6-33.7 GB/s on the EPYC where a plain read of it took 39-42; row
- * after row, 37.5-40.2. Each output's partial sums are the same, in the same order, so the
- * bits are too. Wider blocks keep the interleaved order: their weights are read once for
- * several pass rows, and read row after row an 8-row product fell from 31 to 19 GB/s. */
+ * A block of one pass row reads its weight rows one after another, each start to end: a
+ * single stream the prefetchers follow at about the memory's speed, where pieces of 8 rows in
+ * turn streamed a fifth slower. Each output's partial sums are the same, in the same order,
+ * so the bits are too. Wider blocks keep the interleaved order: their weights are read once
+ * for several pass rows, which read row after row lost a third of their speed
+ * (bench/results/fused-step/NOTES.md). */
 #ifndef ONE_ROW_BLOCK
 #define ONE_ROW_BLOCK 16
 #endif
@@ -159,9 +158,9 @@ static inline __attribute__((always_inline)) int columns(const uint16_t *x, cons
   if (rows == 2) /* the rest (fewer than 8 outputs) below, 4 x 2 and 1 x 2 */
     for (; o + TWO_ROW_BLOCK <= last; o += TWO_ROW_BLOCK)
       block(x, w, scales, y, k, out, o, 0, TWO_ROW_BLOCK, 2, int8, int8, o);
-  /* int8 weights are widened in registers for each block of pass rows: once into an L1
-   * buffer for every row block instead cost more (the SmolLM2 output layer's int8 product at
-   * 12 rows 4.4 -> 3.0-3.2 ms, 8 rows 2.3-2.5 -> 2.0-2.2 ms without it; the same bits). */
+  /* int8 weights are widened in registers for each block of pass rows: widened once into an
+   * L1 buffer for every row block instead cost more (bench/results/int8-weights; the same
+   * bits either way). */
   for (; o + OUT_BLOCK <= last; o += OUT_BLOCK) ROWS(w, OUT_BLOCK, int8, int8, o)
   for (; o < last; o++) ROWS(w, 1, int8, int8, o)
   return 0;

@@ -31,7 +31,7 @@
 
 /* acc + the products of u8 lanes of u with s8 lanes of s, 4 a 32-bit lane (vpdpbusd). In
  * assembly: GCC 12 compiles the intrinsic with a register copy or a spill per call (the
- * accumulator not tied): 12 rows of SmolLM2's output layer took 2.18 ms so, 1.52 ms this way. */
+ * accumulator not tied), which cost a third of the product's time. */
 static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;

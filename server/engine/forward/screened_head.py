@@ -19,8 +19,8 @@ true value; each rounding to bfloat16 moves a value by at most 2^-9 of it. So
     |G_j - A_j| <= b_j = 1.01 (|x|_2 (e_j + 1e-4 |w_j|_2) + 2^-8 |A_j|) + 1e-30
 
 and with L = max_k (A_k - b_k), every token with G_j >= G_k for all k has A_j + b_j >= G_j >=
-L: the candidates {j : A_j + b_j >= L} hold every maximum of G. On SmolLM2's own hidden states
-a median of 3 tokens pass, at most 45 in 4,407 steps.
+L: the candidates {j : A_j + b_j >= L} hold every maximum of G. On the default model's own
+hidden states a handful of tokens pass (bench/results/peers-2026-12-03-screened).
 
 Verify passes (2 to WIDE_SCREEN_ROWS rows, CPUs with AVX512-VNNI) quantize the rows as well:
 x ~= t p with p = round(x / t) in [-127, 127] (csrc/gemv_u8s8.c), so the product is integer
@@ -31,9 +31,9 @@ multiply-adds, 64 a vpdpbusd where dpbf16 does 32. Then A_j = s_j t (p . q_j), a
 
 so the bound gains the term d |s_j q_j|_2 (d = |x - t p|_2 per row, from the kernel in
 float64; |s_j q_j|_2 once, in float64), inside the same 1.01. Looser (hidden states have a
-few channels ~10x the rest, which set t): a median of 69 candidates on SmolLM2's passes, 90th
-percentile 333. The candidates' exact logits are written back into the approximate row, so a
-row the walk read recycles the exact best token.
+few channels ~10x the rest, which set t): dozens of candidates a row rather than a handful.
+The candidates' exact logits are written back into the approximate row, so a row the walk
+read recycles the exact best token.
 
 Only the argmax is screened: rows a request reads whole (sampling, logprobs, penalties,
 grammars) are computed exactly, as before; the approximate rows serve the recycled predictions
@@ -52,8 +52,8 @@ from server.engine.quantize import quantize
 
 # The widest pass (rows of logits) screened with the int8 copy alone: one row, a plain step.
 # A verify pass's rows are computed together in one read of the bf16 layer at about one row's
-# cost (lazy_logits' `together`), where an int8 product of 7 rows (weights widened to bf16) is
-# bound by its multiply-adds and saved 0.3 ms a pass.
+# cost (lazy_logits' `together`), where an int8 product of several rows with its weights
+# widened to bf16 is bound by its multiply-adds and saves little.
 SCREEN_ROWS = 1
 # ... and with the rows quantized too (csrc/gemv_u8s8.c, AVX512-VNNI: half dpbf16's
 # instructions a weight), up to this many rows.
