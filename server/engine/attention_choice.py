@@ -95,15 +95,23 @@ def _medians(
     return statistics.median(samples[0][1:]), statistics.median(samples[1][1:])
 
 
-def choose_grouped(timings: Mapping[tuple[int, int], tuple[float, float]]) -> dict[int, int]:
+# How much faster than SDPA grouped attention must time to take a shape: a near tie goes to
+# SDPA, so that start-up noise cannot move a plan from one start to the next.
+MARGIN = 0.15
+
+
+def choose_grouped(
+    timings: Mapping[tuple[int, int], tuple[float, float]], margin: float = MARGIN
+) -> dict[int, int]:
     """{width: min_length} (Kernels.with_grouped) from {(width, length): (SDPA s, grouped s)}: the
-    widths, from the narrowest, where grouped wins at the longest length measured, each from
-    the shortest length at which it wins at that and every longer length. A width between two
-    measured takes the wider one's length; one past the last winner takes SDPA."""
+    widths, from the narrowest, where grouped wins (by `margin`) at the longest length
+    measured, each from the shortest length at which it wins at that and every longer length.
+    A width between two measured takes the wider one's length; one past the last winner takes
+    SDPA."""
 
     def wins(width: int, length: int) -> bool:
         sdpa_s, grouped_s = timings[width, length]
-        return grouped_s <= sdpa_s
+        return grouped_s <= sdpa_s * (1 - margin)
 
     widths = sorted({width for width, _ in timings})
     lengths = sorted({length for _, length in timings})

@@ -298,6 +298,9 @@ def test_the_choice_follows_the_timings() -> None:
     assert not kernels.with_grouped({}).takes_grouped(1, 4000)
     assert kernels.with_grouped({}).scratch is kernels.scratch  # a new choice, the same buffers
     assert choose_grouped({(1, 128): (1.0, 2.0)}) == {}
+    # a near tie goes to SDPA: noise between two starts must not move the plan
+    assert choose_grouped({(1, 128): (1.0, 0.9)}) == {}
+    assert choose_grouped({(1, 128): (1.0, 0.9)}, margin=0.0) == {1: 128}
 
 
 def test_measure_grouped_times_every_width_and_length() -> None:
