@@ -8,6 +8,7 @@ target; the table then follows real passes in `live_costs`.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ def calibrate(
     rows: int = 1,
     long_draft_tokens: int = 0,
 ) -> Calibration:
-    """Time passes of 1..k+1 tokens after a context_tokens prefill (the fastest of repeats), for
+    """Time passes of 1..k+1 tokens after a context_tokens prefill (robust_seconds), for
     one row and, when rows > 1, for batches of 2, 4 and `rows` (fewer repeats: those passes
     are longer); with long_draft_tokens > k, also one row's passes of that many drafts and of
     half-way (chains after long exact matches draft that far; widths between interpolate).
@@ -89,15 +90,34 @@ def measure_pass_seconds(
     for row in range(rows):
         target.prefill(cache, row, 0, context)
     samples: dict[int, list[float]] = {width: [] for width in widths}
-    for _ in range(repeats + 1):  # the first pass of each width warms up and is dropped
+    for repeat in range(repeats + WARM_UP_ROUNDS):  # the first rounds warm up, not counted
         for width in widths:
             started = time.perf_counter()
             # A pass reads at least one row of logits per sequence; the cache length stays.
             passed = VerifyPass.sequences([len(context)] * rows, [context[:width]] * rows)
             target.forward(cache, passed)[0][0]
             target.synchronize()
-            samples[width].append(time.perf_counter() - started)
-    # Each width's fastest repeat: a neighbour's burst or a page fault only ever adds time.
-    # With medians, starts of one plan on one VM calibrated a 7-token pass at 0.99-1.44 steps
-    # (live costs correct the table later, but the first requests are priced by it).
-    return [min(samples[width][1:]) for width in widths]
+            if repeat >= WARM_UP_ROUNDS:
+                samples[width].append(time.perf_counter() - started)
+    return robust_seconds(samples, widths[0])
+
+
+# Rounds of every width run before any is timed: a fresh process's first passes pay page
+# faults and cold caches that no later pass does.
+WARM_UP_ROUNDS = 2
+
+
+def robust_seconds(samples: dict[int, list[float]], base: int) -> list[float]:
+    """Each width's seconds from its samples, taken round by round with the base width's:
+    the base's median times the median of each round's ratio to it. A VM's speed drifts
+    within seconds; the widths of one round share its phase, so their ratios (what the draft
+    choice and the breaker's threshold read) hold where each width's own median or minimum
+    mixes phases (one plan's 7-token pass calibrated at 0.99-1.44 steps, then 1.05-1.80, over
+    starts).
+
+    Example: base 1, samples {1: [10, 20], 7: [11, 22]} -> [15.0, 16.5] (ratios 1.1, 1.1)."""
+    step = statistics.median(samples[base])
+    return [
+        step * statistics.median(w / b for w, b in zip(samples[width], samples[base], strict=True))
+        for width in samples
+    ]

@@ -221,3 +221,23 @@ def test_speculation_slower_than_plain_decoding_by_round_time_stops(
     first_plain = drafted.index(0)
     assert first_plain <= 12  # the breaker's window of 8 rounds, and a few
     assert drafted[first_plain : first_plain + 20] == [0] * 20
+
+
+def test_start_up_costs_are_ratios_within_a_round_not_medians_across_rounds() -> None:
+    """The VM's speed drifts between rounds of timed passes: a width's cost is the base
+    width's median times the median of its ratios within each round. Each width's own median
+    mixes phases (below: 2.2 steps for a pass of 1.1), and so does its minimum (one lucky fast
+    step: 2.2 again); the ratios within rounds hold."""
+    import statistics
+
+    from server.engine.calibration import robust_seconds
+
+    mixed = {1: [10.0, 20.0, 10.0, 20.0, 10.0], 7: [11.0, 22.0, 22.0, 22.0, 11.0]}
+    assert statistics.median(mixed[7]) / statistics.median(mixed[1]) == pytest.approx(2.2)
+    seconds = robust_seconds(mixed, 1)
+    assert seconds[1] / seconds[0] == pytest.approx(1.1) and seconds[0] == 10.0
+    lucky = {1: [10.0, 20.0, 20.0, 20.0, 5.0], 7: [11.0, 22.0, 22.0, 22.0, 11.0]}
+    assert min(lucky[7]) / min(lucky[1]) == pytest.approx(2.2)
+    seconds = robust_seconds(lucky, 1)
+    assert seconds[1] / seconds[0] == pytest.approx(1.1)
+    assert robust_seconds({1: [10.0, 20.0], 7: [11.0, 22.0]}, 1) == [15.0, 16.5]
