@@ -36,4 +36,7 @@ for threads in (1, 2):
                 samples[kernel].append(time.perf_counter() - started)
         gemv, packed = (statistics.median(samples[k][1:]) * 1000 for k in samples)
         gbs = sum(p.weight.numel() * 2 for p in lean.products) / gemv / 1e6
-        print(f"threads {threads} rows {rows:3d}: gemv {gemv:6.2f} ms ({gbs:4.1f} GB/s)  packed {packed:6.2f} ms", flush=True)
+        print(
+            f"threads {threads} rows {rows:3d}: gemv {gemv:6.2f} ms ({gbs:4.1f} GB/s)  packed {packed:6.2f} ms",
+            flush=True,
+        )
