@@ -38,9 +38,6 @@ class AttentionMode(StrEnum):
     GROUPED = "grouped"
 
 
-WEIGHTS = tuple(mode.value for mode in Weights)
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen from the target's distribution.

@@ -248,6 +248,9 @@ class RecordedEvents:
     def observe_transition(self, scope: str, state: BreakerState) -> None:
         self.seen.append(("transition", scope, state))
 
+    def observe_round_work(self, seconds: float, drafted: bool) -> None:
+        self.seen.append(("round_work", drafted))
+
 
 @pytest.fixture
 def memory_tracing() -> tuple[otel.OtelTracing, InMemorySpanExporter]:

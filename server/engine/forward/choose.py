@@ -117,7 +117,6 @@ def plan_execution(
         head=_eager_head(model),
         weights=weights,
         threads=torch.get_num_threads(),
-        kernel_build="" if kernels is None else kernels.path.parent.name,
     )
     if options.batch_invariant:
         invariance = _invariance(model, attention_shape[2])
@@ -212,17 +211,11 @@ def _lean_plan(
         head_kernels = _fastest(measured, [output])
         together = rows_at_one_rows_cost(measured, head_kernels)
         timings["head"] = _ms_table(measured)
-    screen = (
-        options.screen
-        and kernels is not None
-        and kernels.bf16
-        and not lean.quantized
-        and output.scales is None
-        and output.weight.dtype == torch.bfloat16
-    )
+    screen = options.screen and _gemv_everywhere(lean, output, kernels)
     fused = options.fused_layer and kernels is not None and kernels.bf16 and lean.fusable(model)
     return replace(
         plan,
+        kernel_build="" if kernels is None else kernels.path.parent.name,
         forward=ForwardKind.LEAN,
         head=HeadKind.LAZY,
         decoder=decoder,

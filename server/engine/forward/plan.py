@@ -139,9 +139,11 @@ class ExecutionPlan:
         every product (0: none are; sys.maxsize: all are)."""
         if self.forward is not ForwardKind.LEAN:
             return 0
-        invariant = Kernel.STOCK if self.weights is Weights.INT4 else Kernel.GEMV
+        # int4's decoder products are torch's int4 kernel (its one order); every output layer
+        # of a lean forward is bf16 or int8, the GEMV's
+        decoder = Kernel.STOCK if self.weights is Weights.INT4 else Kernel.GEMV
         return min(
-            self.decoder.invariant_below(invariant), self.head_kernels.invariant_below(invariant)
+            self.decoder.invariant_below(decoder), self.head_kernels.invariant_below(Kernel.GEMV)
         )
 
     def describe(self) -> str:

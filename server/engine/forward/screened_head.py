@@ -2,7 +2,7 @@
 token through an int8 screen").
 
 A step reads the output layer (SmolLM2: 49,152 x 576 in bfloat16, 57 MB, a fifth of a step's
-bytes) to find one argmax. With the fast step's kernels, the logits of a row are the bf16
+bytes) to find one argmax. With the lean forward's kernels, the logits of a row are the bf16
 GEMV's (csrc/gemv.c: each one a float32 sum of dpbf16 products, one reduce16, rounded to
 bfloat16 once). Here a row's logits are first approximated through an int8 copy of the layer
 (one scale per output row, engine.quantize; the int8 GEMV reads half the bytes), then every
@@ -126,7 +126,10 @@ class ScreenedHead:
             # The candidates' exact logits, written into the approximate row (as below), and
             # their best, in one call.
             found = self._found[:count]
-            return self.kernels.exact_candidates(x.contiguous(), self.exact, found, approximate)
+            best = self.kernels.exact_candidates(x.contiguous(), self.exact, found, approximate)
+            if best < 0:  # (no candidate: a bound cannot leave none; the whole row if it did)
+                return int(self.exact_row(x, approximate).argmax())
+            return best
         bound = self.error * norm
         if residue is not None:
             bound.add_(self.weight, alpha=residue)

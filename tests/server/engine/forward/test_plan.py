@@ -134,6 +134,7 @@ def test_row_invariance_is_a_property_of_the_plan() -> None:
     assert lean(EVERY_GEMV, EVERY_GEMV).row_invariant_below > 1 << 40
     stock = RowPlan.every(Kernel.STOCK)
     assert lean(stock, EVERY_GEMV).row_invariant_below == 0
-    assert lean(stock, stock, Weights.INT4).row_invariant_below > 1 << 40
+    assert lean(stock, EVERY_GEMV, Weights.INT4).row_invariant_below > 1 << 40
+    assert lean(stock, stock, Weights.INT4).row_invariant_below == 0  # (its head is int8)
     eager = dataclasses.replace(lean(EVERY_GEMV, EVERY_GEMV), forward=ForwardKind.EAGER)
     assert eager.row_invariant_below == 0
