@@ -73,11 +73,11 @@ class DraftChoice:
             return tokens
         return max(tokens, self.costs.pass_tokens(tokens, limit=tokens + room))
 
-    def observe_round(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A round's own work (`seconds` outside its pass; `drafted`: its pass verified
-        drafts) teaches live costs."""
+    def observe_round(self, rows: int, drafted_rows: int, seconds: float) -> None:
+        """A round's own work (`seconds` outside its pass; `drafted_rows` of its `rows`
+        verified drafts) teaches live costs."""
         if self.live is not None:
-            self.live.observe_round(rows, drafted, seconds)
+            self.live.observe_round(rows, drafted_rows, seconds)
 
     def timed(self, verify: VerifyPass) -> bool:
         """Whether the pass's time teaches live costs: a whole pass without prompt tokens."""

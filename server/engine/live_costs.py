@@ -21,10 +21,12 @@ Here every verify pass updates the bucket it falls in:
   more than SHIFTED; until its own next sample agrees): the batch verifies only as many drafts
   or, in a one-row pass, pads it to that many tokens (padding is scored, never read). Its price
   is a wider or narrower pass now and then.
-- The round's own work: every round's time outside its pass (drafting, choosing, walking,
-  delivery; round.RoundTimes) is averaged per row, apart for rounds that verified drafts and
-  rounds that did not (`observe_round`). A pass is priced with the plain rounds' work added
-  (what every round pays besides its pass), and the breaker's threshold with each kind's own:
+- The round's own work: every round's time outside its forward call (drafting, choosing, the
+  walk with the rows of logits it reads, learning, delivery; round.RoundTimes) is averaged per
+  row, apart for rows that verified drafts and rows that did not (`observe_round`: a batch's
+  plain rows are charged the plain average, its drafting rows the rest). A pass is priced with
+  the plain rows' work added (what every round pays besides its pass), and the breaker's
+  threshold with each kind's own (drafting rows' once one was seen, the plain rows' before):
   speculation must pay for its drafting too, as measured, not only for its wider pass.
 - The breaker's threshold (`costs.lowest_break_even`) is recomputed from the current one-row
   costs, so requests judge acceptance against what a round costs now.
@@ -121,12 +123,20 @@ class LiveCosts:
         if bucket[0] == 1:
             self._threshold = None  # one row's costs set the breaker's threshold
 
-    def observe_round(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A round of `rows` rows spent `seconds` outside its pass; `drafted`: its pass
-        verified drafts."""
-        if rows <= 0 or not math.isfinite(seconds) or seconds < 0:
+    def observe_round(self, rows: int, drafted_rows: int, seconds: float) -> None:
+        """A round of `rows` rows, `drafted_rows` of which verified drafts, spent `seconds`
+        outside its pass: its plain rows are charged the plain rows' average, its drafting
+        rows share the rest."""
+        if not 0 <= drafted_rows <= rows or rows <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
-        per_row, seen = seconds / rows, self._rounds_seen[drafted]
+        drafted = drafted_rows > 0
+        plain = self._round_work[False]
+        per_row = (
+            max(plain, (seconds - (rows - drafted_rows) * plain) / drafted_rows)
+            if drafted
+            else seconds / rows
+        )
+        seen = self._rounds_seen[drafted]
         weight = max(ROUND_DECAY, 1.0 / (seen + 1))  # the first rounds' plain mean, then decayed
         self._round_work[drafted] += weight * (per_row - self._round_work[drafted])
         self._rounds_seen[drafted] = seen + 1
@@ -168,10 +178,11 @@ class LiveCosts:
         if self._fixed_threshold is not None:
             return self._fixed_threshold
         if self._threshold is None:
-            work = self._round_work
+            plain = self._round_work[False]
+            drafting = self._round_work[True] if self._rounds_seen[True] else plain
             self._threshold = lowest_break_even(
                 {
-                    t: s + work[t > 1]
+                    t: s + (drafting if t > 1 else plain)
                     for (r, t), s in self.table.seconds.items()
                     if r == 1 and t <= self.k + 1
                 }

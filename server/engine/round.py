@@ -62,12 +62,17 @@ class RoundTimes:
     round's own work (drafting, choosing, laying out the pass, walking, learning, delivery)."""
 
     rows: int
-    drafted: bool  # whether its pass verified any draft
+    drafted_rows: int  # rows whose pass verified drafts
     propose: float
     choose: float
     forward: float
     walk: float
     deliver: float
+
+    @property
+    def drafted(self) -> bool:
+        """Whether its pass verified any draft."""
+        return self.drafted_rows > 0
 
     @property
     def overhead(self) -> float:
@@ -139,7 +144,7 @@ def run_round(
         deliver += clock.lap()
     rows.finish(finished)
     deliver += clock.lap()
-    drafted = any(row.drafts for row in kept_rows)
+    drafted = sum(1 for row in kept_rows if row.drafts)
     return RoundTimes(len(entries), drafted, propose, choose, forward, walk, deliver)
 
 

@@ -155,9 +155,14 @@ def test_rounds_own_work_prices_passes_and_raises_the_threshold() -> None:
     costs = LiveCosts(QUIET, k=6, explore=False)
     forward_only = costs.threshold()
     assert costs.round_work == {"plain": 0.0, "draft": 0.0} and costs.cost(1, 4) == QUIET[1, 4]
+    costs.observe_round(1, 0, 0.001)
+    assert costs.threshold() == pytest.approx(  # no drafting round seen: plain work for both
+        lowest_break_even({t: s + 0.001 for (r, t), s in QUIET.items() if r == 1 and t <= 7})
+    )
     for _ in range(60):
-        costs.observe_round(1, False, 0.001)
-        costs.observe_round(2, True, 0.020)  # two rows: 0.010 each
+        costs.observe_round(1, 0, 0.001)
+        costs.observe_round(2, 2, 0.020)  # two drafting rows: 0.010 each
+        costs.observe_round(3, 1, 0.012)  # two plain rows at 0.001, one drafting row: 0.010
     assert costs.round_work == pytest.approx({"plain": 0.001, "draft": 0.010})
     assert costs.cost(1, 4) == pytest.approx(QUIET[1, 4] + 0.001)
     assert costs.cost(2, 6) == pytest.approx(costs.table.cost(2, 6) + 0.002)
