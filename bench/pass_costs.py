@@ -5,7 +5,7 @@ tokens after a prefilled context) are timed round-robin over the plans and width
 VM's drift hits each alike; each cell is the median of its repeats, and its ratio to the same
 plan's one-token pass is what a verify pass costs in steps.
 
-    python -m bench.pass_costs --threads 2 --plans measured gemv --widths 1 2 4 8 12 17
+    python -m bench.pass_costs --threads 2 --plans measured packed --widths 1 2 4 8 12 17
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    parser.add_argument("--plans", nargs="+", default=["measured", "gemv"], choices=PLANS)
+    parser.add_argument("--plans", nargs="+", default=["measured", "packed"], choices=PLANS)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 17])
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=9)

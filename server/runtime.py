@@ -59,10 +59,12 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         gguf_cache=settings.model.gguf_cache,
         weights=settings.kernels.weights,
         execution=execution_options(settings),
+        chat_template=(
+            Path(settings.model.chat_template).expanduser().read_text(encoding="utf-8")
+            if settings.model.chat_template
+            else None
+        ),
     )
-    if settings.model.chat_template:
-        template = Path(settings.model.chat_template).expanduser().read_text(encoding="utf-8")
-        target.tokenizer.chat_template = template
     draft = _load_draft(settings, target)
     log.info(
         "model_loaded",

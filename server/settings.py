@@ -475,7 +475,7 @@ class Settings:
 def check_rules(settings: Settings) -> None:
     """The rules between flags, in one place (each group checked its own fields)."""
     kernels, speculation, security = settings.kernels, settings.speculation, settings.security
-    if kernels.weights != Weights.BF16:  # int8 and int4 are computed by the fast step only
+    if kernels.weights != Weights.BF16:  # int8 and int4 are computed by the lean forward only
         flag = f"--weights {kernels.weights}"
         if not kernels.fast_step:
             raise SettingsError(

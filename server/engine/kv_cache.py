@@ -80,7 +80,7 @@ class SlotCache:
     def layer_for_kernel(
         self, layer_idx: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a kernel that writes a layer's new keys and values itself (engine.fast_step):
+        """For a kernel that writes a layer's new keys and values itself (engine.forward.lean):
         the layer's whole keys and values [rows, kv_heads, capacity, head_dim] (allocated as
         `update` would for states shaped like `like`, [1, kv_heads, tokens, head_dim]), and
         each new token's row and position (int64, contiguous)."""

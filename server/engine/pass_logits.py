@@ -6,7 +6,7 @@ to sample from), `computed(count)` (the rows already computed, for recycling). W
 come from depends on the device:
 
 - On a CPU with a plain output layer (`lazy_logits`), rows are computed only when read. (With
-  the fast step's GEMV, which reads the layer once for a dozen rows at one row's cost, a pass
+  the lean forward's GEMV, which reads the layer once for a dozen rows at one row's cost, a pass
   of at most `OutputLayer.together` rows has them all computed at once instead.) A
   verification reads row i only if drafts 1..i were all accepted, so on average it needs
   "tokens per round" rows, not k+1: with a 49k vocabulary the output layer is the biggest
@@ -53,11 +53,11 @@ class OutputLayer:
     weight: torch.Tensor | None  # [vocab, hidden_size] (None: product)
     transposed: torch.Tensor | None  # [hidden_size, vocab]: for one-row GEMVs (None: product)
     softcap: float | None = None  # final_logit_softcapping
-    # hidden [rows, hidden_size] -> logits through the kernel measured fastest (fast_step);
+    # hidden [rows, hidden_size] -> logits through the lean forward's kernels (forward.head);
     # given, it computes every row and `transposed` may be None
     product: Callable[[torch.Tensor], torch.Tensor] | None = None
     # a pass with at most this many rows to score has them all computed in one product, at
-    # about one row's cost (the fast step's GEMV reads the layer once for up to ~12 rows)
+    # about one row's cost (the lean forward's GEMV reads the layer once for up to ~12 rows)
     together: int = 1
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,9 @@ int8: symmetric, one scale per output row.
 Row o of a weight W [out, in] is kept as int8 values q[o] and one scale s[o] in the
 activations' dtype, W[o] ~ q[o] * s[o], with s[o] = max |W[o]| / 127 (rounded up to the dtype,
 so no value needs clamping) and q = round(W / s): every weight within s[o] / 2 of the original.
-A layer computes y = (x @ q^T) * s (+ bias), summed in float32 (`int8_linear`; the fast step's
-kernels, engine.fast_step). The embedding lookup keeps the model's dtype: with tied weights
-only the output layer's product is int8 (the fast step quantizes its own copy).
+A layer computes y = (x @ q^T) * s (+ bias), summed in float32 (`int8_linear`; the lean
+forward's kernels, engine.forward). The embedding lookup keeps the model's dtype: with tied weights
+only the output layer's product is int8 (the lean forward quantizes its own copy).
 
 Example: W[o] = [0.5, -1.27, 0.01] -> s[o] = 0.01, q[o] = [50, -127, 1].
 
@@ -16,7 +16,7 @@ Q4_1 blocks): W[o, g] ~ (q - 8) * s + z with q in 0..15, s = (max - min) / 15 an
 (both rounded to the activations' dtype, q taken against the rounded ones), kept in torch's own
 CPU layout for its int4 kernel (`_weight_int4pack_mm_for_cpu`), which computes every product.
 The decoder's layers only: the output layer is int8 (as GGUF files keep it wider than Q4), an
-untied one here and a tied one as the fast step's own copy.
+untied one here and a tied one as the lean forward's own copy.
 
 Example (a group of 4 for brevity): [-0.3, 0.0, 0.2, 1.2] -> s = 1.5 / 15 = 0.1,
 z = -0.3 + 0.8 = 0.5, q = round((W - z) / s) + 8 = [0, 3, 5, 15] (exact here).

@@ -98,7 +98,6 @@ class TargetModel:
     # How its passes are computed: the plan chosen at load and the code that runs it
     # (engine.forward); fixed for the target's life.
     passes: Forward
-    quantized: Weights = Weights.BF16  # int8, int4: its linear layers are (engine.quantize)
 
     @classmethod
     def load(
@@ -109,11 +108,13 @@ class TargetModel:
         gguf_cache: str | Path = DEFAULT_GGUF_CACHE,
         weights: str = "bf16",
         execution: ExecutionOptions = STOCK,
+        chat_template: str | None = None,
     ) -> TargetModel:
         """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
         `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
         int8 or int4, its linear layers quantized (engine.quantize); its passes planned within
-        `execution` and built (engine.forward)."""
+        `execution` and built (engine.forward). chat_template: a Jinja template its tokenizer
+        renders chats with instead of its own (or the one a model without one gets)."""
         try:
             kept = Weights(weights)
         except ValueError:
@@ -132,6 +133,8 @@ class TargetModel:
                 f"(model_type={config.model_type!r}): {error}"
             ) from error
         tokenizer = AutoTokenizer.from_pretrained(directory)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         model.to(resolved_device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
         try:
             refuse_unsupported(model)
@@ -159,13 +162,17 @@ class TargetModel:
             eos_token_ids=_eos_ids(model, tokenizer),
             max_context=max_context,
             passes=passes,
-            quantized=kept,
         )
 
     @property
     def plan(self) -> ExecutionPlan:
         """How its passes are computed (engine.forward.plan)."""
         return self.passes.plan
+
+    @property
+    def quantized(self) -> Weights:
+        """int8, int4: its linear layers are (engine.quantize); bf16: as `dtype` loaded them."""
+        return self.plan.weights
 
     @property
     def weights(self) -> str:

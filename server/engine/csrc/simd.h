@@ -1,7 +1,7 @@
 /* Helpers shared by the kernels in this folder: bfloat16 conversions, a thread's share of a
  * product's outputs and the horizontal sum of 16 vectors at once. Included, not compiled on
- * its own; cpu_gemv.py builds each kernel with this folder on the include path and hashes
- * this file into its cache key. */
+ * its own; engine/forward/cpu_kernels.py builds each source with this folder on the include
+ * path and hashes this file into the library's cache key. */
 #ifndef KENSPEC_SIMD_H
 #define KENSPEC_SIMD_H
 #include <immintrin.h>

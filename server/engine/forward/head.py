@@ -59,8 +59,7 @@ class Head:
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # (batch invariance: the model's own padded output layer computes every row)
         self.plain = plain_head(model) and plan.invariance is None
-        head = model.get_output_embeddings()
-        self._weight: torch.Tensor | None = getattr(head, "weight", None)
+        self._output = model.get_output_embeddings()  # (the lean forward's: its product's)
         self._screen = screen
         self._layer: OutputLayer | None = None
         if self.kind is HeadKind.LAZY:
@@ -114,6 +113,7 @@ class Head:
         return computed_logits(logits, [end - begin for begin, end in spans], one_copy=True)
 
     def _head_weight(self) -> torch.Tensor:
-        """The output layer's weight [vocab, hidden_size]."""
-        assert isinstance(self._weight, torch.Tensor)
-        return self._weight.detach()
+        """The output layer's weight [vocab, hidden_size] (an nn.Linear: TargetModel.load
+        refuses any other, and only the eager heads read it)."""
+        assert isinstance(self._output, torch.nn.Linear)
+        return self._output.weight.detach()

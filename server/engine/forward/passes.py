@@ -51,10 +51,18 @@ class _PackedForward:
     """What both forwards share: packing a pass, binding the cache, reading the head."""
 
     def __init__(self, model: PreTrainedModel, plan: ExecutionPlan, head: Head, max_context: int):
-        self.model = model
-        self.plan = plan
-        self.head = head
+        self._model = model
+        self._plan = plan
+        self._head = head
         self._max_context = max_context
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return self._plan
+
+    @property
+    def head(self) -> Head:
+        return self._head
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, verify: VerifyPass) -> list[Logits]:
@@ -101,8 +109,8 @@ class _PackedForward:
         packed = pack(
             lengths,
             token_rows,
-            self.model.dtype,
-            self.model.device,
+            self._model.dtype,
+            self._model.device,
             pad_to=min_tokens,
             parents=parents,
             kernels=self.plan.attention,
@@ -136,9 +144,9 @@ class EagerForward(_PackedForward):
             "packing": packed.packing,
         }
         if logits:
-            out: torch.Tensor = self.model(**inputs).logits[0]
+            out: torch.Tensor = self._model(**inputs).logits[0]
             return out
-        hidden: torch.Tensor = self.model.base_model(**inputs).last_hidden_state[0]
+        hidden: torch.Tensor = self._model.base_model(**inputs).last_hidden_state[0]
         return hidden
 
 
@@ -154,8 +162,12 @@ class LeanForward(_PackedForward):
         decoder: LeanDecoder,
     ):
         super().__init__(model, plan, head, max_context)
-        self.decoder = decoder
+        self._decoder = decoder
+
+    @property
+    def decoder(self) -> LeanDecoder:
+        return self._decoder
 
     def _decode(self, packed: PackedPass, cache: SlotCache, *, logits: bool) -> torch.Tensor:
         assert not logits  # (the lean forward serves plain output layers only)
-        return self.decoder(packed.input_ids, packed.positions, cache, packed.packing)
+        return self._decoder(packed.input_ids, packed.positions, cache, packed.packing)
