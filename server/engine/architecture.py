@@ -47,6 +47,16 @@ def _refusal(config: PretrainedConfig, feature: str, why: str) -> UnsupportedArc
     )
 
 
+def attention_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of every attention layer."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "multi_query", False):  # GPT-BigCode: one key/value head
+        kv_heads = 1
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def refuse_unsupported(model: PreTrainedModel) -> None:
     """Raise UnsupportedArchitecture if the model has a feature packed passes cannot serve."""
     config = model.config

@@ -20,6 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from server.engine.architecture import (
     UnsupportedArchitecture,
+    attention_shape,
     check_packed_passes,
     refuse_unsupported,
     served_context,
@@ -150,7 +151,7 @@ class TargetModel:
             model,
             execution,
             weights=kept,
-            attention_shape=_attention_shape(model),
+            attention_shape=attention_shape(model),
             max_context=max_context,
         )
         return cls(
@@ -196,7 +197,7 @@ class TargetModel:
     @property
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, key/value heads, head dim) of every attention layer."""
-        return _attention_shape(self.model)
+        return attention_shape(self.model)
 
     @property
     def kv_bytes_per_position(self) -> int:
@@ -251,16 +252,6 @@ class TargetModel:
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:
         """Write token_ids into cache row `row` after its first `length` positions; no logits."""
         self.passes.prefill(cache, row, length, token_ids)
-
-
-def _attention_shape(model: PreTrainedModel) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of every attention layer."""
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if getattr(config, "multi_query", False):  # GPT-BigCode: one key/value head
-        kv_heads = 1
-    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _quantize(model: PreTrainedModel, name: str, weights: Weights) -> None:

@@ -198,7 +198,8 @@ def _lean_plan(
     decoder, head_kernels = options.decoder, options.head_kernels
     timings: dict[str, object] = {}
     together = 1
-    if _gemv_everywhere(lean, output, kernels):
+    gemv_everywhere = _gemv_everywhere(lean, output, kernels)
+    if gemv_everywhere:
         every = RowPlan.every(Kernel.GEMV)
         decoder, head_kernels = decoder or every, head_kernels or every
         together = GEMV_TOGETHER if head_kernels == every else 1
@@ -211,7 +212,7 @@ def _lean_plan(
         head_kernels = _fastest(measured, [output])
         together = rows_at_one_rows_cost(measured, head_kernels)
         timings["head"] = _ms_table(measured)
-    screen = options.screen and _gemv_everywhere(lean, output, kernels)
+    screen = options.screen and gemv_everywhere
     fused = options.fused_layer and kernels is not None and kernels.bf16 and lean.fusable(model)
     return replace(
         plan,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from server.engine.architecture import attention_shape
 from server.engine.attention import packed_attention
 from server.engine.forward.cpu_kernels import CpuKernels, DecoderLayer, PassArgs
 from server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
@@ -65,13 +66,11 @@ class LeanWeights:
 
     def __init__(self, model: PreTrainedModel) -> None:
         check(model)
-        config, inner = model.config, model.base_model
+        inner = model.base_model
         self.embed: nn.Module = inner.get_submodule("embed_tokens")
         self.rotary: nn.Module = inner.get_submodule("rotary_emb")
         self.norm: nn.Module = inner.get_submodule("norm")
-        heads = config.num_attention_heads
-        shape = (heads, config.num_key_value_heads or heads,
-                 getattr(config, "head_dim", None) or config.hidden_size // heads)  # fmt: skip
+        shape = attention_shape(model)
         decoder = inner.get_submodule("layers")
         assert isinstance(decoder, nn.ModuleList)
         self.layers = [_layer(layer, shape) for layer in decoder]
@@ -125,8 +124,8 @@ class LeanDecoder:
         self.weights = weights
         self.plan: RowPlan = plan.decoder
         self.kernels = kernels
-        fused = plan.fused_layer and kernels is not None and kernels.bf16
-        self.fused = kernels if fused else None
+        # (the plan takes the layer kernels only where they run: AVX512-BF16)
+        self.fused = kernels if plan.fused_layer else None
         # csrc/step.c's description of every layer (its cache pointers set per pass)
         self._layers = self._describe_layers() if self.fused is not None else None
         lay_out(weights.products, self.plan)
