@@ -44,6 +44,7 @@ from server.engine.params import SamplingParams, SpeculationParams, StoppingPara
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculative_engine import SpeculativeEngine
 from server.engine.tenant_index import SHARED_TENANT
+from server.engine.tenant_state import TenantState
 from server.runtime import Runtime, _load_suffix_index, _warm_up, load_runtime
 from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, Settings, parse_settings
 
@@ -67,10 +68,10 @@ class Fleet:
             _warm_up(engine)
         first = self.engines[0]
         for engine in self.engines[1:]:
-            if "acceptance" in shared:
-                engine.acceptance_stats = first.acceptance_stats
-            if "recycled" in shared:
-                engine.recycled = engine.context_draft.recycled = first.recycled
+            own, theirs = engine.tenants.of(SHARED_TENANT), first.tenants.of(SHARED_TENANT)
+            acceptance = theirs.acceptance if "acceptance" in shared else own.acceptance
+            recycled = theirs.recycled if "recycled" in shared else own.recycled
+            engine.tenants.adopt(SHARED_TENANT, TenantState(recycled, acceptance))
             if "prefixes" in shared:  # one cache: the batch's and its intake's reference
                 engine.batch.prefixes = engine.batch._intake._prefixes = first.batch.prefixes
         self._lag = lag
@@ -134,7 +135,7 @@ def _engine_like(template: SpeculativeEngine, settings: Settings) -> Speculative
     """A fresh engine as load_runtime builds one (with its helpers), reusing the template's
     target, draft and costs (nothing learned: its own suffix index, priors, recycled table
     and prefix cache)."""
-    recycled = template.recycled
+    recycled = template.tenants.of(SHARED_TENANT).recycled
     return SpeculativeEngine(
         template.target,
         template.static_draft,

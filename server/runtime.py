@@ -105,6 +105,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         events=events,
         suffix=_load_suffix_index(settings, target),
         isolate_tenants=settings.speculation.suffix_index_scope == "tenant",
+        max_tenants=settings.speculation.suffix_index_tenants,
         recycled=(
             _recycled_predictions(target)
             if settings.speculation.recycled_predictions and settings.speculation.draft_context
@@ -380,6 +381,7 @@ def _warm_up(engine: SpeculativeEngine) -> None:
     )
     for _ in engine.batch.rounds(generation):
         pass
+    engine.tenants.forget(WARM_UP_TENANT)  # its recycled table and acceptance statistics
     if engine.suffix is not None:
         engine.suffix.forget(WARM_UP_TENANT)
         engine.suffix.forget(SHARED_TENANT)  # the warm-up's, with --suffix-index-scope shared

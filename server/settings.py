@@ -628,8 +628,9 @@ _HELP = {
     "prefixes only; shared: every caller drafts from every caller's answers and prefixes, "
     "which reveals to any caller, through the drafted and accepted counts and the time to "
     "first token, whether other callers' answers or prompts contained a phrase it guesses",
-    "suffix_index_tenants": "tenants whose learned answers the suffix index keeps, each within "
-    "an equal share of --suffix-index-tokens; beyond, the least recently used is dropped",
+    "suffix_index_tenants": "tenants whose learned state is kept: answers in the suffix index, "
+    "each within an equal share of --suffix-index-tokens, recycled predictions and acceptance "
+    "statistics; beyond, the least recently used tenant's is dropped",
     "share_answers": "a Redis URL (redis://host:port/db, rediss:// for TLS): publish every "
     "answer the suffix index learns to a Redis Stream and learn the answers other replicas of "
     "the same model and tokenizer publish there, each into its own tenant's index; Redis down "

@@ -105,13 +105,19 @@ class ContextDraft:
         return self._name
 
     def start(
-        self, prompt_ids: Sequence[int], *, suffix: SuffixIndex | TenantView | None = None
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        suffix: SuffixIndex | TenantView | None = None,
+        recycled: RecycledPredictions | None = None,
     ) -> ContextSession:
-        """A session; `suffix` in place of the draft's own index (a tenant's view of it)."""
+        """A session; `suffix` and `recycled` in place of the draft's own index and table (a
+        tenant's view of the index, a tenant's table)."""
         index = ContextIndex(self.min_match, self.max_match)
         index.extend(prompt_ids)
         static = self.static.start(prompt_ids) if self.static is not None else None
-        return ContextSession(self, index, static, suffix if suffix is not None else self.suffix)
+        suffix = suffix if suffix is not None else self.suffix
+        return ContextSession(self, index, static, suffix, recycled)
 
 
 class ContextSession(DraftSession, Branching):
@@ -123,11 +129,13 @@ class ContextSession(DraftSession, Branching):
         index: ContextIndex,
         static: StaticSession | None,
         suffix: SuffixIndex | TenantView | None = None,
+        recycled: RecycledPredictions | None = None,
     ) -> None:
         self._index = index
         self._static = static
         self._suffix = suffix
-        self._recycled = draft.recycled
+        # a tenant's table where the draft has recycled predictions on at all
+        self._recycled = draft.recycled if recycled is None or draft.recycled is None else recycled
         self._recycled_min_prob = draft.recycled_min_prob
         self._long = draft.long_draft_tokens
         self._branches = draft.branches

@@ -51,6 +51,10 @@ class RecycledPredictions:
         self._best = [-1] * vocab_size
         self._best_prob = [0.0] * vocab_size
 
+    def empty_like(self) -> RecycledPredictions:
+        """A table of the same shape and kernel that has seen nothing (another tenant's)."""
+        return RecycledPredictions(self.vocab_size, self.width, top_probs=self._top_probs)
+
     def record(self, token_ids: Sequence[int], rows: Iterable[tuple[int, torch.Tensor]]) -> None:
         """Keep the top next tokens of logit rows: (i, logits) is the target's prediction after
         token_ids[i]. Rows after a token outside the table's vocabulary are ignored."""

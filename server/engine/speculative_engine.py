@@ -27,7 +27,8 @@ from server.engine.params import (
 from server.engine.recycled import RecycledPredictions
 from server.engine.speculator import AcceptanceStats, Speculator
 from server.engine.target import TargetModel
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from server.engine.tenant_index import MAX_TENANTS, SHARED_TENANT, TenantSuffixIndex
+from server.engine.tenant_state import TenantState, TenantStates
 
 TREE_WINDOW_FACTOR = 4
 
@@ -73,6 +74,7 @@ class SpeculativeEngine:
         suffix: TenantSuffixIndex | None = None,
         recycled: RecycledPredictions | None = None,
         isolate_tenants: bool = True,
+        max_tenants: int = MAX_TENANTS,
     ) -> None:
         self.target = target
         self._grammars: GrammarCompiler | None = None  # made for the first grammar asked
@@ -83,7 +85,14 @@ class SpeculativeEngine:
         # Each tenant drafts from its own answers (and reuses its own prefixes) only; False
         # (--suffix-index-scope shared): every request is SHARED_TENANT's.
         self.isolate_tenants = isolate_tenants
-        self.recycled = recycled  # the target's recent predictions per token; learns every pass
+        # Per tenant (server.engine.tenant_state): the target's recent predictions per token
+        # (`recycled` is the shared tenant's table, and the model of every other's) and the
+        # acceptance statistics per draft source, the priors of each request's own.
+        self.tenants = TenantStates(
+            recycled.empty_like if recycled is not None else None,
+            max_tenants if isolate_tenants else 1,
+        )
+        self.tenants.adopt(SHARED_TENANT, TenantState(recycled, AcceptanceStats()))
         # (tenant, prompt, answer) of each answer learned, on the engine thread: where the
         # server publishes it to other replicas (server.answer_stream). It must not block.
         self.on_learned: Callable[[str, Sequence[int], Sequence[int]], None] | None = None
@@ -100,7 +109,6 @@ class SpeculativeEngine:
         self.breaker_settings = breaker_settings or BreakerSettings()
         self._clock = clock  # what the breakers judge their reset timeouts by
         self._events = events
-        self.acceptance_stats = AcceptanceStats()  # every request's, per draft source: priors
         self.fault_breaker = DraftFaultBreaker(
             fault_max=self.breaker_settings.fault_max,
             reset_timeout_s=self.breaker_settings.fault_reset_timeout_s,
@@ -155,7 +163,8 @@ class SpeculativeEngine:
             check_stopping(stopping)
             constraint = self._grammar(grammar)
         tenant = tenant if self.isolate_tenants else SHARED_TENANT
-        session = self._session(prompt_ids, speculation, tenant)
+        learned = self.tenants.of(tenant)
+        session = self._session(prompt_ids, speculation, tenant, learned.recycled)
         trees = self.context.tree_budget > 1
         settings = self.breaker_settings
         acceptance = AcceptanceBreaker(
@@ -174,7 +183,7 @@ class SpeculativeEngine:
             acceptance=acceptance,
             faults=self.fault_breaker,
             request_id=request_id,
-            shared=self.acceptance_stats,
+            shared=learned.acceptance,
             sampled=not sampling.greedy,
             tree_budget=self.context.tree_budget,
         )
@@ -185,7 +194,7 @@ class SpeculativeEngine:
             stopping=stopping,
             speculator=speculator,
             on_finish=partial(self._learn, tenant) if self.suffix is not None else None,
-            recycled=self.recycled,
+            recycled=learned.recycled,
             tenant=tenant,
             grammar=constraint,
             processing=processing,
@@ -201,13 +210,18 @@ class SpeculativeEngine:
         return self._grammars.start(spec)
 
     def _session(
-        self, prompt_ids: Sequence[int], speculation: SpeculationParams, tenant: str
+        self,
+        prompt_ids: Sequence[int],
+        speculation: SpeculationParams,
+        tenant: str,
+        recycled: RecycledPredictions | None,
     ) -> DraftSession | None:
         draft = self.draft_for(speculation.draft_context)
         if draft is None or not speculation.enabled:
             return None
-        if draft is self.context_draft and self.suffix is not None:
-            return self.context_draft.start(prompt_ids, suffix=self.suffix.view(tenant))
+        if draft is self.context_draft:
+            suffix = self.suffix.view(tenant) if self.suffix is not None else None
+            return self.context_draft.start(prompt_ids, suffix=suffix, recycled=recycled)
         return draft.start(prompt_ids)
 
     def _learn(self, tenant: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
