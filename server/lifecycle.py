@@ -4,6 +4,22 @@ Health (grpc.health.v1) reports NOT_SERVING while the model loads and warms up, 
 and NOT_SERVING again once a drain starts. Reflection answers on both v1alpha (what
 grpcio-reflection ships) and v1 (what current grpcurl asks first; the messages are identical,
 so the v1 service is the same handler under the v1 name).
+
+The drain (`stop`, on SIGTERM or SIGINT), in order:
+
+1. Both ports keep listening. Health reports NOT_SERVING on both APIs (grpc.health.v1 Check
+   and HTTP `/health`, 503), and every new call is refused at once, saying the server is
+   draining: gRPC UNAVAILABLE, HTTP 503 with `Retry-After` and `Connection: close` (an unread
+   body is drained by the lingering close, server.openai_api.connections).
+2. The generate calls already admitted (streaming, queued for a slot, or an HTTP body still
+   arriving) go on, until the last ends or the grace period (`--grace-period-s`) runs out,
+   whichever comes first: the stop does not wait out the grace once they are done.
+3. Calls still running then are cut (Serving.cut): gRPC ends them with UNAVAILABLE, HTTP
+   with a 503 if nothing was sent yet, else a final `data: {"error": ...}` event and a
+   complete chunked body; each message says the server shut down and the grace ran out.
+4. The gRPC server stops (STOP_GRACE_S for short calls still open, then cancelled) and the
+   HTTP server closes its listener and connections; then the engine thread, the pass costs,
+   shared answers, metrics and traces are closed, and `stopped` is logged.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from server.answer_records import model_fingerprint
 from server.answer_stream import AnswerStream, StreamSettings
 from server.engine.events import EngineEvents
 from server.engine.gguf_model import GGUF_SUFFIX
+from server.grpc_front import FrontLimits, GrpcFront, tls_context
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
 from server.openai_api.connections import ConnectionLimits
@@ -31,9 +48,9 @@ from server.openai_api.http_server import HttpServer
 from server.openai_api.routes import GENERATE_PATHS, HttpLimits, build_app
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
-from server.security import BearerTokenInterceptor, read_tokens, server_credentials
+from server.security import BearerTokenInterceptor, read_tokens
 from server.service import GeneratorService, generator_handler
-from server.serving import Serving
+from server.serving import Serving, ShutDown
 from server.settings import LimitSettings, ModelSettings, Settings
 from server.tracing import build_tracing
 
@@ -43,6 +60,8 @@ GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
 SHARED_ANSWERS_FLUSH_S = 2.0  # at stop, how long buffered answers get to reach Redis
+CUT_REPORT_S = 2.0  # streams cut at the end of a drain: how long they get to say so
+STOP_GRACE_S = 1.0  # after the drain, what is left (no generate call) gets this long
 
 
 def served_model_id(model: ModelSettings) -> str:
@@ -67,9 +86,9 @@ class KenspecServer:
         self.scheduler = Scheduler(
             max_active=limits.max_concurrent_streams, max_queue=limits.max_queue
         )
-        self.metrics = Metrics()
-        self.metrics_port: int | None = None
         model_name = served_model_id(settings.model)
+        self.metrics = Metrics(model_name)  # (its request-level metrics' model_name label)
+        self.metrics_port: int | None = None
         self.tracing = build_tracing(server.otel, server.otel_service_name, model_name)
         tokens = read_tokens(security.auth_tokens_file) if security.auth_tokens_file else ()
         self.serving = Serving(
@@ -90,6 +109,9 @@ class KenspecServer:
         self.http_port: int | None = None
         self.answers: AnswerStream | None = None  # --share-answers, from load()
         self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(limits))
+        # The public gRPC address is the front's (server.grpc_front): it bounds connections,
+        # terminates TLS and relays to grpc, which listens on a private Unix socket only.
+        self.front = GrpcFront(server.host, server.port, grpc_front_limits(limits))
         self._register()
 
     def _http_server(self, tokens: tuple[bytes, ...]) -> HttpServer:
@@ -103,6 +125,7 @@ class KenspecServer:
             limits=HttpLimits(limits.max_message_bytes, limits.http_body_timeout_s),
             allowed_hosts=security.allowed_hosts,
             bind_host=server.host,
+            metrics=server.http_metrics,
         )
         return HttpServer(
             app,
@@ -135,18 +158,15 @@ class KenspecServer:
     async def start(self) -> int:
         """Listen (health NOT_SERVING until load() finishes); returns the bound port."""
         server, security = self.settings.server, self.settings.security
-        address = f"{server.host}:{server.port}"
+        tls = None
         if security.tls_cert or security.tls_key:
             if not (security.tls_cert and security.tls_key):
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
-            credentials = server_credentials(
-                security.tls_cert, security.tls_key, security.tls_client_ca
-            )
-            self.port = self._server.add_secure_port(address, credentials)
-        else:
-            self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            tls = tls_context(security.tls_cert, security.tls_key, security.tls_client_ca)
+        backend = self.front.backend_address()  # plaintext: only the front can reach it
+        if self._server.add_insecure_port(backend) == 0:
+            raise OSError(f"cannot listen on {backend}")
+        self.port = await self.front.start(tls)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         log.info("listening", address=f"{server.host}:{self.port}")
@@ -199,15 +219,25 @@ class KenspecServer:
         await self.answers.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within the grace."""
+        """Drain, then stop (the module doc says how): both ports keep answering, new calls
+        refused and health NOT_SERVING, until the generate calls in flight end or the grace
+        (--grace-period-s unless given) runs out; those left then are cut with an error."""
         grace = self.settings.server.grace_period_s if grace_s is None else grace_s
         self.serving.draining = True  # before the log line: no call slips in after it
-        log.info("draining", grace_s=grace)
+        log.info("draining", grace_s=grace, calls=self.serving.calls_in_flight)
         await self.health.enter_graceful_shutdown()
-        stopping = [self._server.stop(grace)]
+        if not await self.serving.wait_idle(grace):
+            cut = self.serving.cut(ShutDown(grace))
+            log.warning("drain_cut", calls=cut, grace_s=grace)
+            await self.serving.wait_idle(CUT_REPORT_S)  # each writes its error and ends
+        # What is left is short (health checks, refusals, Tokenize, responses being flushed):
+        # a brief grace, then grpc cancels its calls and the HTTP server closes connections.
+        last = min(grace, STOP_GRACE_S)
+        stopping = [self._server.stop(last)]
         if self.http is not None:
-            stopping.append(self.http.stop(grace))
+            stopping.append(self.http.stop(last))
         await asyncio.gather(*stopping)
+        await self.front.close()  # after grpc: what it sent last reaches the clients
         await asyncio.to_thread(self.scheduler.shutdown)
         if self.serving.runtime is not None:  # the engine thread is done: its costs are still
             await asyncio.to_thread(self.serving.runtime.save_costs)
@@ -236,8 +266,22 @@ def http_connection_limits(limits: LimitSettings) -> ConnectionLimits:
     )
 
 
+def grpc_front_limits(limits: LimitSettings) -> FrontLimits:
+    return FrontLimits(
+        max_connections=limits.grpc_max_connections,
+        handshake_timeout_s=limits.grpc_handshake_timeout_s,
+        idle_timeout_s=limits.grpc_idle_timeout_s,
+    )
+
+
 def grpc_options(limits: LimitSettings) -> list[tuple[str, int]]:
-    """Channel arguments of the gRPC server: message size and the bounds on connections."""
+    """Channel arguments of the gRPC server: message size and the bounds on connections.
+
+    The connection cap is the front's (server.grpc_front), which evicts idle connections to
+    make room; grpc core's own cap (`grpc.max_allowed_incoming_connections`) is left unset: it
+    cannot evict, and would refuse a relayed connection while an evicted one it had not yet
+    seen close still counted. The handshake and idle timeouts stay set here as well (the
+    front's fire around the same time, as a backstop)."""
 
     def ms(seconds: float) -> int:
         return max(1, round(seconds * 1000))
@@ -245,7 +289,6 @@ def grpc_options(limits: LimitSettings) -> list[tuple[str, int]]:
     options = [
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.so_reuseport", 0),
-        ("grpc.max_allowed_incoming_connections", limits.grpc_max_connections),
         ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
         ("grpc.server_handshake_timeout_ms", ms(limits.grpc_handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", ms(limits.grpc_idle_timeout_s)),

@@ -55,9 +55,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         metadata = context.invocation_metadata()
         # Made first, so that every call is counted, however early it fails.
         record = self.serving.record("grpc", GENERATE_SPAN, request_id, metadata)
+        call = None  # admitted: counted by a drain, cut at the end of its grace
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
                 runtime = self._runtime(request)
+                call = self.serving.admit()
                 if bad_id is not None:
                     raise bad_id
                 assert isinstance(request, pb.GenerateRequest)  # _runtime refuses the rest
@@ -73,8 +75,14 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:
-                record.code = grpc.StatusCode.CANCELLED  # the client left
-                raise
+                if call is None or call.cut is None:
+                    record.code = grpc.StatusCode.CANCELLED  # the client left
+                    raise
+                # Cut by the drain at the end of its grace: the client hears why.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                failure = failure_of(call.cut, request_id)
+                record.code = failure.code
+                await context.abort(failure.code, failure.message)
             except ClientGone:
                 record.code = grpc.StatusCode.CANCELLED  # left while a message was being sent
             except Exception as error:
@@ -85,6 +93,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 await context.abort(failure.code, failure.message)
             finally:
                 record.close()
+                if call is not None:
+                    self.serving.release(call)
 
     async def _send(self, context: grpc.aio.ServicerContext, response: pb.GenerateResponse) -> None:
         """Write one message; a client that reads nothing for stall_timeout_s loses its stream

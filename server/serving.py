@@ -24,7 +24,13 @@ from server.engine.detokenizer import TokenTexts
 from server.engine.generation import Generation, Round
 from server.engine.params import InvalidParameter, SamplingParams
 from server.engine.tenant_index import SHARED_TENANT
-from server.generate_params import GenerateParams, Limits, check_prompt_chars, check_prompt_length
+from server.generate_params import (
+    GenerateParams,
+    Limits,
+    check_prompt_chars,
+    check_prompt_length,
+    fit_stopping,
+)
 from server.metrics import Metrics
 from server.request_spans import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
 from server.runtime import Runtime
@@ -48,6 +54,16 @@ class Unavailable(Exception):
     """The model is still loading, or the server is draining."""
 
 
+class ShutDown(Unavailable):
+    """The server stopped before the call finished: the drain's grace period ran out."""
+
+    def __init__(self, grace_s: float) -> None:
+        super().__init__(
+            "the server shut down before this call finished (its drain's grace period, "
+            f"--grace-period-s {grace_s:g}, ran out); retry on another replica"
+        )
+
+
 class ClientGone(Exception):
     """A message could not be written: the call ended on the client's side."""
 
@@ -67,6 +83,18 @@ class DeadlineCapExceeded(Exception):
 
     def __init__(self, cap_s: float) -> None:
         super().__init__(f"the request ran past the server's limit of {cap_s:g} s")
+
+
+class Call:
+    """A generate call admitted (past `Serving.ready`) and not yet ended: a drain waits for
+    it, and when the grace period runs out cuts it, cancelling its task with `cut` set, which
+    the API's handler then reports to the client (an error event, UNAVAILABLE)."""
+
+    __slots__ = ("cut", "task")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.cut: ShutDown | None = None
 
 
 class Serving:
@@ -92,6 +120,9 @@ class Serving:
         self.stall_timeout_s = stall_timeout_s
         self.runtime: Runtime | None = None  # set once the model is loaded and warm
         self.draining = False  # set when a drain starts: new calls are refused at once
+        self._calls: set[Call] = set()  # generate calls admitted and not ended (see admit)
+        self._idle = asyncio.Event()  # set while no call is admitted
+        self._idle.set()
         self._large_inputs: asyncio.Semaphore | None = None  # see _off_loop
         self._texts: TokenTexts | None = None  # see token_texts
 
@@ -103,12 +134,54 @@ class Serving:
     def ready(self) -> Runtime:
         """The runtime, or Unavailable with what the caller should do."""
         if self.draining:
-            raise Unavailable("the server is shutting down; retry on another replica")
+            raise Unavailable(
+                "the server is draining (shutting down): calls in flight finish, new ones are "
+                "refused; retry on another replica"
+            )
         if self.runtime is None:
             raise Unavailable(
                 "the model is still loading; retry when the health check reports SERVING"
             )
         return self.runtime
+
+    def admit(self) -> Call:
+        """Count the current task's generate call as in flight until `release`: call it at
+        once after `ready()` (no await between, so no call is admitted once a drain began)."""
+        call = Call(asyncio.current_task())
+        self._calls.add(call)
+        self._idle.clear()
+        return call
+
+    def release(self, call: Call) -> None:
+        self._calls.discard(call)
+        if not self._calls:
+            self._idle.set()
+
+    @property
+    def calls_in_flight(self) -> int:
+        return len(self._calls)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generate call is in flight, at most `timeout_s`; True if none is."""
+        if not self._calls:
+            return True
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await self._idle.wait()
+        except TimeoutError:
+            return not self._calls
+        return True
+
+    def cut(self, error: ShutDown) -> int:
+        """End every generate call in flight: each task is cancelled with `error` set on its
+        Call, for its handler to report. Returns how many were cut."""
+        cut = 0
+        for call in self._calls:
+            if call.cut is None and call.task is not None:
+                call.cut = error
+                call.task.cancel(str(error))
+                cut += 1
+        return cut
 
     def record(self, api: str, name: str, request_id: str, carrier: Carrier) -> RequestRecord:
         """A generate call's record (its metrics, and its span named `name` when tracing is
@@ -184,9 +257,10 @@ class Serving:
                 "streams (each choice is one)",
             )
         prompt_ids = await self.encode(runtime, params.prompt, params.messages)
-        check_prompt_length(
-            len(prompt_ids), runtime.limits, "prompt" if params.prompt is not None else "messages"
-        )
+        prompt_field = "prompt" if params.prompt is not None else "messages"
+        check_prompt_length(len(prompt_ids), runtime.limits, prompt_field)
+        max_context = runtime.engine.target.max_context
+        stopping = fit_stopping(params, len(prompt_ids), max_context, prompt_field)
         try:
             slot = await asyncio.wait_for(
                 self.scheduler.acquire(params.n), record.remaining(self.max_deadline_s)
@@ -198,7 +272,7 @@ class Serving:
                 runtime.engine.start(
                     prompt_ids,
                     sampling=sampling,
-                    stopping=params.stopping,
+                    stopping=stopping,
                     speculation=params.speculation,
                     request_id=request_id,
                     tenant=tenant,
@@ -324,15 +398,16 @@ def failure_of(error: Exception, request_id: str) -> Failure:
 
 class RequestRecord:
     """One generate call's metrics: time to first token, gaps between rounds, the outcome
-    (labelled by the API it came through); its span sees the same rounds and outcome."""
+    (labelled by the API it came through), and once finished its latency, prompt tokens and
+    time per output token; its span sees the same rounds and outcome."""
 
     def __init__(self, metrics: Metrics, api: str, span: RequestSpan = NO_SPAN) -> None:
         self._metrics = metrics
         self._api = api
         self._span = span
-        self._started = self._last = time.perf_counter()
+        self._started = self._last = self._first_at = time.perf_counter()
         self._first = True
-        self._tokens = 0
+        self._tokens = self._first_tokens = self._prompt_tokens = 0
         self.code = grpc.StatusCode.UNKNOWN
         self.finish_reason: FinishReason | None = None
 
@@ -343,8 +418,12 @@ class RequestRecord:
         now = time.perf_counter()
         histogram = self._metrics.ttft if self._first else self._metrics.round_seconds
         histogram.observe(now - self._last)
+        if self._first:
+            self._first_at, self._first_tokens = now, len(round_.token_ids)
         self._first, self._last = False, now
         self._tokens += len(round_.token_ids)
+        if round_.usage is not None:  # (every choice's last round: the prompt is shared)
+            self._prompt_tokens = round_.usage.prompt_tokens
         self._metrics.observe_round(round_)
         self._span.round(round_)
         if round_.finish_reason is not None:
@@ -352,13 +431,19 @@ class RequestRecord:
 
     def close(self) -> None:
         reason = self.finish_reason.value if self.finish_reason else "none"
-        self._metrics.requests.labels(
-            api=self._api, finish_reason=reason, code=self.code.name
-        ).inc()
+        self._metrics.count_request(self._api, reason, self.code.name)
         self._span.end(self.code)
+        if self.finish_reason is None:
+            return
         seconds = self._last - self._started
-        if self.finish_reason is not None and seconds > 0:
-            self._metrics.tokens_per_second.observe(self._tokens / seconds)
+        metrics = self._metrics
+        metrics.e2e_latency.observe(seconds)
+        metrics.prompt_tokens.observe(self._prompt_tokens)
+        if seconds > 0:
+            metrics.tokens_per_second.observe(self._tokens / seconds)
+        later = self._tokens - self._first_tokens  # tokens emitted after the first round's
+        if later > 0:
+            metrics.time_per_output_token.observe((self._last - self._first_at) / later)
 
 
 def _release(permits: asyncio.Semaphore, work: asyncio.Future) -> None:

@@ -14,7 +14,16 @@ its h11 protocol:
 - past the connection cap, the connection idle longest (waiting for headers, no request in
   flight) is closed to make room, as nginx does with idle keep-alive connections; with none
   idle, the new one gets 503 and is closed. Idle connections therefore cannot lock out a client
-  that sends its request at once.
+  that sends its request at once;
+- a lingering close, as nginx's: a connection closed while the client may still be sending
+  (a 413 or 408 with the body unread, a 429 or a draining 503 before it, the 503 past the
+  cap, a 408 on half-sent headers) first has its write side shut (FIN after the response),
+  then what still comes is read and thrown away until the client closes, for at most
+  LINGER_S and LINGER_BYTES. Closed at once, with unread bytes in the kernel's buffer or
+  more arriving, the socket sends a reset instead of a FIN, and a reset makes the client's
+  kernel drop the response it has not read yet: the client sees "connection reset" instead
+  of the status that says why. Lingering connections no longer count as open (nor against
+  the cap); at most `max_connections` of them at once, beyond that one closes at once.
 
 Requests in flight are capped by `RequestCap`, an ASGI wrapper, before the route reads a body.
 """
@@ -42,6 +51,8 @@ class ConnectionLimits:
 
 
 DEFAULT_LIMITS = ConnectionLimits()
+LINGER_S = 3.0  # a lingering close reads what still comes at most this long,
+LINGER_BYTES = 8 << 20  # and at most this much
 
 
 def raw_response(status: int, reason: str, message: str, *headers: str) -> bytes:
@@ -58,18 +69,50 @@ def raw_response(status: int, reason: str, message: str, *headers: str) -> bytes
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and a connection cap (see the module doc)."""
+class _LingeringTransport:
+    """A connection's transport as uvicorn's protocol and request cycles hold it: the same,
+    but its close() is the protocol's, which lingers when the client may still be sending."""
 
-    def __init__(self, *args: object, limits: ConnectionLimits, **kwargs: object) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout, a connection cap and a lingering close
+    (see the module doc)."""
+
+    def __init__(
+        self,
+        *args: object,
+        limits: ConnectionLimits,
+        lingering: set[BoundedH11Protocol] | None = None,
+        **kwargs: object,
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._limits = limits
         self._header_timer: asyncio.TimerHandle | None = None
         self._waiting_after: object = None  # the request cycle before the one awaited
         self.idle_since: float | None = None  # loop time it began to wait for headers
+        self._socket: asyncio.Transport | None = None  # the transport itself
+        self._lingering_set = lingering if lingering is not None else set()  # the server's
+        self.lingering = False
+        self._lingered = 0  # bytes read and thrown away while lingering
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # type: ignore[arg-type]
+        assert isinstance(transport, asyncio.Transport)
+        self._socket = transport
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         self._await_headers(self._limits.header_timeout_s)
         if len(self.connections) > self._limits.max_connections and not self._evict_idle():
             self._stop_waiting()
@@ -83,12 +126,46 @@ class BoundedH11Protocol(H11Protocol):
                     "retry-after: 1",
                 )
             )
-            self.transport.close()
+            self.close_lingering(always=True)  # its request is likely on its way
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:  # thrown away: the response is out, the connection is closing
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.abort()
+            return
         super().data_received(data)
         if self._header_timer is not None and self.cycle is not self._waiting_after:
             self._stop_waiting()  # a request's headers are complete: its route takes over
+
+    def close_lingering(self, *, always: bool = False) -> None:
+        """Close the connection: at once if the client has sent all it meant to, else (or
+        `always`) after a lingering wait (see the module doc)."""
+        socket = self._socket
+        assert socket is not None
+        if self.lingering or socket.is_closing():
+            socket.close()
+            return
+        unread = self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
+        room = len(self._lingering_set) < self._limits.max_connections
+        if not (always or unread or self.flow.read_paused) or not room:
+            socket.close()
+            return
+        self._stop_waiting()
+        self._unset_keepalive_if_required()
+        self.lingering = True
+        self.connections.discard(self)  # no longer open, for the cap and the server's stop
+        self._lingering_set.add(self)
+        if socket.can_write_eof():  # (not with TLS: there the client reads to the length)
+            socket.write_eof()  # after what is buffered: the client reads the response, then EOF
+        socket.resume_reading()
+        # The client's EOF closes the transport (eof_received returns None); else, this.
+        self._linger_timer = self.loop.call_later(LINGER_S, self.abort)
+
+    def abort(self) -> None:
+        """Close at once, lingering or not (what is unsent is lost)."""
+        if self._socket is not None:
+            self._socket.abort()
 
     def on_response_complete(self) -> None:
         finished = self.cycle
@@ -101,6 +178,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        self._lingering_set.discard(self)
         super().connection_lost(exc)
 
     def _await_headers(self, timeout_s: float) -> None:
@@ -151,8 +232,9 @@ class BoundedH11Protocol(H11Protocol):
 class RequestCap:
     """At most `limit` HTTP requests in the app at once; beyond it 429 before the body is read.
 
-    The refusal closes its connection, so the unread body is not drained; `on_refused` hears
-    the path of each request refused."""
+    The refusal closes its connection (with a lingering close: the unread body is read and
+    thrown away, within bounds, not parsed); `on_refused` hears the path of each request
+    refused."""
 
     def __init__(
         self, app: ASGIApp, limit: int, on_refused: Callable[[str], None] | None = None

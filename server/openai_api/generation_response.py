@@ -3,8 +3,10 @@ then [DONE]) or one JSON body.
 
 The first round is awaited before the response starts, so every refusal (bad input, a full
 queue, a server still loading) gets its own HTTP status; once streaming, a failure ends the
-stream with an OpenAI-shaped error event. A client that disconnects cancels its generation,
-whether it streams or waits for the whole answer.
+stream with an OpenAI-shaped error event (and a complete chunked body; no [DONE] after it). A
+client that disconnects cancels its generation, whether it streams or waits for the whole
+answer. A generation the drain cuts at the end of its grace (Serving.cut) ends the same way:
+a 503 if nothing was sent yet, else the error event.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from server.runtime import Runtime
 from server.scheduler import Overloaded
 from server.serving import (
     RETRY_AFTER_MS,
+    Call,
     ClientGone,
     RequestRecord,
     Serving,
@@ -53,11 +56,14 @@ class GenerationResponse(Response):
         record: RequestRecord,
         headers: dict[str, str],
         tenant: str = SHARED_TENANT,
+        call: Call | None = None,
     ) -> None:
         self.serving, self.runtime, self.request = serving, runtime, request
         self.tenant = tenant  # whose answers it drafts from and learns into
         self.completion, self.record = completion, record
         self.extra_headers = headers
+        self.call = call  # the admitted call, released when the response ends
+        self._started = self._complete = False  # what of the response has been sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = self.completion.request_id
@@ -81,10 +87,32 @@ class GenerationResponse(Response):
                 record.code = grpc.StatusCode.DEADLINE_EXCEEDED
                 log.info("stream_stalled", error=str(error))
             except asyncio.CancelledError:
-                record.code = _CANCELLED
-                raise
+                cut = self.call.cut if self.call is not None else None
+                if cut is None:
+                    record.code = _CANCELLED
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                await self._report_cut(cut, send)
             finally:
                 record.close()
+                if self.call is not None:
+                    self.serving.release(self.call)
+
+    async def _report_cut(self, error: Exception, send: Send) -> None:
+        """Cut by the drain: a refusal if nothing was sent, else an error event that ends the
+        stream. A client that reads nothing more is past helping (the server's stop closes
+        its connection)."""
+        if self._complete:  # (cut as it ended: it did end)
+            if self.record.code is grpc.StatusCode.UNKNOWN:
+                self.record.code = _OK
+            return
+        with contextlib.suppress(_Reported, ClientGone, StreamStalled):
+            if not self._started:
+                await self._refuse(error, send)
+            elif self.request.stream:
+                await self._stream_error(error, send)
+            else:  # (a whole answer whose body was being written)
+                await self._end(send)
 
     async def _whole(self, rounds: AsyncIterator[Round], send: Send) -> None:
         try:
@@ -94,7 +122,7 @@ class GenerationResponse(Response):
             return
         body = json.dumps(self.completion.whole(collected)).encode()
         await self._start(send, 200, "application/json")
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._last(send, body)
 
     async def _stream(self, rounds: AsyncIterator[Round], send: Send) -> None:
         try:  # the first round decides the status: every refusal comes before it
@@ -110,14 +138,18 @@ class GenerationResponse(Response):
         except (ClientGone, StreamStalled):
             raise
         except Exception as error:  # after the headers: an error event ends the stream
-            failure = failure_of(error, self.completion.request_id)
-            self.record.code = failure.code
-            await self._event(send, sse(error_body(failure.http_status, failure.message)))
-            await self._end(send)
+            await self._stream_error(error, send)
             raise _Reported from None
         if self.request.include_usage:
             await self._event(send, sse(self.completion.usage_chunk()))
         await self._event(send, SSE_DONE)
+        await self._end(send)
+
+    async def _stream_error(self, error: Exception, send: Send) -> None:
+        """The error event that ends a stream, then the end of the body."""
+        failure = failure_of(error, self.completion.request_id)
+        self.record.code = failure.code
+        await self._event(send, sse(error_body(failure.http_status, failure.message)))
         await self._end(send)
 
     async def _refuse(self, error: Exception, send: Send) -> None:
@@ -129,7 +161,7 @@ class GenerationResponse(Response):
         param = error.field if isinstance(error, InvalidParameter) else None
         body = json.dumps(error_body(failure.http_status, failure.message, param)).encode()
         await self._start(send, failure.http_status, "application/json", headers)
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._last(send, body)
         raise _Reported
 
     async def _start(
@@ -140,6 +172,7 @@ class GenerationResponse(Response):
             merged.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         raw = [(k.encode(), v.encode()) for k, v in merged.items()]
         await send({"type": "http.response.start", "status": status, "headers": raw})
+        self._started = True
 
     async def _event(self, send: Send, data: bytes) -> None:
         """One event; a client that reads nothing for the stall timeout loses its stream (the
@@ -155,10 +188,13 @@ class GenerationResponse(Response):
         except OSError as error:  # the connection closed under the write
             raise ClientGone from error
 
-    @staticmethod
-    async def _end(send: Send) -> None:
+    async def _end(self, send: Send) -> None:
         with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._last(send, b"")
+
+    async def _last(self, send: Send, body: bytes) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self._complete = True
 
 
 class _Reported(Exception):
@@ -167,7 +203,9 @@ class _Reported(Exception):
 
 async def _cancel_on_disconnect(receive: Receive, work: Awaitable[None]) -> bool:
     """Run `work` until it ends or the client disconnects (then cancel it); True if the
-    client left first. What the work raises, it raises."""
+    client left first. What the work raises, it raises. Cancelled itself, it cancels the work
+    and waits for it to end before it raises: the caller then closes the rounds the work was
+    reading, which it could not while they are still being read."""
     task = asyncio.ensure_future(work)
 
     async def listen() -> None:
@@ -181,6 +219,9 @@ async def _cancel_on_disconnect(receive: Receive, work: Awaitable[None]) -> bool
         listener.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # read: raised by the caller's cancellation, not news
     try:
         await task
     except asyncio.CancelledError:

@@ -39,13 +39,17 @@ class HttpError(Exception):
         code: str = "",
         *,
         close: bool = False,  # the connection cannot be reused (a body left unread)
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.param, self.code, self.close = status, param, code or None, close
+        self.headers = headers or {}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = error_body(self.status, str(self), self.param, self.code)
-        headers = {**(headers or {}), **({"connection": "close"} if self.close else {})}
+        headers = {**self.headers, **(headers or {})}
+        if self.close:
+            headers["connection"] = "close"
         return JSONResponse(body, self.status, headers=headers)
 
 

@@ -8,6 +8,10 @@ Connections are bounded (server.openai_api.connections): uvicorn runs kenspec's 
 its h11 protocol, whatever else is installed, and listens with TLS handshakes bounded by the
 header timeout (uvicorn leaves asyncio's 60 s), so a connection that never finishes one cannot
 hold its descriptor longer than one that never sends its headers.
+
+Stopping (after the drain, server.lifecycle): the listener closes, idle connections close, open
+requests get the stop's grace to finish, then every connection left (lingering ones too) is
+closed by this server, before uvicorn's own deadline would cancel requests with an error line.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from server.openai_api.connections import (
     ConnectionLimits,
     RequestCap,
 )
+
+# After the stop's grace has closed every connection, how long uvicorn may still wait for the
+# requests on them to end (each sees its disconnect at once) before cancelling them itself.
+_UVICORN_MARGIN_S = 5.0
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -79,9 +87,11 @@ class HttpServer:
     ) -> None:
         self._host, self._port = host, port
         self.requests = RequestCap(app, limits.max_requests, on_refused)
+        self._lingering: set[BoundedH11Protocol] = set()  # closed, reading what still comes
+        protocol = functools.partial(BoundedH11Protocol, limits=limits, lingering=self._lingering)
         self._config = uvicorn.Config(
             self.requests,
-            http=functools.partial(BoundedH11Protocol, limits=limits),  # type: ignore[arg-type]
+            http=protocol,  # type: ignore[arg-type]
             ws="none",  # no WebSocket routes: no upgrades to parse
             timeout_keep_alive=limits.keepalive_timeout_s,  # type: ignore[arg-type]
             lifespan="off",
@@ -123,12 +133,22 @@ class HttpServer:
         return self.port
 
     async def stop(self, grace_s: float) -> None:
-        """Stop listening, give open requests `grace_s` to finish, then close them."""
+        """Stop listening, give open requests `grace_s` to finish, then close their
+        connections (a request then sees its client gone and ends)."""
         if self._task is None:
             return
-        # (uvicorn reads 0 as "no time at all", and says so in an error line even when idle)
-        self._config.timeout_graceful_shutdown = max(grace_s, 0.1)
+        self._config.timeout_graceful_shutdown = grace_s + _UVICORN_MARGIN_S
         self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        closing = asyncio.get_running_loop().call_later(grace_s, self._close_connections)
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        finally:
+            closing.cancel()
+            self._close_connections()  # lingering ones, which uvicorn does not wait for
         self._task = None
+
+    def _close_connections(self) -> None:
+        for connection in [*self._server.server_state.connections, *self._lingering]:
+            if isinstance(connection, BoundedH11Protocol):
+                connection.abort()

@@ -11,6 +11,7 @@ import json
 import logging
 import select
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -60,6 +61,7 @@ def model(server) -> str:
 
 def counted(server, code: str) -> float:
     labels = {"api": "http", "finish_reason": "none", "code": code}
+    labels["model_name"] = server.metrics.model_name
     return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0.0
 
 
@@ -148,11 +150,11 @@ HOSTILE = {
         '{"model": "' + "m" * 300 + '", "prompt": "x"}',
         "model",
     ),
-    "a content part with an extra field": (
+    "a message with tool calls": (  # (an extra content part field is ignored and listed)
         "chat",
-        '{"model": "MODEL", "messages": [{"role": "user", '
-        '"content": [{"type": "text", "text": "x", "cache": 1}]}]}',
-        "messages[0].content[0].cache",
+        '{"model": "MODEL", "messages": [{"role": "assistant", "content": "x", '
+        '"tool_calls": [{"id": "1"}]}]}',
+        "messages[0].tool_calls",
     ),
     "not UTF-8": ("completions", '{"model": "MODEL", "prompt": "\xff"}', None),
 }
@@ -440,3 +442,105 @@ async def test_every_generate_request_is_counted_whatever_stage_it_ends_at(
         if sample.name == "kenspec_requests_total"
     )
     assert total == 7  # the models list and health are not generate calls: not counted
+
+
+OVERSIZED = 1_200_000  # bytes: over the default --max-message-bytes (1 MiB)
+
+
+async def _oversized_chunks(server):
+    """An oversized completions body, sent chunked (no Content-Length: read up to the limit)."""
+    prefix = f'{{"model": "{model(server)}", "prompt": "'.encode()
+    yield prefix
+    for _ in range(OVERSIZED // 65536):
+        yield b"x" * 65536
+    yield b'"}'
+
+
+async def post_oversized(server, url: str, *, declared: bool = False) -> httpx.Response | str:
+    """An oversized completions request on a new connection: the answer, or the transport
+    error that came instead (a reset: what a close with the body unread causes)."""
+    whole = b'{"prompt": "' + b"x" * OVERSIZED + b'"}'  # (sent with its Content-Length)
+    content = whole if declared else _oversized_chunks(server)
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        try:
+            return await client.post("/v1/completions", content=content, headers=JSON)
+        except httpx.TransportError as error:
+            return repr(error)
+
+
+def status(answer: httpx.Response | str) -> int | str:
+    return answer.status_code if isinstance(answer, httpx.Response) else answer
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_every_oversized_body_reads_its_413(http_server, logged, declared) -> None:
+    """The server closes after a 413 with most of the body unread: it reads and discards the
+    rest first (a lingering close), so the client reads the 413 instead of a reset."""
+    server, url = await http_server()
+    assert server.settings.limits.max_message_bytes < OVERSIZED
+    answers = [await post_oversized(server, url, declared=declared) for _ in range(30)]
+    assert [status(answer) for answer in answers] == [413] * 30
+    for answer in answers:
+        assert isinstance(answer, httpx.Response)
+        assert answer.json()["error"]["message"].startswith("the body is")
+        assert answer.headers["connection"] == "close"
+    assert logged.errors() == []
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        await still_serves(client, server)
+
+
+async def test_a_429_before_a_big_body_is_read_too(http_server, logged) -> None:
+    """RequestCap's 429 comes before the body: the lingering close lets the client read it."""
+    server, url = await http_server(http_max_requests=1)
+    _, busy = await asyncio.open_connection("127.0.0.1", server.http_port)
+    busy.write(_request_head(100) + b"{")  # in the app, its body never finished
+    for _ in range(int(TIMEOUT / 0.01)):
+        if server.http.requests.in_flight == 1:
+            break
+        await asyncio.sleep(0.01)
+    answers = [await post_oversized(server, url) for _ in range(10)]
+    assert [status(answer) for answer in answers] == [429] * 10
+    busy.close()
+    assert logged.errors() == []
+
+
+def _keep_sending(port: int, bound_s: float) -> tuple[bytes, float | None]:
+    """Send the head of a 100 MB body, then keep sending until the server closes the
+    connection (a send fails). What the server answered, and how long after it answered the
+    connection closed (None: still open after `bound_s`)."""
+    answer, answered = b"", None
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(_request_head(100_000_000))
+        sock.settimeout(0.02)
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(b"x" * 65536)
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset: the server closed
+                return answer, time.monotonic() - answered if answered else None
+            if chunk and answered is None:
+                answered = time.monotonic()
+            answer += chunk
+    return answer, None
+
+
+@pytest.mark.parametrize("bound", ["time", "bytes"])
+async def test_a_lingering_close_is_bounded(http_server, monkeypatch, bound) -> None:
+    """A client that goes on sending after its 413 cannot hold the connection: it is closed
+    after LINGER_S, or LINGER_BYTES thrown away, whichever comes first."""
+    from server.openai_api import connections
+
+    if bound == "time":  # (and no byte bound)
+        monkeypatch.setattr(connections, "LINGER_S", 0.5)
+        monkeypatch.setattr(connections, "LINGER_BYTES", 1 << 40)
+    else:  # (and no time bound within the test's)
+        monkeypatch.setattr(connections, "LINGER_S", 600.0)
+        monkeypatch.setattr(connections, "LINGER_BYTES", 1 << 20)
+    server, _ = await http_server()
+    answer, closed_after = await asyncio.to_thread(_keep_sending, server.http_port, 30.0)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer
+    assert closed_after is not None, "still open after 30 s of sending"
+    assert closed_after < 10.0
