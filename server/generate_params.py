@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kenspec_api import generator_pb2 as pb
 from server.engine.grammar import GrammarSpec
@@ -24,8 +24,8 @@ MAX_REQUEST_ID = 128  # characters; the id is echoed in every streamed message a
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    default_max_new_tokens: int
-    max_new_tokens: int
+    default_max_new_tokens: int  # a request that sets none: this, cut to the context left
+    max_new_tokens: int  # the most a request may ask for (it must fit the context too)
     max_prompt_tokens: int
     max_prompt_chars: int  # checked before tokenizing: see prompt_char_limit
     tokenize_concurrency: int  # large inputs tokenized at once (serving.LARGE_INPUT_CHARS)
@@ -51,6 +51,10 @@ class GenerateParams:
     processing: ProcessorParams = field(default_factory=ProcessorParams)  # penalties, bias
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0-20)
     n: int = 1  # choices, each a stream against the limits
+    # The request set no token limit: stopping holds the server's default, which
+    # fit_stopping cuts to the context the prompt leaves (one set is refused if it does not fit).
+    default_tokens: bool = False
+    tokens_field: str = "max_new_tokens"  # the token limit as the request calls it
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -114,6 +118,7 @@ def parse_generate(
         processing=_processing(request.sampling),
         top_logprobs=request.top_logprobs if request.logprobs else None,
         n=request.n or 1,
+        default_tokens=request.stopping.max_new_tokens == 0,
     )
 
 
@@ -230,6 +235,33 @@ def stopping_params(
                 f"{len(text)} characters; the limit is {limits.max_stop_length}",
             )
     return StoppingParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
+
+
+def fit_stopping(
+    params: GenerateParams, prompt_tokens: int, max_context: int, prompt_field: str = "prompt"
+) -> StoppingParams:
+    """The request's stopping once its prompt is tokenized, as vLLM has it: a token limit the
+    request left to the server is cut to the context the prompt leaves (the generation then
+    ends with finish reason length at the context's end); one the request set must fit with
+    the prompt, else it is refused naming both numbers (never silently cut)."""
+    stopping, room = params.stopping, max_context - prompt_tokens
+    if room < 1:
+        raise InvalidParameter(
+            prompt_field,
+            f"{prompt_tokens} tokens fill the model's context of {max_context} tokens: "
+            "no room is left for a new token",
+        )
+    if params.default_tokens:
+        return replace(stopping, max_new_tokens=min(stopping.max_new_tokens, room))
+    if stopping.max_new_tokens > room:
+        name = params.tokens_field
+        raise InvalidParameter(
+            name,
+            f"the prompt ({prompt_tokens} tokens) + {name} ({stopping.max_new_tokens}) exceed "
+            f"the model's context of {max_context} tokens: at most {room} fit after this "
+            f"prompt (leave {name} unset for the rest of the context)",
+        )
+    return stopping
 
 
 def _speculation(speculation: pb.SpeculationParameters, defaults: Defaults) -> SpeculationParams:

@@ -3,6 +3,11 @@
 Names follow Prometheus conventions: counters end in _total, durations are in _seconds.
 Acceptance is accepted/drafted; per draft position it is
 rate(kenspec_accepted_by_position_total[5m]) / rate(kenspec_drafted_by_position_total[5m]).
+The request-level metrics carry a model_name label (the served model's id), and three of
+them are named as vLLM's are: kenspec_e2e_request_latency_seconds,
+kenspec_request_prompt_tokens and kenspec_time_per_output_token_seconds (with
+kenspec_time_to_first_token_seconds), so dashboards made for vLLM read them with the prefix
+changed.
 """
 
 from __future__ import annotations
@@ -14,18 +19,22 @@ from server.engine.generation import Round
 from server.metrics_http import MetricsAccess, MetricsEndpoint
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5)
+_PROMPT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1 to 500,000 tokens
 _MAX_POSITION = 16  # per-position series beyond this are folded into the last one
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name  # the request-level metrics' model_name label
         r = self.registry
         self.requests = Counter(
             "kenspec_requests_total",
-            "Generate calls (gRPC Generate, HTTP completions) by API, finish reason and status "
-            "(gRPC status code names for both APIs).",
-            ["api", "finish_reason", "code"],
+            "Generate calls (gRPC Generate, HTTP completions) by model, API, finish reason and "
+            "status (gRPC status code names for both APIs).",
+            ["model_name", "api", "finish_reason", "code"],
             registry=r,
         )
         self.stalled_streams = Counter(
@@ -71,24 +80,7 @@ class Metrics:
             ["state"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "kenspec_time_to_first_token_seconds",
-            "From request arrival to its first round.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.round_seconds = Histogram(
-            "kenspec_round_seconds",
-            "Time between consecutive rounds of a stream.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tokens_per_second = Histogram(
-            "kenspec_request_tokens_per_second",
-            "Completion tokens per second, per request.",
-            buckets=(1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 200, 500, 1000),
-            registry=r,
-        )
+        self._request_metrics(r)
         self.pass_rows = Histogram(
             "kenspec_batch_rows",
             "Streams verified together per forward pass (continuous batching).",
@@ -120,6 +112,53 @@ class Metrics:
         self.set_draft_breaker(BreakerState.CLOSED)
         self._endpoint: MetricsEndpoint | None = None
 
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Per generate call, labelled with the served model (as vLLM's are)."""
+        model = {"model_name": self.model_name}
+        self.ttft = Histogram(
+            "kenspec_time_to_first_token_seconds",
+            "From request arrival to its first round.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**model)
+        self.round_seconds = Histogram(
+            "kenspec_round_seconds",
+            "Time between consecutive rounds of a stream.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**model)
+        self.tokens_per_second = Histogram(
+            "kenspec_request_tokens_per_second",
+            "Completion tokens per second, per finished request (from its arrival).",
+            ["model_name"],
+            buckets=(1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 200, 500, 1000),
+            registry=r,
+        ).labels(**model)
+        self.e2e_latency = Histogram(
+            "kenspec_e2e_request_latency_seconds",
+            "From a finished request's arrival to its last round (vLLM's e2e_request_latency).",
+            ["model_name"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        ).labels(**model)
+        self.prompt_tokens = Histogram(
+            "kenspec_request_prompt_tokens",
+            "Prompt tokens of a finished request (vLLM's request_prompt_tokens).",
+            ["model_name"],
+            buckets=_PROMPT_BUCKETS,
+            registry=r,
+        ).labels(**model)
+        self.time_per_output_token = Histogram(
+            "kenspec_time_per_output_token_seconds",
+            "A finished request's time from its first round to its last, per token emitted "
+            "after the first round (vLLM's request_time_per_output_token).",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**model)
+
     def _shared_answers(self, r: CollectorRegistry) -> None:
         """The shared answer stream's (--share-answers, server.answer_stream)."""
         self.shared_published = Counter(
@@ -149,7 +188,12 @@ class Metrics:
     def count_refusal(self, api: str, code: str) -> None:
         """A generate call refused before its handler ran (a bearer token, a connection cap):
         counted as every other call is, with no finish reason."""
-        self.requests.labels(api=api, finish_reason="none", code=code).inc()
+        self.count_request(api, "none", code)
+
+    def count_request(self, api: str, finish_reason: str, code: str) -> None:
+        self.requests.labels(
+            model_name=self.model_name, api=api, finish_reason=finish_reason, code=code
+        ).inc()
 
     def observe_round(self, round_: Round) -> None:
         self.rounds.labels(mode=round_.mode.value).inc()

@@ -116,9 +116,10 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     max_prompt_tokens = min(
         settings.limits.max_prompt_tokens or target.max_context, target.max_context
     )
+    default_max_new_tokens, max_new_tokens = new_token_limits(settings, target.max_context)
     limits = Limits(
-        default_max_new_tokens=settings.limits.default_max_new_tokens,
-        max_new_tokens=settings.limits.max_new_tokens_limit,
+        default_max_new_tokens=default_max_new_tokens,
+        max_new_tokens=max_new_tokens,
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=prompt_char_limit(
             settings.limits.max_prompt_chars, max_prompt_tokens, target.tokenizer.get_vocab()
@@ -388,6 +389,14 @@ def _warm_up(engine: SpeculativeEngine) -> None:
 
 
 WARM_UP_TENANT = "warm-up"  # no caller's: tenant_of names tenants "t" + hex, or "shared"
+
+
+def new_token_limits(settings: Settings, max_context: int) -> tuple[int, int]:
+    """(default, limit) of a request's new tokens: --max-new-tokens-limit, 0 the context; and
+    --default-max-new-tokens within it, 0 the limit. Per request the default is then cut to
+    the context its prompt leaves (generate_params.fit_stopping), as vLLM's is."""
+    limit = settings.limits.max_new_tokens_limit or max_context
+    return min(settings.limits.default_max_new_tokens or limit, limit), limit
 
 
 def _model_info(

@@ -280,6 +280,7 @@ class ServerSettings:
     metrics_port: int = 9400
     metrics_host: str = "127.0.0.1"
     http_port: int = 8000
+    http_metrics: bool = True
     log_format: LogFormat = LogFormat.AUTO
     log_level: LogLevel = LogLevel.INFO
     otel: bool = False
@@ -311,12 +312,12 @@ class LimitSettings:
     prefill_chunk_alone: int = 512
     prefix_cache_mb: int = -1  # -1: sized from the model and the free memory at start-up
     max_queue: int = 32
-    default_max_new_tokens: int = 256
-    max_new_tokens_limit: int = 2048
+    default_max_new_tokens: int = 0  # 0: the rest of the context, within the limit
+    max_new_tokens_limit: int = 0  # 0: the model's context length
     max_prompt_tokens: int = 0  # 0: the model's context length
     max_prompt_chars: int = 0  # 0: max_prompt_tokens x the vocabulary's longest token
     tokenize_concurrency: int = 2
-    max_stop_sequences: int = 8
+    max_stop_sequences: int = 64
     max_stop_length: int = 128
     max_message_bytes: int = 1 << 20
     http_max_connections: int = 256
@@ -325,7 +326,7 @@ class LimitSettings:
     http_keepalive_timeout_s: float = 5.0
     http_body_timeout_s: float = 10.0
     grpc_max_connections: int = 256
-    grpc_max_streams_per_connection: int = 100
+    grpc_max_streams_per_connection: int = 1000  # far above what the scheduler holds
     grpc_handshake_timeout_s: float = 10.0
     grpc_idle_timeout_s: float = 300.0
     grpc_max_connection_age_s: float = 0.0  # 0: no limit (streams may be long)
@@ -381,6 +382,8 @@ class LimitSettings:
                 "--max-prompt-chars",
                 f"--max-prompt-chars must be 0 (derived) or more, not {self.max_prompt_chars}",
             )
+        _at_least(self, ("default_max_new_tokens", "max_new_tokens_limit"), 0)
+        _at_least(self, ("max_stop_sequences", "max_stop_length"), 0)
         _at_least(
             self,
             (
@@ -562,6 +565,9 @@ _HELP = {
     "http_port": "OpenAI-compatible HTTP API port on --host (/v1/chat/completions, "
     "/v1/completions, /v1/models, /health), beside gRPC on the same engine, with the same "
     "tokens, TLS and limits (0: pick a free one; -1: off)",
+    "http_metrics": "also serve /metrics on --http-port, asking what the HTTP API asks (a "
+    "bearer token of --auth-tokens-file, its TLS; without tokens, its Host check), whatever "
+    "--metrics-auth says; --no-http-metrics leaves them to --metrics-port alone",
     "served_model_name": "the model id the HTTP API lists and expects in requests' model field "
     "(empty: the model folder's name, or a GGUF file's name without .gguf)",
     "allowed_hosts": "without --auth-tokens-file, the HTTP API answers only requests whose Host "
@@ -670,15 +676,20 @@ _HELP = {
     "conversation); -1: room for four full contexts of the model, at most a tenth of the "
     "memory available at start-up; 0 disables",
     "max_queue": "streams waiting for a slot; beyond that RESOURCE_EXHAUSTED",
-    "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
-    "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
+    "default_max_new_tokens": "new tokens of a request that sets no limit (gRPC max_new_tokens 0, "
+    "HTTP max_tokens absent), cut to what the context leaves after its prompt (finish reason "
+    "length there); 0: the rest of the context, within --max-new-tokens-limit",
+    "max_new_tokens_limit": "largest max_new_tokens (HTTP max_tokens) a request may ask for; "
+    "one asked for must also fit the context with the prompt, else the request is refused "
+    "naming both numbers (0: the model's context length)",
     "max_prompt_tokens": "longest prompt in tokens (0: the model's context length)",
     "max_prompt_chars": "longest prompt (or chat, or Tokenize input) in characters, refused "
     "before any tokenizer work (0: the token limit x the most characters one token of the "
     "vocabulary spans, which no text that fits the token limit exceeds)",
     "tokenize_concurrency": "inputs of over 16,384 characters tokenized at once (each keeps a "
     "CPU core busy); more wait their turn, shorter ones never wait",
-    "max_stop_sequences": "most stop sequences per request",
+    "max_stop_sequences": "most stop sequences per request (each is searched for in the text "
+    "every generated token adds)",
     "max_stop_length": "longest stop sequence in characters",
     "max_message_bytes": "largest request message in bytes",
     "http_max_connections": "open HTTP connections; a connection beyond it closes the one "
@@ -690,14 +701,18 @@ _HELP = {
     "closed (408 when it had sent part of them)",
     "http_keepalive_timeout_s": "an HTTP keep-alive connection that sends nothing this long after "
     "a response is closed",
-    "grpc_max_connections": "open gRPC connections; beyond it new ones are closed at once",
+    "grpc_max_connections": "open gRPC connections (TLS handshakes under way included); a "
+    "connection beyond it closes the one idle longest (no call open), after a GOAWAY, or, with "
+    "none idle, is closed at once",
     "grpc_max_streams_per_connection": "concurrent calls per gRPC connection (HTTP/2 "
-    "MAX_CONCURRENT_STREAMS); a client's calls beyond it wait on its side (keep it at least "
-    "--max-concurrent-streams + --max-queue, so one client can fill the server)",
+    "MAX_CONCURRENT_STREAMS). Keep it well above --max-concurrent-streams + --max-queue: past "
+    "those the scheduler answers RESOURCE_EXHAUSTED with a retry delay at once, while calls "
+    "past this limit may fail UNAVAILABLE (REFUSED_STREAM) instead of waiting, as grpc clients "
+    "send new calls before the server has released finished ones or acknowledged its settings",
     "grpc_handshake_timeout_s": "a gRPC connection that has not finished its TLS handshake and "
-    "sent its HTTP/2 settings this long after opening is closed",
-    "grpc_idle_timeout_s": "a gRPC connection with no call for this long is closed (GOAWAY; "
-    "clients reconnect on their next call)",
+    "sent the HTTP/2 preface and its first settings this long after opening is closed",
+    "grpc_idle_timeout_s": "a gRPC connection with no call for this long gets GOAWAY (clients "
+    "reconnect on their next call), and is closed a second later if still open",
     "grpc_max_connection_age_s": "a gRPC connection is asked to go away (GOAWAY) after this long, "
     "its calls left to finish, so clients rebalance across replicas (0: never)",
     "grpc_min_ping_interval_s": "shortest interval between a client's keepalive pings during "

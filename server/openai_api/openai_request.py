@@ -1,15 +1,20 @@
 """From an OpenAI-shaped JSON body to GenerateParams, checked against the server's limits.
 
-Every field of the body is either used, accepted at the only value kenspec serves
-(``best_of: 1``, ``echo: false``, ``tools: []``, ...), or refused with a 400 naming it: nothing is
-silently ignored. Served with speculation on: ``n`` (each choice a stream against the limits),
-``logprobs`` (chat: with ``top_logprobs``; completions: the number of alternatives),
-``presence_penalty``, ``frequency_penalty`` and ``logit_bias``. kenspec's own knobs are extra
-top-level fields (what the openai SDK sends as ``extra_body``): ``top_k``, ``min_p``,
-``repetition_penalty``, ``speculation``, ``num_draft_tokens``, ``adaptive``,
-``draft_context``, ``ignore_eos``. ``response_format`` (both routes) takes OpenAI's ``text``,
-``json_object`` and ``json_schema``, and kenspec's ``regex`` and ``lark``
-(docs/structured-output.md).
+Every field of the body is either used; accepted at the only value kenspec serves
+(``best_of: 1``, ``echo: false``, ``tools: []``, ...) and refused at any other with a 400
+naming it (as are other servers' extensions kenspec cannot honour: ``guided_json``,
+``min_tokens``, ...); or accepted and not acted on, as vLLM does, and then listed in the
+answer's ``x-kenspec-ignored-fields`` header and the request's log line (ignored.py): OpenAI's
+fields that ask nothing of the output (``metadata``, ``store``, ``service_tier``, a content
+part's ``cache_control``, a message's ``name``, ...) and fields outside the API
+(docs/http-api.md has the table). Nothing is ignored silently. Served with speculation on:
+``n`` (each choice a stream against the limits), ``logprobs`` (chat: with ``top_logprobs``;
+completions: the number of alternatives), ``presence_penalty``, ``frequency_penalty`` and
+``logit_bias``. kenspec's own knobs are extra top-level fields (what the openai SDK sends as
+``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``, ``speculation``,
+``num_draft_tokens``, ``adaptive``, ``draft_context``, ``ignore_eos``. ``response_format``
+(both routes) takes OpenAI's ``text``, ``json_object`` and ``json_schema``, and kenspec's
+``regex`` and ``lark`` (docs/structured-output.md).
 
 Types are checked strictly, as JSON has them (fields.py): ``true`` is not ``1`` (nor ``0``
 ``false``), an integer field takes no float, numbers are finite and within 64 bits; ``model``
@@ -23,7 +28,7 @@ meet: bad UTF-8, deep nesting, lone surrogates); a failure is ``InvalidBody`` or
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.grammar import GrammarSpec, schema_text
@@ -44,6 +49,7 @@ from server.generate_params import (
 )
 from server.openai_api.body import decode_body
 from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
+from server.openai_api.ignored import IGNORED_FIELDS, Ignored
 
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0
@@ -57,8 +63,37 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     user: str | None
+    ignored: Ignored = field(default_factory=Ignored)  # accepted, not acted on
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
+def _empty(value: object) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Other servers' extensions kenspec cannot honour: ignoring one would change what the client
+# asked for (an unconstrained answer for guided_json), so any value but the neutral one is a 400.
+_EXTENSIONS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "guided_json": (_absent, "not served: send response_format (type json_schema)"),
+    "guided_regex": (_absent, "not served: send response_format (type regex)"),
+    "guided_grammar": (_absent, "not served: send response_format (type lark)"),
+    "guided_choice": (_absent, "not served: send response_format (type regex: a|b|c)"),
+    "structured_outputs": (_absent, "not served: send response_format"),
+    "min_tokens": (absent_or(0), "not served (a least number of new tokens)"),
+    "stop_token_ids": (_empty, "not served: send stop strings"),
+    "include_stop_str_in_output": (absent_or(False), "not served: stops are never in the output"),
+    "use_beam_search": (absent_or(False), "beam search is not served"),
+    "prompt_logprobs": (_absent, "the prompt's logprobs are not served"),
+    "allowed_token_ids": (_empty, "not served: send logit_bias"),
+    "bad_words": (_empty, "not served: send logit_bias"),
+    "chat_template": (_absent, "not served: the server's template (--chat-template) is used"),
+    "chat_template_kwargs": (_empty, "not served: the server's template is rendered as it is"),
+    "add_generation_prompt": (absent_or(True), "only true is served"),
+    "continue_final_message": (absent_or(False), "not served"),
+}
 # Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
@@ -70,11 +105,16 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "function_call": (absent_or("none"), "functions (function calling) are not supported"),
     # meaningless without tools, but clients send it: any boolean
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is served"),
+    "audio": (_absent, "audio output is not served"),
+    "web_search_options": (_absent, "web search is not served"),
+    **_EXTENSIONS,
 }
 _COMPLETION_DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
     "echo": (absent_or(False), "echo (the prompt's logprobs) is not supported"),
     "best_of": (absent_or(1), "only best_of=1 is served (n choices are all returned)"),
     "suffix": (absent_or(""), "suffix (insertion) is not supported"),
+    **_EXTENSIONS,
 }
 _COMMON = {
     "model",
@@ -115,21 +155,24 @@ def parse_request(data: bytes, *, chat: bool, limits: Limits, defaults: Defaults
 
 def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
     """POST /v1/chat/completions."""
-    _check_fields(body, CHAT_FIELDS, _DEFAULT_ONLY)
+    ignored = Ignored()
+    _check_fields(body, CHAT_FIELDS, _DEFAULT_ONLY, ignored)
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise InvalidParameter("max_tokens", "send max_tokens or max_completion_tokens, not both")
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    tokens_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     logprobs = boolean(body, "logprobs")
     top = integer(body, "top_logprobs", minimum=0)
     if top and not logprobs:
         raise InvalidParameter("top_logprobs", "needs logprobs: true")
     top_logprobs = (top or 0) if logprobs else None
-    return _request(body, limits, defaults, None, _messages(body), field, top_logprobs)
+    messages = parse_messages(body, ignored)
+    return _request(body, limits, defaults, None, messages, tokens_field, top_logprobs, ignored)
 
 
 def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
     """POST /v1/completions: one prompt string (a list holding one string is the same)."""
-    _check_fields(body, COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY)
+    ignored = Ignored()
+    _check_fields(body, COMPLETION_FIELDS, _COMPLETION_DEFAULT_ONLY, ignored)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -141,7 +184,7 @@ def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults
         raise InvalidParameter("prompt", "must not be empty")
     # the legacy API's logprobs is the number of alternatives per token (null: none)
     top_logprobs = integer(body, "logprobs", minimum=0)
-    return _request(body, limits, defaults, prompt, None, "max_tokens", top_logprobs)
+    return _request(body, limits, defaults, prompt, None, "max_tokens", top_logprobs, ignored)
 
 
 def _request(
@@ -152,6 +195,7 @@ def _request(
     messages: tuple[dict[str, str], ...] | None,
     tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
     top_logprobs: int | None,  # None: no logprobs
+    ignored: Ignored,
 ) -> OpenAIRequest:
     model = name_field(body, "model")
     if model is None:
@@ -161,21 +205,26 @@ def _request(
     if options is not None and not stream:
         raise InvalidParameter("stream_options", "only allowed when stream is true")
     options = {} if options is None else options
-    if not isinstance(options, dict) or not options.keys() <= {"include_usage"}:
-        raise InvalidParameter("stream_options", "only include_usage is supported")
+    if not isinstance(options, dict):
+        raise InvalidParameter("stream_options", "must be an object (include_usage)")
+    for name in options.keys() - {"include_usage"}:  # include_obfuscation, vLLM's, ...
+        ignored.add(f"stream_options.{key(name)}", unknown=name != "include_obfuscation")
     user = name_field(body, "user")
     if user is not None and not user.isprintable():  # it is written to the request's logs
         raise InvalidParameter("user", "must hold no control characters (newlines, NUL, ...)")
+    max_tokens = integer(body, tokens_field, minimum=1)
     params = GenerateParams(
         prompt=prompt,
         messages=messages,
         sampling=_sampling(body),
-        stopping=_stopping(body, integer(body, tokens_field, minimum=1), tokens_field, limits),
+        stopping=_stopping(body, max_tokens, tokens_field, limits),
         speculation=_speculation(body, defaults),
         grammar=response_format(body.get("response_format")),
         processing=_processing(body),
         top_logprobs=top_logprobs,
         n=integer(body, "n", minimum=1) or 1,
+        default_tokens=max_tokens is None,  # the rest of the context (generate_params)
+        tokens_field=tokens_field,
     )
     return OpenAIRequest(
         model=model,
@@ -183,6 +232,7 @@ def _request(
         stream=stream,
         include_usage=boolean(options, "include_usage", False),
         user=user,
+        ignored=ignored,
     )
 
 
@@ -190,39 +240,53 @@ def _check_fields(
     body: Mapping[str, Any],
     known: set[str],
     default_only: Mapping[str, tuple[Callable[[object], bool], str]],
+    ignored: Ignored,
 ) -> None:
+    """Refuse a field at a value kenspec cannot honour; note the ones it does not act on."""
     for name in body:
-        if name not in known:
-            raise InvalidParameter(key(name), "unknown or unsupported field")
         check = default_only.get(name)
-        if check is not None and not check[0](body[name]):
-            raise InvalidParameter(name, check[1])
+        if check is not None:
+            if not check[0](body[name]):
+                raise InvalidParameter(name, check[1])
+        elif name in IGNORED_FIELDS:
+            ignored.add(name)
+        elif name not in known:  # outside OpenAI's API: ignored, as vLLM does
+            ignored.add(key(name), unknown=True)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+def parse_messages(body: Mapping[str, Any], ignored: Ignored) -> tuple[dict[str, str], ...]:
+    """A chat's messages, as the chat route and /tokenize read them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidParameter("messages", "must be a non-empty list of messages")
-    return tuple(_message(index, message) for index, message in enumerate(messages))
+    return tuple(_message(index, message, ignored) for index, message in enumerate(messages))
 
 
-def _message(index: int, message: object) -> dict[str, str]:
+# A message's fields of function calling: refused unless null (tools are not served yet).
+_TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+
+
+def _message(index: int, message: object, ignored: Ignored) -> dict[str, str]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidParameter(where, "must be an object with role and content")
-    for name in message:
-        if name not in ("role", "content"):
-            raise InvalidParameter(f"{where}.{key(name)}", "unsupported message field")
+    for name, value in message.items():
+        if name in ("role", "content") or value is None:  # null: as if not sent
+            continue
+        if name in _TOOL_MESSAGE_FIELDS or name == "audio":
+            raise InvalidParameter(f"{where}.{name}", "not served (tools and audio are not)")
+        # name (a participant's), refusal, reasoning_content, ...: the text is what counts
+        ignored.add(f"messages[].{key(name)}", unknown=name not in ("name", "refusal"))
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise InvalidParameter(
             f"{where}.role",
             f"{shown(role)} is not one of {', '.join(ROLES)} (tools are not served)",
         )
-    return {"role": ROLES[role], "content": _content(where, message.get("content"))}
+    return {"role": ROLES[role], "content": _content(where, message.get("content"), ignored)}
 
 
-def _content(where: str, content: object) -> str:
+def _content(where: str, content: object, ignored: Ignored) -> str:
     """A string, or a list of text parts (joined); images, audio and files are refused."""
     if isinstance(content, str):
         return content
@@ -234,8 +298,9 @@ def _content(where: str, content: object) -> str:
         if not isinstance(part, dict) or part.get("type") != "text":
             raise InvalidParameter(at, "only text parts ({'type': 'text'}) are served")
         for name in part:
-            if name not in ("type", "text"):
-                raise InvalidParameter(f"{at}.{key(name)}", "unsupported content part field")
+            if name not in ("type", "text"):  # cache_control (prompt caching hints), ...
+                known = name == "cache_control"
+                ignored.add(f"messages[].content[].{key(name)}", unknown=not known)
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidParameter(f"{at}.text", "must be a string")

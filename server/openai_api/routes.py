@@ -8,6 +8,8 @@ kenspec_requests_total whatever stage it ends at (a client that leaves mid-body 
 logged once at info). /v1/models and /health are not counted: the counter is of generations,
 as on gRPC. /health answers without the Host check, for container probes that call the
 container's own address. The generation itself is written by generation_response.py.
+/tokenize and /detokenize (tokenize.py) and /metrics ask what /v1/models asks, and are not
+counted either; /metrics does not wait for the model to load.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import grpc
 import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -33,9 +36,10 @@ from server.openai_api.generation_response import GenerationResponse
 from server.openai_api.guards import HostPolicy, HttpError, check_json_content_type
 from server.openai_api.openai_request import OpenAIRequest, parse_request
 from server.openai_api.responses import Completion
+from server.openai_api.tokenize import detokenize, tokenize
 from server.runtime import Runtime
 from server.security import bearer_token, token_allowed
-from server.serving import RequestRecord, Serving, Unavailable
+from server.serving import RETRY_AFTER_MS, Call, RequestRecord, Serving, Unavailable
 
 log = structlog.get_logger("kenspec.http")
 
@@ -73,9 +77,11 @@ def build_app(
     limits: HttpLimits = HttpLimits(),
     allowed_hosts: str = "",
     bind_host: str = "127.0.0.1",
+    metrics: bool = True,
 ) -> Starlette:
     """The ASGI app over `serving`; `model_name` is the id /v1/models lists. Without
-    `tokens`, only loopback names, `bind_host` and `allowed_hosts` may call (guards.py)."""
+    `tokens`, only loopback names, `bind_host` and `allowed_hosts` may call (guards.py).
+    `metrics`: serve /metrics too (--http-metrics)."""
     hosts = None if tokens else HostPolicy.of(allowed_hosts, bind_host)
     api = OpenAIRoutes(serving, model_name, tokens, limits, hosts)
     routes = [
@@ -84,6 +90,9 @@ def build_app(
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        *([Route("/metrics", api.metrics, methods=["GET"])] if metrics else []),
     ]
     return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
 
@@ -119,6 +128,37 @@ class OpenAIRoutes:
 
         return await self._guarded(request, one)
 
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus' text format, to a caller the API would serve (loaded or not)."""
+        try:
+            self._admit(request)
+        except HttpError as error:
+            return error.response()
+        # (off the loop, as the metrics port answers: a scrape never delays the streams)
+        text = await asyncio.to_thread(generate_latest, self.serving.metrics.registry)
+        return Response(text, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer(request, tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer(request, detokenize)
+
+    async def _tokenizer(self, request: Request, answer: Callable[..., Any]) -> Response:
+        """/tokenize and /detokenize: the generate routes' checks, then `answer` of the body."""
+        try:
+            self._admit(request)
+            runtime = self._ready()
+            check_json_content_type(request.headers)
+            data = await self._body(request)
+            body, ignored = await answer(self.serving, runtime, bytes(data), self._check_model)
+        except HttpError as error:
+            return error.response()
+        except ClientDisconnect:
+            return _NoResponse()
+        ignored.log("", request.url.path)
+        return JSONResponse(body, headers=ignored.header())
+
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
@@ -153,6 +193,21 @@ class OpenAIRoutes:
         except HttpError as error:  # counted, but no span: the caller may be anyone
             _count_refusal(RequestRecord(self.serving.metrics, "http"), error)
             return error.response()
+        # In flight from here (a drain waits for it) to the end of its response, which releases
+        # it; a refusal before that is released here.
+        call = self.serving.admit()
+        try:
+            response = await self._admitted(request, runtime, request_id, call, chat=chat)
+        except BaseException:
+            self.serving.release(call)
+            raise
+        if not isinstance(response, GenerationResponse):
+            self.serving.release(call)
+        return response
+
+    async def _admitted(
+        self, request: Request, runtime: Runtime, request_id: str, call: Call, *, chat: bool
+    ) -> Response:
         span_name = f"{request.method} {request.url.path}"
         record = self.serving.record("http", span_name, request_id, request.headers)
         try:
@@ -165,6 +220,17 @@ class OpenAIRoutes:
             record.code = grpc.StatusCode.CANCELLED
             record.close()
             return _NoResponse()
+        except asyncio.CancelledError:
+            if call.cut is None:
+                record.code = grpc.StatusCode.CANCELLED
+                record.close()
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            # Cut mid-body by the end of a drain: refused as a late call is, and closed.
+            refusal = HttpError(503, str(call.cut), code="unavailable", close=True)
+            _count_refusal(record, refusal)
+            return refusal.response()
+        parsed.ignored.log(request_id, request.url.path)  # (listed in its answer's headers)
         completion = Completion(
             chat=chat,
             request_id=request_id,
@@ -178,8 +244,9 @@ class OpenAIRoutes:
             parsed,
             completion,
             record,
-            headers={REQUEST_ID_HEADER: request_id},
+            headers={REQUEST_ID_HEADER: request_id, **parsed.ignored.header()},
             tenant=self.serving.tenant(request.headers.get("authorization", "")),
+            call=call,
         )
 
     def _admit(self, request: Request) -> None:
@@ -200,7 +267,15 @@ class OpenAIRoutes:
         try:
             return self.serving.ready()
         except Unavailable as error:
-            raise HttpError(503, str(error), code="unavailable") from None
+            # Draining: the connection closes too, so that the client's retry opens a new one
+            # (through a balancer, to another replica).
+            raise HttpError(
+                503,
+                str(error),
+                code="unavailable",
+                close=self.serving.draining,
+                headers={"retry-after": str(max(1, RETRY_AFTER_MS // 1000))},
+            ) from None
 
     def _check_model(self, model: str, param: str) -> None:
         if model != self.model_name:

@@ -38,11 +38,19 @@ def stub_for(port: int) -> pb_grpc.GeneratorStub:
     return pb_grpc.GeneratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
-def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx, scrape) -> None:
+def test_streams_through_nginx_reach_both_replicas_and_complete(
+    replicas, nginx, scrape, tiny_model_dir
+) -> None:
+    model = tiny_model_dir.name  # the model_name label: the served model's id
+
     def requests_ok(metrics_port: int) -> float:
         samples = scrape(metrics_port)
         return samples.value(
-            "kenspec_requests_total", api="grpc", finish_reason="length", code="OK"
+            "kenspec_requests_total",
+            model_name=model,
+            api="grpc",
+            finish_reason="length",
+            code="OK",
         )
 
     before = [requests_ok(metrics) for _, metrics in replicas]
@@ -60,7 +68,9 @@ def test_streams_through_nginx_reach_both_replicas_and_complete(replicas, nginx,
     assert all(count >= 1 for count in served), served  # balanced per request
 
 
-def test_cancellation_through_nginx_reaches_the_server(replicas, nginx, scrape) -> None:
+def test_cancellation_through_nginx_reaches_the_server(
+    replicas, nginx, scrape, tiny_model_dir
+) -> None:
     stub = stub_for(nginx[0])
     request = pb.GenerateRequest(
         prompt="The quick brown fox",
@@ -81,10 +91,8 @@ def test_cancellation_through_nginx_reaches_the_server(replicas, nginx, scrape) 
         pb.GetModelInfoRequest(), timeout=TIMEOUT
     )
     samples = scrape(metrics)
-    assert (
-        samples.value("kenspec_requests_total", api="grpc", finish_reason="none", code="CANCELLED")
-        >= 1
-    )
+    cancelled = {"api": "grpc", "finish_reason": "none", "code": "CANCELLED"}
+    assert samples.value("kenspec_requests_total", model_name=tiny_model_dir.name, **cancelled) >= 1
     assert samples.value("kenspec_active_streams") == 0
 
 

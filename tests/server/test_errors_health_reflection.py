@@ -38,7 +38,7 @@ INVALID = [
     ),
     (pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=100000)), "400"),
     (pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop=[""])), "stop[0]"),
-    (pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop=["a"] * 9)), "stop"),
+    (pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop=["a"] * 65)), "stop"),
     (pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop=["a" * 129])), "stop[0]"),
     (
         pb.GenerateRequest(prompt="x", speculation=pb.SpeculationParameters(num_draft_tokens=65)),

@@ -16,6 +16,7 @@ TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 
 def counted(server, code: str) -> float:  # type: ignore[no-untyped-def]
     labels = {"api": "grpc", "finish_reason": "none", "code": code}
+    labels["model_name"] = server.metrics.model_name
     return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0.0
 
 

@@ -267,6 +267,7 @@ async def test_a_caller_that_leaves_keeps_its_permit_until_its_thread_is_done(
     leaves (else huge inputs sent and cancelled at once would each keep a core busy)."""
     server = await start_with_limits(max_prompt_chars=400_000, tokenize_concurrency=1)
     cancelled = {"api": "grpc", "finish_reason": "none", "code": "CANCELLED"}
+    cancelled["model_name"] = server.metrics.model_name
     requests_total = "kenspec_requests_total"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GeneratorStub(channel)

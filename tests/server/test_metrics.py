@@ -40,15 +40,11 @@ async def test_metrics_move_with_requests(strict_server, scrape, collect, prompt
     def moved(name: str, **labels: str) -> float:
         return after.value(name, **labels) - before.value(name, **labels)
 
-    assert (
-        after.value("kenspec_requests_total", api="grpc", finish_reason="length", code="OK") == 1.0
-    )
-    assert (
-        after.value(
-            "kenspec_requests_total", api="grpc", finish_reason="none", code="INVALID_ARGUMENT"
-        )
-        == 1
-    )
+    model = {"model_name": server.metrics.model_name}
+    ok = {"api": "grpc", "finish_reason": "length", "code": "OK", **model}
+    assert after.value("kenspec_requests_total", **ok) == 1.0
+    refused = {"api": "grpc", "finish_reason": "none", "code": "INVALID_ARGUMENT", **model}
+    assert after.value("kenspec_requests_total", **refused) == 1
     rounds = len(finished)
     by_mode = sum(
         after.value("kenspec_rounds_total", mode=m) for m in ("speculative", "autoregressive")
@@ -63,8 +59,10 @@ async def test_metrics_move_with_requests(strict_server, scrape, collect, prompt
     assert after.value("kenspec_accepted_by_position_total", position="1") == sum(
         1 for r in finished if r.round.accepted >= 1
     )
-    assert after.value("kenspec_time_to_first_token_seconds_count") == 1.0
-    assert after.value("kenspec_round_seconds_count") == rounds - 1
+    assert after.value("kenspec_time_to_first_token_seconds_count", **model) == 1.0
+    assert after.value("kenspec_round_seconds_count", **model) == rounds - 1
+    assert after.value("kenspec_e2e_request_latency_seconds_count", **model) == 1.0
+    assert after.value("kenspec_request_prompt_tokens_sum", **model) == usage.prompt_tokens
     assert moved("kenspec_batch_rows_count") == rounds  # one pass per round, alone
     assert moved("kenspec_batch_rows_sum") == rounds
     assert moved("kenspec_batch_pass_tokens_sum") >= rounds

@@ -92,6 +92,7 @@ async def test_calls_refused_for_their_token_are_counted(start_server, tokens_fi
     as UNAUTHENTICATED all the same; a Tokenize call, not a generate call, is not."""
     server, _ = await start_server(auth_tokens_file=str(tokens_file))
     labels = {"api": "grpc", "finish_reason": "none", "code": "UNAUTHENTICATED"}
+    labels["model_name"] = server.metrics.model_name
 
     def counted() -> float:
         return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0

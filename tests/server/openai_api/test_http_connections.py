@@ -126,6 +126,7 @@ async def test_a_completions_request_past_the_cap_is_counted(http) -> None:
     _, busy = await pending_request(server.http_port)
     await until(lambda: server.http.requests.in_flight == 1, "the request in the app")
     labels = {"api": "http", "finish_reason": "none", "code": "RESOURCE_EXHAUSTED"}
+    labels["model_name"] = server.metrics.model_name
 
     def counted() -> float:
         return server.metrics.registry.get_sample_value("kenspec_requests_total", labels) or 0

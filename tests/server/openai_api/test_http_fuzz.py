@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from server.engine.params import InvalidParameter
 from server.generate_params import Defaults, Limits
 from server.openai_api.body import InvalidBody
+from server.openai_api.ignored import IGNORED_FIELDS
 from server.openai_api.openai_request import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -74,17 +75,23 @@ def base(chat: bool, model: str = "tiny") -> dict:
 
 # Where a mutation lands: every top-level field of the route, and the nested ones.
 CHAT_PATHS = [
-    *sorted(CHAT_FIELDS),
+    *sorted(CHAT_FIELDS | IGNORED_FIELDS),
     "messages.0",
     "messages.0.role",
     "messages.0.content",
     "messages.0.content.0",
     "messages.0.content.0.type",
     "messages.0.content.0.text",
+    "messages.0.content.0.cache_control",
     "messages.0.name",
     "stream_options.include_usage",
 ]
-COMPLETION_PATHS = [*sorted(COMPLETION_FIELDS), "prompt.0", "stop.0", "stream_options.x"]
+COMPLETION_PATHS = [
+    *sorted(COMPLETION_FIELDS | IGNORED_FIELDS),
+    "prompt.0",
+    "stop.0",
+    "stream_options.x",
+]
 
 
 def mutate(body: dict, path: str, value: object, delete: bool) -> dict:
@@ -164,6 +171,8 @@ def check_outcome(data: bytes, chat: bool) -> OpenAIRequest | None:
     assert type(params.sampling.temperature) is float and 0 <= params.sampling.temperature <= 2
     assert type(params.sampling.top_k) is int and 0 <= params.sampling.top_k < 2**63
     assert (params.prompt is None) == chat
+    for value in parsed.ignored.header().values():  # short, one line, no separator injected
+        assert value.isascii() and value.isprintable() and len(value) <= 17 * 70
     return parsed
 
 

@@ -142,10 +142,10 @@ async def test_models_and_unknown_model(http_server) -> None:
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # not in the vocabulary
         ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-        ({"extra_body": {"mirostat": 2}}, "mirostat"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         ({"temperature": 3}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),
-        ({"stop": ["a"] * 9}, "stop"),
+        ({"stop": ["a"] * 65}, "stop"),
         ({"extra_body": {"speculation": "always"}}, "speculation"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content[0]"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
@@ -196,6 +196,7 @@ async def test_bad_json_oversized_body_and_unknown_route(http_server) -> None:
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] <= 2
     count = server.metrics.registry.get_sample_value
     labels = {"api": "http", "finish_reason": "none", "code": "INVALID_ARGUMENT"}
+    labels["model_name"] = server.metrics.model_name
     assert count("kenspec_requests_total", labels) == 3  # the bad JSON, the array, the id
 
 
@@ -228,6 +229,7 @@ async def test_disconnect_cancels_the_generation(
     # The passes are still held: only a cancelled generation gives its slot back.
     await wait_until_idle(server)
     labels = {"api": "http", "finish_reason": "none", "code": "CANCELLED"}
+    labels["model_name"] = server.metrics.model_name
     count = server.metrics.registry.get_sample_value
     for _ in range(100):  # the record closes as the cancelled response unwinds
         if count("kenspec_requests_total", labels) == 1:
@@ -345,6 +347,7 @@ async def test_metrics_label_requests_by_api(http_server) -> None:
     count = server.metrics.registry.get_sample_value
     for api in ("grpc", "http"):
         labels = {"api": api, "finish_reason": "length", "code": "OK"}
+        labels["model_name"] = server.metrics.model_name
         assert count("kenspec_requests_total", labels) == 1, api
 
 
