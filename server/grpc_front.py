@@ -14,10 +14,13 @@ each connection's open calls:
   END_STREAM, its trailers, or a RST_STREAM from either side closes it. A connection with no
   call open is idle since its last call closed, or since it opened;
 - past the connection cap, the connection idle longest is closed to make room (a GOAWAY first,
-  naming the last call it saw, so a grpc client retries any call it sent meanwhile and opens a
-  new connection for its next one), as nginx does with idle keep-alive connections; with none
-  idle, the new connection is closed at once. Idle connections therefore cannot lock out a
-  client that opens a call at once, and a connection with a call open is never evicted;
+  naming the last call it saw, so a grpc client opens a new connection for its next call), as
+  nginx does with idle keep-alive connections; with none idle, the new connection is closed at
+  once. Idle connections therefore cannot lock out a client that opens a call at once, and a
+  connection with a call open is never evicted (whatever the call waits for: a Health/Watch
+  stream, or a request message that never comes, keeps its connection busy; --grpc-max-
+  connection-age-s bounds those). The close follows the GOAWAY at once, so a call the client
+  sent in between may fail rather than be retried;
 - a connection that has not finished its TLS handshake and sent the 24-byte preface and its
   first SETTINGS frame within the handshake timeout is closed (its Unix connection is only
   opened after that, so grpc never sees it); one idle for the idle timeout gets grpc's own
@@ -91,7 +94,9 @@ class _Frames:
         self.first: tuple[int, int] | None = None  # type and length of the first frame
 
     def at_boundary(self) -> bool:
-        return not self.skip and not self.head
+        """Between frames, and past the first (a frame of ours may be written now; before the
+        peer's first frame, its SETTINGS, it may not)."""
+        return self.count > 0 and not self.skip and not self.head
 
     def feed(self, data: bytes) -> list[tuple[int, int, int]]:
         """(type, flags, stream id) of each frame that begins in `data`, but DATA frames

@@ -407,7 +407,7 @@ class RequestRecord:
         self._span = span
         self._started = self._last = self._first_at = time.perf_counter()
         self._first = True
-        self._tokens = self._first_tokens = self._prompt_tokens = 0
+        self._tokens = self._first_tokens = self._choice_tokens = self._prompt_tokens = 0
         self.code = grpc.StatusCode.UNKNOWN
         self.finish_reason: FinishReason | None = None
 
@@ -419,7 +419,11 @@ class RequestRecord:
         histogram = self._metrics.ttft if self._first else self._metrics.round_seconds
         histogram.observe(now - self._last)
         if self._first:
-            self._first_at, self._first_tokens = now, len(round_.token_ids)
+            self._first_at = now
+        if round_.choice == 0:  # time per output token is per sequence (vLLM's): the first's
+            if not self._choice_tokens:
+                self._first_tokens = len(round_.token_ids)
+            self._choice_tokens += len(round_.token_ids)
         self._first, self._last = False, now
         self._tokens += len(round_.token_ids)
         if round_.usage is not None:  # (every choice's last round: the prompt is shared)
@@ -441,7 +445,7 @@ class RequestRecord:
         metrics.prompt_tokens.observe(self._prompt_tokens)
         if seconds > 0:
             metrics.tokens_per_second.observe(self._tokens / seconds)
-        later = self._tokens - self._first_tokens  # tokens emitted after the first round's
+        later = self._choice_tokens - self._first_tokens  # choice 0's after its first round
         if later > 0:
             metrics.time_per_output_token.observe((self._last - self._first_at) / later)
 

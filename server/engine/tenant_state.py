@@ -11,11 +11,14 @@ empty table and the uninformed priors, exactly as on a fresh server. With scope 
 every request is SHARED_TENANT's: one table, one set of rates.
 
 At most `max_tenants` tenants are held (--suffix-index-tenants, the suffix index's bound), the
-least recently used dropped whole. A recycled table is vocabulary x 8 x 8 bytes (3 MB for the
-default model) and made at a tenant's first request. A generation keeps the state it started
-with: a tenant dropped while its request runs learns into a table nobody reads afterwards.
+least recently used dropped whole. A recycled table is vocabulary x 8 x 8 bytes plus two Python
+lists of the vocabulary's length (about 3.9 MB for the default model), and made at a tenant's
+first request. A generation keeps the state it started with: a tenant dropped while its request
+runs learns into a table nobody reads afterwards.
 
-Thread safety: `of` and `forget` run on the engine thread (requests start there).
+Thread safety: `of` runs where requests start (the event loop, in the server), `forget` at
+load before serving; nothing else touches the table of tenants. Each generation keeps
+references to its tenant's table and rates, which the engine thread then uses.
 """
 
 from __future__ import annotations

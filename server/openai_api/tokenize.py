@@ -76,9 +76,7 @@ async def tokenize(
             prompt, messages = body["prompt"], None
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidParameter("prompt", "must be a non-empty string")
-        call_id = uuid.uuid4().hex[:16]  # in the log and the message of a server fault
-        with structlog.contextvars.bound_contextvars(request_id=call_id):
-            ids = await serving.encode(runtime, prompt, messages)
+        ids = await serving.encode(runtime, prompt, messages)
         check_prompt_length(len(ids), runtime.limits, "messages" if chat else "prompt")
         tokenizer = runtime.engine.target.tokenizer
         answer = {
@@ -143,11 +141,14 @@ def _token_ids(value: object, vocabulary: int, most: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _errors() -> Iterator[None]:
+def _errors() -> Iterator[str]:
     """What the checks raise, as the HTTP API's refusals: bad input a 400 naming the field,
-    anything else as the generate routes report it (a bug: 500 with an id to quote)."""
+    anything else as the generate routes report it (a bug: 500 with an id to quote). Yields
+    the call's id, bound to every log line inside (the one failure_of writes included)."""
+    call_id = uuid.uuid4().hex[:16]
     try:
-        yield
+        with structlog.contextvars.bound_contextvars(request_id=call_id):
+            yield call_id
     except HttpError:
         raise
     except InvalidParameter as error:
@@ -155,5 +156,6 @@ def _errors() -> Iterator[None]:
     except InvalidBody as error:
         raise HttpError(400, str(error), param=error.param) from None
     except Exception as error:
-        failure = failure_of(error, uuid.uuid4().hex[:16])
+        with structlog.contextvars.bound_contextvars(request_id=call_id):
+            failure = failure_of(error, call_id)
         raise HttpError(failure.http_status, failure.message) from None

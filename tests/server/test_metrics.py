@@ -11,7 +11,11 @@ import pytest
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec_api.outputs import BreakerState, FinishReason, Mode
+from server.engine.generation import Round
 from server.lifecycle import KenspecServer
+from server.metrics import Metrics
+from server.serving import RequestRecord
 
 
 @pytest.fixture
@@ -92,3 +96,38 @@ async def test_a_repeated_prompt_counts_its_reused_tokens(
     assert first.value(name) == before.value(name)  # nothing stored yet shares its beginning
     reused = len(tiny_target.encode_prompt(prompt)) - 1  # all but the token its round feeds
     assert second.value(name) - first.value(name) == reused
+
+
+@pytest.mark.parametrize("choices", [1, 3])
+def test_time_per_output_token_is_per_sequence_whatever_the_choices(monkeypatch, choices) -> None:
+    """Rounds of `choices` choices interleaved, 2 tokens each, one a second: the first
+    choice's 4 tokens after its first round took 2 s, 0.5 s a token, however many choices
+    (summing every choice's tokens would give 0.5 / choices)."""
+    now = [100.0]
+    monkeypatch.setattr("server.serving.time.perf_counter", lambda: now[0])
+    metrics = Metrics("m")
+    record = RequestRecord(metrics, "grpc")
+    for index in range(3):
+        now[0] += 1.0
+        for choice in range(choices):
+            last = index == 2
+            record.observe(
+                Round(
+                    index=index,
+                    token_ids=(1, 2),
+                    text="ab",
+                    drafted=0,
+                    accepted=0,
+                    mode=Mode.AUTOREGRESSIVE,
+                    breaker_state=BreakerState.CLOSED,
+                    window_acceptance=0.0,
+                    finish_reason=FinishReason.LENGTH if last and choice == choices - 1 else None,
+                    choice=choice,
+                )
+            )
+    record.code = grpc.StatusCode.OK
+    record.close()
+    seconds = metrics.registry.get_sample_value(
+        "kenspec_time_per_output_token_seconds_sum", {"model_name": "m"}
+    )
+    assert seconds == pytest.approx(0.5)
