@@ -41,11 +41,12 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import ssl
 import struct
 import tempfile
 from dataclasses import dataclass
+
+from server.security import listening_socket
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x7
@@ -61,19 +62,6 @@ class FrontLimits:
     max_connections: int = 256
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
-
-
-def tls_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
-    """TLS for the gRPC API: the certificate chain and key; with client_ca, clients must present
-    a certificate signed by it (mutual TLS). ALPN offers h2, which grpc clients require."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2  # (HTTP/2 forbids older versions)
-    context.load_cert_chain(cert, key)
-    if client_ca:
-        context.load_verify_locations(client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    context.set_alpn_protocols(["h2"])
-    return context
 
 
 def goaway_frame(last_stream: int) -> bytes:
@@ -435,14 +423,7 @@ class GrpcFront:
         a free one)."""
         self.tls = tls
         self.loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as error:
-            sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port} (gRPC): {error}") from None
+        sock = listening_socket(self.host, self.port, "gRPC")
         self.port = sock.getsockname()[1]
         self._server = await self.loop.create_server(
             lambda: _Connection(self), sock=sock, backlog=1024

@@ -40,7 +40,7 @@ from server.answer_records import model_fingerprint
 from server.answer_stream import AnswerStream, StreamSettings
 from server.engine.events import EngineEvents
 from server.engine.gguf_model import GGUF_SUFFIX
-from server.grpc_front import FrontLimits, GrpcFront, tls_context
+from server.grpc_front import FrontLimits, GrpcFront
 from server.metrics import Metrics
 from server.metrics_http import metrics_access
 from server.openai_api.connections import ConnectionLimits
@@ -48,7 +48,7 @@ from server.openai_api.http_server import HttpServer
 from server.openai_api.routes import GENERATE_PATHS, HttpLimits, build_app
 from server.runtime import Runtime, load_runtime
 from server.scheduler import Scheduler
-from server.security import BearerTokenInterceptor, read_tokens
+from server.security import BearerTokenInterceptor, read_tokens, tls_context
 from server.service import GeneratorService, generator_handler
 from server.serving import Serving, ShutDown
 from server.settings import LimitSettings, ModelSettings, Settings
@@ -162,7 +162,9 @@ class KenspecServer:
         if security.tls_cert or security.tls_key:
             if not (security.tls_cert and security.tls_key):
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
-            tls = tls_context(security.tls_cert, security.tls_key, security.tls_client_ca)
+            tls = tls_context(
+                security.tls_cert, security.tls_key, security.tls_client_ca, alpn="h2"
+            )
         backend = self.front.backend_address()  # plaintext: only the front can reach it
         if self._server.add_insecure_port(backend) == 0:
             raise OSError(f"cannot listen on {backend}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from server.security import bearer_token, token_allowed
+from server.security import bearer_token, tls_context, token_allowed
 from server.settings import MetricsAuth, SecuritySettings
 
 READ_TIMEOUT_S = 10.0  # for the handshake and the request head; a scrape sends both at once
@@ -55,18 +55,11 @@ def metrics_access(security: SecuritySettings, tokens: tuple[bytes, ...]) -> Met
         parts |= {"token"} if security.auth_tokens_file else set()
     else:
         parts = set(security.metrics_auth.parts)
-    tls = _tls_context(security) if "tls" in parts else None
+    tls = None
+    if "tls" in parts:
+        cert, key, client_ca = security.tls_cert, security.tls_key, security.tls_client_ca
+        tls = tls_context(cert, key, client_ca, alpn="http/1.1")
     return MetricsAccess(tokens if "token" in parts else (), tls)
-
-
-def _tls_context(security: SecuritySettings) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(security.tls_cert, security.tls_key)
-    if security.tls_client_ca:
-        context.load_verify_locations(security.tls_client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    context.set_alpn_protocols(["http/1.1"])
-    return context
 
 
 class MetricsEndpoint:

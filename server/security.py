@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -15,14 +17,33 @@ from server.engine.tenant_index import SHARED_TENANT
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (load balancers, kubelets) carry no token
 
 
-def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
-    """TLS with the given certificate chain and key; with client_ca, clients must present a
-    certificate signed by it (mutual TLS)."""
-    pair = (Path(key).read_bytes(), Path(cert).read_bytes())
-    root = Path(client_ca).read_bytes() if client_ca else None
-    return grpc.ssl_server_credentials(
-        [pair], root_certificates=root, require_client_auth=bool(root)
-    )
+def tls_context(cert: str, key: str, client_ca: str = "", *, alpn: str) -> ssl.SSLContext:
+    """A server's TLS: the certificate chain and key; with client_ca, clients must present a
+    certificate signed by it (mutual TLS; no system CA is trusted). `alpn`: the protocol
+    offered ("h2" for gRPC, which its clients require; "http/1.1"). TLS 1.2 at least, as
+    Python's default context has it (and HTTP/2 requires)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols([alpn])
+    return context
+
+
+def listening_socket(host: str, port: int, api: str) -> socket.socket:
+    """A TCP socket bound to host:port (0: a free port), not yet listening; OSError naming
+    the address and `api` when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({api}): {error}") from None
+    return sock
 
 
 def read_tokens(path: str) -> tuple[bytes, ...]:

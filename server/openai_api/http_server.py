@@ -32,6 +32,7 @@ from server.openai_api.connections import (
     ConnectionLimits,
     RequestCap,
 )
+from server.security import listening_socket
 
 # After the stop's grace has closed every connection, how long uvicorn may still wait for the
 # requests on them to end (each sees its disconnect at once) before cancelling them itself.
@@ -114,14 +115,7 @@ class HttpServer:
 
     async def start(self) -> int:
         """Listen; returns the bound port (port 0 picks a free one)."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._host, self._port))
-        except OSError as error:
-            sock.close()
-            raise OSError(f"cannot listen on {self._host}:{self._port} (HTTP): {error}") from None
+        sock = listening_socket(self._host, self._port, "HTTP")
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
