@@ -28,6 +28,7 @@ class FinishReason(StrEnum):
     EOS = "eos"
     LENGTH = "length"
     STOP_SEQUENCE = "stop_sequence"
+    TOOL_CALLS = "tool_calls"  # the answer ended after calling tools (server.tool_calls)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kenspec_api import generator_pb2 as pb
 from server.engine.grammar import GrammarSpec
@@ -16,6 +18,13 @@ from server.engine.params import (
     SamplingParams,
     SpeculationParams,
     StoppingParams,
+)
+from server.tool_calls.request import (
+    MAX_TOOLS,
+    ToolRequest,
+    history_call,
+    tool_of,
+    tool_request,
 )
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -43,7 +52,7 @@ class Defaults:
 @dataclass(frozen=True, slots=True)
 class GenerateParams:
     prompt: str | None
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None  # role, content; tool_calls, tool_call_id
     sampling: SamplingParams
     stopping: StoppingParams
     speculation: SpeculationParams
@@ -55,6 +64,7 @@ class GenerateParams:
     # fit_stopping cuts to the context the prompt leaves (one set is refused if it does not fit).
     default_tokens: bool = False
     tokens_field: str = "max_new_tokens"  # the token limit as the request calls it
+    tools: ToolRequest | None = None  # functions the model may call (server.tool_calls)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -79,12 +89,79 @@ def parse_input(
     messages = request.messages.messages
     if not messages:
         raise InvalidParameter("messages", "must contain at least one message")
-    for index, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise InvalidParameter(
-                f"messages[{index}].role", f"{message.role!r} is not one of {', '.join(ROLES)}"
-            )
-    return None, tuple({"role": m.role, "content": m.content} for m in messages)
+    return None, tuple(_message(index, message) for index, message in enumerate(messages))
+
+
+def _message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as templates read it (past calls' arguments parsed from their JSON)."""
+    where = f"messages[{index}]"
+    if message.role not in ROLES:
+        raise InvalidParameter(
+            f"{where}.role", f"{message.role!r} is not one of {', '.join(ROLES)}"
+        )
+    parsed: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise InvalidParameter(f"{where}.tool_calls", "only an assistant message makes calls")
+        parsed["tool_calls"] = [
+            history_call(call.id, call.name, call.arguments, f"{where}.tool_calls[{number}]")
+            for number, call in enumerate(message.tool_calls)
+        ]
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise InvalidParameter(f"{where}.tool_call_id", "required: the id of the call")
+        parsed["tool_call_id"] = message.tool_call_id
+    elif message.tool_call_id:
+        raise InvalidParameter(f"{where}.tool_call_id", "only a tool message answers a call")
+    return parsed
+
+
+def _tools(request: pb.GenerateRequest) -> ToolRequest | None:
+    """tools, tool_choice, tool_function and parallel_tool_calls (server.tool_calls)."""
+    tools = tuple(
+        tool_of(
+            {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": _schema(tool.parameters, f"tools[{index}].parameters"),
+            },
+            f"tools[{index}]",
+        )
+        for index, tool in enumerate(request.tools)
+    )
+    if len({tool.name for tool in tools}) < len(tools):
+        raise InvalidParameter("tools", "a function is offered twice")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidParameter("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    if tools and request.WhichOneof("input") != "messages":
+        raise InvalidParameter("tools", "need messages (a chat), not a raw prompt")
+    if request.tool_function:
+        if request.tool_choice not in (pb.TOOL_CHOICE_UNSPECIFIED, pb.TOOL_CHOICE_REQUIRED):
+            raise InvalidParameter("tool_function", "set with tool_choice unset or REQUIRED")
+        function = {"type": "function", "function": {"name": request.tool_function}}
+        return tool_request(tools, function, parallel, "tool_function")
+    choice = _TOOL_CHOICES.get(request.tool_choice)
+    if choice is None:  # (an open enum: any number arrives)
+        raise InvalidParameter("tool_choice", f"{request.tool_choice} is not a ToolChoice")
+    return tool_request(tools, choice, parallel)
+
+
+_TOOL_CHOICES = {
+    pb.TOOL_CHOICE_UNSPECIFIED: "auto",
+    pb.TOOL_CHOICE_AUTO: "auto",
+    pb.TOOL_CHOICE_NONE: "none",
+    pb.TOOL_CHOICE_REQUIRED: "required",
+}
+
+
+def _schema(text: str, where: str) -> object:
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidParameter(where, "must be a JSON schema as JSON text") from None
 
 
 def check_request_id(request_id: str) -> None:
@@ -108,17 +185,24 @@ def parse_generate(
     prompt, messages = parse_input(request)
     if request.top_logprobs and not request.logprobs:
         raise InvalidParameter("top_logprobs", "needs logprobs set")
+    tools = _tools(request)
+    grammar = _grammar(request)
+    if tools is not None and tools.calls and grammar is not None:
+        raise InvalidParameter(
+            "response_format", "cannot be combined with tools unless tool_choice is NONE"
+        )
     return GenerateParams(
         prompt=prompt,
         messages=messages,
         sampling=_sampling(request.sampling),
         stopping=_stopping(request.stopping, limits),
         speculation=_speculation(request.speculation, defaults),
-        grammar=_grammar(request),
+        grammar=grammar,
         processing=_processing(request.sampling),
         top_logprobs=request.top_logprobs if request.logprobs else None,
         n=request.n or 1,
         default_tokens=request.stopping.max_new_tokens == 0,
+        tools=tools,
     )
 
 

@@ -33,6 +33,8 @@ from server.engine.target import TargetModel
 from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 from server.generate_params import Defaults, Limits, prompt_char_limit
 from server.settings import Settings
+from server.tool_calls.formats import ToolFormat
+from server.tool_calls.formats import detect as detect_tool_format
 
 log = structlog.get_logger("kenspec.runtime")
 
@@ -43,6 +45,7 @@ class Runtime:
     limits: Limits
     defaults: Defaults
     info: pb.ModelInfo
+    tool_format: ToolFormat  # how the model writes tool calls (server.tool_calls.formats)
     save_costs: Callable[[], None] = field(default=lambda: None)  # at shutdown
 
 
@@ -137,8 +140,15 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         settings, engine, limits, calibrated=settings.speculation.breaker_threshold < 0
     )
     log.info("loaded", seconds=round(time.perf_counter() - started, 2))
+    tool_format = detect_tool_format(target.tokenizer, settings.model.tool_call_format)
+    log.info("tool_calls", format=tool_format.name, native=tool_format.native)
     return Runtime(
-        engine=engine, limits=limits, defaults=defaults, info=info, save_costs=save_costs
+        engine=engine,
+        limits=limits,
+        defaults=defaults,
+        info=info,
+        tool_format=tool_format,
+        save_costs=save_costs,
     )
 
 

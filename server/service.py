@@ -14,11 +14,12 @@ from google.protobuf.message import DecodeError, Message
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from kenspec_api.convert import to_proto, usage_to_proto
-from kenspec_api.outputs import TokenLogprob
+from kenspec_api.outputs import FinishReason, TokenLogprob
 from server.engine.detokenizer import TokenTexts
 from server.engine.generation import Round
 from server.engine.params import InvalidParameter
 from server.generate_params import (
+    GenerateParams,
     check_prompt_length,
     check_request_id,
     parse_generate,
@@ -34,6 +35,7 @@ from server.serving import (
     Unavailable,
     failure_of,
 )
+from server.tool_calls.parser import ToolCallParser
 
 log = structlog.get_logger("kenspec.service")
 
@@ -68,9 +70,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 rounds = self.serving.generate(runtime, params, request_id, record, tenant=tenant)
                 report = self.serving.report_draft_source
                 texts = self.serving.token_texts(runtime)
+                calls = ToolCalls.of(runtime, params)
                 async with contextlib.aclosing(rounds):
                     async for round_ in rounds:
-                        await self._send(context, to_response(round_, request_id, report, texts))
+                        response = to_response(round_, request_id, report, texts)
+                        if calls is not None:
+                            calls.split(response, round_)
+                        await self._send(context, response)
                 record.code = grpc.StatusCode.OK
             except grpc.aio.AbortError:
                 raise
@@ -255,6 +261,44 @@ def to_response(
     for logprob in round_.logprobs or ():
         response.logprobs.append(_logprob(logprob, texts))
     return response
+
+
+class ToolCalls:
+    """A request's answers split into text and tool calls (server.tool_calls.parser), one
+    parser per choice."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._format = runtime.tool_format
+        tokenizer = runtime.engine.target.tokenizer
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self._parsers: dict[int, ToolCallParser] = {}
+
+    @classmethod
+    def of(cls, runtime: Runtime, params: GenerateParams) -> ToolCalls | None:
+        """For a request that lets the model call tools; None for any other."""
+        return cls(runtime) if params.tools is not None and params.tools.calls else None
+
+    def split(self, response: pb.GenerateResponse, round_: Round) -> None:
+        """`response`'s text to the round's content, its calls to tool_calls; the finish
+        reason TOOL_CALLS for an answer that made calls and ended by EOS."""
+        parser = self._parsers.get(round_.choice)
+        if parser is None:
+            parser = self._parsers[round_.choice] = self._format.parser(self._decode)
+        parsed = parser.feed(round_.text, round_.token_ids)
+        if round_.finish_reason is not None:
+            parsed.add(parser.finish())
+            if parser.calls and round_.finish_reason == FinishReason.EOS:
+                response.finish_reason = to_proto(FinishReason.TOOL_CALLS)
+        response.text = parsed.content
+        for delta in parsed.calls:
+            response.tool_calls.append(
+                pb.ToolCallDelta(
+                    index=delta.index,
+                    id=delta.id or "",
+                    name=delta.name or "",
+                    arguments=delta.arguments,
+                )
+            )
 
 
 def _logprob(logprob: TokenLogprob, texts: TokenTexts | None) -> pb.TokenLogprob:

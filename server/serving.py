@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -22,6 +22,7 @@ import torch
 from kenspec_api.outputs import FinishReason
 from server.engine.detokenizer import TokenTexts
 from server.engine.generation import Generation, Round
+from server.engine.grammar import GrammarSpec
 from server.engine.params import InvalidParameter, SamplingParams
 from server.engine.tenant_index import SHARED_TENANT
 from server.generate_params import (
@@ -36,6 +37,7 @@ from server.request_spans import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Trac
 from server.runtime import Runtime
 from server.scheduler import Overloaded, Scheduler
 from server.security import tenant_of
+from server.tool_calls.request import ToolRequest, content_chars
 
 log = structlog.get_logger("kenspec.service")
 
@@ -190,21 +192,27 @@ class Serving:
         return RequestRecord(self.metrics, api, span)
 
     async def encode(
-        self, runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
+        self,
+        runtime: Runtime,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, Any]] | None,
+        tools: ToolRequest | None = None,
     ) -> list[int]:
-        """Token ids of a raw prompt or a chat, refused before any tokenizer work when over the
-        character limit; a model without a chat template (or whose template refuses the
-        messages) is bad input."""
+        """Token ids of a raw prompt or a chat (with the `tools` it offers, as the model's
+        format has them), refused before any tokenizer work when over the character limit; a
+        model without a chat template (or whose template refuses the messages) is bad input."""
         target, limits = runtime.engine.target, runtime.limits
         if prompt is not None:
             check_prompt_chars("prompt", len(prompt), limits)
             return await self._off_loop(len(prompt), limits, target.encode_prompt, prompt)
-        messages = messages or ()
-        # The contents first (no template work on a chat whose words alone are too long),
-        # then the rendered chat, which adds the template's text.
-        check_prompt_chars("messages", sum(len(m["content"]) for m in messages), limits)
+        # The words first (no template work on a chat whose words alone are too long), then
+        # the rendered chat, which adds the template's text and the tools' descriptions.
+        check_prompt_chars("messages", content_chars(messages or ()), limits)
+        chat, described = runtime.tool_format.chat(messages or (), tools)
         try:
-            text = await self._off_loop(0, limits, target.chat_text, messages)
+            text = await self._off_loop(
+                0, limits, lambda chat: target.chat_text(chat, described), chat
+            )
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from error
         check_prompt_chars("messages", len(text), limits)
@@ -256,7 +264,7 @@ class Serving:
                 f"n={params.n} exceeds the server's {self.scheduler.max_active} concurrent "
                 "streams (each choice is one)",
             )
-        prompt_ids = await self.encode(runtime, params.prompt, params.messages)
+        prompt_ids = await self.encode(runtime, params.prompt, params.messages, params.tools)
         prompt_field = "prompt" if params.prompt is not None else "messages"
         check_prompt_length(len(prompt_ids), runtime.limits, prompt_field)
         max_context = runtime.engine.target.max_context
@@ -276,7 +284,7 @@ class Serving:
                     speculation=params.speculation,
                     request_id=request_id,
                     tenant=tenant,
-                    grammar=params.grammar,
+                    grammar=turn_grammar(runtime, params),
                     processing=params.processing,
                     top_logprobs=params.top_logprobs,
                     choice=choice,
@@ -483,3 +491,13 @@ def _log_summary(last: Round | None, outcome: str, seconds: float) -> None:
         seconds=round(seconds, 3),
         tokens_per_s=round(usage.completion_tokens / seconds, 1) if seconds > 0 else None,
     )
+
+
+def turn_grammar(runtime: Runtime, params: GenerateParams) -> GrammarSpec | None:
+    """What the output must match: the request's response_format, or, when it offers tools
+    the model may call, the grammar of its turn (server.tool_calls.formats): stop sequences
+    stay allowed (the text around calls is free; a stop inside a call ends it there)."""
+    tools = params.tools
+    if tools is None or not tools.calls:
+        return params.grammar
+    return GrammarSpec("lark", runtime.tool_format.grammar(tools), field="tools", stops=True)

@@ -30,6 +30,7 @@ from server.engine.params import (
     SpeculationParams,
     Weights,
 )
+from server.tool_calls import FORMATS as TOOL_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -136,9 +137,14 @@ class ModelSettings:
     gguf_cache: str = "~/.cache/kenspec/gguf"
     chat_template: str = ""
     served_model_name: str = ""
+    tool_call_format: str = "auto"
 
     def __post_init__(self) -> None:
         _existing_file("chat_template", self.chat_template)
+        if self.tool_call_format not in TOOL_FORMATS:
+            known = f"{', '.join(TOOL_FORMATS[:-1])} or {TOOL_FORMATS[-1]}"
+            flag = _flag("tool_call_format")
+            raise SettingsError(flag, f"{flag} must be {known}, not {self.tool_call_format!r}")
 
     @property
     def has_draft(self) -> bool:
@@ -534,6 +540,9 @@ _HELP = {
     "chat_template": "a Jinja chat template file that the model's tokenizer uses instead of "
     "its own, or gives a model without one (many GGUF files of base models carry none); "
     "empty: the model's",
+    "tool_call_format": "how the model writes tool calls: auto (read off its chat template: "
+    "hermes <tool_call> blocks, llama3_json, mistral [TOOL_CALLS]; a template that renders no "
+    "tools gets kenspec's own prompt, as prompt), hermes, llama3_json, mistral or prompt",
     "draft": "draft: a KenLM draft folder or ARPA file; 'none' decodes autoregressively only",
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "

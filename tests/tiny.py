@@ -98,6 +98,7 @@ def save_tiny_model(
     layers: int = 2,
     hidden_size: int = 32,
     intermediate_size: int = 64,
+    context: int = 512,
 ) -> Path:
     """A random tiny Llama saved as safetensors with its tokenizer, like a real model folder."""
     torch.manual_seed(seed)
@@ -108,7 +109,7 @@ def save_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -62,10 +62,14 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a request's output must match: `kind`, and its `source` text (a JSON schema as
-    JSON, a regex, a Lark grammar; "" for json_object, any JSON object)."""
+    JSON, a regex, a Lark grammar; "" for json_object, any JSON object). `field`: the request
+    field it comes from, named by its errors; `stops`: stop sequences may end the output
+    before the grammar does (tool calls, whose text around the calls is free)."""
 
     kind: GrammarKind
     source: str = ""
+    field: str = "response_format"
+    stops: bool = False
 
 
 class GrammarCompiler:
@@ -87,28 +91,28 @@ class GrammarCompiler:
         if self._lltokenizer is None:
             if not isinstance(self._tokenizer, PreTrainedTokenizerFast):
                 raise InvalidParameter(
-                    "response_format", "structured output needs the model's fast tokenizer"
+                    spec.field, "structured output needs the model's fast tokenizer"
                 )
             self._lltokenizer = llguidance.hf.from_tokenizer(
                 self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
             )
         matcher = llguidance.LLMatcher(self._lltokenizer, _grammar_text(spec), log_level=0)
         if matcher.is_error():
-            raise InvalidParameter("response_format", f"cannot compile: {matcher.get_error()}")
+            raise InvalidParameter(spec.field, f"cannot compile: {matcher.get_error()}")
         return GrammarState(matcher, self._lltokenizer.vocab_size, frozenset(self._eos))
 
 
-def check_stopping(stopping: StoppingParams) -> None:
+def check_stopping(stopping: StoppingParams, spec: GrammarSpec) -> None:
     """What a grammar cannot be combined with: stop sequences (one could cut the output short
-    of a match, which `stop` would then report as whole) and ignore_eos (the grammar decides
-    where the output ends)."""
-    if stopping.stop:
+    of a match, which `stop` would then report as whole), unless the spec allows them, and
+    ignore_eos (the grammar decides where the output ends)."""
+    if stopping.stop and not spec.stops:
         raise InvalidParameter(
-            "stop", "cannot be combined with response_format: a stop could cut the output short"
+            "stop", f"cannot be combined with {spec.field}: a stop could cut the output short"
         )
     if stopping.ignore_eos:
         raise InvalidParameter(
-            "ignore_eos", "cannot be combined with response_format: the grammar decides the end"
+            "ignore_eos", f"cannot be combined with {spec.field}: the grammar decides the end"
         )
 
 

@@ -160,7 +160,7 @@ class SpeculativeEngine:
         which of a request's n choices it is (its rounds say so)."""
         constraint = None
         if grammar is not None:
-            check_stopping(stopping)
+            check_stopping(stopping, grammar)
             constraint = self._grammar(grammar)
         tenant = tenant if self.isolate_tenants else SHARED_TENANT
         learned = self.tenants.of(tenant)

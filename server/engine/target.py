@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import torch
@@ -215,18 +216,26 @@ class TargetModel:
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         return self.encode_chat_text(self.chat_text(messages))
 
-    def chat_text(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat rendered by the model's template, ready to tokenize; ValueError when there
-        is no template or the template refuses the messages (many raise on roles that do not
+    def chat_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat rendered by the model's template, ready to tokenize (with `tools`: the
+        functions it may call, as OpenAI's API writes them); ValueError when there is no
+        template or the template refuses the messages (many raise on roles that do not
         alternate, or a system message they do not support)."""
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.name} has no chat template; send a raw prompt instead")
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                [dict(message) for message in messages],
+                tools=[dict(tool) for tool in tools] if tools else None,
+                add_generation_prompt=True,
+                tokenize=False,
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the model's chat template refused the messages: {error}") from None

@@ -1,7 +1,7 @@
 """From an OpenAI-shaped JSON body to GenerateParams, checked against the server's limits.
 
 Every field of the body is either used; accepted at the only value kenspec serves
-(``best_of: 1``, ``echo: false``, ``tools: []``, ...) and refused at any other with a 400
+(``best_of: 1``, ``echo: false``, ...) and refused at any other with a 400
 naming it (as are other servers' extensions kenspec cannot honour: ``guided_json``,
 ``min_tokens``, ...); or accepted and not acted on, as vLLM does, and then listed in the
 answer's ``x-kenspec-ignored-fields`` header and the request's log line (ignored.py): OpenAI's
@@ -14,7 +14,9 @@ completions: the number of alternatives), ``presence_penalty``, ``frequency_pena
 ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``, ``speculation``,
 ``num_draft_tokens``, ``adaptive``, ``draft_context``, ``ignore_eos``. ``response_format``
 (both routes) takes OpenAI's ``text``, ``json_object`` and ``json_schema``, and kenspec's
-``regex`` and ``lark`` (docs/structured-output.md).
+``regex`` and ``lark`` (docs/structured-output.md). Chat takes ``tools``, ``tool_choice`` and
+``parallel_tool_calls``, ``tool`` messages and assistant messages with ``tool_calls``
+(server.tool_calls; docs/tool-calls.md).
 
 Types are checked strictly, as JSON has them (fields.py): ``true`` is not ``1`` (nor ``0``
 ``false``), an integer field takes no float, numbers are finite and within 64 bits; ``model``
@@ -28,7 +30,7 @@ meet: bad UTF-8, deep nesting, lone surrogates); a failure is ``InvalidBody`` or
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.engine.grammar import GrammarSpec, schema_text
@@ -50,10 +52,17 @@ from server.generate_params import (
 from server.openai_api.body import decode_body
 from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
 from server.openai_api.ignored import IGNORED_FIELDS, Ignored
+from server.tool_calls.request import ToolRequest, history_calls, parse_tools, tool_request
 
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +105,9 @@ _EXTENSIONS: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 # Fields kenspec accepts only at the value that means "nothing asked": anything else is refused.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
-    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
-    "functions": (
-        lambda v: v is None or v == [],
-        "functions (function calling) are not supported",
-    ),
-    "tool_choice": (absent_or("none"), "tools (function calling) are not supported"),
-    "function_call": (absent_or("none"), "functions (function calling) are not supported"),
-    # meaningless without tools, but clients send it: any boolean
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
+    # the deprecated forms of tools and tool_choice
+    "functions": (_empty, "not served: send tools"),
+    "function_call": (absent_or("none"), "not served: send tool_choice"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is served"),
     "audio": (_absent, "audio output is not served"),
     "web_search_options": (_absent, "web search is not served"),
@@ -142,7 +145,12 @@ _COMMON = {
     "ignore_eos",
     "response_format",
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | _DEFAULT_ONLY.keys()
+CHAT_FIELDS = (
+    _COMMON
+    | {"messages", "max_completion_tokens", "top_logprobs"}
+    | {"tools", "tool_choice", "parallel_tool_calls"}
+    | _DEFAULT_ONLY.keys()
+)
 COMPLETION_FIELDS = _COMMON | {"prompt"} | _COMPLETION_DEFAULT_ONLY.keys()
 
 
@@ -166,7 +174,23 @@ def parse_chat(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> O
         raise InvalidParameter("top_logprobs", "needs logprobs: true")
     top_logprobs = (top or 0) if logprobs else None
     messages = parse_messages(body, ignored)
-    return _request(body, limits, defaults, None, messages, tokens_field, top_logprobs, ignored)
+    tools = _tools(body)
+    request = _request(body, limits, defaults, None, messages, tokens_field, top_logprobs, ignored)
+    if tools is None:
+        return request
+    if tools.calls and request.params.grammar is not None:
+        raise InvalidParameter(
+            "response_format", "cannot be combined with tools unless tool_choice is 'none'"
+        )
+    return replace(request, params=replace(request.params, tools=tools))
+
+
+def _tools(body: Mapping[str, Any]) -> ToolRequest | None:
+    """tools, tool_choice and parallel_tool_calls (server.tool_calls.request)."""
+    listed = body.get("tools")
+    tools = () if listed is None else parse_tools(listed)
+    parallel = boolean(body, "parallel_tool_calls", True)
+    return tool_request(tools, body.get("tool_choice"), parallel)
 
 
 def parse_completion(body: Mapping[str, Any], limits: Limits, defaults: Defaults) -> OpenAIRequest:
@@ -192,7 +216,7 @@ def _request(
     limits: Limits,
     defaults: Defaults,
     prompt: str | None,
-    messages: tuple[dict[str, str], ...] | None,
+    messages: tuple[dict[str, Any], ...] | None,
     tokens_field: str,  # the field that sets the token limit: max_tokens or its newer name
     top_logprobs: int | None,  # None: no logprobs
     ignored: Ignored,
@@ -254,7 +278,7 @@ def _check_fields(
             ignored.add(key(name), unknown=True)
 
 
-def parse_messages(body: Mapping[str, Any], ignored: Ignored) -> tuple[dict[str, str], ...]:
+def parse_messages(body: Mapping[str, Any], ignored: Ignored) -> tuple[dict[str, Any], ...]:
     """A chat's messages, as the chat route and /tokenize read them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -262,28 +286,49 @@ def parse_messages(body: Mapping[str, Any], ignored: Ignored) -> tuple[dict[str,
     return tuple(_message(index, message, ignored) for index, message in enumerate(messages))
 
 
-# A message's fields of function calling: refused unless null (tools are not served yet).
-_TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call")
-
-
-def _message(index: int, message: object, ignored: Ignored) -> dict[str, str]:
+def _message(index: int, message: object, ignored: Ignored) -> dict[str, Any]:
+    """One message: role and content; an assistant's tool_calls (then content may be null),
+    a tool result's tool_call_id and name."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidParameter(where, "must be an object with role and content")
-    for name, value in message.items():
-        if name in ("role", "content") or value is None:  # null: as if not sent
-            continue
-        if name in _TOOL_MESSAGE_FIELDS or name == "audio":
-            raise InvalidParameter(f"{where}.{name}", "not served (tools and audio are not)")
-        # name (a participant's), refusal, reasoning_content, ...: the text is what counts
-        ignored.add(f"messages[].{key(name)}", unknown=name not in ("name", "refusal"))
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise InvalidParameter(
-            f"{where}.role",
-            f"{shown(role)} is not one of {', '.join(ROLES)} (tools are not served)",
-        )
-    return {"role": ROLES[role], "content": _content(where, message.get("content"), ignored)}
+        raise InvalidParameter(f"{where}.role", f"{shown(role)} is not one of {', '.join(ROLES)}")
+    parsed: dict[str, Any] = {"role": ROLES[role]}
+    own = {"role", "content"}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        parsed["tool_calls"] = history_calls(message["tool_calls"], f"{where}.tool_calls")
+        own.add("tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise InvalidParameter(f"{where}.tool_call_id", "required: the id of the call")
+        parsed["tool_call_id"] = call_id
+        own |= {"tool_call_id", "name"}
+        if isinstance(message.get("name"), str):
+            parsed["name"] = message["name"]
+    for name, value in message.items():
+        if name in own or value is None:  # null: as if not sent
+            continue
+        if name in _TOOL_MESSAGE_FIELDS or name == "audio":
+            raise InvalidParameter(f"{where}.{name}", _TOOL_MESSAGE_FIELDS.get(name, "not served"))
+        # name (a participant's), refusal, reasoning_content, ...: the text is what counts
+        ignored.add(f"messages[].{key(name)}", unknown=name not in ("name", "refusal"))
+    content = message.get("content")
+    if content is None and "tool_calls" in parsed:
+        parsed["content"] = None  # a turn of calls only
+    else:
+        parsed["content"] = _content(where, content, ignored)
+    return parsed
+
+
+# A message's fields that are not of its role (or are the deprecated functions' form).
+_TOOL_MESSAGE_FIELDS = {
+    "tool_calls": "only an assistant message makes tool calls",
+    "tool_call_id": "only a tool message answers a call",
+    "function_call": "not served: send tool_calls",
+}
 
 
 def _content(where: str, content: object, ignored: Ignored) -> str:

@@ -231,12 +231,17 @@ class OpenAIRoutes:
             _count_refusal(record, refusal)
             return refusal.response()
         parsed.ignored.log(request_id, request.url.path)  # (listed in its answer's headers)
+        tools = parsed.params.tools
+        calls = tools is not None and tools.calls
+        tokenizer = runtime.engine.target.tokenizer
         completion = Completion(
             chat=chat,
             request_id=request_id,
             model=self.model_name,
             report_source=self.serving.report_draft_source,
             texts=self.serving.token_texts(runtime),
+            tools=runtime.tool_format if calls else None,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
         return GenerationResponse(
             self.serving,

@@ -176,7 +176,7 @@ def test_settings_are_grouped_as_the_engine_uses_them() -> None:
     assert settings.limits.max_queue == 3 and settings.model.has_draft
     assert list(GROUPS) == ["model", "kernels", "speculation", "server", "limits", "security"]
     assert FIELD_GROUPS["metrics_auth"] == "security" and FIELD_GROUPS["fast_step"] == "kernels"
-    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 87
+    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 88
 
 
 def test_modes_are_enums_that_compare_with_their_strings() -> None:

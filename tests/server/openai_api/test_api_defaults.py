@@ -287,8 +287,8 @@ def test_completion_fields_kenspec_cannot_honour_stay_400(fields, named) -> None
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+        ({"tool_choice": "required"}, "tool_choice"),  # (without tools)
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -299,7 +299,10 @@ def test_completion_fields_kenspec_cannot_honour_stay_400(fields, named) -> None
             {"messages": [{"role": "user", "content": [{"type": "input_audio", "x": 1}]}]},
             "content[0]",
         ),
-        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]}, "tool_calls"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+            "tool_calls[0]",
+        ),
     ],
 )
 def test_chat_fields_kenspec_cannot_honour_stay_400(fields, named) -> None:

@@ -154,7 +154,7 @@ HOSTILE = {
         "chat",
         '{"model": "MODEL", "messages": [{"role": "assistant", "content": "x", '
         '"tool_calls": [{"id": "1"}]}]}',
-        "messages[0].tool_calls",
+        "messages[0].tool_calls[0]",
     ),
     "not UTF-8": ("completions", '{"model": "MODEL", "prompt": "\xff"}', None),
 }

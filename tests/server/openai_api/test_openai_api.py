@@ -134,7 +134,7 @@ async def test_models_and_unknown_model(http_server) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": "a"}, "frequency_penalty"),
         ({"logit_bias": {"x1": 3}}, "logit_bias"),
@@ -148,7 +148,7 @@ async def test_models_and_unknown_model(http_server) -> None:
         ({"stop": ["a"] * 65}, "stop"),
         ({"extra_body": {"speculation": "always"}}, "speculation"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content[0]"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "role"),
         ({"messages": []}, "messages"),
     ],
 )
