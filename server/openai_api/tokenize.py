@@ -8,8 +8,9 @@ limit checked before any tokenizer work, then --max-prompt-tokens, each a 400 na
 field). ``return_token_strs: true`` adds each token's vocabulary entry. vLLM's switches are
 taken at the value kenspec tokenizes with (``add_special_tokens`` true for a prompt and false
 for a chat, ``add_generation_prompt`` true, ``continue_final_message`` false) and refused at
-any other, as are ``chat_template`` and ``tools``; other fields are accepted and listed in
-the x-kenspec-ignored-fields header, as the generate routes list theirs.
+any other, as is ``chat_template``; ``tools`` are rendered into the chat as a generation
+renders them. Other fields are accepted and listed in the x-kenspec-ignored-fields header, as
+the generate routes list theirs.
 
 ``/detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``, the ids decoded as
 they are (special tokens included), at most the model's context of them, each an id of the
@@ -35,6 +36,7 @@ from server.openai_api.ignored import Ignored
 from server.openai_api.openai_request import parse_messages
 from server.runtime import Runtime
 from server.serving import Serving, failure_of
+from server.tool_calls.request import ToolRequest, parse_tools
 
 log = structlog.get_logger("kenspec.http")
 
@@ -51,9 +53,8 @@ _CHAT_ONLY = {
     "continue_final_message": (absent_or(False), "not served"),
     "chat_template": (lambda v: v is None, "not served: the server's template is used"),
     "chat_template_kwargs": (lambda v: v in (None, {}), "not served"),
-    "tools": (lambda v: v in (None, []), "tools are not served"),
 }
-_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "return_token_strs"})
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "return_token_strs", "tools"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -76,7 +77,12 @@ async def tokenize(
             prompt, messages = body["prompt"], None
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidParameter("prompt", "must be a non-empty string")
-        ids = await serving.encode(runtime, prompt, messages)
+        listed = body.get("tools")
+        if listed not in (None, []) and not chat:
+            raise InvalidParameter("tools", "need messages (a chat), not a prompt")
+        tools = parse_tools(listed) if listed is not None else ()
+        described = ToolRequest(tools) if tools else None
+        ids = await serving.encode(runtime, prompt, messages, described)
         check_prompt_length(len(ids), runtime.limits, "messages" if chat else "prompt")
         tokenizer = runtime.engine.target.tokenizer
         answer = {

@@ -198,7 +198,7 @@ class ToolCallParser:
 
     def finish(self) -> Parsed:
         """What is still held: text, an unfinished section or call."""
-        parsed = Parsed(content=self._held)
+        parsed = Parsed(content="" if self._between_calls(self._held) else self._held)
         call = self._call
         if call is not None and self._open_call:  # cut short: the arguments written so far
             rest = self._arguments_left(call)
@@ -240,13 +240,20 @@ class ToolCallParser:
         found = held.find(fmt.trigger)
         if found < 0:
             keep = _prefix_tail(held, fmt.trigger)
+            if self._between_calls(held[: len(held) - keep]):
+                keep = len(held)  # held until text comes: none may
             parsed.content += held[: len(held) - keep]
             self._held = held[len(held) - keep :]
             return ""
-        parsed.content += held[:found]
+        if not self._between_calls(held[:found]):
+            parsed.content += held[:found]
         self._open()
         self._raw = fmt.trigger
         return held[found + len(fmt.trigger) :]
+
+    def _between_calls(self, text: str) -> bool:
+        """Whitespace after a call: no content (unless text follows it)."""
+        return self.calls > 0 and not text.strip()
 
     def _open(self) -> None:
         self._section, self._marker, self._raw = True, "", ""

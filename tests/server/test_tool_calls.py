@@ -68,7 +68,7 @@ HERMES_TEXT = (
     '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
 CASES = [
-    ("hermes", HERMES_TEXT, "Let me look.\n\n", 2),
+    ("hermes", HERMES_TEXT, "Let me look.\n", 2),
     (
         "llama3_json",
         ' {"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}; '
@@ -323,3 +323,11 @@ def test_past_arguments_must_be_json_text() -> None:
     assert error.value.field == "messages[1].tool_calls[0].function.arguments"
     parsed = history_calls([{"function": {"name": "f", "arguments": '{"a": 1}'}}], "tool_calls")
     assert parsed[0]["function"]["arguments"] == {"a": 1}  # as templates read them
+
+
+def test_whitespace_after_calls_is_no_content_but_text_after_them_is(tiny_target) -> None:
+    hermes = _hermes(tiny_target.tokenizer)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    for text, content in [(f"{call}\n\n", ""), (f"{call}\n\nDone.", "\n\nDone.")]:
+        assert whole(hermes.parser(), text)[0] == content
+        assert _streamed(hermes, text)[0] == content

@@ -297,3 +297,15 @@ async def test_bad_grpc_tools_are_invalid_argument(http_server, fields, field) -
                 pass
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith(field), error.value.details()
+
+
+async def test_tokenize_renders_the_tools_as_a_generation_does(http_server) -> None:
+    server, _, url = await http_server()
+    body = {"model": model_id(server), "messages": ASK, "tools": TOOLS}
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        counted = (await client.post("/tokenize", json=body)).json()["count"]
+        bare = (await client.post("/tokenize", json={**body, "tools": []})).json()["count"]
+        answer = await client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        refused = await client.post("/tokenize", json={"prompt": "Hi", "tools": TOOLS})
+    assert counted == answer.json()["usage"]["prompt_tokens"] > bare
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
