@@ -79,10 +79,10 @@ class ToolFormat:
 
     def grammar(self, tools: ToolRequest) -> str:
         """The Lark grammar of a turn with `tools` (tool_choice other than none)."""
-        schema = _call_schema(tools.offered, self.arguments_key)
+        schema, defs = _call_schema(tools.offered, self.arguments_key)
         forced = tools.choice != "auto"
         if self.name == "llama3_json":
-            call = f"%json {json.dumps(_with_options(schema))}"
+            call = f"%json {json.dumps(_root(schema, defs))}"
             calls = f'{call} ("; " {call})*' if tools.parallel else call
             if forced:
                 return f"%llguidance {{}}\nstart: {calls}\n"
@@ -92,10 +92,10 @@ class ToolFormat:
             array: dict[str, Any] = {"type": "array", "items": schema, "minItems": 1}
             if not tools.parallel:
                 array["maxItems"] = 1
-            body = f"%json {json.dumps(_with_options(array))}"
+            body = f"%json {json.dumps(_root(array, defs))}"
             end = ""
         else:
-            body = f'"\\n" %json {json.dumps(_with_options(schema))}'
+            body = f'"\\n" %json {json.dumps(_root(schema, defs))}'
             end = json.dumps("\n" + self.end)
         trigger = f"<[{self.trigger_id}]>" if self.trigger_id is not None else None
         if forced:
@@ -117,25 +117,45 @@ class ToolFormat:
         return "\n".join(lines) + "\n"
 
 
-def _call_schema(tools: Sequence[Tool], key: str) -> dict[str, Any]:
-    """One call of any of `tools`: its name, then its arguments, nothing else."""
-    options = []
-    for tool in tools:
-        parameters = dict(tool.parameters) if tool.parameters else {"type": "object"}
+def _call_schema(tools: Sequence[Tool], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One call of any of `tools`: its name, then its arguments, nothing else; and the
+    definitions it refers to. Each function's parameters become a definition of the root
+    (``#/$defs/kenspec_tool_<i>``), their own references rebased onto it, so that a schema's
+    ``#``, ``#/$defs/...`` (pydantic writes these) mean what they meant in the tool."""
+    options, defs = [], {}
+    for index, tool in enumerate(tools):
+        name = f"kenspec_tool_{index}"
+        defs[name] = _rebased(tool.parameters or {"type": "object"}, f"#/$defs/{name}")
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.name}, key: parameters},
+                "properties": {"name": {"const": tool.name}, key: {"$ref": f"#/$defs/{name}"}},
                 "required": ["name", key],
                 "additionalProperties": False,
             }
         )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return (options[0] if len(options) == 1 else {"anyOf": options}), defs
 
 
-def _with_options(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """The schema with the JSON layout structured output writes (one space after : and ,)."""
-    return {**schema, "x-guidance": dict(JSON_OPTIONS)}
+def _rebased(schema: object, root: str) -> Any:
+    """`schema` with its local references (``#``, ``#/...``) pointing under `root`."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for name, value in schema.items():
+        if name == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[name] = root + value[1:]
+        else:
+            rebased[name] = _rebased(value, root)
+    return rebased
+
+
+def _root(schema: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]:
+    """The grammar's schema: the definitions, and the JSON layout structured output writes
+    (one space after : and ,)."""
+    return {**schema, "$defs": dict(defs), "x-guidance": dict(JSON_OPTIONS)}
 
 
 def detect(tokenizer: PreTrainedTokenizerBase, override: str = "auto") -> ToolFormat:

@@ -331,3 +331,25 @@ def test_whitespace_after_calls_is_no_content_but_text_after_them_is(tiny_target
     for text, content in [(f"{call}\n\n", ""), (f"{call}\n\nDone.", "\n\nDone.")]:
         assert whole(hermes.parser(), text)[0] == content
         assert _streamed(hermes, text)[0] == content
+
+
+def test_a_schema_s_own_references_keep_their_meaning(tiny_target) -> None:
+    """pydantic writes "$defs" and "#/$defs/..." references; "#" is the schema itself. In the
+    grammar each function's schema is a definition of the root: its references are rebased."""
+    tokenizer = tiny_target.tokenizer
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    order = {
+        "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}, "next": {"$ref": "#"}},
+        "required": ["item"],
+        "$defs": {"Item": item},
+    }
+    grammar = _hermes(tokenizer).grammar(ToolRequest((Tool("order", "", order),), "required"))
+
+    def call(arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "order", "arguments": {arguments}}}\n</tool_call>'
+
+    good = call('{"item": {"n": 1}, "next": {"item": {"n": 2}}}')
+    assert _accepts(_matcher(tokenizer, grammar), tokenizer, good)
+    for bad in ('{"item": {"x": 1}}', '{"item": {"n": 1}, "next": {"item": {"x": 2}}}'):
+        assert not _accepts(_matcher(tokenizer, grammar), tokenizer, call(bad)), bad

@@ -84,7 +84,16 @@ CHAT_PATHS = [
     "messages.0.content.0.text",
     "messages.0.content.0.cache_control",
     "messages.0.name",
+    "messages.0.tool_calls",
+    "messages.0.tool_calls.0.function.arguments",
+    "messages.0.tool_call_id",
     "stream_options.include_usage",
+    "tools.0",
+    "tools.0.function",
+    "tools.0.function.name",
+    "tools.0.function.parameters",
+    "tools.0.function.parameters.properties.a",
+    "tool_choice.function.name",
 ]
 COMPLETION_PATHS = [
     *sorted(COMPLETION_FIELDS | IGNORED_FIELDS),
@@ -141,6 +150,9 @@ def mutated(draw, chat: bool, model: str = "tiny") -> bytes:
     body = base(chat, model)
     if draw(st.booleans()):
         body["stream"] = True
+    if chat and draw(st.booleans()):  # a valid tool, for the tool paths' mutations to reach into
+        parameters = {"type": "object", "properties": {"a": {"type": "string"}}}
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     paths = CHAT_PATHS if chat else COMPLETION_PATHS
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(paths) | texts)
@@ -162,7 +174,7 @@ def check_outcome(data: bytes, chat: bool) -> OpenAIRequest | None:
         return None
     params = parsed.params
     strings = [parsed.model, parsed.user or "", params.prompt or ""]
-    strings += [m["content"] for m in params.messages or ()] + list(params.stopping.stop)
+    strings += [m["content"] or "" for m in params.messages or ()] + list(params.stopping.stop)
     for text in strings:
         text.encode("utf-8")  # the tokenizer, the log and the answer all take it
     assert 1 <= len(parsed.model) <= 256

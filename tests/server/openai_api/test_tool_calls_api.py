@@ -309,3 +309,30 @@ async def test_tokenize_renders_the_tools_as_a_generation_does(http_server) -> N
         refused = await client.post("/tokenize", json={"prompt": "Hi", "tools": TOOLS})
     assert counted == answer.json()["usage"]["prompt_tokens"] > bare
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+HOSTILE_SCHEMAS = [
+    {"$ref": "#"},  # (refers to itself: any object)
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}},
+    {"type": "object", "properties": {"a": {"$ref": "http://example.com/x.json"}}},
+    {"type": "object", "properties": {"a": {"type": "array", "minItems": 100000000}}},
+    {"type": "object", "properties": {'"}\n%json {': {"type": "string"}}},
+    {"type": "object", "required": ["missing"], "additionalProperties": False},
+    {"not": {}},
+]
+
+
+@pytest.mark.parametrize("schema", HOSTILE_SCHEMAS, ids=range(len(HOSTILE_SCHEMAS)))
+async def test_a_hostile_parameters_schema_is_answered_or_a_400(http_server, schema) -> None:
+    server, _, url = await http_server()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = {"model": model_id(server), "messages": ASK, "tools": tools, "max_tokens": 8}
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        for choice in ("auto", "required"):
+            answer = await client.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+            assert answer.status_code in (200, 400), answer.text
+            if answer.status_code == 400:
+                assert answer.json()["error"]["param"] == "tools"
+        assert (await client.get("/health")).status_code == 200
