@@ -19,7 +19,7 @@ from .errors import (
     ServerBusy,
     ServerUnavailable,
 )
-from .results import Alternative, Completion, Logprob, Round, Usage
+from .results import Alternative, Completion, Logprob, Round, ToolCall, Usage
 from .sync_client import Client, RoundStream
 
 __all__ = [
@@ -37,5 +37,6 @@ __all__ = [
     "RoundStream",
     "ServerBusy",
     "ServerUnavailable",
+    "ToolCall",
     "Usage",
 ]

@@ -14,8 +14,9 @@ from typing import Any, Literal, TypedDict
 from kenspec_api import generator_pb2 as pb
 
 Speculation = Literal["auto", "off"]
-# A chat turn: ("user", "Hi"), {"role": "user", "content": "Hi"}, or a pb.ChatMessage.
-ChatTurn = tuple[str, str] | Mapping[str, str] | pb.ChatMessage
+# A chat turn: ("user", "Hi"), {"role": "user", "content": "Hi"} (OpenAI's shape: an
+# assistant's "tool_calls", a tool's "tool_call_id"), or a pb.ChatMessage.
+ChatTurn = tuple[str, str] | Mapping[str, Any] | pb.ChatMessage
 
 _SPECULATION_MODES = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF}
 
@@ -44,6 +45,9 @@ class GenerateOptions(TypedDict, total=False):
     n: int
     logprobs: bool
     top_logprobs: int
+    tools: Sequence[Mapping[str, Any]]
+    tool_choice: str | Mapping[str, Any]
+    parallel_tool_calls: bool | None
 
 
 def build_generate_request(
@@ -71,6 +75,9 @@ def build_generate_request(
     n: int = 0,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    tools: Sequence[Mapping[str, Any]] = (),
+    tool_choice: str | Mapping[str, Any] = "auto",
+    parallel_tool_calls: bool | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; `None` for seed/adaptive/draft_context leaves the choice to the server.
 
@@ -80,7 +87,10 @@ def build_generate_request(
     interleaved (each round says its `choice_index`); `logprobs` (with `top_logprobs`
     alternatives) come with every round; the penalties, `logit_bias` ({token id: amount}) and
     `min_p` are applied at every verified position (0 for a penalty, 0 or 1 for
-    `repetition_penalty`: none).
+    `repetition_penalty`: none). `tools` are OpenAI's (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``), `tool_choice` ``"auto"``, ``"none"``,
+    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``; the calls come back in
+    each round's `tool_calls` (docs/tool-calls.md).
 
     >>> build_generate_request("Hi", stop="\\n", speculation="off").speculation.mode
     2
@@ -119,8 +129,42 @@ def build_generate_request(
         request.speculation.adaptive = adaptive
     if response_format is not None:
         request.response_format.CopyFrom(build_response_format(response_format))
+    _set_tools(request, tools, tool_choice, parallel_tool_calls)
     _set_input(request, prompt, messages)
     return request
+
+
+_TOOL_CHOICES = {
+    "auto": pb.TOOL_CHOICE_AUTO,
+    "none": pb.TOOL_CHOICE_NONE,
+    "required": pb.TOOL_CHOICE_REQUIRED,
+}
+
+
+def _set_tools(
+    request: pb.GenerateRequest,
+    tools: Sequence[Mapping[str, Any]],
+    choice: str | Mapping[str, Any],
+    parallel: bool | None,
+) -> None:
+    for tool in tools:
+        function = tool.get("function", tool)  # OpenAI's shape, or the function alone
+        parameters = function.get("parameters")
+        request.tools.append(
+            pb.Tool(
+                name=function.get("name", ""),
+                description=function.get("description", ""),
+                parameters=json.dumps(parameters) if parameters is not None else "",
+            )
+        )
+    if isinstance(choice, Mapping):
+        request.tool_function = choice.get("function", {}).get("name", "")
+    elif choice in _TOOL_CHOICES:
+        request.tool_choice = _TOOL_CHOICES[choice]
+    else:
+        raise ValueError(f"tool_choice must be auto, none, required or a function, not {choice!r}")
+    if parallel is not None:
+        request.parallel_tool_calls = parallel
 
 
 def build_response_format(value: Mapping[str, Any]) -> pb.ResponseFormat:
@@ -161,13 +205,32 @@ def chat_message(turn: ChatTurn) -> pb.ChatMessage:
     if isinstance(turn, pb.ChatMessage):
         return turn
     if isinstance(turn, Mapping):
-        if set(turn) != {"role", "content"}:
-            raise ValueError(f"a chat message dict needs exactly 'role' and 'content': {turn!r}")
-        return pb.ChatMessage(role=turn["role"], content=turn["content"])
+        if not {"role", "content"} <= set(turn) <= _MESSAGE_KEYS:
+            raise ValueError(
+                f"a chat message dict has 'role' and 'content' (and tool_calls, tool_call_id, "
+                f"name): {turn!r}"
+            )
+        calls = [
+            pb.ToolCall(
+                id=call.get("id", ""),
+                name=call["function"]["name"],
+                arguments=call["function"].get("arguments", ""),
+            )
+            for call in turn.get("tool_calls") or ()
+        ]
+        return pb.ChatMessage(
+            role=turn["role"],
+            content=turn["content"] or "",
+            tool_calls=calls,
+            tool_call_id=turn.get("tool_call_id") or "",
+        )
     if isinstance(turn, tuple) and len(turn) == 2:
         role, content = turn
         return pb.ChatMessage(role=role, content=content)
     raise ValueError(f"a chat message is a (role, content) tuple or a dict, not {turn!r}")
+
+
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
 
 
 def _set_input(

@@ -8,7 +8,8 @@ response for anyone who needs more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from kenspec_api import generator_pb2 as pb
 from kenspec_api.convert import from_proto, usage_from_proto
@@ -47,6 +48,17 @@ class Logprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made (a request with tools): `arguments` is JSON text. In a Round, a
+    piece of one: its first piece has the id and name, the next ones more arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class Round:
     """One verification round as streamed; `finish_reason`/`usage` only on the last (of its
     choice: with n > 1 the choices' rounds interleave, each saying its `choice_index`)."""
@@ -66,6 +78,7 @@ class Round:
     response: pb.GenerateResponse = field(repr=False, compare=False)
     choice_index: int = 0
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for them
+    tool_calls: tuple[ToolCall, ...] = ()  # pieces of calls this round wrote (with tools)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Round:
@@ -87,6 +100,10 @@ class Round:
             response=response,
             choice_index=response.choice_index,
             logprobs=tuple(Logprob.from_proto(logprob) for logprob in response.logprobs),
+            tool_calls=tuple(
+                ToolCall(call.index, call.id, call.name, call.arguments)
+                for call in response.tool_calls
+            ),
         )
 
 
@@ -102,6 +119,20 @@ class Completion:
     rounds: tuple[Round, ...] = field(repr=False)
     choice_index: int = 0
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked for them
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the model made, whole (with tools)
+
+
+def joined_calls(rounds: Sequence[Round]) -> tuple[ToolCall, ...]:
+    """The rounds' call pieces joined into whole calls, by index."""
+    calls: dict[int, ToolCall] = {}
+    for round_ in rounds:
+        for piece in round_.tool_calls:
+            whole = calls.get(piece.index)
+            if whole is None:
+                calls[piece.index] = piece
+            else:
+                calls[piece.index] = replace(whole, arguments=whole.arguments + piece.arguments)
+    return tuple(calls[index] for index in sorted(calls))
 
 
 def completions_from_rounds(rounds: list[Round], address: str) -> list[Completion]:
@@ -128,6 +159,7 @@ def completions_from_rounds(rounds: list[Round], address: str) -> list[Completio
                 rounds=tuple(own),
                 choice_index=index,
                 logprobs=tuple(logprob for r in own for logprob in r.logprobs),
+                tool_calls=joined_calls(own),
             )
         )
     return completions

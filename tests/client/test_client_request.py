@@ -65,3 +65,32 @@ def test_tokenize_request_needs_exactly_one_input() -> None:
 
 def test_docstring_examples() -> None:
     assert doctest.testmod(client.request).failed == 0
+
+
+def test_tools_and_tool_messages_are_mapped() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    request = build_generate_request(messages=chat, tools=tools, tool_choice="required")
+    assert [(t.name, t.parameters) for t in request.tools] == [("f", '{"type": "object"}')]
+    assert request.tool_choice == pb.TOOL_CHOICE_REQUIRED
+    assert not request.HasField("parallel_tool_calls")
+    assistant, tool = request.messages.messages[1:]
+    assert (assistant.content, assistant.tool_calls[0].name) == ("", "f")
+    assert tool.tool_call_id == "c1"
+    named = build_generate_request(
+        messages=chat[:1],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        parallel_tool_calls=False,
+    )
+    assert (named.tool_function, named.parallel_tool_calls) == ("f", False)
+    with pytest.raises(ValueError, match="tool_choice"):
+        build_generate_request(messages=chat[:1], tools=tools, tool_choice="always")

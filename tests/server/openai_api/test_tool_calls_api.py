@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
+from client import AsyncClient
 from kenspec_api import generator_pb2 as pb
 from kenspec_api import generator_pb2_grpc as pb_grpc
 from server.runtime import load_runtime
@@ -336,3 +337,25 @@ async def test_a_hostile_parameters_schema_is_answered_or_a_400(http_server, sch
             if answer.status_code == 400:
                 assert answer.json()["error"]["param"] == "tools"
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_the_bundled_client_joins_the_calls(http_server) -> None:
+    server, _, url = await http_server()
+    options = {"tool_choice": "required", "parallel_tool_calls": False}
+    async with sdk(url) as openai_client:
+        answer = await openai_client.chat.completions.create(
+            model=model_id(server),
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=120,
+            temperature=0,
+            **options,
+        )
+    async with AsyncClient(f"127.0.0.1:{server.port}", timeout=TIMEOUT) as client:
+        completion = await client.generate_text(
+            None, ASK, tools=TOOLS, max_new_tokens=120, **options
+        )
+    (call,) = completion.tool_calls
+    (expected,) = answer.choices[0].message.tool_calls
+    assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
+    assert completion.finish_reason == "tool_calls" and completion.text == ""
