@@ -40,9 +40,9 @@ def encoded(monkeypatch) -> list[str]:
     for name in ENCODERS:
         original = getattr(TargetModel, name)
 
-        def spy(target, argument, _name=name, _original=original):  # type: ignore[no-untyped-def]
+        def spy(target, *arguments, _name=name, _original=original):  # type: ignore[no-untyped-def]
             calls.append(_name)
-            return _original(target, argument)
+            return _original(target, *arguments)
 
         monkeypatch.setattr(TargetModel, name, spy)
     return calls

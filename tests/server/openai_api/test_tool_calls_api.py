@@ -255,8 +255,8 @@ def _grpc_request(**fields) -> pb.GenerateRequest:
     )
 
 
-async def test_grpc_calls_are_the_http_api_s(http_server) -> None:
-    server, _, url = await http_server()
+async def _one_required_call(server, url):
+    """The call the OpenAI API answers ASK with, greedy, tool_choice required, one call."""
     async with sdk(url) as client:
         answer = await client.chat.completions.create(
             model=model_id(server),
@@ -268,6 +268,12 @@ async def test_grpc_calls_are_the_http_api_s(http_server) -> None:
             max_tokens=120,
         )
     (call,) = answer.choices[0].message.tool_calls
+    return call
+
+
+async def test_grpc_calls_are_the_http_api_s(http_server) -> None:
+    server, _, url = await http_server()
+    call = await _one_required_call(server, url)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GeneratorStub(channel)
         request = _grpc_request(tool_choice=pb.TOOL_CHOICE_REQUIRED, parallel_tool_calls=False)
@@ -341,21 +347,16 @@ async def test_a_hostile_parameters_schema_is_answered_or_a_400(http_server, sch
 
 async def test_the_bundled_client_joins_the_calls(http_server) -> None:
     server, _, url = await http_server()
-    options = {"tool_choice": "required", "parallel_tool_calls": False}
-    async with sdk(url) as openai_client:
-        answer = await openai_client.chat.completions.create(
-            model=model_id(server),
-            messages=ASK,
-            tools=TOOLS,
-            max_tokens=120,
-            temperature=0,
-            **options,
-        )
+    expected = await _one_required_call(server, url)
     async with AsyncClient(f"127.0.0.1:{server.port}", timeout=TIMEOUT) as client:
         completion = await client.generate_text(
-            None, ASK, tools=TOOLS, max_new_tokens=120, **options
+            None,
+            ASK,
+            tools=TOOLS,
+            max_new_tokens=120,
+            tool_choice="required",
+            parallel_tool_calls=False,
         )
     (call,) = completion.tool_calls
-    (expected,) = answer.choices[0].message.tool_calls
     assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
     assert completion.finish_reason == "tool_calls" and completion.text == ""
