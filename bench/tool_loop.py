@@ -10,7 +10,7 @@ Per task, greedy, streamed:
    calls on and off, and decode tokens/s of each (tokens after the first round over the time
    from the first event to the last: prefill, the same for both, left out);
 3. the calls and the tools' results sent back, `auto`: the answer (text or more calls), on then
-   off, timed the same way;
+   off, timed the same way (skipped when the calls were cut by --max-tokens);
 4. a follow-up question on the whole chat, `auto`.
 
 Speculation on goes first for each pair, so its drafts never come from the same request's OFF
@@ -124,6 +124,8 @@ def run_task(
     required = {"tool_choice": "required", "max_tokens": max_tokens}
     call_on = record("call", "on", _turn(client, model, ask, task, **required))
     record("call", "off", _turn(client, model, ask, task, **required, **off))
+    if call_on["finish"] != "tool_calls":  # cut by max_tokens: no whole call to answer
+        return
     chat = [*ask, _assistant(call_on)]
     chat += [
         {"role": "tool", "tool_call_id": call["id"], "content": task.results.get(call["name"], "")}
@@ -166,6 +168,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary["required_valid"] = (
         f"{sum(r['valid'] and bool(r['calls']) for r in calls)}/{len(calls)}"
     )
+    # of those, the ones --max-tokens cut mid-call (the model repeating inside a string)
+    summary["required_cut"] = sum(r["finish"] == "length" for r in calls)
     autos = [r for r in rows if r["step"] == "auto"]
     summary["auto_called"] = f"{sum(bool(r['calls']) for r in autos)}/{len(autos)}"
     summary["auto_calls_valid"] = sum(r["valid"] for r in autos if r["calls"])
