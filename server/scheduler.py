@@ -81,8 +81,14 @@ class Scheduler:
     async def stream(
         self, batch: Batch, generation: Generation, follows: Generation | None = None
     ) -> AsyncIterator[Round]:
-        """Run generation in batch (sharing the prefill of `follows`, see Batch.add); its
-        rounds as they come. Leaving early cancels it."""
+        """Run generation in batch (sharing the prefill of `follows`, see Batch.add), once its
+        grammar, if any, is compiled; its rounds as they come. Leaving early cancels it."""
+        # A grammar is compiled in a thread of its own (engine.grammar: up to seconds for a
+        # hostile one, on neither this loop nor the engine thread); a later choice waits for
+        # the first's as well, so that the first joins the batch first (its prefill is shared).
+        for waited in (follows, generation):
+            if waited is not None and waited.grammar is not None:
+                await waited.grammar.prepare()
         loop = asyncio.get_running_loop()
         rounds: asyncio.Queue[Round | BaseException] = asyncio.Queue()
         deliver = lambda item: self._outbox.append((loop, rounds, item))  # noqa: E731
