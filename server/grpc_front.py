@@ -7,8 +7,8 @@ the idle timeout, so that many such connections lock every new client out for mi
 this front door, as the HTTP API has (server.openai_api.connections): grpc.aio listens only on a
 Unix socket in a private directory (mode 0700, removed at close), and the front listens on the
 public address, terminates TLS, and relays each connection's bytes to a connection of its own to
-that socket. It reads the HTTP/2 frame heads in both directions, payloads skipped, only to count
-each connection's open calls:
+that socket. It reads the HTTP/2 frame heads in both directions, payloads skipped (but the
+server's SETTINGS), to count each connection's open calls:
 
 - a client HEADERS frame on a new stream opens a call; the server's HEADERS (or DATA) with
   END_STREAM, its trailers, or a RST_STREAM from either side closes it. A connection with no
@@ -25,7 +25,10 @@ each connection's open calls:
   first SETTINGS frame within the handshake timeout is closed (its Unix connection is only
   opened after that, so grpc never sees it); one idle for the idle timeout gets grpc's own
   GOAWAY (`grpc.max_connection_idle_ms`), and is closed by the front IDLE_GRACE_S later if it
-  is still there.
+  is still there;
+- the SETTINGS_MAX_CONCURRENT_STREAMS in grpc's SETTINGS frames is capped at the streams per
+  connection clients are told (FrontLimits.max_streams), below grpc's own limit
+  (server.lifecycle.grpc_options says why): the only bytes of grpc's the relay changes.
 
 The relay is asyncio Protocols writing in data_received (no await per chunk), with each side's
 write buffer pausing the other side's reading. grpc now sees every call come from the Unix
@@ -50,7 +53,8 @@ from server.security import listening_socket
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x7
-END_STREAM = 0x1
+END_STREAM = ACK = 0x1
+MAX_CONCURRENT_STREAMS = 0x3  # a SETTINGS identifier
 MAX_FIRST_SETTINGS = 16_384  # bytes; SETTINGS_MAX_FRAME_SIZE before any SETTINGS is acked
 IDLE_GRACE_S = 1.0  # after grpc's idle GOAWAY, before the front closes a connection left open
 CLOSE_LINGER_S = 5.0  # a connection closed with bytes unsent is aborted after this
@@ -62,6 +66,7 @@ class FrontLimits:
     max_connections: int = 256
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
+    max_streams: int = 1000  # the calls per connection clients are told (see the module doc)
 
 
 def goaway_frame(last_stream: int) -> bytes:
@@ -71,15 +76,35 @@ def goaway_frame(last_stream: int) -> bytes:
 
 class _Frames:
     """The frame heads of one direction of an HTTP/2 connection, fed its bytes chunk by chunk
-    (after the client's preface); payloads are skipped, not copied."""
+    (after the client's preface); payloads are skipped, not copied. With `max_streams` (the
+    server's direction), the SETTINGS_MAX_CONCURRENT_STREAMS its SETTINGS frames carry are
+    capped at that many: after each feed, `patches` holds (offset in the chunk, byte) for the
+    bytes to change before the chunk is relayed."""
 
-    __slots__ = ("count", "first", "head", "skip")
+    __slots__ = (
+        "cap",
+        "count",
+        "first",
+        "head",
+        "patches",
+        "setting",
+        "settings_at",
+        "settings_left",
+        "skip",
+        "verdict",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int | None = None) -> None:
         self.skip = 0  # payload bytes of the current frame still to come
         self.head = b""  # the start of a frame head split between chunks
         self.count = 0  # frames begun so far
         self.first: tuple[int, int] | None = None  # type and length of the first frame
+        self.cap = struct.pack(">I", max_streams) if max_streams is not None else b""
+        self.patches: list[tuple[int, int]] = []
+        self.settings_left = 0  # payload bytes of a SETTINGS frame to be read (max_streams)
+        self.settings_at = 0  # bytes of that payload read so far
+        self.setting = 0  # the identifier of the setting being read
+        self.verdict = 0  # its value against the cap so far: 0 equal, -1 below, 1 above
 
     def at_boundary(self) -> bool:
         """Between frames, and past the first (a frame of ours may be written now; before the
@@ -90,7 +115,10 @@ class _Frames:
         """(type, flags, stream id) of each frame that begins in `data`, but DATA frames
         without END_STREAM (of no interest, and most of the frames)."""
         heads: list[tuple[int, int, int]] = []
+        self.patches = []
         size, at = len(data), self.skip
+        if self.settings_left:  # (the rest of a SETTINGS payload opens the chunk)
+            self._settings(data, 0)
         if self.head:  # (self.skip is 0)
             taken = 9 - len(self.head)
             head = self.head + data[:taken]
@@ -99,8 +127,13 @@ class _Frames:
                 return heads
             self.head = b""
             at = taken + self._frame(head, 0, heads)
+            if self.settings_left:
+                self._settings(data, taken)
         while at + 9 <= size:
-            at += 9 + self._frame(data, at, heads)
+            payload = at + 9
+            at = payload + self._frame(data, at, heads)
+            if self.settings_left:
+                self._settings(data, payload)
         if at <= size:
             self.skip, self.head = 0, data[at:]
         else:
@@ -116,7 +149,29 @@ class _Frames:
         self.count += 1
         if kind != DATA or flags & END_STREAM:
             heads.append((kind, flags, stream & 0x7FFFFFFF))
+        if kind == SETTINGS and not flags & ACK and self.cap:
+            self.settings_left, self.settings_at = length, 0
         return length
+
+    def _settings(self, data: bytes, start: int) -> None:
+        """Read the SETTINGS payload bytes in data[start:], if any: each is a 2-byte identifier
+        and a 4-byte value. A MAX_CONCURRENT_STREAMS value above the cap becomes the cap, byte
+        by byte as they pass (big-endian: the first byte that differs decides which is lower,
+        so a value split between chunks needs no buffering)."""
+        end = min(len(data), start + self.settings_left)
+        for offset in range(start, end):
+            at, byte = self.settings_at % 6, data[offset]
+            if at < 2:
+                self.setting = (self.setting << 8 | byte) & 0xFFFF
+                self.verdict = 0
+            elif self.setting == MAX_CONCURRENT_STREAMS:
+                cap = self.cap[at - 2]
+                if not self.verdict and byte != cap:
+                    self.verdict = 1 if byte > cap else -1
+                if self.verdict > 0:
+                    self.patches.append((offset, cap))
+            self.settings_at += 1
+        self.settings_left -= max(0, end - start)
 
 
 class _Backend(asyncio.Protocol):
@@ -153,7 +208,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None  # the TLS one once handshaken
         self.backend: asyncio.Transport | None = None
         self.pending: list[bytes] = []  # the client's bytes until the backend is connected
-        self.up, self.down = _Frames(), _Frames()  # client to server, server to client
+        self.up = _Frames()  # client to server
+        self.down = _Frames(front.limits.max_streams)  # server to client
         self.preface_left = len(PREFACE)
         self.ready = False  # preface and first SETTINGS received: relayed from then on
         self.streams: set[int] = set()  # the calls open
@@ -301,6 +357,11 @@ class _Connection(asyncio.Protocol):
         for kind, flags, stream in self.down.feed(data):
             if kind == RST_STREAM or (kind in (HEADERS, DATA) and flags & END_STREAM):
                 self._close(stream)  # (the trailers, or a reset)
+        if self.down.patches:  # (a SETTINGS frame: the stream limit clients are told)
+            patched = bytearray(data)
+            for offset, byte in self.down.patches:
+                patched[offset] = byte
+            data = bytes(patched)
         self.transport.write(data)  # type: ignore[union-attr]
 
     def hold(self, delta: int) -> None:

@@ -62,6 +62,9 @@ GENERATE_METHOD = f"/{GENERATOR_SERVICE}/Generate"
 SHARED_ANSWERS_FLUSH_S = 2.0  # at stop, how long buffered answers get to reach Redis
 CUT_REPORT_S = 2.0  # streams cut at the end of a drain: how long they get to say so
 STOP_GRACE_S = 1.0  # after the drain, what is left (no generate call) gets this long
+# grpc's own stream limit per connection, in times the limit the front tells clients (see
+# grpc_options): grpc counts a finished call until grpc.aio has cleaned it up.
+STREAM_HEADROOM = 2
 
 
 def served_model_id(model: ModelSettings) -> str:
@@ -273,6 +276,7 @@ def grpc_front_limits(limits: LimitSettings) -> FrontLimits:
         max_connections=limits.grpc_max_connections,
         handshake_timeout_s=limits.grpc_handshake_timeout_s,
         idle_timeout_s=limits.grpc_idle_timeout_s,
+        max_streams=limits.grpc_max_streams_per_connection,
     )
 
 
@@ -283,7 +287,17 @@ def grpc_options(limits: LimitSettings) -> list[tuple[str, int]]:
     make room; grpc core's own cap (`grpc.max_allowed_incoming_connections`) is left unset: it
     cannot evict, and would refuse a relayed connection while an evicted one it had not yet
     seen close still counted. The handshake and idle timeouts stay set here as well (the
-    front's fire around the same time, as a backstop)."""
+    front's fire around the same time, as a backstop).
+
+    Clients are told --grpc-max-streams-per-connection (the front caps the
+    SETTINGS_MAX_CONCURRENT_STREAMS grpc sends), while grpc itself refuses a stream
+    (RST_STREAM REFUSED_STREAM, which the client reports UNAVAILABLE) only past STREAM_HEADROOM
+    times that: grpc counts a call until grpc.aio has cleaned it up, which lags the trailers, so
+    with the same limit a client that opens a call as soon as the trailers of another arrive
+    is refused. With the headroom, a call past the limit waits on the client's side (the
+    scheduler answers RESOURCE_EXHAUSTED, with its retry pushback, past its queue), and grpc's
+    limit still bounds what a client that ignores the advertised one can open or leave for
+    grpc to clean up (grpc's protection against rapid resets)."""
 
     def ms(seconds: float) -> int:
         return max(1, round(seconds * 1000))
@@ -291,7 +305,7 @@ def grpc_options(limits: LimitSettings) -> list[tuple[str, int]]:
     options = [
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.so_reuseport", 0),
-        ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
+        ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection * STREAM_HEADROOM),
         ("grpc.server_handshake_timeout_ms", ms(limits.grpc_handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", ms(limits.grpc_idle_timeout_s)),
         # Keepalive enforcement: during calls, pings no closer than this; with no call open,

@@ -713,11 +713,10 @@ _HELP = {
     "grpc_max_connections": "open gRPC connections (TLS handshakes under way included); a "
     "connection beyond it closes the one idle longest (no call open), after a GOAWAY, or, with "
     "none idle, is closed at once",
-    "grpc_max_streams_per_connection": "concurrent calls per gRPC connection (HTTP/2 "
-    "MAX_CONCURRENT_STREAMS). Keep it well above --max-concurrent-streams + --max-queue: past "
-    "those the scheduler answers RESOURCE_EXHAUSTED with a retry delay at once, while calls "
-    "past this limit may fail UNAVAILABLE (REFUSED_STREAM) instead of waiting, as grpc clients "
-    "send new calls before the server has released finished ones or acknowledged its settings",
+    "grpc_max_streams_per_connection": "concurrent calls per gRPC connection that clients are "
+    "told (HTTP/2 MAX_CONCURRENT_STREAMS; grpc itself refuses only past twice it): calls past "
+    "it wait on the client's side; past --max-concurrent-streams + --max-queue the scheduler "
+    "answers RESOURCE_EXHAUSTED with a retry delay",
     "grpc_handshake_timeout_s": "a gRPC connection that has not finished its TLS handshake and "
     "sent the HTTP/2 preface and its first settings this long after opening is closed",
     "grpc_idle_timeout_s": "a gRPC connection with no call for this long gets GOAWAY (clients "

@@ -398,10 +398,10 @@ def test_the_grpc_options_carry_the_flags() -> None:
     settings = Settings.of(grpc_idle_timeout_s=2.5, grpc_max_streams_per_connection=7)
     options = dict(grpc_options(settings.limits))
     assert options["grpc.max_connection_idle_ms"] == 2500
-    assert options["grpc.max_concurrent_streams"] == 7
+    assert options["grpc.max_concurrent_streams"] == 14  # 7 told to clients; twice it enforced
     assert "grpc.max_allowed_incoming_connections" not in options  # the front's, evicting
     assert grpc_front_limits(settings.limits) == FrontLimits(
-        max_connections=256, handshake_timeout_s=10.0, idle_timeout_s=2.5
+        max_connections=256, handshake_timeout_s=10.0, idle_timeout_s=2.5, max_streams=7
     )
     assert options["grpc.server_handshake_timeout_ms"] == 10_000
     assert options["grpc.http2.min_ping_interval_without_data_ms"] == 60_000
