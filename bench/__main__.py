@@ -19,11 +19,11 @@ from bench.machine import machine
 from bench.report import write_report
 from bench.runners import Mode, context_only
 from bench.suite import greedy_agreement, read_prompts, run_case, summarize
-from draft_tools.replay import replay
-from server.engine.context_draft import ContextDraft
-from server.engine.params import DRAFT_TOKENS, SpeculationParams
-from server.runtime import load_runtime
-from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
+from kenspec.draft_tools.replay import replay
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.params import DRAFT_TOKENS, SpeculationParams
+from kenspec.server.runtime import load_runtime
+from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, REPO_ROOT, Settings
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

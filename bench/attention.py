@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import machine
-from server.engine.attention import grouped_attention, sdpa_attention
-from server.engine.kernels import ScratchBuffers
-from server.engine.packed_pass import pack
+from kenspec.server.engine.attention import grouped_attention, sdpa_attention
+from kenspec.server.engine.kernels import ScratchBuffers
+from kenspec.server.engine.packed_pass import pack
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

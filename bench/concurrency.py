@@ -1,4 +1,4 @@
-"""Concurrency sweep through a real `python -m server` process and the bundled async client."""
+"""Concurrency sweep through a real `kenspec serve` process and the bundled async client."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from bench.machine import machine
 from bench.suite import percentile, read_prompts
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 
 async def _one_stream(client: AsyncClient, prompt: str, max_new_tokens: int) -> dict:
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import argparse
 
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="python -m bench.concurrency", description=main.__doc__)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -1,7 +1,7 @@
 """`python -m bench.context`: cost as the context grows, through gRPC, beside transformers.
 
 For each prompt length (tokens of the chat prompt, about 150 to 6,500), a document cut to fit
-(docs/design.md by default) follows an instruction to summarise it. One `python -m server`
+(docs/design.md by default) follows an instruction to summarise it. One `kenspec serve`
 serves, per length:
 1. speculation on (AUTO), cold: time to first token (TTFT, the whole prompt prefilled) and
    decode tokens/s (tokens after the first over the time after the first);
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.machine import machine
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 INSTRUCTION = "Summarise the following document in a few sentences.\n\n"
 

@@ -3,7 +3,7 @@ batch, and what does batch-invariant mode cost?
 
 For each server configuration (`--configs`: `default` and `invariant`, i.e. the server's
 defaults without and with --batch-invariant; extra server flags after `--`), `--starts` fresh
-`python -m server` processes (the last `--busy` of them beside a process that keeps a core
+`kenspec serve` processes (the last `--busy` of them beside a process that keeps a core
 busy) each answer the chat prompts of --prompts, greedy:
 
 1. each prompt alone with speculation on (AUTO), then each alone with speculation OFF;
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from bench.machine import machine
 from bench.suite import read_prompts
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 CONFIGS = {"default": [], "invariant": ["--batch-invariant"]}
 

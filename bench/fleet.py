@@ -1,4 +1,4 @@
-"""A fleet on loopback for `bench.replicas`: `python -m server` replicas, a `redis-server` for
+"""A fleet on loopback for `bench.replicas`: `kenspec serve` replicas, a `redis-server` for
 their shared answer stream, and nginx with the repository's `deploy/nginx.conf` in front.
 
 Everything binds 127.0.0.1 on free ports and is ready when it says so in its log (nothing
@@ -220,7 +220,7 @@ class Nginx(_Daemon):
         self.port, self.http_port = free_port(), free_port()
         http = [replica.http_port for replica in replicas]
         if None in http:
-            raise ValueError("nginx balances HTTP too: start the replicas with --http-port 0")
+            raise ValueError("nginx balances HTTP too: start the replicas with --port 0")
         template = (REPO / "deploy" / "nginx.conf").read_text()
         config = nginx_config(
             template,

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from server.grpc_front import FrontLimits, GrpcFront
+from kenspec.server.grpc_front import FrontLimits, GrpcFront
 
 HOST = "127.0.0.1"
 OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.forward.plan import ExecutionOptions
-from server.engine.target import TargetModel
-from server.engine.verify_pass import PassRow, VerifyPass
-from server.settings import DEFAULT_MODEL
+from kenspec.server.engine.forward.plan import ExecutionOptions
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.settings import DEFAULT_MODEL
 
 PROMPT = "Explain in two sentences why the sky is blue."
 LAYOUTS = ("wide", "batched", "chunked", "tree")  # each compared with "steps"

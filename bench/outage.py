@@ -24,8 +24,8 @@ import httpx
 
 from bench import fleet
 from bench.suite import read_prompts
-from client import AsyncClient, KenspecError
 from harness.server_process import ServerProcess
+from kenspec.client import AsyncClient, KenspecError
 
 APIS = ("grpc", "http_stream", "http_whole")
 STREAMS = 2
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     # One chain per round: B's first round then names its source (a tree merges them all).
     server_args = ["--tree-budget", "1", *args.base_server_args]
     server_args += ["--share-answers", redises[0].url]
-    server_args += ["--http-port", "0", "--metrics-port", "0"]
+    server_args += ["--port", "0", "--metrics-port", "0"]
     try:
         if args.start_together:
             replicas = fleet.start_together([server_args, server_args])

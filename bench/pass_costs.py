@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine
-from server.engine.forward.plan import ExecutionOptions, Kernel, LeanMode, RowPlan
-from server.engine.params import AttentionMode
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
-from server.settings import DEFAULT_MODEL
+from kenspec.server.engine.forward.plan import ExecutionOptions, Kernel, LeanMode, RowPlan
+from kenspec.server.engine.params import AttentionMode
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
+from kenspec.server.settings import DEFAULT_MODEL
 
 PLANS = {  # name: the options a target of that plan loads with
     "measured": ExecutionOptions(lean=LeanMode.AUTO, attention=AttentionMode.AUTO),

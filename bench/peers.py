@@ -9,7 +9,7 @@ the same thread count (`--threads`, default all cores), `--starts` fresh starts 
 prompts (a chat set, `--skip` then `--limit` of them: keep prompts you tuned on out), greedy,
 up to `--max-new-tokens`, one request at a time, then `--streams` concurrent streams:
 
-- kenspec OFF and AUTO: one `python -m server` (flags after `--`), reached over its HTTP API,
+- kenspec OFF and AUTO: one `kenspec serve` (flags after `--`), reached over its HTTP API,
   the two modes alternating prompt by prompt (`speculation: "off"` per request); its
   `calibrated` and `execution_plan` log lines are kept with the results;
 - llama.cpp through llama-cpp-python (`--llama-python`: the interpreter of a venv holding it,
@@ -144,12 +144,12 @@ def concurrent(
 
 
 class KenspecServer:
-    """`python -m server` on free ports, its log lines kept."""
+    """`kenspec serve` on free ports, its log lines kept."""
 
     def __init__(self, flags: Sequence[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.lines: list[dict] = []
-        command = [sys.executable, "-m", "server", "--port", str(port + 1), "--http-port",
+        command = [sys.executable, "-m", "kenspec.server", "--grpc-port", str(port + 1), "--port",
                    str(port), "--metrics-port", "-1", *flags]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine
-from server.engine.forward.plan import ExecutionOptions, LeanMode
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
-from server.settings import DEFAULT_MODEL, REPO_ROOT
+from kenspec.server.engine.forward.plan import ExecutionOptions, LeanMode
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
+from kenspec.server.settings import DEFAULT_MODEL, REPO_ROOT
 
 MODES = {  # name: (--dtype, --weights)
     "fp32": ("float32", "bf16"),

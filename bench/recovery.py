@@ -32,8 +32,8 @@ from pathlib import Path
 from bench.machine import machine
 from bench.suite import read_prompts
 from bench.workloads import _one
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 BURN = "while True: pass"
 

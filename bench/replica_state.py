@@ -40,13 +40,13 @@ from bench.replicas import RoundRobin
 from bench.suite import read_prompts
 from bench.workloads import plan, prompt_file
 from harness.server_process import REPO
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import SpeculativeEngine
-from server.engine.tenant_index import SHARED_TENANT
-from server.engine.tenant_state import TenantState
-from server.runtime import Runtime, _load_suffix_index, _warm_up, load_runtime
-from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, Settings, parse_settings
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculative_engine import SpeculativeEngine
+from kenspec.server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.engine.tenant_state import TenantState
+from kenspec.server.runtime import Runtime, _load_suffix_index, _warm_up, load_runtime
+from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, Settings, parse_settings
 
 # Pass costs as calibrated at start-up, never updated; the draft-fault breaker never counts
 # a slow draft (a loaded machine would switch drafting off for its reset timeout).

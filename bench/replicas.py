@@ -43,8 +43,8 @@ from bench import fleet, outage, replicas_report, routing
 from bench.machine import machine
 from bench.suite import read_prompts
 from bench.workloads import measure_request, plan, prompt_file, summarize
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 SHARE_FLAG = "--share-answers"
 
@@ -121,7 +121,7 @@ def setups(args: argparse.Namespace) -> list[Setup]:
 def replica_args(setup: Setup, args: argparse.Namespace, redis: fleet.Redis | None) -> list[str]:
     extra = [SHARE_FLAG, redis.url] if redis is not None else []
     if setup.part == "routing":
-        extra += ["--http-port", "0"]  # nginx balances the HTTP API too
+        extra += ["--port", "0"]  # nginx balances the HTTP API too
     return [*args.base_server_args, *extra]
 
 
@@ -231,7 +231,7 @@ def cpu_flags() -> dict[str, bool]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__)
     parser.add_argument("--replicas", type=int, default=3)
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _server_shares_answers() -> bool:
-    from server.settings import FIELD_GROUPS
+    from kenspec.server.settings import FIELD_GROUPS
 
     return "share_answers" in FIELD_GROUPS
 

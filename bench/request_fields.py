@@ -41,8 +41,8 @@ TOP = 5
 
 
 def _engine(flags: Sequence[str], dtype: str | None):  # type: ignore[no-untyped-def]
-    from server.runtime import load_runtime
-    from server.settings import parse_settings
+    from kenspec.server.runtime import load_runtime
+    from kenspec.server.settings import parse_settings
 
     extra = ["--dtype", dtype] if dtype else []
     settings = parse_settings([*extra, "--calibration-cache", "none", *flags])
@@ -57,7 +57,7 @@ def _ids(engine, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def _run(engine, ids, *, speculation, max_new_tokens, **options):  # type: ignore[no-untyped-def]
-    from server.engine.params import SamplingParams, StoppingParams
+    from kenspec.server.engine.params import SamplingParams, StoppingParams
 
     generation = engine.start(
         ids,
@@ -73,7 +73,7 @@ def _run(engine, ids, *, speculation, max_new_tokens, **options):  # type: ignor
 def check_exact(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[str]) -> dict:
     from dataclasses import replace
 
-    from server.engine.params import ProcessorParams
+    from kenspec.server.engine.params import ProcessorParams
 
     engine, settings = _engine(flags, "float32")
     model = engine.target.model
@@ -138,7 +138,7 @@ def check_exact(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[
 
 
 def measure_speed(prompts: Path, limit: int, max_new_tokens: int, flags: Sequence[str]) -> dict:
-    from server.engine.params import ProcessorParams
+    from kenspec.server.engine.params import ProcessorParams
 
     # No prefix cache and no suffix index: a prompt computed before must make neither the later
     # modes' prefill free nor their answers recalled from the earlier modes' answers.
@@ -182,7 +182,7 @@ def measure_speed(prompts: Path, limit: int, max_new_tokens: int, flags: Sequenc
 def _choices(engine, ids, settings, max_new_tokens: int, *, together: bool) -> int:  # type: ignore[no-untyped-def]
     """4 sampled choices of one prompt (seeds 0-3): one request sharing its prefill, or four
     requests one after another; the tokens produced."""
-    from server.engine.params import SamplingParams, StoppingParams
+    from kenspec.server.engine.params import SamplingParams, StoppingParams
 
     generations = [
         engine.start(

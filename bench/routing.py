@@ -16,9 +16,9 @@ import grpc.aio
 
 from bench import fleet
 from bench.suite import read_prompts
-from client.request import build_generate_request
 from harness.server_process import ServerProcess
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.client.request import build_generate_request
 
 SESSION_HEADER = "x-session-id"  # gRPC metadata; nginx reads it as $http_x_session_id
 # Turns 2.. of every conversation: follow-ups that fit any first message.

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from kenspec_api.outputs import BreakerState
-from server.engine.linear_kernels import stock_linears
-from server.engine.params import (
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.linear_kernels import stock_linears
+from kenspec.server.engine.params import (
     DRAFT_TOKENS,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
 )
-from server.engine.speculative_engine import SpeculativeEngine
+from kenspec.server.engine.speculative_engine import SpeculativeEngine
 
 
 @dataclass(frozen=True, slots=True)

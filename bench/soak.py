@@ -1,6 +1,6 @@
 """`python -m bench.soak`: a server under a bounded, seeded mix of good and hostile calls.
 
-Starts `python -m server` on loopback (flags after `--`; without any, the default model and
+Starts `kenspec serve` on loopback (flags after `--`; without any, the default model and
 draft, and `--dtype float32` unless the flags name a dtype) or attaches to `--address` (with
 `--pid` for the resource readings). First each prompt of the pool runs alone (greedy) for its
 reference tokens; then `--concurrency` client tasks mix, by `--weights`, for `--seconds`:
@@ -45,8 +45,8 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.server_process import REPO, ServerProcess
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
 
 DEFAULT_PROMPTS = REPO / "prompts" / "dev.txt"
 GENERATE = "/kenspec.v1.Generator/Generate"
@@ -1027,7 +1027,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SoakOptions, Path | None]:
     add("--max-rss-drift-mb", type=float, default=defaults.max_rss_drift_mb)
     add("--max-fd-drift", type=float, default=defaults.max_fd_drift)
     add("--out", type=Path, help="write result.json and summary.md here")
-    add("server_args", nargs="*", help="after --: flags for python -m server")
+    add("server_args", nargs="*", help="after --: flags for kenspec serve")
     values = vars(parser.parse_args(argv))
     out = values.pop("out")
     return SoakOptions(**values), out

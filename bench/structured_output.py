@@ -34,10 +34,10 @@ import jsonschema
 
 from bench.machine import machine
 from bench.schemas import CASES, SchemaCase
-from kenspec_api.outputs import FinishReason
-from server.engine.grammar import GrammarSpec, schema_text
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.speculative_engine import SpeculativeEngine
+from kenspec.api.outputs import FinishReason
+from kenspec.server.engine.grammar import GrammarSpec, schema_text
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.speculative_engine import SpeculativeEngine
 
 SYSTEM = "You answer with one JSON object and nothing else."
 
@@ -169,8 +169,8 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="server flags (after --)")
     args = parser.parse_args()
 
-    from server.runtime import load_runtime
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
+    from kenspec.server.runtime import load_runtime
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
     settings = parse_settings(
         ["--model", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT), *args.server_args]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.runners import Mode, RunResult, run
-from server.engine.speculative_engine import SpeculativeEngine
+from kenspec.server.engine.speculative_engine import SpeculativeEngine
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 
 from bench.suite import read_prompts
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.runtime import Runtime, load_runtime
-from server.settings import REPO_ROOT, parse_settings
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.runtime import Runtime, load_runtime
+from kenspec.server.settings import REPO_ROOT, parse_settings
 
 TENANT_A, TENANT_B = "t" + "a" * 16, "t" + "b" * 16
 

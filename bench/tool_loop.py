@@ -189,7 +189,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    server = ServerProcess(["--http-port", "0", *args.server_args])
+    server = ServerProcess(["--port", "0", *args.server_args])
     try:
         calibrated = server.logged("calibrated")
         client = openai.OpenAI(

@@ -34,7 +34,7 @@ from bench.machine import machine
 def replay_budgets(
     model: Path, draft: Path, answers: dict[str, Path], budgets: Sequence[int]
 ) -> list[dict]:
-    from draft_tools.train import evaluate
+    from kenspec.draft_tools.train import evaluate
 
     rows = []
     for name, path in answers.items():
@@ -114,9 +114,9 @@ def check_exact(
     import torch
 
     from bench.suite import read_prompts
-    from server.engine.params import SamplingParams, StoppingParams
-    from server.runtime import load_runtime
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
+    from kenspec.server.engine.params import SamplingParams, StoppingParams
+    from kenspec.server.runtime import load_runtime
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
     settings = parse_settings(
         [
@@ -168,7 +168,7 @@ def check_exact(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="python -m bench.trees", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

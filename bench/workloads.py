@@ -1,6 +1,6 @@
 """`python -m bench.workloads`: speculation on against off, request by request, through gRPC.
 
-Workloads, each served in order by one `python -m server` (so drafts that learn from earlier
+Workloads, each served in order by one `kenspec serve` (so drafts that learn from earlier
 answers, the suffix index, learn as they would in service):
 - `sequence`: the prompts of --prompts once each;
 - `repeat`: the prompts once (to learn them), then again: the second pass is measured;
@@ -38,8 +38,8 @@ from pathlib import Path
 
 from bench.machine import machine
 from bench.suite import read_prompts
-from client import AsyncClient
 from harness.server_process import REPO, ServerProcess
+from kenspec.client import AsyncClient
 
 _SOURCE_FIELDS = ("rounds", "tokens", "drafted", "accepted", "seconds")
 
@@ -250,7 +250,7 @@ def plan(workload: str, prompts: list[str], warm: int) -> tuple[list[str], list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
+    from kenspec.server.settings import DEFAULT_DRAFT, DEFAULT_MODEL, parse_settings
 
     parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__)
     parser.add_argument("--workload", choices=["sequence", "repeat", "templated"], required=True)

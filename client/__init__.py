@@ -1,10 +1,10 @@
 """kenspec client: talk to a kenspec server over gRPC without torch.
 
-    from client import Client
+    from kenspec.client import Client
     with Client("127.0.0.1:50051") as kenspec:
         print(kenspec.generate_text("Once upon a time", max_new_tokens=32).text)
 
-Needs only grpcio and protobuf. The generated API modules are in `kenspec_api`.
+Needs only grpcio and protobuf. The generated API modules are in `kenspec.api`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
 
 from .channel import DEFAULT_ADDRESS, ChannelSpec, Pairs, channel_spec, tls_config
 from .errors import from_rpc_error

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TextIO
 
-from kenspec_api.outputs import Mode
+from kenspec.api.outputs import Mode
 
 from .stats import StreamStats
 

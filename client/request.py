@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 
 Speculation = Literal["auto", "off"]
 # A chat turn: ("user", "Hi"), {"role": "user", "content": "Hi"} (OpenAI's shape: an

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api.convert import from_proto, usage_from_proto
-from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
+from kenspec.api import generator_pb2 as pb
+from kenspec.api.convert import from_proto, usage_from_proto
+from kenspec.api.outputs import BreakerState, FinishReason, Mode, Usage
 
 from .errors import ProtocolError
 

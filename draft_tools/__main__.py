@@ -16,15 +16,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = (args[0], args[1:]) if args else ("", [])
     if command == "build":
-        from draft_tools import build
+        from kenspec.draft_tools import build
 
         return build.main(rest)
     if command == "distill":
-        from draft_tools import distill
+        from kenspec.draft_tools import distill
 
         return distill.main(rest)
     if command == "train":
-        from draft_tools import train
+        from kenspec.draft_tools import train
 
         return train.main(rest)
     print(__doc__.strip(), file=sys.stderr)

@@ -22,7 +22,7 @@ renders a chat request; a model without one (a base model) is given them as raw 
 summary ends with the time each stage took; long stages draw a progress bar with an ETA on a
 terminal (--quiet: none).
 
-The folder OUT is what `python -m server --draft OUT` loads; OUT/work holds what a rerun
+The folder OUT is what `kenspec serve --draft OUT` loads; OUT/work holds what a rerun
 resumes from and is not needed to serve.
 """
 
@@ -33,11 +33,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from draft_tools import distill
-from draft_tools.kenlm_tools import ToolsError
-from draft_tools.stages import BuildError, gguf_model, read_prompt_lines, run
-from server.engine.gguf_model import DEFAULT_GGUF_CACHE
-from server.logs import configure_logging
+from kenspec.draft_tools import distill
+from kenspec.draft_tools.kenlm_tools import ToolsError
+from kenspec.draft_tools.stages import BuildError, gguf_model, read_prompt_lines, run
+from kenspec.server.engine.gguf_model import DEFAULT_GGUF_CACHE
+from kenspec.server.logs import configure_logging
 
 
 def check_inputs(args: argparse.Namespace) -> None:

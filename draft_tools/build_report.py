@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draft_tools.train import evaluate
-from server.engine.kenlm_draft import DRAFT_MANIFEST
-from server.settings import SpeculationSettings
+from kenspec.draft_tools.train import evaluate
+from kenspec.server.engine.kenlm_draft import DRAFT_MANIFEST
+from kenspec.server.settings import SpeculationSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ def summary(
     if times:
         total = _duration(sum(t.seconds for t in times))
         lines.append(f"time by stage ({total} in all): " + ", ".join(map(str, times)))
-    command = ["python", "-m", "server", *serve_flags, "--draft", str(draft)]
+    command = ["kenspec", "serve", *serve_flags, "--draft", str(draft)]
     lines += [
         "serve it:",
         "  " + shlex.join(command),

@@ -33,19 +33,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
-from draft_tools.progress import bar
-from kenspec_api.outputs import FinishReason
-from server.engine.generation import Generation, Round
-from server.engine.params import (
+from kenspec.api.outputs import FinishReason
+from kenspec.draft_tools.progress import bar
+from kenspec.server.engine.generation import Generation, Round
+from kenspec.server.engine.params import (
     InvalidParameter,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
 )
-from server.engine.speculative_engine import SpeculativeEngine
-from server.logs import configure_logging
-from server.runtime import load_runtime
-from server.settings import parse_settings
+from kenspec.server.engine.speculative_engine import SpeculativeEngine
+from kenspec.server.logs import configure_logging
+from kenspec.server.runtime import load_runtime
+from kenspec.server.settings import parse_settings
 
 DTYPES = ("bfloat16", "float16", "float32")
 

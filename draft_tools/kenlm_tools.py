@@ -10,8 +10,8 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from draft_tools.train import kenlm_tool
-from server.settings import REPO_ROOT
+from kenspec.draft_tools.train import kenlm_tool
+from kenspec.server.settings import REPO_ROOT
 
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_kenlm_tools.sh"
 BOOST_HEADER = "boost/program_options.hpp"  # KenLM needs program_options, system, thread

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from server.engine.draft import Draft
-from server.engine.params import SpeculationParams
-from server.engine.sampling import walk
-from server.engine.speculator import AcceptanceStats, Speculator
+from kenspec.server.engine.draft import Draft
+from kenspec.server.engine.params import SpeculationParams
+from kenspec.server.engine.sampling import walk
+from kenspec.server.engine.speculator import AcceptanceStats, Speculator
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,14 +18,19 @@ from typing import Any
 
 import torch
 
-from draft_tools import distill, train
-from draft_tools.build_report import CheckResult, StageTime, check_draft, summary
-from draft_tools.kenlm_tools import ensure_tools
-from draft_tools.stamps import Stamps, file_digest, folder_digest
-from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
-from server.engine.kenlm_draft import DRAFT_MANIFEST
-from server.engine.suffix_index import SUFFIX_CORPUS
-from server.settings import SpeculationSettings
+from kenspec.draft_tools import distill, train
+from kenspec.draft_tools.build_report import CheckResult, StageTime, check_draft, summary
+from kenspec.draft_tools.kenlm_tools import ensure_tools
+from kenspec.draft_tools.stamps import Stamps, file_digest, folder_digest
+from kenspec.server.engine.gguf_model import (
+    DEFAULT_GGUF_CACHE,
+    GgufRefused,
+    cached_folder,
+    find_gguf,
+)
+from kenspec.server.engine.kenlm_draft import DRAFT_MANIFEST
+from kenspec.server.engine.suffix_index import SUFFIX_CORPUS
+from kenspec.server.settings import SpeculationSettings
 
 
 class BuildError(Exception):

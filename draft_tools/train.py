@@ -33,18 +33,18 @@ from typing import IO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draft_tools.progress import bar
-from draft_tools.replay import ReplayStats, replay
-from server.engine.arpa import read_arpa
-from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
-from server.engine.draft import Draft
-from server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
-from server.engine.params import SpeculationParams
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import ContextSettings
-from server.engine.successors import SuccessorIndex
-from server.engine.suffix_index import SuffixIndex
-from server.settings import REPO_ROOT
+from kenspec.draft_tools.progress import bar
+from kenspec.draft_tools.replay import ReplayStats, replay
+from kenspec.server.engine.arpa import read_arpa
+from kenspec.server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
+from kenspec.server.engine.draft import Draft
+from kenspec.server.engine.kenlm_draft import DRAFT_MANIFEST, KenLMDraft, tokenizer_fingerprint
+from kenspec.server.engine.params import SpeculationParams
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculative_engine import ContextSettings
+from kenspec.server.engine.successors import SuccessorIndex
+from kenspec.server.engine.suffix_index import SuffixIndex
+from kenspec.server.settings import REPO_ROOT
 
 MODEL_FILE = "model.bin"
 INDEX_FILE = "successors.npz"
@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["distill"]:
-        from draft_tools import distill
+        from kenspec.draft_tools import distill
 
         return distill.main(args_list[1:])
     args = build_parser().parse_args(args_list)

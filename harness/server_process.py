@@ -1,4 +1,4 @@
-"""A `python -m server` process for benchmarks and end-to-end tests, read through its JSON log."""
+"""A `kenspec serve` process for benchmarks and end-to-end tests, read through its JSON log."""
 
 from __future__ import annotations
 
@@ -15,20 +15,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def server_command(args: Sequence[str]) -> list[str]:
-    """`python -m server` on a free port, JSON logs, no metrics port and no HTTP API (unless
+    """`kenspec serve` on a free port, JSON logs, no metrics port and no HTTP API (unless
     `args` set them), pass costs measured at start-up (not read from a cache an earlier run
     left), then `args`."""
     return [
         sys.executable,
         "-m",
-        "server",
-        "--port",
+        "kenspec.server",
+        "--grpc-port",
         "0",
         "--log-format",
         "json",
         "--metrics-port",
         "-1",
-        "--http-port",
+        "--port",
         "-1",
         "--calibration-cache",
         "none",
@@ -37,7 +37,7 @@ def server_command(args: Sequence[str]) -> list[str]:
 
 
 class ServerProcess:
-    """`python -m server` on a free port, read through its JSON log events; ready on return."""
+    """`kenspec serve` on a free port, read through its JSON log events; ready on return."""
 
     def __init__(self, args: Sequence[str], timeout: float = 600) -> None:
         self.process = subprocess.Popen(
@@ -55,7 +55,7 @@ class ServerProcess:
         self.port = int(self.wait_for("listening", timeout)["address"].rsplit(":", 1)[1])
         self.wait_for("ready", timeout)
         http = [e for e in self.events if e.get("event") == "http_listening"]
-        # the OpenAI-compatible API's port, when --http-port turned it on
+        # the OpenAI-compatible API's port, when --port turned it on
         self.http_port = int(http[0]["address"].rsplit(":", 1)[1]) if http else None
 
     def _drain(self) -> None:

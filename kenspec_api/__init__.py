@@ -8,7 +8,7 @@
 
 Typical use::
 
-    from kenspec_api import generator_pb2 as pb, generator_pb2_grpc as pb_grpc
+    from kenspec.api import generator_pb2 as pb, generator_pb2_grpc as pb_grpc
 
 Importing the package imports nothing else, so the engine can use ``outputs`` without gRPC.
 """

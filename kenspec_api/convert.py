@@ -12,8 +12,8 @@ from enum import StrEnum
 
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
+from kenspec.api import generator_pb2 as pb
+from kenspec.api.outputs import BreakerState, FinishReason, Mode, Usage
 
 _PROTO_ENUMS: dict[type[StrEnum], tuple[EnumTypeWrapper, str]] = {
     Mode: (pb.RoundMode, "ROUND_MODE_"),

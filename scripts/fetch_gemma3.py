@@ -7,7 +7,7 @@ GEMMA_TERMS.html holds and which are copied beside the file: the weights are nev
 or committed (models/ is git-ignored). Serve the file as it is:
 
     python scripts/fetch_gemma3.py            # or: make gemma
-    python -m server --model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf --draft none
+    kenspec serve --model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf --draft none
 
 Idempotent: a file that is there already and has the pinned checksum is kept.
 """

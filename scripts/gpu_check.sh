@@ -25,7 +25,7 @@
 # Results: --out, default $OUT/gpu-check when $OUT is set (the device tool), else
 # bench/results/gpu-<date>. A larger model: --model PATH (e.g. Qwen2.5-1.5B-Instruct or
 # Llama-3.2-1B-Instruct, copied onto the machine) with a draft trained for its tokenizer
-# (python -m draft_tools build) or --draft none (drafts from the request's own context only).
+# (python -m kenspec.draft_tools build) or --draft none (drafts from the request's own context only).
 # --cpu: a smoke run on this machine's CPU (float32, one prompt, a few tokens, no install, no
 # server sweep) to check the script itself; --dry-run prints the stages and their boxes.
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from server.engine.kenlm_draft import tokenizer_fingerprint
-from server.engine.suffix_index import LEAD_TOKENS
-from server.engine.target import TargetModel
+from kenspec.server.engine.kenlm_draft import tokenizer_fingerprint
+from kenspec.server.engine.suffix_index import LEAD_TOKENS
+from kenspec.server.engine.target import TargetModel
 
 FORMAT = b"1"
 MAX_ANSWER_TOKENS = 16_384  # an answer's last ids, as the index keeps a long answer's end

@@ -8,9 +8,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kenspec_api import generator_pb2 as pb
-from server.engine.grammar import GrammarSpec
-from server.engine.params import (
+from kenspec.api import generator_pb2 as pb
+from kenspec.server.engine.grammar import GrammarSpec
+from kenspec.server.engine.params import (
     CHAIN_TOKENS,
     MAX_TOP_LOGPROBS,
     InvalidParameter,
@@ -19,7 +19,7 @@ from server.engine.params import (
     SpeculationParams,
     StoppingParams,
 )
-from server.tool_calls.request import (
+from kenspec.server.tool_calls.request import (
     MAX_TOOLS,
     ToolRequest,
     history_call,

@@ -49,7 +49,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 
-from server.security import listening_socket
+from kenspec.server.security import listening_socket
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x7

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kenspec_api.outputs import BreakerState
-from server.engine.generation import Round
-from server.metrics_http import MetricsAccess, MetricsEndpoint
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.generation import Round
+from kenspec.server.metrics_http import MetricsAccess, MetricsEndpoint
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)

@@ -28,10 +28,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from kenspec_api.outputs import BreakerState
-from server.engine.events import EngineEvents
-from server.engine.generation import Round
-from server.request_spans import Carrier, RequestSpan, TracingUnavailable
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.events import EngineEvents
+from kenspec.server.engine.generation import Round
+from kenspec.server.request_spans import Carrier, RequestSpan, TracingUnavailable
 
 ROUND_EVENTS = 100
 BREAKER_EVENTS = 16
@@ -84,7 +84,7 @@ def span_exporter(environ: Mapping[str, str]) -> SpanExporter:
 
 
 class OtelTracing:
-    """server.request_spans.Tracing with OpenTelemetry spans from `provider`."""
+    """kenspec.server.request_spans.Tracing with OpenTelemetry spans from `provider`."""
 
     def __init__(self, provider: TracerProvider, model: str) -> None:
         self.provider = provider

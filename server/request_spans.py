@@ -14,8 +14,8 @@ from typing import Protocol
 
 import grpc
 
-from server.engine.events import EngineEvents
-from server.engine.generation import Round
+from kenspec.server.engine.events import EngineEvents
+from kenspec.server.engine.generation import Round
 
 OTEL_INSTALL = "pip install 'kenspec[otel]'"
 

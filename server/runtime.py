@@ -11,30 +11,34 @@ from pathlib import Path
 import structlog
 import torch
 
-from kenspec_api import generator_pb2 as pb
-from server import __version__, calibration_cache
-from server.engine.calibration import Calibration, calibrate
-from server.engine.costs import Costs, one_row_steps
-from server.engine.events import NO_EVENTS, EngineEvents
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.plan import ExecutionOptions, LeanMode
-from server.engine.intake import BatchSettings
-from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
-from server.engine.live_costs import LiveCosts
-from server.engine.params import (
+from kenspec.api import generator_pb2 as pb
+from kenspec.server import __version__, calibration_cache
+from kenspec.server.engine.calibration import Calibration, calibrate
+from kenspec.server.engine.costs import Costs, one_row_steps
+from kenspec.server.engine.events import NO_EVENTS, EngineEvents
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.plan import ExecutionOptions, LeanMode
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
+from kenspec.server.engine.live_costs import LiveCosts
+from kenspec.server.engine.params import (
     SamplingParams,
     SpeculationParams,
     StoppingParams,
 )
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import SuffixIndex, add_text_corpus
-from server.engine.target import TargetModel
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.generate_params import Defaults, Limits, prompt_char_limit
-from server.settings import Settings
-from server.tool_calls.formats import ToolFormat
-from server.tool_calls.formats import detect as detect_tool_format
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculative_engine import (
+    BreakerSettings,
+    ContextSettings,
+    SpeculativeEngine,
+)
+from kenspec.server.engine.suffix_index import SuffixIndex, add_text_corpus
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from kenspec.server.generate_params import Defaults, Limits, prompt_char_limit
+from kenspec.server.settings import Settings
+from kenspec.server.tool_calls.formats import ToolFormat
+from kenspec.server.tool_calls.formats import detect as detect_tool_format
 
 log = structlog.get_logger("kenspec.runtime")
 

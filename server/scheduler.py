@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
-from server.engine.batch import Batch
-from server.engine.generation import Generation, Round
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.generation import Generation, Round
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.engine.tenant_index import SHARED_TENANT
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes (load balancers, kubelets) carry no token
 

@@ -11,23 +11,23 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError, Message
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from kenspec_api.convert import to_proto, usage_to_proto
-from kenspec_api.outputs import FinishReason, TokenLogprob
-from server.engine.detokenizer import TokenTexts
-from server.engine.generation import Round
-from server.engine.params import InvalidParameter
-from server.generate_params import (
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.api.convert import to_proto, usage_to_proto
+from kenspec.api.outputs import FinishReason, TokenLogprob
+from kenspec.server.engine.detokenizer import TokenTexts
+from kenspec.server.engine.generation import Round
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.generate_params import (
     GenerateParams,
     check_prompt_length,
     check_request_id,
     parse_generate,
     parse_input,
 )
-from server.runtime import Runtime
-from server.scheduler import Overloaded
-from server.serving import (
+from kenspec.server.runtime import Runtime
+from kenspec.server.scheduler import Overloaded
+from kenspec.server.serving import (
     RETRY_AFTER_MS,
     ClientGone,
     Serving,
@@ -35,7 +35,7 @@ from server.serving import (
     Unavailable,
     failure_of,
 )
-from server.tool_calls.parser import ToolCallParser
+from kenspec.server.tool_calls.parser import ToolCallParser
 
 log = structlog.get_logger("kenspec.service")
 

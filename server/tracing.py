@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from server.request_spans import NO_TRACING, Tracing, TracingUnavailable
+from kenspec.server.request_spans import NO_TRACING, Tracing, TracingUnavailable
 
 
 def build_tracing(
@@ -21,7 +21,7 @@ def build_tracing(
     if not enabled:
         return NO_TRACING
     try:
-        from server import otel
+        from kenspec.server import otel
     except ImportError as error:
         if not (error.name or "").startswith("opentelemetry"):
             raise

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models saved to a temp dir and loaded through TargetModel.load, a fake
-clock for the breakers, `python -m server` processes over the tiny model, and a /metrics scrape."""
+clock for the breakers, `kenspec serve` processes over the tiny model, and a /metrics scrape."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.server_process import ServerProcess
-from server.engine.target import TargetModel
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import reference_greedy
 
@@ -70,7 +70,7 @@ def tiny_draft_path(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tiny_draft_path) -> Iterator[Callable[..., ServerProcess]]:
-    """tiny_server(*flags) -> a ready `python -m server` process over the tiny model and draft
+    """tiny_server(*flags) -> a ready `kenspec serve` process over the tiny model and draft
     (greedy threshold 0, one thread). Stop it when done; any still running are stopped at the
     end of the session."""
     started: list[ServerProcess] = []

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from server.engine.kernels import Kernels
-from server.engine.kv_cache import SlotCache
-from server.engine.packed_pass import pack
+from kenspec.server.engine.kernels import Kernels
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.packed_pass import pack
 
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 _ALIBI_TYPES = {"bloom"}  # always ALiBi; MPT and Falcon say so in their configs

@@ -25,8 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from server.engine.kernels import KEY_BLOCK, MIN_KEYS, QUERY_BLOCK, ScratchBuffers
-from server.engine.packing import Packing
+from kenspec.server.engine.kernels import KEY_BLOCK, MIN_KEYS, QUERY_BLOCK, ScratchBuffers
+from kenspec.server.engine.packing import Packing
 
 PACKED_ATTENTION = "kenspec_packed"
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from server.engine.attention import grouped_attention, sdpa_attention
-from server.engine.kernels import Kernels
-from server.engine.packing import attention_mask
+from kenspec.server.engine.attention import grouped_attention, sdpa_attention
+from kenspec.server.engine.kernels import Kernels
+from kenspec.server.engine.packing import attention_mask
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -23,16 +23,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import structlog
 
-from server.engine.costs import Costs
-from server.engine.draft_choice import DraftChoice
-from server.engine.events import NO_EVENTS, EngineEvents
-from server.engine.generation import Generation, Round
-from server.engine.intake import BatchSettings, BatchStats, Deliver, Entry, Intake
-from server.engine.pass_logits import Logits
-from server.engine.prefix_cache import PrefixCache
-from server.engine.round import RoundTimes, run_round
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.costs import Costs
+from kenspec.server.engine.draft_choice import DraftChoice
+from kenspec.server.engine.events import NO_EVENTS, EngineEvents
+from kenspec.server.engine.generation import Generation, Round
+from kenspec.server.engine.intake import BatchSettings, BatchStats, Deliver, Entry, Intake
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.prefix_cache import PrefixCache
+from kenspec.server.engine.round import RoundTimes, run_round
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 
 log = structlog.get_logger("kenspec.batch")
 

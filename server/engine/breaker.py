@@ -34,8 +34,8 @@ from typing import TypeVar, cast
 import pybreaker
 import structlog
 
-from kenspec_api.outputs import BreakerState
-from server.engine.costs import expected_tokens_per_round, solve_acceptance
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.costs import expected_tokens_per_round, solve_acceptance
 
 log = structlog.get_logger("kenspec.breaker")
 

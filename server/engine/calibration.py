@@ -12,9 +12,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from server.engine.costs import PassCosts, cheapest_widths, lowest_break_even
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.costs import PassCosts, cheapest_widths, lowest_break_even
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 
 
 @dataclass(frozen=True, slots=True)

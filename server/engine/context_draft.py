@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from server.engine.draft import (
+from kenspec.server.engine.draft import (
     Branching,
     Candidates,
     Chain,
@@ -27,10 +27,10 @@ from server.engine.draft import (
     StaticDraft,
     StaticSession,
 )
-from server.engine.draft_tree import Source
-from server.engine.recycled import RecycledPredictions
-from server.engine.suffix_index import SuffixIndex
-from server.engine.tenant_index import TenantView
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.suffix_index import SuffixIndex
+from kenspec.server.engine.tenant_index import TenantView
 
 RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
 TREE_MIN_DRAFT_PROB = 0.05  # the static chain's gate in a token tree (see _static_chain)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.engine.draft_tree import Source
+from kenspec.server.engine.draft_tree import Source
 
 UNNAMED = Source("")  # the source of a chain from a draft that does not name one
 

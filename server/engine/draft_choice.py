@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from server.engine.costs import Costs, choose_drafts
-from server.engine.live_costs import LiveCosts
-from server.engine.target import TargetModel
-from server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.engine.costs import Costs, choose_drafts
+from kenspec.server.engine.live_costs import LiveCosts
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
 
 log = structlog.get_logger("kenspec.batch")
 

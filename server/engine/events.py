@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kenspec_api.outputs import BreakerState
+from kenspec.api.outputs import BreakerState
 
 
 class EngineEvents(Protocol):

@@ -7,24 +7,24 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kenspec_api.outputs import BreakerState, FinishReason, Mode, TokenLogprob, Usage
-from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from server.engine.grammar import GrammarState
-from server.engine.params import (
+from kenspec.api.outputs import BreakerState, FinishReason, Mode, TokenLogprob, Usage
+from kenspec.server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from kenspec.server.engine.grammar import GrammarState
+from kenspec.server.engine.params import (
     MAX_TOP_LOGPROBS,
     InvalidParameter,
     ProcessorParams,
     SamplingParams,
     StoppingParams,
 )
-from server.engine.pass_logits import Logits
-from server.engine.processors import RowProcessor, penalties
-from server.engine.recycled import RecycledPredictions
-from server.engine.sampling import PositionalGenerator, TokenChooser
-from server.engine.speculator import Proposal, Speculator
-from server.engine.target import TargetModel
-from server.engine.tenant_index import SHARED_TENANT
-from server.engine.verify_pass import PassRow
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.processors import RowProcessor, penalties
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.sampling import PositionalGenerator, TokenChooser
+from kenspec.server.engine.speculator import Proposal, Speculator
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.engine.verify_pass import PassRow
 
 
 @dataclass(frozen=True, slots=True)

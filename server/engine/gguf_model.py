@@ -36,8 +36,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PreTrainedTokenizerBase as Tokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-from server import __version__
-from server.engine.architecture import UnsupportedArchitecture, refuse_unsupported
+from kenspec.server import __version__
+from kenspec.server.engine.architecture import UnsupportedArchitecture, refuse_unsupported
 
 GGUF_SUFFIX = ".gguf"
 DEFAULT_GGUF_CACHE = "~/.cache/kenspec/gguf"

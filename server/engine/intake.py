@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from server.engine.events import EngineEvents
-from server.engine.generation import Generation, Round
-from server.engine.kv_cache import SlotCache
-from server.engine.prefix_cache import Prefix, PrefixCache
-from server.engine.target import TargetModel
+from kenspec.server.engine.events import EngineEvents
+from kenspec.server.engine.generation import Generation, Round
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.prefix_cache import Prefix, PrefixCache
+from kenspec.server.engine.target import TargetModel
 
 log = structlog.get_logger("kenspec.batch")
 

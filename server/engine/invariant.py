@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from server.engine.kernels import KEY_BLOCK, MIN_KEYS, Padding
+from kenspec.server.engine.kernels import KEY_BLOCK, MIN_KEYS, Padding
 
 # Tried in order; the first that makes every layer of the model invariant is used. The blocked
 # ones are for CPUs whose bf16 products switch kernels past a row count (on AMX, oneDNN gives

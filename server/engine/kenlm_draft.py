@@ -17,10 +17,10 @@ from pathlib import Path
 
 import kenlm
 
-from server.engine.arpa import SENTENCE_END, SENTENCE_START, DraftFormatError, read_arpa
-from server.engine.draft import Candidates, Chain, StaticSession
-from server.engine.draft_tree import Source
-from server.engine.successors import SuccessorIndex
+from kenspec.server.engine.arpa import SENTENCE_END, SENTENCE_START, DraftFormatError, read_arpa
+from kenspec.server.engine.draft import Candidates, Chain, StaticSession
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.successors import SuccessorIndex
 
 DRAFT_MANIFEST = "draft.json"
 KENLM = Source("kenlm")  # where a KenLM chain comes from: acceptance is learned for it apart

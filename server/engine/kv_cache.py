@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from server.engine.packed_pass import PackedPass
+from kenspec.server.engine.packed_pass import PackedPass
 
 _MIN_CAPACITY = 256
 

@@ -41,7 +41,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 
-from server.engine.costs import PassCosts, lowest_break_even, one_row_steps
+from kenspec.server.engine.costs import PassCosts, lowest_break_even, one_row_steps
 
 DECAY = 0.5  # weight of a new sample, in log space, when the median is off by UNSETTLED
 SETTLED_DECAY = 0.1  # and when it is nearer: real passes vary by 10-20% (the event loop,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.kernels import Kernels
-from server.engine.packing import Packing, attention_mask, tree_key_order
+from kenspec.server.engine.kernels import Kernels
+from kenspec.server.engine.packing import Packing, attention_mask, tree_key_order
 
 
 @dataclass(frozen=True, slots=True)

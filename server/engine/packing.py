@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.kernels import Kernels
+from kenspec.server.engine.kernels import Kernels
 
 
 def attention_mask(

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.kv_cache import SlotCache
-from server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.tenant_index import SHARED_TENANT
 
 
 @dataclass(frozen=True, slots=True)

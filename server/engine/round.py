@@ -23,13 +23,13 @@ from typing import Protocol
 
 import structlog
 
-from server.engine.draft_choice import DraftChoice
-from server.engine.generation import Round
-from server.engine.intake import Entry
-from server.engine.pass_logits import Logits
-from server.engine.sampling import walk
-from server.engine.speculator import Proposal
-from server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.engine.draft_choice import DraftChoice
+from kenspec.server.engine.generation import Round
+from kenspec.server.engine.intake import Entry
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.sampling import walk
+from kenspec.server.engine.speculator import Proposal
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
 
 log = structlog.get_logger("kenspec.batch")
 

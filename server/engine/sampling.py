@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kenspec_api.outputs import TokenLogprob
-from server.engine.draft_tree import chain_parents
-from server.engine.params import SamplingParams
-from server.engine.pass_logits import Logits
-from server.engine.processors import RowProcessor
+from kenspec.api.outputs import TokenLogprob
+from kenspec.server.engine.draft_tree import chain_parents
+from kenspec.server.engine.params import SamplingParams
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.processors import RowProcessor
 
 # float32 rounds every positive float64 up to this to 0 (2^-150: half its least denormal,
 # a tie to the even 0); a divisor of float32 scores above it stays positive.

@@ -7,28 +7,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kenspec_api.outputs import BreakerState
-from server.engine.batch import Batch
-from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
-from server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
-from server.engine.costs import Costs
-from server.engine.draft import Draft, DraftSession, StaticDraft
-from server.engine.events import NO_EVENTS, EngineEvents
-from server.engine.generation import Generation
-from server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, check_stopping
-from server.engine.intake import BatchSettings
-from server.engine.live_costs import LiveCosts
-from server.engine.params import (
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from kenspec.server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
+from kenspec.server.engine.costs import Costs
+from kenspec.server.engine.draft import Draft, DraftSession, StaticDraft
+from kenspec.server.engine.events import NO_EVENTS, EngineEvents
+from kenspec.server.engine.generation import Generation
+from kenspec.server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, check_stopping
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.live_costs import LiveCosts
+from kenspec.server.engine.params import (
     ProcessorParams,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
 )
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculator import AcceptanceStats, Speculator
-from server.engine.target import TargetModel
-from server.engine.tenant_index import MAX_TENANTS, SHARED_TENANT, TenantSuffixIndex
-from server.engine.tenant_state import TenantState, TenantStates
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculator import AcceptanceStats, Speculator
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.tenant_index import MAX_TENANTS, SHARED_TENANT, TenantSuffixIndex
+from kenspec.server.engine.tenant_state import TenantState, TenantStates
 
 TREE_WINDOW_FACTOR = 4
 

@@ -26,13 +26,13 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
-from kenspec_api.outputs import BreakerState
-from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
-from server.engine.costs import chain_gains
-from server.engine.draft import UNNAMED, Candidates, Chain, DraftSession
-from server.engine.draft_tree import NO_DRAFTS, DraftTree, Source
-from server.engine.params import SpeculationParams
-from server.engine.token_tree import build_tree
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
+from kenspec.server.engine.costs import chain_gains
+from kenspec.server.engine.draft import UNNAMED, Candidates, Chain, DraftSession
+from kenspec.server.engine.draft_tree import NO_DRAFTS, DraftTree, Source
+from kenspec.server.engine.params import SpeculationParams
+from kenspec.server.engine.token_tree import build_tree
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 PROBE_AFTER_MAX = 256

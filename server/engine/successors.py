@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.engine.arpa import SENTENCE_START, UNKNOWN, NgramTable, word_to_id
+from kenspec.server.engine.arpa import SENTENCE_START, UNKNOWN, NgramTable, word_to_id
 
 
 @dataclass(frozen=True, slots=True)

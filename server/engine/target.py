@@ -19,25 +19,30 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from server.engine.architecture import (
+from kenspec.server.engine.architecture import (
     UnsupportedArchitecture,
     attention_shape,
     check_packed_passes,
     refuse_unsupported,
     served_context,
 )
-from server.engine.attention import PACKED_ATTENTION
-from server.engine.forward.choose import build_forward
-from server.engine.forward.lean import Unsupported, check
-from server.engine.forward.passes import Forward
-from server.engine.forward.plan import ExecutionOptions, ExecutionPlan
-from server.engine.gguf_model import DEFAULT_GGUF_CACHE, GgufRefused, cached_folder, find_gguf
-from server.engine.kernels import Kernels
-from server.engine.kv_cache import SlotCache
-from server.engine.params import Weights
-from server.engine.pass_logits import Logits
-from server.engine.quantize import int4_refusal, quantize_model
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.attention import PACKED_ATTENTION
+from kenspec.server.engine.forward.choose import build_forward
+from kenspec.server.engine.forward.lean import Unsupported, check
+from kenspec.server.engine.forward.passes import Forward
+from kenspec.server.engine.forward.plan import ExecutionOptions, ExecutionPlan
+from kenspec.server.engine.gguf_model import (
+    DEFAULT_GGUF_CACHE,
+    GgufRefused,
+    cached_folder,
+    find_gguf,
+)
+from kenspec.server.engine.kernels import Kernels
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.params import Weights
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.quantize import int4_refusal, quantize_model
+from kenspec.server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
 _MAX_PASS_OVERHANG = 128

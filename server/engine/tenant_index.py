@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from server.engine.suffix_index import SuffixIndex, propose_across
+from kenspec.server.engine.suffix_index import SuffixIndex, propose_across
 
 SHARED_TENANT = "shared"  # every caller, when the server has no tokens or the scope is shared
 MAX_TENANTS = 16  # tenants whose learned answers are kept (--suffix-index-tenants)

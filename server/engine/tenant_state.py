@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculator import AcceptanceStats
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculator import AcceptanceStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,8 +33,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from server.engine.draft import Chain
-from server.engine.draft_tree import DraftTree, Source
+from kenspec.server.engine.draft import Chain
+from kenspec.server.engine.draft_tree import DraftTree, Source
 
 MIN_PATH_PROBABILITY = 0.01  # nodes less likely than this are not worth a slot of the pass
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from server.engine.draft_tree import chain_parents, depths
+from kenspec.server.engine.draft_tree import chain_parents, depths
 
 
 @dataclass(frozen=True, slots=True)

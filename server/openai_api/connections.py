@@ -39,7 +39,7 @@ import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.openai_api.responses import error_body
+from kenspec.server.openai_api.responses import error_body
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from server.engine.params import InvalidParameter
+from kenspec.server.engine.params import InvalidParameter
 
 MAX_NAME = 256  # characters of `model` and `user`: ids, not text
 MAX_INT = 2**63 - 1  # the largest integer any field takes (seeds are 64-bit)

@@ -21,14 +21,14 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.engine.generation import Round
-from server.engine.params import InvalidParameter
-from server.engine.tenant_index import SHARED_TENANT
-from server.openai_api.openai_request import OpenAIRequest
-from server.openai_api.responses import SSE_DONE, Completion, error_body, sse
-from server.runtime import Runtime
-from server.scheduler import Overloaded
-from server.serving import (
+from kenspec.server.engine.generation import Round
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.openai_api.openai_request import OpenAIRequest
+from kenspec.server.openai_api.responses import SSE_DONE, Completion, error_body, sse
+from kenspec.server.runtime import Runtime
+from kenspec.server.scheduler import Overloaded
+from kenspec.server.serving import (
     RETRY_AFTER_MS,
     Call,
     ClientGone,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
-from server.openai_api.responses import error_body
+from kenspec.server.openai_api.responses import error_body
 
 _WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::", "[::]"})  # every interface: no one name
 _PORT = re.compile(r"(?::[0-9]{1,5})?")

@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from starlette.types import ASGIApp
 
-from server.openai_api.connections import (
+from kenspec.server.openai_api.connections import (
     DEFAULT_LIMITS,
     BoundedH11Protocol,
     ConnectionLimits,
     RequestCap,
 )
-from server.security import listening_socket
+from kenspec.server.security import listening_socket
 
 # After the stop's grace has closed every connection, how long uvicorn may still wait for the
 # requests on them to end (each sees its disconnect at once) before cancelling them itself.

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import structlog
 
-from server.openai_api.fields import key
+from kenspec.server.openai_api.fields import key
 
 log = structlog.get_logger("kenspec.http")
 

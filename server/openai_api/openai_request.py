@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from server.engine.grammar import GrammarSpec, schema_text
-from server.engine.params import (
+from kenspec.server.engine.grammar import GrammarSpec, schema_text
+from kenspec.server.engine.params import (
     MAX_LOGIT_BIAS,
     InvalidParameter,
     ProcessorParams,
@@ -42,17 +42,25 @@ from server.engine.params import (
     SpeculationParams,
     StoppingParams,
 )
-from server.generate_params import (
+from kenspec.server.generate_params import (
     Defaults,
     GenerateParams,
     Limits,
     speculation_params,
     stopping_params,
 )
-from server.openai_api.body import decode_body
-from server.openai_api.fields import absent_or, boolean, integer, key, name_field, number, shown
-from server.openai_api.ignored import IGNORED_FIELDS, Ignored
-from server.tool_calls.request import ToolRequest, history_calls, parse_tools, tool_request
+from kenspec.server.openai_api.body import decode_body
+from kenspec.server.openai_api.fields import (
+    absent_or,
+    boolean,
+    integer,
+    key,
+    name_field,
+    number,
+    shown,
+)
+from kenspec.server.openai_api.ignored import IGNORED_FIELDS, Ignored
+from kenspec.server.tool_calls.request import ToolRequest, history_calls, parse_tools, tool_request
 
 # OpenAI's default temperature and top_p (a request that leaves them out samples).
 DEFAULT_TEMPERATURE = 1.0

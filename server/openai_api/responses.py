@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kenspec_api.outputs import FinishReason, Mode, TokenLogprob
-from server.engine.detokenizer import TokenTexts
-from server.engine.generation import Round
-from server.tool_calls.formats import ToolFormat
-from server.tool_calls.parser import ToolCallParser
-from server.tool_calls.parser import whole as whole_answer
+from kenspec.api.outputs import FinishReason, Mode, TokenLogprob
+from kenspec.server.engine.detokenizer import TokenTexts
+from kenspec.server.engine.generation import Round
+from kenspec.server.tool_calls.formats import ToolFormat
+from kenspec.server.tool_calls.parser import ToolCallParser
+from kenspec.server.tool_calls.parser import whole as whole_answer
 
 FINISH_REASONS = {
     FinishReason.EOS: "stop",

@@ -29,17 +29,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from server.engine.params import InvalidParameter
-from server.generate_params import check_request_id
-from server.openai_api.body import InvalidBody
-from server.openai_api.generation_response import GenerationResponse
-from server.openai_api.guards import HostPolicy, HttpError, check_json_content_type
-from server.openai_api.openai_request import OpenAIRequest, parse_request
-from server.openai_api.responses import Completion
-from server.openai_api.tokenize import detokenize, tokenize
-from server.runtime import Runtime
-from server.security import bearer_token, token_allowed
-from server.serving import RETRY_AFTER_MS, Call, RequestRecord, Serving, Unavailable
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.generate_params import check_request_id
+from kenspec.server.openai_api.body import InvalidBody
+from kenspec.server.openai_api.generation_response import GenerationResponse
+from kenspec.server.openai_api.guards import HostPolicy, HttpError, check_json_content_type
+from kenspec.server.openai_api.openai_request import OpenAIRequest, parse_request
+from kenspec.server.openai_api.responses import Completion
+from kenspec.server.openai_api.tokenize import detokenize, tokenize
+from kenspec.server.runtime import Runtime
+from kenspec.server.security import bearer_token, token_allowed
+from kenspec.server.serving import RETRY_AFTER_MS, Call, RequestRecord, Serving, Unavailable
 
 log = structlog.get_logger("kenspec.http")
 

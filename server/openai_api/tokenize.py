@@ -27,16 +27,16 @@ from typing import Any
 
 import structlog
 
-from server.engine.params import InvalidParameter
-from server.generate_params import check_prompt_length
-from server.openai_api.body import InvalidBody, decode_body
-from server.openai_api.fields import absent_or, boolean, key, name_field, shown
-from server.openai_api.guards import HttpError
-from server.openai_api.ignored import Ignored
-from server.openai_api.openai_request import parse_messages
-from server.runtime import Runtime
-from server.serving import Serving, failure_of
-from server.tool_calls.request import ToolRequest, parse_tools
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.generate_params import check_prompt_length
+from kenspec.server.openai_api.body import InvalidBody, decode_body
+from kenspec.server.openai_api.fields import absent_or, boolean, key, name_field, shown
+from kenspec.server.openai_api.guards import HttpError
+from kenspec.server.openai_api.ignored import Ignored
+from kenspec.server.openai_api.openai_request import parse_messages
+from kenspec.server.runtime import Runtime
+from kenspec.server.serving import Serving, failure_of
+from kenspec.server.tool_calls.request import ToolRequest, parse_tools
 
 log = structlog.get_logger("kenspec.http")
 

@@ -34,9 +34,9 @@ import jinja2
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from server.engine.grammar import JSON_OPTIONS
-from server.tool_calls.parser import ToolCallParser
-from server.tool_calls.request import Tool, ToolRequest
+from kenspec.server.engine.grammar import JSON_OPTIONS
+from kenspec.server.tool_calls.parser import ToolCallParser
+from kenspec.server.tool_calls.request import Tool, ToolRequest
 
 log = structlog.get_logger("kenspec.tools")
 

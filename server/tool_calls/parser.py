@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from server.tool_calls.formats import ToolFormat
+    from kenspec.server.tool_calls.formats import ToolFormat
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.engine.params import InvalidParameter
+from kenspec.server.engine.params import InvalidParameter
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_SCHEMA_CHARS = 100_000  # one function's parameters, as JSON

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench import perplexity
-from server.engine.target import TargetModel
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 
 

@@ -9,8 +9,8 @@ import jsonschema
 
 from bench.schemas import CASES
 from bench.structured_output import summarize
-from server.engine.draft_tree import DraftTree, Source
-from server.engine.grammar import GrammarCompiler, GrammarSpec, schema_text
+from kenspec.server.engine.draft_tree import DraftTree, Source
+from kenspec.server.engine.grammar import GrammarCompiler, GrammarSpec, schema_text
 
 
 def _keywords(schema: object) -> set[str]:

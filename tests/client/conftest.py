@@ -17,8 +17,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
 
 
 class FakeGenerator(pb_grpc.GeneratorServicer):

@@ -28,13 +28,13 @@ import grpc.aio
 import pytest
 from conftest import FakeGenerator, ThreadedFake
 
-from client import Client
-from client.chat import Conversation, Line, parse_line
-from client.chat_view import mode_label, status_line
-from client.cli import main
-from client.results import Round
-from client.stats import StreamStats
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
+from kenspec.client import Client
+from kenspec.client.chat import Conversation, Line, parse_line
+from kenspec.client.chat_view import mode_label, status_line
+from kenspec.client.cli import main
+from kenspec.client.results import Round
+from kenspec.client.stats import StreamStats
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository, where `client` lives
 DEADLINE = 60.0  # seconds; bounds waits that a passing run never reaches
@@ -259,7 +259,17 @@ def test_chat_help_lists_flags_and_commands(capsys: pytest.CaptureFixture[str]) 
 def test_piped_ctrl_c_stops_the_chat(chat_fake: tuple[str, ChatFake]) -> None:
     """Nobody types into a pipe: Ctrl-C (SIGINT) cancels the call and ends the chat, exit 130."""
     address, fake = chat_fake
-    command = [sys.executable, "-c", FOREGROUND, "-m", "client", "chat", "-a", address, *TIMEOUT]
+    command = [
+        sys.executable,
+        "-c",
+        FOREGROUND,
+        "-m",
+        "kenspec.client",
+        "chat",
+        "-a",
+        address,
+        *TIMEOUT,
+    ]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     with subprocess.Popen(command, cwd=ROOT, **pipes) as process:  # type: ignore[call-overload]
         process.stdin.write(b"__endless__\nnever sent\n")
@@ -281,7 +291,7 @@ def test_piped_ctrl_c_stops_the_chat(chat_fake: tuple[str, ChatFake]) -> None:
 LAUNCH = (
     "import fcntl, os, signal, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
     "signal.signal(signal.SIGINT, signal.SIG_DFL); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'client', 'chat', *sys.argv[1:]])"
+    "os.execv(sys.executable, [sys.executable, '-m', 'kenspec.client', 'chat', *sys.argv[1:]])"
 )
 # A foreground command gets SIGINT's default disposition from the shell; a test runner started
 # as a background job (`cmd &` without job control) ignores SIGINT, and its children would

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.addresses import build_target, split_addresses
+from kenspec.client.addresses import build_target, split_addresses
 
 
 @pytest.mark.parametrize(

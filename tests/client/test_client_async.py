@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client import (
+from kenspec.api import generator_pb2 as pb
+from kenspec.client import (
     AsyncClient,
     Completion,
     DeadlineExceeded,
@@ -17,7 +18,6 @@ from client import (
     Round,
     ServerUnavailable,
 )
-from kenspec_api import generator_pb2 as pb
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartFake

@@ -9,12 +9,12 @@ from pathlib import Path
 # Run in a fresh interpreter: this test session may already have imported torch elsewhere.
 CHECK = """
 import sys
-import client, client.cli, kenspec_api
-heavy = sorted({"torch", "transformers", "numpy", "server"} & set(sys.modules))
+import kenspec.client, kenspec.client.cli, kenspec.api
+heavy = sorted({"torch", "transformers", "numpy", "kenspec.server"} & set(sys.modules))
 assert not heavy, heavy
 """
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository, where `client` lives
+ROOT = Path(__file__).resolve().parents[2]  # the repository, where `kenspec/client` lives
 
 
 def test_client_imports_without_server_dependencies() -> None:
@@ -27,9 +27,9 @@ def test_client_imports_without_server_dependencies() -> None:
 def test_messages_pickle_under_their_real_module() -> None:
     import pickle
 
-    from kenspec_api import generator_pb2 as pb
+    from kenspec.api import generator_pb2 as pb
 
     request = pb.GenerateRequest(prompt="hi")
-    assert pb.GenerateRequest.__module__ == "kenspec_api.generator_pb2"
+    assert pb.GenerateRequest.__module__ == "kenspec.api.generator_pb2"
     assert pickle.loads(pickle.dumps(request)) == request
     assert pb.DESCRIPTOR.name == "kenspec/v1/generator.proto"  # what reflection serves

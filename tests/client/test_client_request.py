@@ -6,9 +6,9 @@ import doctest
 
 import pytest
 
-import client.request
-from client.request import build_generate_request, build_tokenize_request, chat_message
-from kenspec_api import generator_pb2 as pb
+import kenspec.client.request
+from kenspec.api import generator_pb2 as pb
+from kenspec.client.request import build_generate_request, build_tokenize_request, chat_message
 
 
 def test_defaults_leave_choices_to_the_server() -> None:
@@ -64,7 +64,7 @@ def test_tokenize_request_needs_exactly_one_input() -> None:
 
 
 def test_docstring_examples() -> None:
-    assert doctest.testmod(client.request).failed == 0
+    assert doctest.testmod(kenspec.client.request).failed == 0
 
 
 def test_tools_and_tool_messages_are_mapped() -> None:

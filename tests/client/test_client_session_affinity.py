@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client import AsyncClient, Client, ServerUnavailable
-from client.cli import main
-from client.session_affinity import SESSION_KEY, check_session_id, rendezvous_order
+from kenspec.client import AsyncClient, Client, ServerUnavailable
+from kenspec.client.cli import main
+from kenspec.client.session_affinity import SESSION_KEY, check_session_id, rendezvous_order
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartFake, StartThreadedFake

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client import Client, InvalidRequest, ServerUnavailable
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
+from kenspec.client import Client, InvalidRequest, ServerUnavailable
 
 if TYPE_CHECKING:
     from conftest import FakeServer, StartThreadedFake

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from client import AsyncClient, ServerUnavailable
+from kenspec.client import AsyncClient, ServerUnavailable
 
 if TYPE_CHECKING:
     from conftest import StartFake

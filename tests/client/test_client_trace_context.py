@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from client.trace_context import trace_metadata
+from kenspec.client.trace_context import trace_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -19,8 +19,8 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # installed at all, nothing is sent unless a traceparent is given.
 CHECK = f"""
 import sys
-import client
-from client.trace_context import trace_metadata
+import kenspec.client
+from kenspec.client.trace_context import trace_metadata
 assert trace_metadata() == ()
 loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
 assert not loaded, loaded

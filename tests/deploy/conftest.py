@@ -1,4 +1,4 @@
-"""Real processes on loopback for the deploy tests: kenspec replicas (`python -m server`) and
+"""Real processes on loopback for the deploy tests: kenspec replicas (`kenspec serve`) and
 Debian's nginx with the repository's `deploy/nginx.conf`, rewritten only for the addresses.
 
 Nothing here polls: nginx is ready when it logs that it starts its workers (after binding its
@@ -75,7 +75,7 @@ def substitute(pattern: str, replacement: str, text: str, count: int = 1) -> str
 def replicas(tiny_server):
     """Two replicas: (process, metrics port) each."""
     metrics = [free_port(), free_port()]
-    processes = [tiny_server("--metrics-port", str(port), "--http-port", "0") for port in metrics]
+    processes = [tiny_server("--metrics-port", str(port), "--port", "0") for port in metrics]
     yield list(zip(processes, metrics, strict=True))
     for process in processes:
         process.stop()

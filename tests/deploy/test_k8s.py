@@ -13,13 +13,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.settings import FIELD_GROUPS, Settings, env_name, parse_settings
+from kenspec.server.settings import FIELD_GROUPS, Settings, env_name, parse_settings
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((REPO / "deploy" / "k8s").glob("*.yaml"))
 # The version the README states, and the oldest the manifest needs (gRPC probes are GA in 1.27).
 KUBERNETES_VERSIONS = ("1.30", "1.27")
-PORTS = {"grpc": "port", "http": "http_port", "metrics": "metrics_port"}  # -> ServerSettings
+PORTS = {"grpc": "grpc_port", "http": "port", "metrics": "metrics_port"}  # -> ServerSettings
 
 
 def documents() -> list[dict]:
@@ -84,7 +84,7 @@ def test_the_validator_refuses_what_a_cluster_would() -> None:
 
 def test_probes_ask_the_grpc_health_service_on_the_servers_port() -> None:
     kenspec = container("kenspec")
-    port = int(environment()[env_name("port")])
+    port = int(environment()[env_name("grpc_port")])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert kenspec[probe]["grpc"] == {"port": port}, probe
     # The kubelet's gRPC probes speak plaintext: with TLS they would fail (exec the healthcheck).

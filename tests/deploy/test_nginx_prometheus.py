@@ -21,8 +21,8 @@ import grpc
 import openai
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
 from tests.deploy.conftest import (
     REPO,
     TIMEOUT,

@@ -21,9 +21,9 @@ import httpx
 import openai
 import pytest
 
-from client import Client
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.client import Client
 from tests.deploy.conftest import TIMEOUT, UPSTREAM_HEADER, running_nginx
 
 SESSIONS = [f"session-{index}" for index in range(16)]

@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from draft_tools import build, distill, kenlm_tools, stages
-from draft_tools import train as train_draft
-from draft_tools.stages import split_prompts
 from harness.server_process import ServerProcess
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
-from server.settings import SpeculationSettings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.draft_tools import build, distill, kenlm_tools, stages
+from kenspec.draft_tools import train as train_draft
+from kenspec.draft_tools.stages import split_prompts
+from kenspec.server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
+from kenspec.server.settings import SpeculationSettings
 from tests import tiny
 from tests.gguf_files import write_header_only_gguf, write_llama_gguf
 from tests.server.engine.drafts import reference_greedy
@@ -116,14 +116,14 @@ def test_one_command_writes_a_loadable_draft_checked_on_held_out_prompts(
     form = "chat template" if tiny_target.tokenizer.chat_template else "raw prompts"
     assert f"prompts of prompts.txt ({form}, max " in manifest["corpus"]
     assert f"{check['tokens_per_round']:.2f} tokens/round" in stdout
-    assert f"  python -m server --model {tiny_model_dir} --draft {out}" in stdout.splitlines()
+    assert f"  kenspec serve --model {tiny_model_dir} --draft {out}" in stdout.splitlines()
 
 
 def test_the_server_serves_the_built_draft(built, tiny_target) -> None:
     """The summary's command, as printed, starts a server that drafts with the new draft."""
     _, out, stdout, _ = built
-    command = next(line for line in stdout.splitlines() if "python -m server" in line)
-    args = shlex.split(command)[3:]  # after `python -m server`
+    command = next(line for line in stdout.splitlines() if "kenspec serve" in line)
+    args = shlex.split(command)[2:]  # after `kenspec serve`
     flags = ["--device", "cpu", "--dtype", "float32", "--breaker-threshold", "0"]
     flags += ["--threads", "1", "--no-draft-context"]  # only the n-gram drafts
     server = ServerProcess([*args, *flags], timeout=120)
@@ -438,7 +438,7 @@ def test_a_gguf_model_builds_the_draft_the_folder_builds(
     for part in ("train.ids", "heldout.ids"):
         assert (out / "work" / part).read_text() == (folder_out / "work" / part).read_text()
     assert (out / "model.bin").read_bytes() == (folder_out / "model.bin").read_bytes()
-    command = f"  python -m server --model {gguf} --gguf-cache {cache} --draft {out}"
+    command = f"  kenspec serve --model {gguf} --gguf-cache {cache} --draft {out}"
     assert command in stdout.splitlines()
 
     code, _, stderr = run_build(argv)  # the cached folder is found, nothing redone

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draft_tools import distill
-from draft_tools.distill import Answer, CorpusWriter
+from kenspec.draft_tools import distill
+from kenspec.draft_tools.distill import Answer, CorpusWriter
 from tests.server.engine.drafts import reference_greedy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draft_tools.stamps import Stamps, file_digest, folder_digest
+from kenspec.draft_tools.stamps import Stamps, file_digest, folder_digest
 
 
 def test_a_stage_is_done_with_the_same_inputs_and_its_outputs(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_digests_follow_content(tmp_path: Path, monkeypatch) -> None:
     first = folder_digest(model)
     (model / ".cache" / "lock").write_text("ignored")  # hidden: not part of the model
     assert folder_digest(model) == first
-    monkeypatch.setattr("draft_tools.stamps._WHOLE_FILE_BYTES", 1 << 20)  # weights sampled
+    monkeypatch.setattr("kenspec.draft_tools.stamps._WHOLE_FILE_BYTES", 1 << 20)  # weights sampled
     sampled = folder_digest(model)
     with weights.open("r+b") as f:  # a changed last byte changes the sampled identity
         f.seek((3 << 20) - 1)

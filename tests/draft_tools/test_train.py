@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from draft_tools import train as train_draft
-from server.engine.arpa import DraftFormatError
-from server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
-from server.engine.params import SpeculationParams
+from kenspec.draft_tools import train as train_draft
+from kenspec.server.engine.arpa import DraftFormatError
+from kenspec.server.engine.kenlm_draft import KenLMDraft, tokenizer_fingerprint
+from kenspec.server.engine.params import SpeculationParams
 from tests import tiny
 from tests.server.engine.drafts import reference_greedy
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api.convert import from_proto, to_proto, usage_from_proto, usage_to_proto
-from kenspec_api.outputs import BreakerState, FinishReason, Mode, Usage
+from kenspec.api import generator_pb2 as pb
+from kenspec.api.convert import from_proto, to_proto, usage_from_proto, usage_to_proto
+from kenspec.api.outputs import BreakerState, FinishReason, Mode, Usage
 
 
 @pytest.mark.parametrize("member", [*Mode, *BreakerState, *FinishReason])

@@ -25,12 +25,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine.target import TargetModel
-from server.lifecycle import KenspecServer
-from server.runtime import Runtime, load_runtime
-from server.settings import Settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.runtime import Runtime, load_runtime
+from kenspec.server.settings import Settings
 
 TIMEOUT = 60.0  # seconds; a bound on waits that a passing run never reaches
 
@@ -61,9 +61,9 @@ def base_settings(tiny_model_dir: Path, tiny_draft_path: Path) -> Settings:
         draft=str(tiny_draft_path),
         device="cpu",
         dtype="float32",
-        port=0,
+        grpc_port=0,
         metrics_port=-1,
-        http_port=-1,
+        port=-1,
         breaker_threshold=0.0,
         min_draft_prob=0.0,
         max_new_tokens_limit=400,

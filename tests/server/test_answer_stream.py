@@ -1,6 +1,6 @@
 """The shared answer stream (--share-answers) between replicas, over a real redis-server on
 loopback: in-process replicas, each with its own runtime (its own engine and index), and a
-`python -m server` process where a tenant id has to mean the same in two processes.
+`kenspec serve` process where a tenant id has to mean the same in two processes.
 
 Every test waits (bounded) for something the stream does, never for time to pass. A replica's
 first round of a prompt drafts from the suffix index only when the index holds an answer after
@@ -24,15 +24,15 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.answer_records import AnswerRecord, encode, model_fingerprint
-from server.answer_stream import AnswerStream, StreamSettings
-from server.engine.target import TargetModel
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.lifecycle import KenspecServer
-from server.metrics import Metrics
-from server.settings import Settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.answer_records import AnswerRecord, encode, model_fingerprint
+from kenspec.server.answer_stream import AnswerStream, StreamSettings
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.metrics import Metrics
+from kenspec.server.settings import Settings
 from tests import tiny
 from tests.server.conftest import TIMEOUT, Servers, until
 
@@ -262,7 +262,7 @@ async def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes(
 async def test_an_answer_reaches_only_its_own_tenant_on_another_replica(
     replica, redis_server, tiny_server, tmp_path
 ) -> None:
-    """Replica A is a `python -m server` process, B in-process, with one tokens file: tenant
+    """Replica A is a `kenspec serve` process, B in-process, with one tokens file: tenant
     x's answer on A lands in x's index on B (the same tenant id in both processes), and only
     there: x drafts it from B's index, y does not."""
     x, y = secrets.token_hex(16), secrets.token_hex(16)

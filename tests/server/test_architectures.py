@@ -21,21 +21,26 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine import attention
-from server.engine.architecture import served_context
-from server.engine.batch import Batch
-from server.engine.forward import choose
-from server.engine.forward.plan import HeadKind
-from server.engine.linear_kernels import SkinnyConv1D, SkinnyLinear, decoder_linears, use_skinny
-from server.engine.packed_pass import pack
-from server.engine.prefix_cache import PrefixCache
-from server.engine.target import TargetLoadError, TargetModel
-from server.engine.verify_pass import VerifyPass
-from server.lifecycle import KenspecServer
-from server.runtime import Runtime, load_runtime
-from server.settings import Settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine import attention
+from kenspec.server.engine.architecture import served_context
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.forward import choose
+from kenspec.server.engine.forward.plan import HeadKind
+from kenspec.server.engine.linear_kernels import (
+    SkinnyConv1D,
+    SkinnyLinear,
+    decoder_linears,
+    use_skinny,
+)
+from kenspec.server.engine.packed_pass import pack
+from kenspec.server.engine.prefix_cache import PrefixCache
+from kenspec.server.engine.target import TargetLoadError, TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.runtime import Runtime, load_runtime
+from kenspec.server.settings import Settings
 from tests import tiny
 from tests.server.conftest import TIMEOUT, PassGate
 from tests.tiny_architectures import ARCHITECTURES, MODEL_LOGITS, WINDOW, save_architecture
@@ -87,7 +92,7 @@ def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
         device="cpu",
         dtype="float32",
         threads=1,
-        port=0,
+        grpc_port=0,
         metrics_port=-1,
         breaker_threshold=0.0,
         min_draft_prob=0.0,
@@ -119,7 +124,9 @@ async def serve(
         return queued
 
     monkeypatch.setattr(Batch, "add", counting_add)
-    settings = Settings.of(model=str(served.directory), port=0, metrics_port=-1, grace_period_s=5.0)
+    settings = Settings.of(
+        model=str(served.directory), grpc_port=0, metrics_port=-1, grace_period_s=5.0
+    )
     server = KenspecServer(settings, loader=lambda *_: served.runtime)
     await server.start()
     await server.load()

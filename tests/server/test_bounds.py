@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.errors import ServerBusy, from_rpc_error
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.generate_params import MAX_REQUEST_ID
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.client.errors import ServerBusy, from_rpc_error
+from kenspec.server.generate_params import MAX_REQUEST_ID
 from tests.server.conftest import TIMEOUT
 
 

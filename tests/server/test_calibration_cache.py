@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from server import calibration_cache, runtime
-from server.runtime import SAVE_AFTER_PASSES, load_runtime
-from server.settings import Settings
+from kenspec.server import calibration_cache, runtime
+from kenspec.server.runtime import SAVE_AFTER_PASSES, load_runtime
+from kenspec.server.settings import Settings
 
 SECONDS = {(1, 1): 0.02, (1, 2): 0.021, (1, 3): 0.023, (2, 2): 0.024}
 

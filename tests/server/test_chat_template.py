@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.runtime import load_runtime
-from server.settings import Settings, parse_settings
+from kenspec.server.runtime import load_runtime
+from kenspec.server.settings import Settings, parse_settings
 
 TEMPLATE = (
     "{% for message in messages %}<<{{ message['role'] }}>>{{ message['content'] }}"

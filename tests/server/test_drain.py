@@ -20,7 +20,7 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 from tests.server.conftest import TIMEOUT, PassGate, until
 
 JSON = {"content-type": "application/json"}
@@ -137,7 +137,7 @@ async def grpc_health(port: int) -> int:
 async def test_a_drain_answers_new_calls_until_the_streams_in_flight_end(
     start_server, held_passes, logged
 ) -> None:
-    server, stub = await start_server(http_port=0)
+    server, stub = await start_server(port=0)
     url = f"http://127.0.0.1:{server.http_port}"
     async with (
         httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as streaming,
@@ -184,7 +184,7 @@ async def test_a_drain_answers_new_calls_until_the_streams_in_flight_end(
 async def test_streams_cut_at_the_end_of_the_grace_end_with_an_error(
     start_server, held_passes, logged
 ) -> None:
-    server, stub = await start_server(http_port=0)
+    server, stub = await start_server(port=0)
     url = f"http://127.0.0.1:{server.http_port}"
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         call, stream = await held_in_flight(server, stub, client, held_passes)

@@ -14,10 +14,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.lifecycle import KenspecServer
-from server.settings import Settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.settings import Settings
 
 
 def chat(*messages: tuple[str, str]) -> pb.Messages:
@@ -86,7 +86,7 @@ async def test_unexpected_error_is_internal_with_request_id(
     def broken_round(self, row, emitted, path):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr("server.engine.generation.Generation.accept", broken_round)
+    monkeypatch.setattr("kenspec.server.engine.generation.Generation.accept", broken_round)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(stub.Generate(pb.GenerateRequest(prompt="x", request_id="rid-7")))
     assert error.value.code() == grpc.StatusCode.INTERNAL
@@ -153,7 +153,7 @@ def test_reflection_lists_services_and_resolves_types(serve_loaded) -> None:
     holder = {}
 
     async def serve():
-        settings = Settings.of(port=0, draft="none", metrics_port=-1)
+        settings = Settings.of(grpc_port=0, draft="none", metrics_port=-1)
         server = KenspecServer(settings, loader=serve_loaded(None))  # never loaded
         holder["done"] = asyncio.Event()
         holder["port"] = await server.start()
@@ -196,7 +196,7 @@ def test_reflection_lists_services_and_resolves_types(serve_loaded) -> None:
 
 
 async def test_container_healthcheck_command(start_server) -> None:
-    from server import healthcheck
+    from kenspec.server import healthcheck
 
     server, _ = await start_server()
     assert await asyncio.to_thread(healthcheck.main, [f"127.0.0.1:{server.port}"]) == 0

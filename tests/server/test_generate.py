@@ -11,8 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from server.engine.batch import Batch
+from kenspec.api import generator_pb2 as pb
+from kenspec.server.engine.batch import Batch
 from tests.server.engine.drafts import reference_greedy
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches

@@ -15,12 +15,12 @@ import struct
 import grpc
 import pytest
 
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.grpc_front import _Frames
-from server.lifecycle import STREAM_HEADROOM, grpc_front_limits, grpc_options
-from server.service import RETRY_PUSHBACK_KEY
-from server.serving import RETRY_AFTER_MS
-from server.settings import Settings
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.grpc_front import _Frames
+from kenspec.server.lifecycle import STREAM_HEADROOM, grpc_front_limits, grpc_options
+from kenspec.server.service import RETRY_PUSHBACK_KEY
+from kenspec.server.serving import RETRY_AFTER_MS
+from kenspec.server.settings import Settings
 from tests.server.conftest import TIMEOUT
 
 BURST = 200

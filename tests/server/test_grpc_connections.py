@@ -20,11 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.channel import channel_spec
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.grpc_front import FrontLimits, _Frames
-from server.lifecycle import grpc_front_limits, grpc_options
-from server.settings import Settings, parse_settings
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.client.channel import channel_spec
+from kenspec.server.grpc_front import FrontLimits, _Frames
+from kenspec.server.lifecycle import grpc_front_limits, grpc_options
+from kenspec.server.settings import Settings, parse_settings
 from tests.server.conftest import TIMEOUT, until
 
 BOUND = 20.0  # seconds; bounds a wait for a sub-second timeout to fire

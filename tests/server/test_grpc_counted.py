@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server import healthcheck
-from server.settings import parse_settings
+from kenspec.server import healthcheck
+from kenspec.server.settings import parse_settings
 
 
 def tls(pki, **more: str) -> dict[str, str]:
@@ -52,7 +52,7 @@ async def test_main_reads_the_servers_environment(start_server, pki, monkeypatch
     server, _ = await start_server(**tls(pki))  # on 127.0.0.1, where 0.0.0.0 is reached
     for name, value in {
         "KENSPEC_HOST": "0.0.0.0",
-        "KENSPEC_PORT": str(server.port),
+        "KENSPEC_GRPC_PORT": str(server.port),
         "KENSPEC_TLS_CERT": str(pki["server_cert"]),
         "KENSPEC_TLS_KEY": str(pki["server_key"]),
     }.items():
@@ -67,6 +67,6 @@ async def test_main_reads_the_servers_environment(start_server, pki, monkeypatch
 def test_the_name_checked_is_one_the_certificate_holds(pki) -> None:
     assert healthcheck.certificate_name(str(pki["server_cert"]), "127.0.0.1") == "localhost"
     assert healthcheck.certificate_name(str(pki["stranger_cert"]), "127.0.0.1") == "stranger"
-    settings = parse_settings([], {"KENSPEC_HOST": "::", "KENSPEC_PORT": "7"})
+    settings = parse_settings([], {"KENSPEC_HOST": "::", "KENSPEC_GRPC_PORT": "7"})
     assert healthcheck.local_address(settings) == "[::1]:7"
     assert healthcheck.probe_for(settings).root_certificates is None  # plaintext

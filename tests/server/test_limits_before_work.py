@@ -21,13 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine.target import TargetModel
-from server.generate_params import prompt_char_limit
-from server.lifecycle import KenspecServer
-from server.runtime import load_runtime
-from server.serving import LARGE_INPUT_CHARS, Serving
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.generate_params import prompt_char_limit
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.runtime import load_runtime
+from kenspec.server.serving import LARGE_INPUT_CHARS, Serving
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 ENCODERS = ("encode_prompt", "encode_chat", "chat_text", "encode_chat_text")
@@ -103,7 +103,7 @@ async def test_a_chat_over_the_limit_with_its_template_is_refused_before_tokeniz
 async def test_http_refuses_a_prompt_over_the_character_limit_before_tokenizing(
     start_server, runtime, encoded
 ) -> None:
-    server, _ = await start_server(http_port=0)
+    server, _ = await start_server(port=0)
     limit = runtime.limits.max_prompt_chars
     body = {"model": Path(server.settings.model.model).name, "prompt": "a" * (limit + 1)}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -180,7 +180,7 @@ async def start_with_limits(base_settings, runtime, serve_loaded) -> AsyncIterat
 
     async def start(**limits: int) -> KenspecServer:
         limited = replace(runtime, limits=replace(runtime.limits, **limits))
-        server = KenspecServer(base_settings.replace(http_port=0), serve_loaded(limited))
+        server = KenspecServer(base_settings.replace(port=0), serve_loaded(limited))
         servers.append(server)
         await server.start()
         await server.load()

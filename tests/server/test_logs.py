@@ -8,7 +8,7 @@ import logging
 
 import structlog
 
-from server.logs import BadHttpRequest, CallGoneInCore, configure_logging
+from kenspec.server.logs import BadHttpRequest, CallGoneInCore, configure_logging
 
 
 def test_a_call_gone_in_core_is_info_and_other_grpc_errors_stay_errors(capsys) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from kenspec_api.outputs import BreakerState, FinishReason, Mode
-from server.engine.generation import Round
-from server.lifecycle import KenspecServer
-from server.metrics import Metrics
-from server.serving import RequestRecord
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.api.outputs import BreakerState, FinishReason, Mode
+from kenspec.server.engine.generation import Round
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.metrics import Metrics
+from kenspec.server.serving import RequestRecord
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_time_per_output_token_is_per_sequence_whatever_the_choices(monkeypatch,
     choice's 4 tokens after its first round took 2 s, 0.5 s a token, however many choices
     (summing every choice's tokens would give 0.5 / choices)."""
     now = [100.0]
-    monkeypatch.setattr("server.serving.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("kenspec.server.serving.time.perf_counter", lambda: now[0])
     metrics = Metrics("m")
     record = RequestRecord(metrics, "grpc")
     for index in range(3):

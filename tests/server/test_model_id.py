@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.lifecycle import served_model_id
-from server.settings import ModelSettings
+from kenspec.server.lifecycle import served_model_id
+from kenspec.server.settings import ModelSettings
 
 
 @pytest.mark.parametrize(

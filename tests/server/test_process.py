@@ -1,4 +1,4 @@
-"""The real entry points in subprocesses: `python -m server` drains on SIGTERM; the client CLI."""
+"""The real entry points in subprocesses: `kenspec serve` drains on SIGTERM; the client CLI."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from harness.server_process import server_command
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
 from tests.gguf_files import write_header_only_gguf
 from tests.server.engine.drafts import reference_greedy
 
@@ -66,7 +66,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server_process, tiny_t
 
 def run_cli(port: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "client", "--address", f"127.0.0.1:{port}", *args],
+        [sys.executable, "-m", "kenspec.client", "--address", f"127.0.0.1:{port}", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

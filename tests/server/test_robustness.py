@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.lifecycle import KenspecServer
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.lifecycle import KenspecServer
 from tests.server.engine.drafts import fail_passes_fed, reference_greedy
 
 VALIDATABLE = {
@@ -218,7 +218,7 @@ def test_target_failure_fails_only_that_request(served, monkeypatch) -> None:
 def test_oom_is_resource_exhausted(served, monkeypatch) -> None:
     import torch
 
-    from server.engine.generation import Generation
+    from kenspec.server.engine.generation import Generation
 
     _, stub, _ = served
 

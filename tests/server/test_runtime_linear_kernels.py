@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from server.engine.forward import choose
-from server.engine.linear_kernels import SkinnyLinear, decoder_linears
-from server.runtime import load_runtime
+from kenspec.server.engine.forward import choose
+from kenspec.server.engine.linear_kernels import SkinnyLinear, decoder_linears
+from kenspec.server.runtime import load_runtime
 
 
 def test_runtime_uses_the_row_counts_measured_faster(base_settings, monkeypatch) -> None:

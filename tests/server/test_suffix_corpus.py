@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.lifecycle import KenspecServer
-from server.settings import Settings, parse_settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.settings import Settings, parse_settings
 from tests.server.conftest import TIMEOUT, Servers
 
 PROMPT = "Speculative decoding"

@@ -19,13 +19,13 @@ import grpc
 import httpx
 import pytest
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine.tenant_index import SHARED_TENANT
-from server.lifecycle import KenspecServer
-from server.runtime import Runtime, load_runtime
-from server.security import tenant_of
-from server.settings import Settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.runtime import Runtime, load_runtime
+from kenspec.server.security import tenant_of
+from kenspec.server.settings import Settings
 from tests.server.conftest import TIMEOUT, Servers
 
 PROMPT = "The quick brown fox"
@@ -103,7 +103,7 @@ async def test_the_tenant_is_the_token_whichever_api_the_call_came_through(
     """Tenant a's answer, served over HTTP, is drafted for a over gRPC, and never for b."""
     path, first, second = tokens
     runtime = runtimes["tenant"]
-    server = await serve(runtime, auth_tokens_file=str(path), report_draft_source=True, http_port=0)
+    server = await serve(runtime, auth_tokens_file=str(path), report_draft_source=True, port=0)
     body = {
         "model": Path(server.settings.model.model).name,
         "prompt": PROMPT,
@@ -151,7 +151,7 @@ async def test_a_tenants_flood_leaves_another_tenants_answers_in_place(
 async def test_per_round_draft_sources_are_streamed_only_with_the_operator_flag(
     start_server, report
 ) -> None:
-    server, stub = await start_server(report_draft_source=report, http_port=0)
+    server, stub = await start_server(report_draft_source=report, port=0)
     request = pb.GenerateRequest(
         prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True)
     )

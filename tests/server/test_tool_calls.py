@@ -13,11 +13,17 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from server.engine.params import InvalidParameter
-from server.runtime import load_runtime
-from server.tool_calls.formats import PROMPT, ToolFormat, _format, detect
-from server.tool_calls.parser import Parsed, whole
-from server.tool_calls.request import Tool, ToolRequest, history_calls, parse_tools, tool_request
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.runtime import load_runtime
+from kenspec.server.tool_calls.formats import PROMPT, ToolFormat, _format, detect
+from kenspec.server.tool_calls.parser import Parsed, whole
+from kenspec.server.tool_calls.request import (
+    Tool,
+    ToolRequest,
+    history_calls,
+    parse_tools,
+    tool_request,
+)
 
 WEATHER = {
     "type": "object",

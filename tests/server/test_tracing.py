@@ -19,12 +19,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from client import AsyncClient, InvalidRequest
-from kenspec_api import generator_pb2 as pb
-from kenspec_api.outputs import BreakerState, FinishReason, Mode
-from server import otel
-from server.engine.generation import Round
-from server.request_spans import NO_TRACING
+from kenspec.api import generator_pb2 as pb
+from kenspec.api.outputs import BreakerState, FinishReason, Mode
+from kenspec.client import AsyncClient, InvalidRequest
+from kenspec.server import otel
+from kenspec.server.engine.generation import Round
+from kenspec.server.request_spans import NO_TRACING
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ async def test_grpc_call_is_a_child_span_of_the_bundled_clients_context(
 
 
 async def test_http_call_is_a_child_span_of_the_traceparent_header(start_server, exporter) -> None:
-    server, _ = await start_server(otel=True, http_port=0)
+    server, _ = await start_server(otel=True, port=0)
     body = {
         "model": Path(server.settings.model.model).name,
         "prompt": "Hello there",
@@ -153,7 +153,7 @@ async def test_explicit_traceparent_from_the_bundled_client(start_server, export
 
 
 async def test_refused_calls_end_their_span_with_an_error(start_server, exporter) -> None:
-    server, stub = await start_server(otel=True, http_port=0)
+    server, stub = await start_server(otel=True, port=0)
     request = pb.GenerateRequest(prompt="Hi", stopping=pb.StoppingCriteria(max_new_tokens=100000))
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Generate(request, timeout=TIMEOUT).read()
@@ -194,17 +194,17 @@ async def test_tracing_off_records_nothing(start_server, exporter) -> None:
 # saying what to install.
 CHECK_IMPORTS = """
 import sys
-import server.lifecycle, server.__main__
-from server.request_spans import NO_TRACING
-from server.tracing import build_tracing
+import kenspec.server.lifecycle, kenspec.server.__main__
+from kenspec.server.request_spans import NO_TRACING
+from kenspec.server.tracing import build_tracing
 assert build_tracing(False, "", "model") is NO_TRACING
-tracing = ("server.otel", "opentelemetry.sdk.trace", "opentelemetry.exporter",
+tracing = ("kenspec.server.otel", "opentelemetry.sdk.trace", "opentelemetry.exporter",
            "opentelemetry.propagate")
 loaded = sorted(name for name in sys.modules if name.startswith(tracing))
 assert not loaded, loaded
 sys.modules["opentelemetry"] = None  # as if not installed
-from server.__main__ import main
-sys.exit(main(["--otel", "--port", "0", "--http-port", "-1", "--metrics-port", "-1",
+from kenspec.server.__main__ import main
+sys.exit(main(["--otel", "--grpc-port", "0", "--port", "-1", "--metrics-port", "-1",
                "--log-format", "json"]))
 """
 
@@ -334,9 +334,9 @@ def test_a_port_in_use_fails_the_start_up_cleanly() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        flags = ["--port", "0", "--http-port", "0", "--metrics-port", str(port)]
+        flags = ["--grpc-port", "0", "--port", "0", "--metrics-port", str(port)]
         result = subprocess.run(
-            [sys.executable, "-m", "server", *flags, "--log-format", "json"],
+            [sys.executable, "-m", "kenspec.server", *flags, "--log-format", "json"],
             capture_output=True, text=True, timeout=120, cwd=ROOT,
         )  # fmt: skip
     output = result.stdout + result.stderr

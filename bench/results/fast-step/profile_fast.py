@@ -3,9 +3,10 @@ import sys
 import torch
 
 sys.path.insert(0, sys.argv[1])
+from server.engine.fast_step import LlamaStep
+
 from server.engine import cpu_gemv
 from server.engine.calibration import measure_pass_seconds
-from server.engine.fast_step import LlamaStep
 from server.engine.target import TargetModel
 
 t = TargetModel.load(sys.argv[1] + "/models/smollm2-135m-instruct", dtype="bfloat16")

@@ -6,10 +6,10 @@ the rest as served; one thread.
 """
 
 import torch
+from server.engine.fast_step import LlamaStep
 
 from server.engine import cpu_gemv, fast_step
 from server.engine.calibration import measure_pass_seconds
-from server.engine.fast_step import LlamaStep
 from server.engine.target import TargetModel
 
 torch.set_num_threads(1)

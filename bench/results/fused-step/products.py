@@ -10,9 +10,9 @@ import statistics
 import time
 
 import torch
+from server.engine.fast_step import LlamaStep
 
 from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep
 from server.engine.target import TargetModel
 
 torch.set_num_threads(1)

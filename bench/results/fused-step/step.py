@@ -9,10 +9,10 @@ pass) and csrc/step.c's one-call pass (fused 2, as served).
 import sys
 
 import torch
+from server.engine.fast_step import LlamaStep
 
 from server.engine import cpu_gemv
 from server.engine.calibration import measure_pass_seconds
-from server.engine.fast_step import LlamaStep
 from server.engine.target import TargetModel
 
 torch.set_num_threads(1)

@@ -8,9 +8,10 @@ alternating kernels (Products.measure, as start-up does), in ms.
 
 import json
 
+from server.engine.fast_step import LlamaStep
+
 from bench.machine import machine
 from server.engine import cpu_gemv
-from server.engine.fast_step import LlamaStep
 from server.engine.target import TargetModel
 from server.settings import DEFAULT_MODEL
 

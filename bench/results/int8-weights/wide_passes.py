@@ -8,8 +8,9 @@ memory after loading each.
 import json
 import resource
 
-from server.engine import cpu_gemv
 from server.engine.fast_step import LlamaStep
+
+from server.engine import cpu_gemv
 from server.engine.target import TargetModel
 from server.settings import DEFAULT_MODEL
 

@@ -32,12 +32,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from server.engine.attention_choice import measure_grouped
-from server.engine.forward.cpu_kernels import CpuKernels, load_kernels
-from server.engine.forward.head import Head, plain_head
-from server.engine.forward.lean import LeanDecoder, LeanWeights, Unsupported
-from server.engine.forward.passes import EagerForward, Forward, LeanForward
-from server.engine.forward.plan import (
+from kenspec.server.engine.attention_choice import measure_grouped
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels, load_kernels
+from kenspec.server.engine.forward.head import Head, plain_head
+from kenspec.server.engine.forward.lean import LeanDecoder, LeanWeights, Unsupported
+from kenspec.server.engine.forward.passes import EagerForward, Forward, LeanForward
+from kenspec.server.engine.forward.plan import (
     ExecutionOptions,
     ExecutionPlan,
     ForwardKind,
@@ -46,7 +46,7 @@ from server.engine.forward.plan import (
     LeanMode,
     RowPlan,
 )
-from server.engine.forward.products import (
+from kenspec.server.engine.forward.products import (
     Product,
     fastest_plan,
     invariant_kernel,
@@ -54,12 +54,12 @@ from server.engine.forward.products import (
     rows_at_one_rows_cost,
     time_products,
 )
-from server.engine.forward.screened_head import ScreenedHead
-from server.engine.invariant import choose_padding, short_key_counts, value_block
-from server.engine.kernels import BatchInvariance, Kernels
-from server.engine.linear_kernels import measure_skinny_rows
-from server.engine.params import MAX_DRAFT_TOKENS, AttentionMode, Weights
-from server.engine.quantize import Int8Linear
+from kenspec.server.engine.forward.screened_head import ScreenedHead
+from kenspec.server.engine.invariant import choose_padding, short_key_counts, value_block
+from kenspec.server.engine.kernels import BatchInvariance, Kernels
+from kenspec.server.engine.linear_kernels import measure_skinny_rows
+from kenspec.server.engine.params import MAX_DRAFT_TOKENS, AttentionMode, Weights
+from kenspec.server.engine.quantize import Int8Linear
 
 log = structlog.get_logger("kenspec.forward")
 

@@ -16,10 +16,16 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from server.engine.forward.plan import ExecutionPlan, HeadKind
-from server.engine.forward.screened_head import ScreenedHead
-from server.engine.pass_logits import Logits, OutputLayer, capped, computed_logits, lazy_logits
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.forward.plan import ExecutionPlan, HeadKind
+from kenspec.server.engine.forward.screened_head import ScreenedHead
+from kenspec.server.engine.pass_logits import (
+    Logits,
+    OutputLayer,
+    capped,
+    computed_logits,
+    lazy_logits,
+)
+from kenspec.server.engine.verify_pass import VerifyPass
 
 # Architectures whose logits are exactly the output layer of the base model's last hidden state
 # (soft-capped by config.final_logit_softcapping where set): no bias or scaling. For these, rows

@@ -29,14 +29,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from server.engine.architecture import attention_shape
-from server.engine.attention import packed_attention
-from server.engine.forward.cpu_kernels import CpuKernels, DecoderLayer, PassArgs
-from server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
-from server.engine.forward.products import Linear, Product, lay_out, quantized_kind
-from server.engine.kv_cache import SlotCache
-from server.engine.packing import Packing
-from server.engine.quantize import Int4Linear, Int8Linear
+from kenspec.server.engine.architecture import attention_shape
+from kenspec.server.engine.attention import packed_attention
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels, DecoderLayer, PassArgs
+from kenspec.server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
+from kenspec.server.engine.forward.products import Linear, Product, lay_out, quantized_kind
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.packing import Packing
+from kenspec.server.engine.quantize import Int4Linear, Int8Linear
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 _FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})

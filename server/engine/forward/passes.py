@@ -18,15 +18,15 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from server.engine.forward.head import Head
-from server.engine.forward.lean import LeanDecoder
-from server.engine.forward.plan import ExecutionPlan
-from server.engine.invariant import use_padding
-from server.engine.kv_cache import SlotCache
-from server.engine.linear_kernels import use_skinny
-from server.engine.packed_pass import PackedPass, pack
-from server.engine.pass_logits import Logits
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.forward.head import Head
+from kenspec.server.engine.forward.lean import LeanDecoder
+from kenspec.server.engine.forward.plan import ExecutionPlan
+from kenspec.server.engine.invariant import use_padding
+from kenspec.server.engine.kv_cache import SlotCache
+from kenspec.server.engine.linear_kernels import use_skinny
+from kenspec.server.engine.packed_pass import PackedPass, pack
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.verify_pass import VerifyPass
 
 
 class Forward(Protocol):

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from server.engine.kernels import BatchInvariance, Kernels
-from server.engine.params import AttentionMode, Weights
+from kenspec.server.engine.kernels import BatchInvariance, Kernels
+from kenspec.server.engine.params import AttentionMode, Weights
 
 
 class Kernel(StrEnum):

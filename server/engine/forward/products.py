@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.forward.cpu_kernels import CpuKernels
-from server.engine.forward.plan import Kernel, RowPlan
-from server.engine.quantize import (
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels
+from kenspec.server.engine.forward.plan import Kernel, RowPlan
+from kenspec.server.engine.quantize import (
     INT4_JOINED_ROWS,
     Int4Linear,
     Int4Weight,

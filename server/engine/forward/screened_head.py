@@ -46,9 +46,9 @@ from collections.abc import Sequence
 
 import torch
 
-from server.engine.forward.cpu_kernels import CpuKernels
-from server.engine.pass_logits import Logits
-from server.engine.quantize import quantize
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.quantize import quantize
 
 # The widest pass (rows of logits) screened with the int8 copy alone: one row, a plain step.
 # A verify pass's rows are computed together in one read of the bf16 layer at about one row's

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kenlm_draft import KenLMDraft
-from server.engine.target import TargetModel
+from kenspec.server.engine.kenlm_draft import KenLMDraft
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import never_matching_kenlm, reference_greedy
 

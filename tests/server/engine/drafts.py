@@ -8,24 +8,28 @@ from pathlib import Path
 
 import torch
 
-from server.engine.costs import Costs
-from server.engine.draft import Branching as TreeBranching
-from server.engine.draft import Candidates, Chain, DraftSession, StaticSession
-from server.engine.draft_tree import Source
-from server.engine.generation import Generation, Round
-from server.engine.grammar import GrammarSpec
-from server.engine.kenlm_draft import KenLMDraft
-from server.engine.params import (
+from kenspec.server.engine.costs import Costs
+from kenspec.server.engine.draft import Branching as TreeBranching
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession, StaticSession
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.generation import Generation, Round
+from kenspec.server.engine.grammar import GrammarSpec
+from kenspec.server.engine.kenlm_draft import KenLMDraft
+from kenspec.server.engine.params import (
     DRAFT_TOKENS,
     ProcessorParams,
     SamplingParams,
     SpeculationParams,
     StoppingParams,
 )
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculative_engine import (
+    BreakerSettings,
+    ContextSettings,
+    SpeculativeEngine,
+)
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from server.engine.target import TargetModel
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import OracleDraft, generate, never_matching_kenlm, plain_decoding
 from tests.tiny_architectures import save_architecture

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kenspec_api.outputs import Mode
-from server.engine.batch import Batch
-from server.engine.context_draft import ContextDraft
-from server.engine.costs import PassCosts, chain_gains, choose_drafts
-from server.engine.generation import Generation
-from server.engine.intake import BatchSettings
-from server.engine.params import SamplingParams
+from kenspec.api.outputs import Mode
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.costs import PassCosts, chain_gains, choose_drafts
+from kenspec.server.engine.generation import Generation
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.params import SamplingParams
 from tests.server.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
 
 MAX_NEW = 20

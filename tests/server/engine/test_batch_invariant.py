@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from bench.invariance import LAYOUTS, compare, run_layout, tree_with_siblings
-from server.engine import attention
-from server.engine.batch import Batch
-from server.engine.forward.plan import ExecutionOptions, HeadKind
-from server.engine.intake import BatchSettings
-from server.engine.invariant import (
+from kenspec.server.engine import attention
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.invariant import (
     CANDIDATES,
     InvariantLinear,
     choose_padding,
@@ -26,11 +26,11 @@ from server.engine.invariant import (
     use_padding,
     value_block,
 )
-from server.engine.kernels import Padding
-from server.engine.target import TargetModel, cpu_has_native_bf16
-from server.engine.verify_pass import PassRow, VerifyPass
-from server.runtime import load_runtime
-from server.settings import Settings
+from kenspec.server.engine.kernels import Padding
+from kenspec.server.engine.target import TargetModel, cpu_has_native_bf16
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.runtime import load_runtime
+from kenspec.server.settings import Settings
 from tests import tiny
 from tests.server.engine.drafts import Branching, Collector, OracleDraft, reference_greedy, start
 

@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 CHECK = """
 import importlib, pkgutil, sys
-import server.engine
-for module in pkgutil.iter_modules(server.engine.__path__):
-    importlib.import_module(f"server.engine.{module.name}")
+import kenspec.server.engine
+for module in pkgutil.iter_modules(kenspec.server.engine.__path__):
+    importlib.import_module(f"kenspec.server.engine.{module.name}")
 loaded = set(sys.modules)
-service = sorted(name for name in loaded if name.startswith("server.") and
-                 not name.startswith("server.engine"))
-heavy = sorted({"grpc", "google.protobuf", "kenspec_api.generator_pb2"} & loaded)
+service = sorted(name for name in loaded if name.startswith("kenspec.server.") and
+                 not name.startswith("kenspec.server.engine"))
+heavy = sorted({"grpc", "google.protobuf", "kenspec.api.generator_pb2"} & loaded)
 assert not service and not heavy, (service, heavy)
 """
 

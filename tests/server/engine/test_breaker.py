@@ -12,20 +12,24 @@ from functools import partial
 
 import pytest
 
-from kenspec_api.outputs import BreakerState, Mode
-from server.engine import calibration, costs
-from server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker, implied_window_acceptance
-from server.engine.calibration import calibrate
-from server.engine.costs import (
+from kenspec.api.outputs import BreakerState, Mode
+from kenspec.server.engine import calibration, costs
+from kenspec.server.engine.breaker import (
+    AcceptanceBreaker,
+    DraftFaultBreaker,
+    implied_window_acceptance,
+)
+from kenspec.server.engine.calibration import calibrate
+from kenspec.server.engine.costs import (
     break_even_acceptance,
     expected_tokens_per_round,
     implied_acceptance,
 )
-from server.engine.draft import Candidates, Chain, DraftSession
-from server.engine.draft_tree import Source
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
-from server.engine.speculator import Speculator
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.speculative_engine import BreakerSettings, SpeculativeEngine
+from kenspec.server.engine.speculator import Speculator
 from tests.server.engine.drafts import (
     Collector,
     FixedDraft,
@@ -503,7 +507,7 @@ def test_hanging_draft_is_abandoned_and_counted_as_a_fault(clock) -> None:
 
 
 def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() -> None:
-    from server.engine.speculator import PRIOR_TRIES, AcceptanceStats
+    from kenspec.server.engine.speculator import PRIOR_TRIES, AcceptanceStats
 
     shared = AcceptanceStats()
     draft = FixedDraft([1] * 8, source="long-match")
@@ -538,7 +542,7 @@ def test_acceptance_estimate_is_per_source_and_starts_from_the_shared_prior() ->
 
 
 def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
-    from server.engine.speculator import PROBE_AFTER
+    from kenspec.server.engine.speculator import PROBE_AFTER
 
     speculator = Speculator(
         FixedDraft([1] * 8), SpeculationParams(num_draft_tokens=6, adaptive=False)

@@ -3,10 +3,10 @@ seed gives."""
 
 from __future__ import annotations
 
-from server.engine.intake import BatchSettings
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
-from server.engine.target import TargetModel
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.speculative_engine import ContextSettings, SpeculativeEngine
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import Collector, generate
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from server.engine.context_draft import ContextDraft, ContextIndex
-from server.engine.draft_tree import Source
+from kenspec.server.engine.context_draft import ContextDraft, ContextIndex
+from kenspec.server.engine.draft_tree import Source
 from tests.server.engine.drafts import FixedDraft
 
 
@@ -84,7 +84,7 @@ def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
 
 
 def test_kenlm_continues_where_the_context_runs_out(tmp_path) -> None:
-    from server.engine.kenlm_draft import KenLMDraft
+    from kenspec.server.engine.kenlm_draft import KenLMDraft
     from tests import tiny
 
     # A bigram where 9 is always followed by 4, then 4 by 4 ...
@@ -103,7 +103,7 @@ def test_for_trees_kenlm_offers_its_next_best_tokens_and_labels_tokens_by_decile
     """With branches (token trees), KenLM's chain is gated at the tree's floor, not at its
     min_draft_prob, its tokens are labelled by probability decile, and its next best tokens at
     the root ride along as one-token chains."""
-    from server.engine.kenlm_draft import KenLMDraft
+    from kenspec.server.engine.kenlm_draft import KenLMDraft
     from tests import tiny
 
     path = tiny.unigram_arpa(tmp_path / "u.arpa", {3: 0.3, 4: 0.25, 5: 0.2}, range(12))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from kenspec.server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
 def deltas(tokenizer, token_ids: list[int]) -> list[str]:

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.batch import Batch
-from server.engine.context_draft import ContextDraft
-from server.engine.forward.plan import ExecutionOptions, HeadKind
-from server.engine.intake import BatchSettings
-from server.engine.params import SamplingParams
-from server.engine.pass_logits import computed_logits
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.params import SamplingParams
+from kenspec.server.engine.pass_logits import computed_logits
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import (
     Branching,

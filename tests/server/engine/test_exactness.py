@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kenspec_api.outputs import FinishReason, Mode
-from server.engine.context_draft import ContextDraft
-from server.engine.costs import PassCosts
-from server.engine.forward.plan import ExecutionOptions, HeadKind
-from server.engine.linear_kernels import SkinnyLinear, decoder_linears
-from server.engine.target import TargetModel
+from kenspec.api.outputs import FinishReason, Mode
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.costs import PassCosts
+from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind
+from kenspec.server.engine.linear_kernels import SkinnyLinear, decoder_linears
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import OracleDraft, generate, reference_greedy
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from server.engine import gguf_model
-from server.engine.target import TargetLoadError, TargetModel
-from server.settings import Settings
+from kenspec.server.engine import gguf_model
+from kenspec.server.engine.target import TargetLoadError, TargetModel
+from kenspec.server.settings import Settings
 from tests import tiny
 from tests.gguf_files import gguf_loaded_tied_llama, write_header_only_gguf, write_llama_gguf
 from tests.server.engine.drafts import generate

@@ -12,13 +12,19 @@ import llguidance.hf
 import pytest
 import torch
 
-from kenspec_api.outputs import FinishReason
-from server.engine.draft import Candidates, Chain, DraftSession
-from server.engine.draft_tree import DraftTree, Source
-from server.engine.grammar import GRAMMAR, JSON_OPTIONS, GrammarCompiler, GrammarSpec, unpack_bits
-from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams
-from server.engine.speculator import Speculator
-from server.engine.target import TargetModel
+from kenspec.api.outputs import FinishReason
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession
+from kenspec.server.engine.draft_tree import DraftTree, Source
+from kenspec.server.engine.grammar import (
+    GRAMMAR,
+    JSON_OPTIONS,
+    GrammarCompiler,
+    GrammarSpec,
+    unpack_bits,
+)
+from kenspec.server.engine.params import InvalidParameter, SamplingParams, SpeculationParams
+from kenspec.server.engine.speculator import Speculator
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import FixedDraft, OracleDraft, generate
 

@@ -12,20 +12,20 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from server.engine import attention
-from server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
-from server.engine.attention_choice import choose_grouped, measure_grouped
-from server.engine.batch import Batch
-from server.engine.forward.cpu_kernels import cpu_flags
-from server.engine.forward.plan import ExecutionOptions, HeadKind
-from server.engine.intake import BatchSettings
-from server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
-from server.engine.packed_pass import pack
-from server.engine.packing import tree_key_order
-from server.engine.params import AttentionMode
-from server.engine.pass_logits import Logits
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine import attention
+from kenspec.server.engine.attention import grouped_attention, invariant_attention, sdpa_attention
+from kenspec.server.engine.attention_choice import choose_grouped, measure_grouped
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.forward.cpu_kernels import cpu_flags
+from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.kernels import BatchInvariance, Kernels, Padding, ScratchBuffers
+from kenspec.server.engine.packed_pass import pack
+from kenspec.server.engine.packing import tree_key_order
+from kenspec.server.engine.params import AttentionMode
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import Branching, Collector, generate, reference_greedy, start
 
@@ -249,7 +249,7 @@ def test_a_rows_logits_are_the_same_bits_beside_other_rows(tiny_model_dir, dtype
     float32 linear layers take another MKL kernel under 4 rows)."""
     if not _blas_gives_row_and_length_invariance():
         pytest.skip("this BLAS's float32 products depend on the number of rows or keys")
-    from server.engine.target import TargetModel
+    from kenspec.server.engine.target import TargetModel
 
     execution = ExecutionOptions(head=HeadKind.MODEL)
     target = TargetModel.load(tiny_model_dir, device="cpu", dtype=dtype, execution=execution)

@@ -12,12 +12,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.forward import choose
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.lean import LeanWeights
-from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
-from server.engine.forward.products import Product
-from server.engine.quantize import (
+from kenspec.server.engine.forward import choose
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.lean import LeanWeights
+from kenspec.server.engine.forward.plan import (
+    ExecutionOptions,
+    ForwardKind,
+    Kernel,
+    LeanMode,
+    RowPlan,
+)
+from kenspec.server.engine.forward.products import Product
+from kenspec.server.engine.quantize import (
     INT4_GROUP,
     INT4_JOINED_ROWS,
     Int4Linear,
@@ -26,7 +32,7 @@ from server.engine.quantize import (
     quantize_int4,
     quantize_model,
 )
-from server.engine.target import TargetLoadError, TargetModel
+from kenspec.server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
 from tests.server.engine.quantized_models import (
     biased_qwen2,
@@ -227,7 +233,7 @@ def test_int4_is_refused_in_float16(llama_dir: Path) -> None:
 def test_runtime_serves_int4_through_the_lean_forward(base_settings) -> None:
     """--weights int4 is served through the lean forward, its decoder in torch's int4 kernel at
     every row count (the invariant one) and its output layer int8, and reported."""
-    from server.runtime import load_runtime
+    from kenspec.server.runtime import load_runtime
 
     runtime = load_runtime(base_settings.replace(weights="int4"))
     plan = runtime.engine.target.plan

@@ -14,13 +14,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.forward import choose
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.lean import LeanWeights
-from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
-from server.engine.forward.products import Product, candidates
-from server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
-from server.engine.target import TargetLoadError, TargetModel
+from kenspec.server.engine.forward import choose
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.lean import LeanWeights
+from kenspec.server.engine.forward.plan import (
+    ExecutionOptions,
+    ForwardKind,
+    Kernel,
+    LeanMode,
+    RowPlan,
+)
+from kenspec.server.engine.forward.products import Product, candidates
+from kenspec.server.engine.quantize import Int8Linear, int8_linear, quantize, quantize_model
+from kenspec.server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
 from tests.server.engine.quantized_models import (
     biased_qwen2,
@@ -117,7 +123,7 @@ def test_avx512_kernel_row_bits_do_not_depend_on_the_row_count(
 
 def test_without_avx512_only_torchs_kernel_is_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     """An AVX2-only CPU (the CI's) builds no int8 kernel; int8 products plan torch's only."""
-    from server.engine.forward import cpu_kernels
+    from kenspec.server.engine.forward import cpu_kernels
 
     load_kernels.cache_clear()
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
@@ -240,7 +246,7 @@ def test_int8_is_refused_at_load_where_the_lean_forward_cannot_serve_it(
 
 def test_int8_is_refused_off_a_cpu(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On any other device (here meta, standing in for CUDA) the load says it needs a CPU."""
-    from server.engine import target as target_module
+    from kenspec.server.engine import target as target_module
 
     monkeypatch.setattr(target_module, "resolve_device", lambda device: torch.device("meta"))
     monkeypatch.setattr(target_module, "check_packed_passes", lambda *args: {})
@@ -255,7 +261,7 @@ def test_runtime_serves_int8_through_the_lean_forward(
     """--weights int8 is served through the lean forward, in float32 too, its plan measured at
     start-up among the kernels this CPU has (an AVX2-only CPU: torch's only), calibrated and
     warmed up with the draft, and reported."""
-    from server.runtime import load_runtime
+    from kenspec.server.runtime import load_runtime
 
     if not avx512:
         monkeypatch.setattr(choose, "load_kernels", lambda: None)

@@ -10,9 +10,9 @@ from pathlib import Path
 import kenlm
 import pytest
 
-from server.engine.arpa import SENTENCE_END, SENTENCE_START, DraftFormatError, read_arpa
-from server.engine.kenlm_draft import KenLMDraft
-from server.engine.successors import SuccessorIndex
+from kenspec.server.engine.arpa import SENTENCE_END, SENTENCE_START, DraftFormatError, read_arpa
+from kenspec.server.engine.kenlm_draft import KenLMDraft
+from kenspec.server.engine.successors import SuccessorIndex
 from tests import tiny
 
 VOCAB = 60

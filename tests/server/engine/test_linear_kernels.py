@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine.linear_kernels import (
+from kenspec.server.engine.linear_kernels import (
     SkinnyLinear,
     decoder_linears,
     measure_skinny_rows,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import live_costs
-from server.engine.calibration import Calibration
-from server.engine.costs import lowest_break_even
-from server.engine.draft import Chain
-from server.engine.generation import Generation
-from server.engine.live_costs import LiveCosts
-from server.engine.target import TargetModel
+from kenspec.server.engine import live_costs
+from kenspec.server.engine.calibration import Calibration
+from kenspec.server.engine.costs import lowest_break_even
+from kenspec.server.engine.draft import Chain
+from kenspec.server.engine.generation import Generation
+from kenspec.server.engine.live_costs import LiveCosts
+from kenspec.server.engine.target import TargetModel
 from tests.server.engine.drafts import OracleDraft, Solo, StaticDouble, reference_greedy, start
 
 # One row's passes of 1..7 tokens and of 12 and 17; two rows' of 2..14.
@@ -235,7 +235,7 @@ def test_start_up_costs_are_ratios_within_a_round_not_medians_across_rounds() ->
     step: 2.2 again); the ratios within rounds hold."""
     import statistics
 
-    from server.engine.calibration import robust_seconds
+    from kenspec.server.engine.calibration import robust_seconds
 
     mixed = {1: [10.0, 20.0, 10.0, 20.0, 10.0], 7: [11.0, 22.0, 22.0, 22.0, 11.0]}
     assert statistics.median(mixed[7]) / statistics.median(mixed[1]) == pytest.approx(2.2)

@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kenspec_api.outputs import TokenLogprob
-from server.engine.context_draft import ContextDraft
-from server.engine.params import ProcessorParams, SamplingParams, SpeculationParams, StoppingParams
-from server.engine.sampling import warp_logits
-from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
-from server.engine.target import TargetModel
+from kenspec.api.outputs import TokenLogprob
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.params import (
+    ProcessorParams,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
+from kenspec.server.engine.sampling import warp_logits
+from kenspec.server.engine.speculative_engine import ContextSettings, SpeculativeEngine
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import Branching, Collector, OracleDraft, generate
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.forward.plan import Kernel, RowPlan
-from server.engine.forward.products import rows_at_one_rows_cost
-from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
+from kenspec.server.engine.forward.plan import Kernel, RowPlan
+from kenspec.server.engine.forward.products import rows_at_one_rows_cost
+from kenspec.server.engine.pass_logits import Logits, OutputLayer, lazy_logits
 
 GEMV, PACKED = Kernel.GEMV, Kernel.PACKED
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.batch import Batch
-from server.engine.intake import BatchSettings
-from server.engine.prefix_cache import PrefixCache, _shared_length
-from server.engine.target import TargetModel
+from kenspec.server.engine.batch import Batch
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.prefix_cache import PrefixCache, _shared_length
+from kenspec.server.engine.target import TargetModel
 from tests.server.engine.drafts import Collector, reference_greedy, start
 
 SYSTEM = "You are a helpful assistant. Answer briefly. "

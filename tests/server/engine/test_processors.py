@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.context_draft import ContextDraft
-from server.engine.params import InvalidParameter, ProcessorParams, SamplingParams
-from server.engine.processors import PresenceFrequencyPenalty, penalties, processed
-from server.engine.sampling import warp_logits
-from server.engine.target import TargetModel
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.params import InvalidParameter, ProcessorParams, SamplingParams
+from kenspec.server.engine.processors import PresenceFrequencyPenalty, penalties, processed
+from kenspec.server.engine.sampling import warp_logits
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import Branching, OracleDraft, generate, reference_greedy
 from tests.server.engine.test_sampling import (

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kenspec_api.outputs import BreakerState
-from server.engine.context_draft import ContextDraft
-from server.engine.draft_tree import Source
-from server.engine.pass_logits import Logits, OutputLayer, lazy_logits
-from server.engine.recycled import RecycledPredictions, _stacked
-from server.engine.speculative_engine import BreakerSettings
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.pass_logits import Logits, OutputLayer, lazy_logits
+from kenspec.server.engine.recycled import RecycledPredictions, _stacked
+from kenspec.server.engine.speculative_engine import BreakerSettings
 from tests.server.engine.drafts import generate
 
 

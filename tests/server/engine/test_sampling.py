@@ -8,14 +8,19 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from server.engine import round as round_module
-from server.engine.draft import Candidates, Chain, DraftSession
-from server.engine.draft_tree import Source
-from server.engine.params import InvalidParameter, SamplingParams, SpeculationParams, StoppingParams
-from server.engine.pass_logits import Logits
-from server.engine.sampling import accept_greedy, accept_sampled, warp_logits
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine import round as round_module
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.params import (
+    InvalidParameter,
+    SamplingParams,
+    SpeculationParams,
+    StoppingParams,
+)
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.sampling import accept_greedy, accept_sampled, warp_logits
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests.server.engine.drafts import FixedDraft, generate
 
 
@@ -258,7 +263,7 @@ def test_same_seed_same_output_whatever_runs_in_between(tiny_target) -> None:
 def test_context_draft_sampling_follows_target_distribution(word_target) -> None:
     """The same check with the context draft: 'the' was followed by 'cat' earlier in the
     prompt, so the context proposes 'cat', and the n-gram stand-in continues."""
-    from server.engine.context_draft import ContextDraft
+    from kenspec.server.engine.context_draft import ContextDraft
 
     params = SamplingParams(temperature=1.0)
     prompt_ids = word_target.encode_prompt("the cat runs and the")
@@ -272,8 +277,8 @@ def test_context_draft_sampling_follows_target_distribution(word_target) -> None
 def test_suffix_index_sampling_follows_target_distribution(word_target) -> None:
     """The same check with drafts from the global suffix index: an earlier answer held
     'and the dog sleeps', a 2-token match where the prompt's own context has 1."""
-    from server.engine.context_draft import ContextDraft
-    from server.engine.suffix_index import SuffixIndex
+    from kenspec.server.engine.context_draft import ContextDraft
+    from kenspec.server.engine.suffix_index import SuffixIndex
 
     params = SamplingParams(temperature=1.0)
     prompt_ids = word_target.encode_prompt("the cat runs and the")

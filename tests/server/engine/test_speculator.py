@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from server.engine.draft import Candidates, Chain, DraftSession
-from server.engine.draft_tree import DraftTree, Source
-from server.engine.params import SpeculationParams
-from server.engine.speculator import (
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession
+from kenspec.server.engine.draft_tree import DraftTree, Source
+from kenspec.server.engine.params import SpeculationParams
+from kenspec.server.engine.speculator import (
     BUSHY_TREE_NODES,
     FORCED,
     PROBE_AFTER,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kenspec_api.outputs import FinishReason
+from kenspec.api.outputs import FinishReason
 from tests.server.engine.drafts import OracleDraft, generate, reference_greedy
 
 PROMPT = "The quick brown fox"

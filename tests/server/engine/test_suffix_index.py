@@ -7,21 +7,25 @@ import gzip
 
 import pytest
 
-from kenspec_api.outputs import BreakerState
-from server import runtime
-from server.engine.context_draft import ContextDraft
-from server.engine.draft_tree import Source
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.speculative_engine import BreakerSettings, ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import (
+from kenspec.api.outputs import BreakerState
+from kenspec.server import runtime
+from kenspec.server.engine.context_draft import ContextDraft
+from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.speculative_engine import (
+    BreakerSettings,
+    ContextSettings,
+    SpeculativeEngine,
+)
+from kenspec.server.engine.suffix_index import (
     LEAD_TOKENS,
     TEXT_PIECE_TOKENS,
     CorpusError,
     SuffixIndex,
     add_text_corpus,
 )
-from server.engine.tenant_index import TenantSuffixIndex
-from server.settings import Settings
+from kenspec.server.engine.tenant_index import TenantSuffixIndex
+from kenspec.server.settings import Settings
 from tests.server.engine.drafts import generate
 
 
@@ -199,7 +203,7 @@ def test_an_unusable_corpus_is_refused_naming_the_file(
     with pytest.raises(CorpusError) as error:
         SuffixIndex.from_corpus(corpus, vocab_size=1000)
     assert str(corpus) in str(error.value) and names in str(error.value)
-    # The server refuses to start with it, with the same message (python -m server exits 1).
+    # The server refuses to start with it, with the same message (kenspec serve exits 1).
     settings = Settings.of(draft=str(tmp_path), draft_context=True, suffix_index=True)
     with pytest.raises(CorpusError, match=r"corpus\.ids\.gz"):
         runtime._load_suffix_index(settings, tiny_target)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine import target as target_module
-from server.engine.forward.plan import HeadKind
-from server.engine.packed_pass import pack
-from server.engine.target import TargetLoadError, TargetModel, resolve_dtype
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine import target as target_module
+from kenspec.server.engine.forward.plan import HeadKind
+from kenspec.server.engine.packed_pass import pack
+from kenspec.server.engine.target import TargetLoadError, TargetModel, resolve_dtype
+from kenspec.server.engine.verify_pass import VerifyPass
 
 
 def test_missing_directory(tmp_path: Path) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.intake import BatchSettings
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
-from server.engine.suffix_index import SuffixIndex, propose_across
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex, _segment_tokens
+from kenspec.server.engine.intake import BatchSettings
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.speculative_engine import ContextSettings, SpeculativeEngine
+from kenspec.server.engine.suffix_index import SuffixIndex, propose_across
+from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex, _segment_tokens
 
 SEEDED = [10, 11, 12, 13, 14, 15]  # the corpus: [10, 11] -> 12 13 14 15
 A_ANSWER = [40, 41, 42, 43, 44]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.params import SamplingParams, SpeculationParams, StoppingParams
-from server.engine.recycled import RecycledPredictions
-from server.engine.speculative_engine import ContextSettings, SpeculativeEngine
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.engine.tenant_state import TenantStates
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.speculative_engine import ContextSettings, SpeculativeEngine
+from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from kenspec.server.engine.tenant_state import TenantStates
 
 NEW_TOKENS = 24
 

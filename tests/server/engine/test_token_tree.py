@@ -8,15 +8,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kenspec_api.outputs import BreakerState
-from server.engine.draft import Chain
-from server.engine.draft_tree import Source, chain_parents
-from server.engine.params import SamplingParams
-from server.engine.pass_logits import Logits
-from server.engine.sampling import greedy_choice, walk
-from server.engine.speculative_engine import BreakerSettings
-from server.engine.token_tree import build_tree
-from server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.api.outputs import BreakerState
+from kenspec.server.engine.draft import Chain
+from kenspec.server.engine.draft_tree import Source, chain_parents
+from kenspec.server.engine.params import SamplingParams
+from kenspec.server.engine.pass_logits import Logits
+from kenspec.server.engine.sampling import greedy_choice, walk
+from kenspec.server.engine.speculative_engine import BreakerSettings
+from kenspec.server.engine.token_tree import build_tree
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
 from tests.server.engine.drafts import Branching, generate
 
 # -- construction ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
 
 
 def test_a_row_feeds_its_prompt_tail_then_the_pending_token_and_its_drafts() -> None:

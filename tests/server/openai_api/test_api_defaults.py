@@ -15,14 +15,14 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine.params import InvalidParameter
-from server.generate_params import Defaults, Limits
-from server.openai_api.ignored import IGNORED_HEADER, MAX_LISTED
-from server.openai_api.openai_request import parse_request
-from server.runtime import new_token_limits
-from server.settings import LimitSettings, Settings, parse_settings
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.generate_params import Defaults, Limits
+from kenspec.server.openai_api.ignored import IGNORED_HEADER, MAX_LISTED
+from kenspec.server.openai_api.openai_request import parse_request
+from kenspec.server.runtime import new_token_limits
+from kenspec.server.settings import LimitSettings, Settings, parse_settings
 from tests.server.openai_api.test_openai_api import MESSAGES, TIMEOUT, grpc_chat, model_id
 
 CONTEXT = 512  # the tiny model's
@@ -48,7 +48,7 @@ async def context_server(servers, base_settings, runtime, serve_loaded):
             runtime.limits, default_max_new_tokens=CONTEXT, max_new_tokens=CONTEXT
         )
         loaded = dataclasses.replace(runtime, limits=limits)
-        settings = base_settings.replace(http_port=0, **overrides)
+        settings = base_settings.replace(port=0, **overrides)
         server = await servers.start(settings, serve_loaded(loaded))
         return server, f"http://localhost:{server.http_port}"
 

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from server.runtime import load_runtime
+from kenspec.server.runtime import load_runtime
 from tests.server.openai_api.test_openai_api import TIMEOUT, model_id
 
 PAYLOADS = Path(__file__).parent / "client_payloads"
@@ -88,7 +88,7 @@ def long_runtime(long_settings):
 @pytest.fixture
 async def client_server(servers, long_settings, long_runtime, serve_loaded):
     """(server, base_url): the HTTP API over the long-context tiny model."""
-    server = await servers.start(long_settings.replace(http_port=0), serve_loaded(long_runtime))
+    server = await servers.start(long_settings.replace(port=0), serve_loaded(long_runtime))
     return server, f"http://localhost:{server.http_port}"
 
 

@@ -25,12 +25,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.engine import grammar
-from server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState
-from server.engine.params import InvalidParameter
-from server.engine.target import TargetModel
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine import grammar
+from kenspec.server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.engine.target import TargetModel
 from tests.server.openai_api.test_openai_api import model_id
 from tests.server.test_robustness import ServerThread
 
@@ -173,9 +173,7 @@ def grpc_format(kind: str, source: object) -> pb.ResponseFormat:
 @pytest.fixture(scope="module")
 def served(base_settings, runtime, serve_loaded) -> Iterator[tuple[httpx.Client, object, str]]:
     """The server in a thread of its own; an HTTP client, a gRPC stub and the model's id."""
-    settings_ = base_settings.replace(
-        http_port=0, max_new_tokens_limit=16, default_max_new_tokens=8
-    )
+    settings_ = base_settings.replace(port=0, max_new_tokens_limit=16, default_max_new_tokens=8)
     server = ServerThread(settings_, serve_loaded(runtime))
     client = httpx.Client(
         base_url=f"http://127.0.0.1:{server.server.http_port}",

@@ -69,7 +69,7 @@ async def http(start_server):
     """start(**overrides) -> (server, base_url) with the HTTP API on a free port."""
 
     async def start(**overrides):
-        server, _ = await start_server(http_port=0, **overrides)
+        server, _ = await start_server(port=0, **overrides)
         return server, f"http://{HOST}:{server.http_port}"
 
     return start

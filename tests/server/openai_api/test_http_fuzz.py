@@ -20,11 +20,11 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.engine.params import InvalidParameter
-from server.generate_params import Defaults, Limits
-from server.openai_api.body import InvalidBody
-from server.openai_api.ignored import IGNORED_FIELDS
-from server.openai_api.openai_request import (
+from kenspec.server.engine.params import InvalidParameter
+from kenspec.server.generate_params import Defaults, Limits
+from kenspec.server.openai_api.body import InvalidBody
+from kenspec.server.openai_api.ignored import IGNORED_FIELDS
+from kenspec.server.openai_api.openai_request import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     OpenAIRequest,
@@ -236,9 +236,7 @@ class _Errors(logging.Handler):
 def served(base_settings, runtime, serve_loaded):
     """A real uvicorn over the tiny model in a thread of its own; every error-level line
     logged while the module runs, structlog's and the standard library's."""
-    settings_ = base_settings.replace(
-        http_port=0, max_new_tokens_limit=16, default_max_new_tokens=4
-    )
+    settings_ = base_settings.replace(port=0, max_new_tokens_limit=16, default_max_new_tokens=4)
     errors = _Errors()
     logging.getLogger().addHandler(errors)
     with structlog.testing.capture_logs() as events:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import structlog
 
-from server.openai_api.guards import HostPolicy
-from server.settings import parse_settings
+from kenspec.server.openai_api.guards import HostPolicy
+from kenspec.server.settings import parse_settings
 
 TIMEOUT = 30.0  # seconds; bounds waits that a passing run never reaches
 JSON = {"content-type": "application/json"}
@@ -31,7 +31,7 @@ async def http_server(start_server):
     """start(**overrides) -> (server, base_url) with the HTTP API on a free port."""
 
     async def start(**overrides):
-        server, _ = await start_server(http_port=0, **overrides)
+        server, _ = await start_server(port=0, **overrides)
         return server, f"http://127.0.0.1:{server.http_port}"
 
     return start
@@ -531,7 +531,7 @@ def _keep_sending(port: int, bound_s: float) -> tuple[bytes, float | None]:
 async def test_a_lingering_close_is_bounded(http_server, monkeypatch, bound) -> None:
     """A client that goes on sending after its 413 cannot hold the connection: it is closed
     after LINGER_S, or LINGER_BYTES thrown away, whichever comes first."""
-    from server.openai_api import connections
+    from kenspec.server.openai_api import connections
 
     if bound == "time":  # (and no byte bound)
         monkeypatch.setattr(connections, "LINGER_S", 0.5)

@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 MESSAGES = [
@@ -367,9 +367,9 @@ async def test_speculation_knobs_reach_the_engine(http_server) -> None:
 
 
 def test_official_client_streams_from_a_server_process(tiny_server) -> None:
-    """As the README shows it: `python -m server` with its HTTP API on, the official client's
+    """As the README shows it: `kenspec serve` with its HTTP API on, the official client's
     streaming chat, then SIGTERM drains both APIs and the process exits 0."""
-    process = tiny_server("--http-port", "0")
+    process = tiny_server("--port", "0")
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{process.http_port}/v1",
         api_key="unused",

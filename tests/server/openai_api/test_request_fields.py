@@ -9,7 +9,7 @@ import grpc
 import openai
 import pytest
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 from tests.server.openai_api.test_openai_api import (
     MESSAGES,
     TIMEOUT,
@@ -231,7 +231,7 @@ async def test_min_p_is_served(http_server) -> None:
 
 
 async def test_the_bundled_client_joins_choices_and_logprobs(http_server) -> None:
-    from client import AsyncClient
+    from kenspec.client import AsyncClient
 
     server, _, _ = await http_server()
     async with AsyncClient(f"127.0.0.1:{server.port}", timeout=TIMEOUT) as client:

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
 from tests.server.engine.test_grammar import SCHEMA
 from tests.server.openai_api.test_openai_api import MESSAGES, TIMEOUT, grpc_chat, model_id, sdk
 
@@ -20,7 +20,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCH
 
 @pytest.fixture
 async def http_server(start_server):
-    server, stub = await start_server(http_port=0)
+    server, stub = await start_server(port=0)
     return server, stub, f"http://localhost:{server.http_port}"
 
 

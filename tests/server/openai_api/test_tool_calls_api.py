@@ -12,10 +12,10 @@ import httpx
 import jsonschema
 import pytest
 
-from client import AsyncClient
-from kenspec_api import generator_pb2 as pb
-from kenspec_api import generator_pb2_grpc as pb_grpc
-from server.runtime import load_runtime
+from kenspec.api import generator_pb2 as pb
+from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.client import AsyncClient
+from kenspec.server.runtime import load_runtime
 from tests import tiny
 from tests.server.openai_api.test_openai_api import TIMEOUT, model_id, sdk
 
@@ -50,7 +50,7 @@ def tool_settings(base_settings, tmp_path_factory):
     spends ~0.85 tokens a character), served with the tiny draft."""
     directory = tmp_path_factory.mktemp("tiny-tools-model")
     tiny.save_tiny_model(directory, tiny.build_byte_tokenizer(), context=2048)
-    return base_settings.replace(model=str(directory), http_port=0)
+    return base_settings.replace(model=str(directory), port=0)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,12 @@ async def test_the_tool_loop_runs_with_the_official_client(http_server) -> None:
     model = model_id(server)
     async with sdk(url) as client:
         first = await client.chat.completions.create(
-            model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=120,
+            temperature=0,
         )
         message = first.choices[0].message
         assert message.tool_calls

@@ -12,13 +12,19 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.passes import LeanForward
-from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
-from server.engine.packing import attention_mask
-from server.engine.recycled import RecycledPredictions
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.passes import LeanForward
+from kenspec.server.engine.forward.plan import (
+    ExecutionOptions,
+    ForwardKind,
+    Kernel,
+    LeanMode,
+    RowPlan,
+)
+from kenspec.server.engine.packing import attention_mask
+from kenspec.server.engine.recycled import RecycledPredictions
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import (
     Branching,
@@ -289,7 +295,7 @@ def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
 def test_runtime_serves_bf16_through_the_fused_layer(
     base_settings, tokenizer, tmp_path: Path
 ) -> None:
-    from server.runtime import load_runtime
+    from kenspec.server.runtime import load_runtime
 
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
     settings = base_settings.replace(

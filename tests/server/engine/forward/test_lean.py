@@ -10,13 +10,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.forward import cpu_kernels, products
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.lean import LeanWeights, Unsupported
-from server.engine.forward.plan import ExecutionOptions, ForwardKind, Kernel, LeanMode, RowPlan
-from server.engine.forward.products import Product, candidates, fastest_plan, onednn_packs
-from server.engine.kenlm_draft import KenLMDraft
-from server.engine.target import TargetModel
+from kenspec.server.engine.forward import cpu_kernels, products
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.lean import LeanWeights, Unsupported
+from kenspec.server.engine.forward.plan import (
+    ExecutionOptions,
+    ForwardKind,
+    Kernel,
+    LeanMode,
+    RowPlan,
+)
+from kenspec.server.engine.forward.products import Product, candidates, fastest_plan, onednn_packs
+from kenspec.server.engine.kenlm_draft import KenLMDraft
+from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import generate, last_rows
 from tests.tiny_architectures import save_architecture
@@ -258,7 +264,7 @@ def test_models_it_does_not_reproduce_are_refused(
 def test_runtime_serves_bf16_llama_through_it_and_not_float32(base_settings) -> None:
     """The served bf16 target runs the lean loop (a plan measured at start-up, whatever it
     chose); float32 and --no-fast-step keep transformers' forward."""
-    from server.runtime import load_runtime
+    from kenspec.server.runtime import load_runtime
 
     settings = base_settings.replace(draft="none", draft_context=False)
     bf16 = load_runtime(settings.replace(dtype="bfloat16")).engine.target

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.passes import EagerForward, LeanForward
-from server.engine.forward.plan import (
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.passes import EagerForward, LeanForward
+from kenspec.server.engine.forward.plan import (
     ExecutionOptions,
     ExecutionPlan,
     ForwardKind,
@@ -20,9 +20,9 @@ from server.engine.forward.plan import (
     LeanMode,
     RowPlan,
 )
-from server.engine.params import AttentionMode, Weights
-from server.engine.target import TargetModel
-from server.engine.verify_pass import VerifyPass
+from kenspec.server.engine.params import AttentionMode, Weights
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.tiny_architectures import save_architecture
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.forward.cpu_kernels import load_kernels
-from server.engine.forward.plan import ExecutionOptions, Kernel, LeanMode, RowPlan
-from server.engine.forward.screened_head import (
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.plan import ExecutionOptions, Kernel, LeanMode, RowPlan
+from kenspec.server.engine.forward.screened_head import (
     SCREEN_ROWS,
     WIDE_SCREEN_ROWS,
     ScreenedHead,
     ScreenedLogits,
 )
-from server.engine.target import TargetModel
-from server.engine.verify_pass import PassRow, VerifyPass
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import PassRow, VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import Branching, OracleDraft, generate, plain_decoding
 from tests.tiny_architectures import save_architecture
@@ -177,7 +177,7 @@ def test_a_row_the_screen_cannot_narrow_is_computed_whole_and_recycled_exact(
     logits._approximate[1, winners[1]] = float("nan")
     assert logits.argmax(1) == winners[1]
     assert torch.equal(logits.computed(4)[1][1], exact[1])
-    monkeypatch.setattr("server.engine.forward.screened_head.CANDIDATES", 0)
+    monkeypatch.setattr("kenspec.server.engine.forward.screened_head.CANDIDATES", 0)
     (logits,) = head.logits(hidden, [(0, 4)])
     assert [logits.argmax(i) for i in range(4)] == winners
     assert torch.equal(torch.stack([row for _, row in logits.computed(4)]), exact)
