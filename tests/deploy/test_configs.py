@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from server.settings import FIELD_GROUPS, Settings, env_name
+from kenspec.server.settings import FIELD_GROUPS, Settings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_replicas_share_answers_through_an_unpublished_redis() -> None:
 def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
     text = nginx_conf()
     kenspec = compose()["services"]["kenspec"]
-    grpc_port = kenspec["environment"]["KENSPEC_PORT"]
+    grpc_port = kenspec["environment"]["KENSPEC_GRPC_PORT"]
     for upstream in ("kenspec_grpc", "kenspec_grpc_session"):
         assert re.search(rf"server\s+kenspec:{grpc_port};", upstream_block(text, upstream))
     assert re.search(r"grpc_pass\s+grpc://\$kenspec_grpc_pool;", text)
@@ -84,7 +84,7 @@ def test_nginx_proxies_grpc_to_the_kenspec_port() -> None:
 def test_nginx_proxies_the_http_api_unbuffered_to_the_kenspec_http_port() -> None:
     text = nginx_conf()
     kenspec = compose()["services"]["kenspec"]
-    http_port = kenspec["environment"]["KENSPEC_HTTP_PORT"]
+    http_port = kenspec["environment"]["KENSPEC_PORT"]
     for upstream in ("kenspec_http", "kenspec_http_session"):
         assert re.search(rf"server\s+kenspec:{http_port};", upstream_block(text, upstream))
     assert re.search(r"proxy_pass\s+http://\$kenspec_http_pool;", text)
@@ -142,13 +142,39 @@ def test_dockerfile_runs_as_non_root_with_a_grpc_health_check() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert text.count("FROM ") >= 2  # multi-stage
     assert re.search(r"^USER kenspec$", text, re.MULTILINE)
-    assert "HEALTHCHECK" in text and "server.healthcheck" in text
+    assert "HEALTHCHECK" in text and "kenspec.server.healthcheck" in text
     # No address of its own: it finds the port and the TLS files in the server's KENSPEC_*.
     (command,) = re.findall(r"^\s+CMD \[(.*)\]$", text, re.MULTILINE)
-    assert command == '"python", "-m", "server.healthcheck"'
+    assert command == '"python", "-m", "kenspec.server.healthcheck"'
     assert "scripts/build_kenlm_tools.sh" in text and "scripts/fetch_default_model.py" in text
-    for path in re.findall(r"^COPY (?!--from)(\S+) ", text, re.MULTILINE):
-        assert (REPO / path).exists(), f"Dockerfile copies {path}, which is not in the repo"
+    for paths in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.MULTILINE):
+        for path in paths.split():
+            assert (REPO / path).exists(), f"Dockerfile copies {path}, which is not in the repo"
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each `FROM ... AS name` stage of the Dockerfile, by name: its text."""
+    text = (REPO / "Dockerfile").read_text()
+    parts = re.split(r"^FROM \S+ AS (\w+)$", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_the_kernels_are_built_in_the_build_stage_and_the_runtime_has_no_compiler() -> None:
+    """setup.py compiles the C kernels into the package when the build stage installs kenspec
+    (required there); the runtime stage gets the installed venv, OpenMP's runtime for the
+    kernels, and no compiler or C headers to build them at start-up."""
+    stages = dockerfile_stages()
+    assert list(stages) == ["build", "runtime"]
+    build, runtime = stages["build"], stages["runtime"]
+    assert re.search(r"^COPY .*\bsetup\.py\b", build, re.MULTILINE)
+    assert re.search(r'KENSPEC_PREBUILD=require /opt/venv/bin/pip install [^\n]*"\.\[', build)
+    assert re.search(r"\bbuild-essential\b", build)
+    packages = " ".join(re.findall(r"apt-get install ([^&]*)", runtime)).split()
+    assert "libgomp1" in packages
+    compilers = {"gcc", "cc", "g++", "clang", "build-essential", "libc6-dev", "cpp"}
+    assert not compilers & set(packages), compilers & set(packages)
+    assert not re.search(r"\b(gcc|clang|build-essential|libc6-dev)\b", runtime)
+    assert "COPY --from=build /opt/venv /opt/venv" in runtime
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:

@@ -3,10 +3,13 @@
 torch's bfloat16 `F.linear` reads a one-row pass's weights at a third of the memory's speed on
 the CPUs kenspec targets (docs/design.md, "The target's step"); these kernels stream them once,
 and do a layer's work between its products in a few calls (csrc/kenspec.h lists them). Each
-source is compiled once, with the instructions it needs, and linked into one library the first
-time a process asks for it; the library is kept under `~/.cache/kenspec/kernels/<hash>/` (a
-restart loads it in milliseconds). `CpuKernels.isa` says which of its sources this CPU can run;
-a method whose source it cannot run raises instead of executing an illegal instruction.
+source is compiled once, with the instructions it needs, and linked into one library
+(forward.kernel_build, the recipe). `load_kernels` takes the library the wheel ships
+(`PREBUILT`, built at install) where it was built from these sources; else it compiles one with
+the machine's compiler the first time a process asks and keeps it under
+`~/.cache/kenspec/kernels/<key>/` (a restart loads it in milliseconds). `CpuKernels.isa` says
+which of its sources this CPU can run; a method whose source it cannot run raises instead of
+executing an illegal instruction.
 
 A decoder pass's arguments cross to C as one struct (`PassArgs`, csrc/kenspec.h's
 `kenspec_pass`); at load the library reports each struct's size and member offsets and the
@@ -16,13 +19,9 @@ ctypes mirrors are checked against them, so a member added on one side only fail
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -30,42 +29,16 @@ from typing import Any
 import structlog
 import torch
 
+from kenspec.server.engine.forward import kernel_build
+from kenspec.server.engine.forward.kernel_build import CPU_FLAGS, USES, Build
+from kenspec.server.engine.forward.kernel_build import SOURCES as SOURCES
+from kenspec.server.engine.forward.kernel_build import Isa as Isa
+
 log = structlog.get_logger("kenspec.kernels")
 
-SOURCES = Path(__file__).resolve().parent.parent / "csrc"
+# The library the wheel ships (setup.py): <key>/libkenspec.so and its build.json
+PREBUILT = Path(__file__).resolve().parent / "_prebuilt"
 CACHE = Path(os.environ.get("KENSPEC_KERNEL_CACHE", "~/.cache/kenspec/kernels")).expanduser()
-
-
-class Isa(StrEnum):
-    """The instruction sets a source of the library is compiled for, each a superset of the
-    one before (its name: the /proc/cpuinfo flag it adds)."""
-
-    AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
-    BF16 = "avx512_bf16"  # bfloat16 products and the layer kernels
-    VNNI = "avx512_vnni"  # the screened output layer's int8 x int8 product
-
-
-_CPU_FLAGS = {
-    Isa.AVX512: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    Isa.BF16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
-    Isa.VNNI: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-}
-_AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-_COMPILER_FLAGS = {
-    None: ("-O3",),
-    Isa.AVX512: _AVX512,
-    Isa.BF16: (*_AVX512, "-mavx512bf16"),
-    Isa.VNNI: (*_AVX512, "-mavx512vnni"),
-}
-# Each source once, with what it needs (None: any x86-64).
-_UNITS: tuple[tuple[str, Isa | None], ...] = (
-    ("gemv_int8.c", Isa.AVX512),
-    ("gemv.c", Isa.BF16),
-    ("layer.c", Isa.BF16),
-    ("step.c", Isa.BF16),
-    ("gemv_u8s8.c", Isa.VNNI),
-    ("layout.c", None),
-)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -130,7 +103,7 @@ def cpu_flags() -> frozenset[str]:
 
 def supported_isa(flags: frozenset[str]) -> frozenset[Isa]:
     """The library's instruction sets a CPU with these flags runs."""
-    return frozenset(isa for isa, needed in _CPU_FLAGS.items() if needed <= flags)
+    return frozenset(isa for isa, needed in CPU_FLAGS.items() if needed <= flags)
 
 
 @dataclass(frozen=True)
@@ -140,7 +113,14 @@ class CpuKernels:
 
     library: ctypes.CDLL
     path: Path
-    isa: frozenset[Isa]
+    isa: frozenset[Isa]  # built into the library and run by this CPU
+    record: Build | None = None  # its build.json (None: every instruction set built)
+    source: str = "compiled"  # prebuilt (the wheel's), cache or compiled (at this start-up)
+
+    @property
+    def built(self) -> frozenset[Isa]:
+        """The instruction sets built into the library."""
+        return frozenset(Isa) if self.record is None else self.record.isa
 
     @property
     def bf16(self) -> bool:
@@ -160,7 +140,8 @@ class CpuKernels:
     def _call(self, name: str, *arguments: object) -> object:
         needed = _SIGNATURES[name][2]
         if needed is not None and needed not in self.isa:
-            raise KernelUnavailable(f"{name} needs {needed}, which this CPU lacks")
+            lacks = "this CPU lacks" if needed in self.built else "the library was built without"
+            raise KernelUnavailable(f"{name} needs {needed}, which {lacks}")
         return getattr(self.library, name)(*arguments)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -350,33 +331,100 @@ class CpuKernels:
 
 @cache
 def load_kernels() -> CpuKernels | None:
-    """The library, built once per machine and source set; None where this CPU runs none of it
-    (no AVX-512) or it cannot be built (no compiler, a failed build: the server then uses
-    torch's kernels, and says so)."""
-    isa = supported_isa(cpu_flags())
-    if not isa:
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    """The library, and a "kernels" log line saying which (module doc): the wheel's where it
+    was built from these sources, else one compiled here (cached); None where this CPU runs
+    none of it (no AVX-512) or none is shipped or can be built (no compiler, a failed build:
+    the server then uses torch's kernels)."""
+    cpu = supported_isa(cpu_flags())
+    if not cpu:
+        lacking = ", ".join(sorted(CPU_FLAGS[Isa.AVX512]))
+        return _report(None, f"CPU lacks AVX-512 ({lacking}): no kernel runs here")
+    notes: list[str] = []
+    hashed = kernel_build.source_hash(SOURCES)
+    found = _prebuilt(hashed, notes)
+    if found is not None:
+        try:
+            return _report(_open(*found, cpu, "prebuilt"), *notes)
+        except OSError as error:
+            notes.append(f"prebuilt library not loaded: {error}")
+    compiler = kernel_build.find_compiler()
     if compiler is None:
-        log.warning("kernels_unavailable", reason="no C compiler (cc or gcc)")
-        return None
+        return _report(None, *notes, "no C compiler on PATH ($CC, cc or gcc)")
     try:
-        path = _build(compiler)
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
+        directory, record, cached = kernel_build.cached_build(CACHE, compiler)
+        kernels = _open(directory, record, cpu, "cache" if cached else "compiled")
+    except (OSError, ValueError, subprocess.CalledProcessError, kernel_build.BuildError) as error:
         reason = getattr(error, "stderr", None) or str(error)
-        log.warning("kernels_unavailable", reason=str(reason)[-2000:])
+        return _report(None, *notes, f"build with {compiler} failed: {str(reason)[-2000:]}")
+    return _report(kernels, *notes)
+
+
+def _prebuilt(hashed: str, notes: list[str]) -> tuple[Path, Build] | None:
+    """The shipped library's directory and record where the record names these sources'
+    hash; else None, with why in notes."""
+    records = sorted(PREBUILT.glob(f"*/{kernel_build.RECORD}"))
+    if not records:
+        notes.append("no prebuilt library")
         return None
-    declare(library)
+    for path in records:
+        try:
+            record = kernel_build.read_record(path.parent)
+        except (OSError, ValueError) as error:
+            notes.append(f"prebuilt {path.parent.name} not used: {error}")
+            continue
+        if record.source_hash == hashed:
+            return path.parent, record
+        notes.append(
+            f"prebuilt {path.parent.name} not used: built from other sources (hash "
+            f"{record.source_hash[:16]}, these {hashed[:16]})"
+        )
+    return None
+
+
+def _open(directory: Path, record: Build, cpu: frozenset[Isa], source: str) -> CpuKernels:
+    """The library in directory, declared and its structs checked (OSError where it does not
+    load)."""
+    path = directory / kernel_build.LIBRARY
+    library = ctypes.CDLL(str(path))
+    declare(library, record.isa)
     check_layout(library)
-    return CpuKernels(library, path, isa)
+    return CpuKernels(library, path, cpu & record.isa, record, source)
 
 
-def declare(library: ctypes.CDLL) -> None:
-    """Every exported function's argument and result types (_SIGNATURES)."""
-    for name, (result, arguments, _) in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.restype, function.argtypes = result, arguments
+def _report(kernels: CpuKernels | None, *notes: str) -> CpuKernels | None:
+    """Log the one "kernels" line: which library runs, from where, what of it runs on this
+    CPU, and why (what is not used, and for what reason); kernels, or None where none of the
+    library runs here."""
+    reasons = list(notes)
+    if kernels is not None:
+        assert kernels.record is not None  # (_open gives every library its record)
+        for isa, error in sorted(kernels.record.missing().items()):
+            reasons.append(f"library built without {isa} ({error}): {USES[isa]} not used")
+        for isa in sorted(kernels.built - kernels.isa):
+            reasons.append(f"CPU lacks {isa}: {USES[isa]} not used")
+        if kernels.isa:
+            log.info(
+                "kernels",
+                source=kernels.source,
+                library=str(kernels.path),
+                build=kernels.path.parent.name,
+                compiler=kernels.record.version,
+                isa=sorted(map(str, kernels.isa)),
+                reason="; ".join(reasons) or "all of it runs here",
+            )
+            return kernels
+        reasons.append("none of the library runs on this CPU")
+    log.warning("kernels", source="none", library=None, isa=[], reason="; ".join(reasons))
+    return None
+
+
+def declare(library: ctypes.CDLL, built: frozenset[Isa] = frozenset(Isa)) -> None:
+    """The argument and result types of every exported function (_SIGNATURES) of the
+    instruction sets built into the library."""
+    for name, (result, arguments, isa) in _SIGNATURES.items():
+        if isa is None or isa in built:
+            function = getattr(library, name)
+            function.restype, function.argtypes = result, arguments
 
 
 class LayoutMismatch(RuntimeError):
@@ -397,50 +445,3 @@ def check_layout(library: ctypes.CDLL) -> None:
                 f"{mirror.__name__} ({ctypes.sizeof(mirror)} bytes, offsets {ours}) does not "
                 f"match csrc/kenspec.h ({size} bytes, offsets {theirs[:-1]})"
             )
-
-
-def _build(compiler: str) -> Path:
-    """The library for these sources and this compiler, built if not cached: each source
-    compiled once with its instruction set's flags (in parallel), then linked."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    texts = [path.read_text() for path in sorted(SOURCES.glob("*.[ch]"))]
-    flags = [" ".join(_COMPILER_FLAGS[isa]) for _, isa in _UNITS]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, *flags]).encode()).hexdigest()[:16]
-    target = CACHE / key / "libkenspec.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        objects = [Path(scratch) / f"{source}.o" for source, _ in _UNITS]
-        compiles = [
-            subprocess.Popen(
-                [
-                    compiler,
-                    *_COMPILER_FLAGS[isa],
-                    f"-I{SOURCES}",
-                    "-fPIC",
-                    "-c",
-                    str(SOURCES / source),
-                    "-o",
-                    str(obj),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for (source, isa), obj in zip(_UNITS, objects, strict=True)
-        ]
-        for process, (source, _) in zip(compiles, _UNITS, strict=True):
-            _, errors = process.communicate()
-            if process.returncode:
-                raise subprocess.CalledProcessError(process.returncode, source, stderr=errors)
-        built = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, "-shared", "-fopenmp", *map(str, objects), "-lm", "-o", str(built)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        built.replace(target)  # atomic: a concurrent start-up loads one or the other
-    log.info("kernels_built", path=str(target))
-    return target

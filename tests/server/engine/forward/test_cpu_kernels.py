@@ -8,8 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from server.engine.forward import cpu_kernels
-from server.engine.forward.cpu_kernels import (
+from kenspec.server.engine.forward import cpu_kernels, kernel_build
+from kenspec.server.engine.forward.cpu_kernels import (
     DecoderLayer,
     Isa,
     LayoutMismatch,
@@ -25,7 +25,7 @@ needs_library = pytest.mark.skipif(KERNELS is None, reason="no AVX-512 (or no co
 
 def test_every_source_is_compiled_once_into_one_library() -> None:
     sources = sorted(path.name for path in cpu_kernels.SOURCES.glob("*.c"))
-    units = [name for name, _ in cpu_kernels._UNITS]
+    units = [name for name, _ in kernel_build.UNITS]
     assert sorted(units) == sources and len(set(units)) == len(units)
 
 
