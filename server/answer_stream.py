@@ -12,6 +12,9 @@ the loop is idle between a request's rounds, and no thread is added); a full buf
 Redis known to be down, drops the answer at once (counted). Redis errors are caught where the
 commands are sent, logged once per outage at warning, and retried with backoff; the reader
 resumes from the last id it read, so after an outage it catches up on what the stream kept.
+
+The redis package is the `redis` extra (server.extras): imported by AnswerStream only, so a
+server without it runs, and --share-answers without it is refused (ExtraMissing).
 """
 
 from __future__ import annotations
@@ -25,16 +28,14 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
-import redis.asyncio as aioredis
 import structlog
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-from redis.retry import Retry
 
-from server.answer_records import AnswerRecord, decode, encode, stream_key
-from server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from server.metrics import Metrics
+from kenspec.server.answer_records import AnswerRecord, decode, encode, stream_key
+from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
+from kenspec.server.extras import require
+from kenspec.server.metrics import Metrics
 
 log = structlog.get_logger("kenspec.answer_stream")
 
@@ -43,7 +44,6 @@ READ_BATCH = 256  # entries per XREAD
 READ_BLOCK_MS = 1_000  # how long an XREAD waits for new entries
 COMMAND_TIMEOUT_S = 2.0  # a Redis slower than this counts as down
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts while Redis is down
-FAILURES = (RedisError, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +102,7 @@ class AnswerStream:
     """Publishes this replica's learned answers and learns the other replicas' (see above)."""
 
     def __init__(self, settings: StreamSettings, index: TenantSuffixIndex, metrics: Metrics):
+        redis = _redis()  # first: without the package, ExtraMissing before anything is made
         self.settings = settings
         self.key = stream_key(settings.fingerprint)
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -115,11 +116,14 @@ class AnswerStream:
         self._publish = _Link("publish", metrics)
         self._read = _Link("read", metrics)
         self._tasks: list[asyncio.Task[None]] = []
-        options = {"socket_connect_timeout": COMMAND_TIMEOUT_S, "retry": Retry(NoBackoff(), 0)}
-        self._writer = aioredis.Redis.from_url(
+        # what a Redis that is down or slow raises (the commands catch these)
+        self._failures: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)
+        options = {"socket_connect_timeout": COMMAND_TIMEOUT_S, "retry": retry}
+        self._writer = redis.asyncio.Redis.from_url(
             settings.url, socket_timeout=COMMAND_TIMEOUT_S, **options
         )
-        self._reader = aioredis.Redis.from_url(
+        self._reader = redis.asyncio.Redis.from_url(
             settings.url, socket_timeout=READ_BLOCK_MS / 1000 + COMMAND_TIMEOUT_S, **options
         )
         self.last_id = b"0"  # the last entry read: from the stream's start at first
@@ -177,14 +181,14 @@ class AnswerStream:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for client in (self._writer, self._reader):
-            with contextlib.suppress(*FAILURES):
+            with contextlib.suppress(*self._failures):
                 await client.aclose()
 
     async def _publish_loop(self) -> None:
         try:
             await self._writer.ping()
             self._publish.ok()
-        except FAILURES as error:
+        except self._failures as error:
             await self._until_up(self._down(error))
         while True:
             self._wake.clear()
@@ -200,7 +204,7 @@ class AnswerStream:
                         fields = encode(record, self.replica, self.settings.fingerprint)
                         pipe.xadd(self.key, fields, maxlen=self.settings.maxlen, approximate=True)
                     await pipe.execute()
-            except FAILURES as error:
+            except self._failures as error:
                 delay = self._down(error, len(batch))
                 if self._closing:
                     return
@@ -227,7 +231,7 @@ class AnswerStream:
             await asyncio.sleep(delay)
             try:
                 await self._writer.ping()
-            except FAILURES as error:
+            except self._failures as error:
                 delay = self._publish.failed(error)
                 continue
             self._publish.ok()
@@ -242,7 +246,7 @@ class AnswerStream:
                 if self._read.recovering:
                     await self._check_restarted()
                 self._read.ok()
-            except FAILURES as error:
+            except self._failures as error:
                 await asyncio.sleep(self._read.failed(error))
                 continue
             for _key, entries in reply or ():
@@ -299,3 +303,15 @@ def _redacted(url: str) -> str:
     """The URL without its user and password, for the log."""
     scheme, sep, rest = url.partition("://")
     return scheme + sep + rest.rpartition("@")[2]
+
+
+def _redis() -> ModuleType:
+    """The redis package, with the modules AnswerStream uses; ExtraMissing, naming the extra
+    to install, if it is not installed."""
+    require("redis", "--share-answers", "start without --share-answers")
+    import redis.asyncio
+    import redis.asyncio.retry
+    import redis.backoff
+    import redis.exceptions
+
+    return redis

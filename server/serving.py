@@ -19,25 +19,26 @@ import grpc
 import structlog
 import torch
 
-from kenspec_api.outputs import FinishReason
-from server.engine.detokenizer import TokenTexts
-from server.engine.generation import Generation, Round
-from server.engine.grammar import GrammarSpec
-from server.engine.params import InvalidParameter, SamplingParams
-from server.engine.tenant_index import SHARED_TENANT
-from server.generate_params import (
+from kenspec.api.outputs import FinishReason
+from kenspec.server.engine.detokenizer import TokenTexts
+from kenspec.server.engine.generation import Generation, Round
+from kenspec.server.engine.grammar import GrammarSpec
+from kenspec.server.engine.params import InvalidParameter, SamplingParams
+from kenspec.server.engine.tenant_index import SHARED_TENANT
+from kenspec.server.extras import ExtraMissing
+from kenspec.server.generate_params import (
     GenerateParams,
     Limits,
     check_prompt_chars,
     check_prompt_length,
     fit_stopping,
 )
-from server.metrics import Metrics
-from server.request_spans import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
-from server.runtime import Runtime
-from server.scheduler import Overloaded, Scheduler
-from server.security import tenant_of
-from server.tool_calls.request import ToolRequest, content_chars
+from kenspec.server.metrics import Metrics
+from kenspec.server.request_spans import NO_SPAN, NO_TRACING, Carrier, RequestSpan, Tracing
+from kenspec.server.runtime import Runtime
+from kenspec.server.scheduler import Overloaded, Scheduler
+from kenspec.server.security import tenant_of
+from kenspec.server.tool_calls.request import ToolRequest, content_chars
 
 log = structlog.get_logger("kenspec.service")
 
@@ -382,6 +383,7 @@ _FAILURES: tuple[tuple[type[BaseException], grpc.StatusCode, int, str | None], .
     (StreamStalled, grpc.StatusCode.DEADLINE_EXCEEDED, 408, None),
     (InvalidParameter, grpc.StatusCode.INVALID_ARGUMENT, 400, None),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429, None),
+    (ExtraMissing, grpc.StatusCode.UNIMPLEMENTED, 501, None),  # server.extras
     (
         torch.OutOfMemoryError,
         grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -39,11 +39,17 @@ Grammars are the client's, so compiling one is guarded (GrammarCompiler.start):
   grammars fail (the forced text, the first mask), are taken in the compile's thread too;
 - a grammar that fails later, its output under way (a limit reached further on, a branch that
   leads nowhere), ends its request with the same InvalidParameter, never a wrong token.
+
+llguidance is the `grammar` extra (server.extras). The server does not import it: the first
+compile does, in its thread (about a second, which the event loop does not wait for). Without
+it, plain requests are served and one with a grammar is refused at `GrammarCompiler.start`
+with ExtraMissing (UNIMPLEMENTED, HTTP 501), naming the extra to install.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -52,17 +58,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from server.engine.draft_tree import DraftTree, Source
-from server.engine.params import InvalidParameter, StoppingParams
+from kenspec.server.engine.draft_tree import DraftTree, Source
+from kenspec.server.engine.extras import GRAMMAR_FEATURE, ExtraMissing, missing_package
+from kenspec.server.engine.params import InvalidParameter, StoppingParams
 
-if TYPE_CHECKING:  # a stub-only type of llguidance's
-    from llguidance._lib import JsonCompileOptions
+if TYPE_CHECKING:  # at run time, imported by _load_llguidance (the first compile)
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    from llguidance._lib import JsonCompileOptions  # a stub-only type of llguidance's
 
 GRAMMAR = Source("grammar")  # the source of jump-forward drafts: tokens the grammar forces
 # JSON as most chat models write it: one space after ':' and ','; no other whitespace, so
@@ -74,9 +81,6 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
-# llguidance's default limits, with errors that name the reason without a dump of the parser's
-# state (they go to the client, in a 400).
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # A compile's stack: this much per byte of the grammar's source, at least MIN_STACK. The
 # deepest chains measured (Lark rules of 6 bytes each) need about 700 bytes a byte.
 STACK_PER_BYTE = 2048
@@ -125,7 +129,9 @@ class GrammarCompiler:
         `await state.prepare()` compiles it (the scheduler does, before the generation joins
         the batch); elsewhere it is compiled at once. Either raises InvalidParameter(spec.field,
         llguidance's reason) for a grammar that cannot be served (a bad regex, a schema
-        keyword it does not enforce, such as uniqueItems; see the module doc)."""
+        keyword it does not enforce, such as uniqueItems; see the module doc). ExtraMissing
+        if llguidance is not installed."""
+        _check_llguidance(spec.field)
         tokenizer = self._tokenizer
         if not isinstance(tokenizer, PreTrainedTokenizerFast):
             raise InvalidParameter(spec.field, "structured output needs the model's fast tokenizer")
@@ -152,8 +158,9 @@ class GrammarCompiler:
         """The matcher for `spec`, past its first steps (on a compile thread, one of
         COMPILE_THREADS at a time)."""
         with self._threads:
+            _load_llguidance()
             matcher = llguidance.LLMatcher(
-                self._view(tokenizer), _grammar_text(spec), log_level=0, limits=LIMITS
+                self._view(tokenizer), _grammar_text(spec), log_level=0, limits=_limits()
             )
             if matcher.is_error():
                 raise InvalidParameter(spec.field, f"cannot compile: {_reason(matcher)}")
@@ -168,6 +175,30 @@ class GrammarCompiler:
                     tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
                 )
             return self._lltokenizer
+
+
+def _check_llguidance(field: str) -> None:
+    """ExtraMissing, naming the `grammar` extra, if llguidance is not installed: looked up,
+    not imported (GrammarCompiler.start runs on the event loop; the compile imports it; once
+    imported, the look-up is sys.modules')."""
+    missing = missing_package("grammar")
+    if missing is not None:
+        raise ExtraMissing(f"{field}: {GRAMMAR_FEATURE}", "grammar", missing)
+
+
+def _load_llguidance() -> None:
+    """Import llguidance for this module's functions (the name is theirs from then on)."""
+    global llguidance
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+
+@functools.cache
+def _limits() -> llguidance.LLParserLimits:
+    """llguidance's default limits, with errors that name the reason without a dump of the
+    parser's state (they go to the client, in a 400)."""
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def check_stopping(stopping: StoppingParams, spec: GrammarSpec) -> None:
@@ -309,7 +340,7 @@ class GrammarState:
         self._eos_held = False
         self._vocab = vocab  # tokens its masks cover
         self._eos = eos
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+        self._bitmask: torch.Tensor | None = None  # the masks' buffer, made by process()
         self.counters = GrammarCounters()
 
     def compile(self) -> None:
@@ -378,6 +409,8 @@ class GrammarState:
         (the matcher follows the output through `advance`, so `output` is not read)."""
         started = time.thread_time()
         self._seek(path)
+        if self._bitmask is None:  # (after the compile: llguidance is imported)
+            self._bitmask = llguidance.torch.allocate_token_bitmask(1, self._vocab)
         llguidance.torch.fill_next_token_bitmask(self._compiled, self._bitmask, 0)
         self._check()  # (a matcher that gave up allows EOS alone: never offered as a choice)
         penalty = mask_penalty(self._bitmask[0])[: scores.shape[0]]
