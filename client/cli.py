@@ -1,6 +1,8 @@
-"""`kenspec`: stream a generation from a kenspec server to the terminal.
+"""`kenspec`: run a server, or stream a generation from one to the terminal.
 
-    kenspec "Once upon a time" -n 64
+    kenspec serve                      # the server (`kenspec serve --help`; also kenspec-server)
+    kenspec generate "Once upon a time" -n 64
+    kenspec "Once upon a time" -n 64   # `generate` is the default command
     echo "Tell me a joke" | kenspec --chat --temperature 0.7
     kenspec --info
     kenspec chat --system "Answer briefly."
@@ -51,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kenspec",
         description="Generate text with a kenspec speculative-decoding server.",
-        epilog="`kenspec chat` starts an interactive chat (see `kenspec chat --help`). "
+        epilog="Commands: `kenspec serve` runs a server (see `kenspec serve --help`), "
+        "`kenspec chat` starts an interactive chat (see `kenspec chat --help`), "
+        "`kenspec generate` (the default) is this one. "
         f"Environment: {ADDRESS_ENV} (default --address), {TOKEN_ENV} (default --token).",
     )
     parser.add_argument(
@@ -235,8 +239,18 @@ def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SERVER_MISSING = (
+    "`kenspec serve` needs the server, which this installation lacks ({missing} is not "
+    "installed; the kenspec-client distribution is the client alone): pip install kenspec"
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    if argv[:1] == ["generate"]:
+        argv = argv[1:]  # the default command, named
     chat = argv[:1] == ["chat"]
     try:
         parser = build_chat_parser() if chat else build_parser()
@@ -259,6 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nerror: CANCELLED: interrupted", file=sys.stderr)
         return 130
+
+
+def _serve(argv: list[str]) -> int:
+    """The server's own command line (kenspec.server.__main__), where it is installed."""
+    try:
+        from kenspec.server.__main__ import main as serve
+    except ImportError as error:
+        missing = error.name or "the server"
+        if not missing.startswith(("kenspec", "torch", "transformers", "kenlm", "numpy")):
+            raise
+        print(
+            f"error: FAILED_PRECONDITION: {SERVER_MISSING.format(missing=missing)}", file=sys.stderr
+        )
+        return EXIT_USAGE
+    return serve(argv)
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

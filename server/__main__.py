@@ -1,4 +1,4 @@
-"""`python -m server`: serve until SIGTERM/SIGINT, then drain in-flight streams and exit 0."""
+"""`kenspec serve`: serve until SIGTERM/SIGINT, then drain in-flight streams and exit 0."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 import structlog
 
-from server.engine.arpa import DraftFormatError
-from server.engine.target import TargetLoadError
-from server.lifecycle import KenspecServer
-from server.logs import configure_logging
-from server.settings import Settings, parse_settings
+from kenspec.server import default_model
+from kenspec.server.engine.arpa import DraftFormatError
+from kenspec.server.engine.target import TargetLoadError
+from kenspec.server.lifecycle import KenspecServer
+from kenspec.server.logs import configure_logging
+from kenspec.server.settings import DEFAULT_MODEL, Settings, parse_settings
 
 log = structlog.get_logger("kenspec")
 
@@ -54,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # batch (see docs/design.md, "Threads").
     sys.setswitchinterval(0.0005)
     try:
+        if settings.model.model == str(DEFAULT_MODEL):
+            # The first `kenspec serve` after `pip install`: fetch the default target once.
+            if not DEFAULT_MODEL.exists():
+                log.info("fetching_default_model", dest=str(DEFAULT_MODEL))
+            default_model.ensure(DEFAULT_MODEL)
         return asyncio.run(serve(settings))
     except (TargetLoadError, DraftFormatError, ValueError, OSError) as error:
         log.error("startup_failed", error=str(error))

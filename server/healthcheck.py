@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.settings import Settings, parse_settings
+from kenspec.server.settings import Settings, parse_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Probe:
 
 def local_address(settings: Settings) -> str:
     """The address of the server's gRPC port from inside its host or container."""
-    host, port = settings.server.host, settings.server.port
+    host, port = settings.server.host, settings.server.grpc_port
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
@@ -147,7 +147,7 @@ def _channel(probe: Probe) -> grpc.Channel:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m server.healthcheck",
+        prog="python -m kenspec.server.healthcheck",
         description="Exit 0 when the kenspec server's gRPC health service says SERVING. Reads "
         "the server's KENSPEC_* variables; server flags may follow a '--'.",
     )

@@ -35,24 +35,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from kenspec_api import generator_pb2 as pb
-from server.answer_records import model_fingerprint
-from server.answer_stream import AnswerStream, StreamSettings
-from server.engine.events import EngineEvents
-from server.engine.gguf_model import GGUF_SUFFIX
-from server.grpc_front import FrontLimits, GrpcFront
-from server.metrics import Metrics
-from server.metrics_http import metrics_access
-from server.openai_api.connections import ConnectionLimits
-from server.openai_api.http_server import HttpServer
-from server.openai_api.routes import GENERATE_PATHS, HttpLimits, build_app
-from server.runtime import Runtime, load_runtime
-from server.scheduler import Scheduler
-from server.security import BearerTokenInterceptor, read_tokens, tls_context
-from server.service import GeneratorService, generator_handler
-from server.serving import Serving, ShutDown
-from server.settings import LimitSettings, ModelSettings, Settings
-from server.tracing import build_tracing
+from kenspec.api import generator_pb2 as pb
+from kenspec.server.answer_records import model_fingerprint
+from kenspec.server.answer_stream import AnswerStream, StreamSettings
+from kenspec.server.engine.events import EngineEvents
+from kenspec.server.engine.gguf_model import GGUF_SUFFIX
+from kenspec.server.extras import check_extras
+from kenspec.server.grpc_front import FrontLimits, GrpcFront
+from kenspec.server.metrics import Metrics
+from kenspec.server.metrics_http import metrics_access
+from kenspec.server.openai_api.connections import ConnectionLimits
+from kenspec.server.openai_api.http_server import HttpServer
+from kenspec.server.openai_api.routes import GENERATE_PATHS, HttpLimits, build_app
+from kenspec.server.runtime import Runtime, load_runtime
+from kenspec.server.scheduler import Scheduler
+from kenspec.server.security import BearerTokenInterceptor, read_tokens, tls_context
+from kenspec.server.service import GeneratorService, generator_handler
+from kenspec.server.serving import Serving, ShutDown
+from kenspec.server.settings import LimitSettings, ModelSettings, Settings
+from kenspec.server.tracing import build_tracing
 
 log = structlog.get_logger("kenspec.server")
 
@@ -83,6 +84,7 @@ class KenspecServer:
         settings: Settings,
         loader: Callable[[Settings, EngineEvents], Runtime] = load_runtime,
     ) -> None:
+        check_extras(settings)  # a flag whose optional part is missing: ValueError
         self.settings = settings
         self._loader = loader
         server, limits, security = settings.server, settings.limits, settings.security
@@ -94,6 +96,7 @@ class KenspecServer:
         self.metrics_port: int | None = None
         self.tracing = build_tracing(server.otel, server.otel_service_name, model_name)
         tokens = read_tokens(security.auth_tokens_file) if security.auth_tokens_file else ()
+        tokens += (security.api_key.encode(),) if security.api_key else ()
         self.serving = Serving(
             self.scheduler,
             self.metrics,
@@ -108,13 +111,13 @@ class KenspecServer:
         self.port = 0
         refused = self._count_grpc_refusal
         interceptors = [BearerTokenInterceptor(tokens, on_refused=refused)] if tokens else []
-        self.http = self._http_server(tokens) if server.http_port >= 0 else None
+        self.http = self._http_server(tokens) if server.port >= 0 else None
         self.http_port: int | None = None
         self.answers: AnswerStream | None = None  # --share-answers, from load()
         self._server = grpc.aio.server(interceptors=interceptors, options=grpc_options(limits))
         # The public gRPC address is the front's (server.grpc_front): it bounds connections,
         # terminates TLS and relays to grpc, which listens on a private Unix socket only.
-        self.front = GrpcFront(server.host, server.port, grpc_front_limits(limits))
+        self.front = GrpcFront(server.host, server.grpc_port, grpc_front_limits(limits))
         self._register()
 
     def _http_server(self, tokens: tuple[bytes, ...]) -> HttpServer:
@@ -133,7 +136,7 @@ class KenspecServer:
         return HttpServer(
             app,
             server.host,
-            server.http_port,
+            server.port,
             tls_cert=security.tls_cert,
             tls_key=security.tls_key,
             tls_client_ca=security.tls_client_ca,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from server.security import bearer_token, tls_context, token_allowed
-from server.settings import MetricsAuth, SecuritySettings
+from kenspec.server.security import bearer_token, tls_context, token_allowed
+from kenspec.server.settings import MetricsAuth, SecuritySettings
 
 READ_TIMEOUT_S = 10.0  # for the handshake and the request head; a scrape sends both at once
 MAX_CONNECTIONS = 16  # a scraper or two, and someone with curl
@@ -52,7 +52,7 @@ def metrics_access(security: SecuritySettings, tokens: tuple[bytes, ...]) -> Met
     that what it names is configured."""
     if security.metrics_auth == MetricsAuth.AUTO:
         parts = {"tls"} if security.tls_cert else set()
-        parts |= {"token"} if security.auth_tokens_file else set()
+        parts |= {"token"} if security.authenticates else set()
     else:
         parts = set(security.metrics_auth.parts)
     tls = None

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
@@ -23,18 +24,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from server.engine.params import (
+from kenspec.server.default_model import default_model_dir
+from kenspec.server.engine.params import (
     MAX_DRAFT_TOKENS,
     AttentionMode,
     InvalidParameter,
     SpeculationParams,
     Weights,
 )
-from server.tool_calls import FORMATS as TOOL_FORMATS
+from kenspec.server.tool_calls import FORMATS as TOOL_FORMATS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # a clone's root (benchmarks' prompts)
+DEFAULT_MODEL = default_model_dir()  # fetched on first use when absent (kenspec serve)
+# The default draft ships inside the package (a link to drafts/smollm2-135m in a clone).
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "default_draft"
 MAX_TIMEOUT_S = 1_000_000  # connection timeouts, in seconds (gRPC takes them as int32 ms)
 SHARE_ANSWERS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -281,11 +284,11 @@ class ServerSettings:
     """Where the server listens (gRPC, HTTP, /metrics), how it drains, logs and traces."""
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = 8000  # the OpenAI-compatible HTTP API (before 0.2: --http-port)
+    grpc_port: int = 50051  # (before 0.2: --port)
     grace_period_s: float = 30.0
     metrics_port: int = 9400
     metrics_host: str = "127.0.0.1"
-    http_port: int = 8000
     http_metrics: bool = True
     log_format: LogFormat = LogFormat.AUTO
     log_level: LogLevel = LogLevel.INFO
@@ -293,7 +296,7 @@ class ServerSettings:
     otel_service_name: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("http_port", "metrics_port"):
+        for name in ("port", "metrics_port"):
             if getattr(self, name) < -1:
                 raise SettingsError(
                     _flag(name),
@@ -414,10 +417,18 @@ class SecuritySettings:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_tokens_file: str = ""
+    api_key: str = field(default="", repr=False)  # a secret: kept out of logs and reprs
     metrics_auth: MetricsAuth = MetricsAuth.AUTO
     allowed_hosts: str = ""
 
+    @property
+    def authenticates(self) -> bool:
+        """Calls need a bearer token: --api-key, --auth-tokens-file or both."""
+        return bool(self.api_key or self.auth_tokens_file)
+
     def __post_init__(self) -> None:
+        if self.api_key != self.api_key.strip() or any(c.isspace() for c in self.api_key):
+            raise SettingsError("--api-key", "--api-key must not contain whitespace")
         known = f"one of {', '.join(MetricsAuth)}"
         _mode(MetricsAuth, self, "metrics_auth", known)
         for name in self.allowed_hosts.split(","):
@@ -449,7 +460,7 @@ FIELD_GROUPS: dict[str, str] = {
 class Settings:
     """The server's settings, in the groups the engine uses them by; made whole, it checks the
     rules between flags (check_rules). `Settings.of(**flat)` and `settings.replace(**flat)`
-    take flat field names (port=0, dtype="bfloat16"), routed to their groups."""
+    take flat field names (grpc_port=0, dtype="bfloat16"), routed to their groups."""
 
     model: ModelSettings = field(default_factory=ModelSettings)
     kernels: KernelSettings = field(default_factory=KernelSettings)
@@ -520,10 +531,10 @@ def check_rules(settings: Settings) -> None:
                 "--suffix-corpus needs room in the suffix index: --suffix-index-tokens is 0",
             )
     auth = security.metrics_auth
-    if "token" in auth.parts and not security.auth_tokens_file:
+    if "token" in auth.parts and not security.authenticates:
         raise SettingsError(
             "--metrics-auth",
-            f"--metrics-auth {auth} needs --auth-tokens-file (the tokens it accepts)",
+            f"--metrics-auth {auth} needs --api-key or --auth-tokens-file (the tokens it accepts)",
         )
     if "tls" in auth.parts and not (security.tls_cert and security.tls_key):
         raise SettingsError(
@@ -555,13 +566,16 @@ _HELP = {
     "activations); needs --fast-step, not --batch-invariant",
     "threads": "torch CPU threads (0: torch's default, one per core)",
     "host": "address to listen on (0.0.0.0 for every interface, as in containers)",
-    "port": "gRPC port (0: pick a free one and log it)",
+    "grpc_port": "gRPC port (0: pick a free one and log it; before 0.2 this was --port)",
     "grace_period_s": "on SIGTERM, seconds in-flight streams get to finish before being cancelled",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key) instead of plaintext",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA: require client certificates signed by it (mutual TLS)",
     "auth_tokens_file": "file of allowed bearer tokens, one a line: every call but health "
-    "needs 'authorization: Bearer <token>' (empty: no authentication)",
+    "needs 'authorization: Bearer <token>' (empty: no authentication unless --api-key)",
+    "api_key": "one allowed bearer token (OpenAI clients send it as their api_key), beside "
+    "--auth-tokens-file's; prefer the variable to the flag, which other users can read in the "
+    "process list (empty: none)",
     "max_deadline_s": "longest a Generate call may run, whatever deadline the client set",
     "stream_stall_timeout_s": "cancel a stream whose client reads nothing for this long (its "
     "window full, a message waits): it no longer holds a slot or its unsent rounds",
@@ -571,10 +585,10 @@ _HELP = {
     "metrics_auth": "what /metrics asks of a scraper: auto (as the APIs: HTTPS with --tls-cert, "
     "a client certificate with --tls-client-ca, a bearer token of --auth-tokens-file with it), "
     "none (plaintext, open to whoever reaches it), token, tls, or tls+token",
-    "http_port": "OpenAI-compatible HTTP API port on --host (/v1/chat/completions, "
+    "port": "OpenAI-compatible HTTP API port on --host (/v1/chat/completions, "
     "/v1/completions, /v1/models, /health), beside gRPC on the same engine, with the same "
-    "tokens, TLS and limits (0: pick a free one; -1: off)",
-    "http_metrics": "also serve /metrics on --http-port, asking what the HTTP API asks (a "
+    "tokens, TLS and limits (0: pick a free one; -1: off; before 0.2 this was --http-port)",
+    "http_metrics": "also serve /metrics on --port, asking what the HTTP API asks (a "
     "bearer token of --auth-tokens-file, its TLS; without tokens, its Host check), whatever "
     "--metrics-auth says; --no-http-metrics leaves them to --metrics-port alone",
     "served_model_name": "the model id the HTTP API lists and expects in requests' model field "
@@ -750,7 +764,7 @@ def parse_settings(
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m server",
+        prog="kenspec serve",
         description="kenspec: speculative decoding over gRPC (KenLM draft, transformers target). "
         "Every flag can also be set with the KENSPEC_* variable shown.",
     )
@@ -759,7 +773,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         defaults = kind()
         for item in fields(kind):
             default = getattr(defaults, item.name)
-            raw = environ.get(env_name(item.name))
+            raw = _environ_value(environ, item.name)
             value = default if raw is None else _convert(raw, default, parser, item.name)
             help_text = f"{_HELP[item.name]} [env {env_name(item.name)}; default: %(default)s]"
             if isinstance(default, bool):
@@ -779,7 +793,43 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                     metavar=item.name.upper(),
                     help=help_text,
                 )
+    for old, name in RENAMED.items():
+        parser.add_argument(
+            old, dest=name, type=int, action=_Renamed, new=_flag(name), help=argparse.SUPPRESS
+        )
     return parser
+
+
+# Flags renamed in 0.2, still taken for one release: the HTTP API moved to --port (gRPC to
+# --grpc-port), as servers of the OpenAI API name their port.
+RENAMED = {"--http-port": "port"}
+RENAMED_ENV = {"KENSPEC_HTTP_PORT": "port"}
+
+
+class _Renamed(argparse.Action):
+    """An old flag: sets the new one's field and says so on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"warning: {option} is now {self.new}; the old name goes in 0.3", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _environ_value(environ: Mapping[str, str], name: str) -> str | None:
+    """KENSPEC_<NAME>, else the variable it was called before 0.2 (with a warning)."""
+    raw = environ.get(env_name(name))
+    if raw is not None:
+        return raw
+    for old, renamed in RENAMED_ENV.items():
+        if renamed == name and old in environ:
+            print(
+                f"warning: {old} is now {env_name(name)}; the old name goes in 0.3", file=sys.stderr
+            )
+            return environ[old]
+    return None
 
 
 def _convert(raw: str, default: object, parser: argparse.ArgumentParser, name: str) -> object:

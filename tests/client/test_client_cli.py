@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client.cli import main
-from kenspec_api import generator_pb2 as pb
+from kenspec.api import generator_pb2 as pb
+from kenspec.client.cli import main
 
 if TYPE_CHECKING:
     from conftest import FakeServer
@@ -189,7 +189,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_python_dash_m_client_runs() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "client", "--help"],
+        [sys.executable, "-m", "kenspec.client", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -197,3 +197,31 @@ def test_python_dash_m_client_runs() -> None:
     )
     assert result.returncode == 0
     assert "usage: kenspec" in result.stdout
+
+
+def test_generate_is_the_default_command_named(
+    threaded_fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "-a", threaded_fake.address, "world")
+    assert (code, out) == (0, "Hello world")
+    assert main(["generate", *TIMEOUT, "-a", threaded_fake.address, "world"]) == 0
+    assert capsys.readouterr().out == "Hello world"
+
+
+def test_serve_runs_the_server_with_the_rest_of_the_line(monkeypatch) -> None:
+    import kenspec.server.__main__ as server_main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(server_main, "main", lambda argv: seen.append(argv) or 7)
+    assert main(["serve", "--model", "m", "--port", "0"]) == 7
+    assert seen == [["--model", "m", "--port", "0"]]
+
+
+def test_serve_without_the_server_installed_says_what_to_install(
+    monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "kenspec.server.__main__", None)  # as in kenspec-client
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: FAILED_PRECONDITION: `kenspec serve` needs the server")
+    assert "pip install kenspec" in err and "Traceback" not in err

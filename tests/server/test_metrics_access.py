@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from server.metrics_http import MetricsAccess, MetricsEndpoint
-from server.settings import parse_settings
+from kenspec.server.metrics_http import MetricsAccess, MetricsEndpoint
+from kenspec.server.settings import parse_settings
 
 TIMEOUT = 60.0  # seconds; bounds waits that a passing run never reaches
 
@@ -132,7 +132,7 @@ async def test_tls_and_token_together_and_client_certificates(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--metrics-auth", "token"], "needs --auth-tokens-file"),
+        (["--metrics-auth", "token"], "needs --api-key or --auth-tokens-file"),
         (["--metrics-auth", "tls"], "needs --tls-cert and --tls-key"),
         (["--metrics-auth", "basic"], "must be one of auto, none, token, tls, tls+token"),
     ],

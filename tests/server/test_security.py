@@ -7,13 +7,14 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import AsyncClient, AuthenticationError, ServerUnavailable
-from kenspec_api import generator_pb2 as pb
-from server import security
-from server.lifecycle import KenspecServer
+from kenspec.api import generator_pb2 as pb
+from kenspec.client import AsyncClient, AuthenticationError, ServerUnavailable
+from kenspec.server import security
+from kenspec.server.lifecycle import KenspecServer
 
 TIMEOUT = 60  # seconds; bounds waits that a passing run never reaches
 
@@ -85,6 +86,24 @@ async def test_bearer_tokens(start_server, tokens_file) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_an_api_key_is_accepted_beside_the_tokens_file_on_both_apis(
+    start_server, tokens_file
+) -> None:
+    server, _ = await start_server(auth_tokens_file=str(tokens_file), api_key="sk-k1", port=0)
+    address = f"127.0.0.1:{server.port}"
+    for token in ("sk-k1", "alpha-token"):
+        async with AsyncClient(address, token=token) as client:
+            assert await generate_text(client)
+    async with AsyncClient(address, token="sk-k2") as client:
+        with pytest.raises(AuthenticationError, match="invalid"):
+            await generate_text(client)
+    base = f"http://127.0.0.1:{server.http_port}/v1/models"
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        assert (await http.get(base, headers={"Authorization": "Bearer sk-k1"})).status_code == 200
+        assert (await http.get(base, headers={"Authorization": "Bearer sk-k2"})).status_code == 401
+        assert (await http.get(base)).status_code == 401
 
 
 async def test_calls_refused_for_their_token_are_counted(start_server, tokens_file) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.params import AttentionMode, SpeculationParams, Weights
-from server.settings import (
+from kenspec.server.engine.params import AttentionMode, SpeculationParams, Weights
+from kenspec.server.settings import (
     FIELD_GROUPS,
     GROUPS,
     LogLevel,
@@ -171,12 +171,45 @@ def test_weights_default_to_bf16_and_take_int8_from_the_environment() -> None:
 
 
 def test_settings_are_grouped_as_the_engine_uses_them() -> None:
-    settings = parse_settings(["--port", "0", "--dtype", "bfloat16", "--max-queue", "3"], env={})
-    assert settings.server.port == 0 and settings.kernels.dtype == "bfloat16"
+    settings = parse_settings(
+        ["--grpc-port", "0", "--dtype", "bfloat16", "--max-queue", "3"], env={}
+    )
+    assert settings.server.grpc_port == 0 and settings.kernels.dtype == "bfloat16"
     assert settings.limits.max_queue == 3 and settings.model.has_draft
     assert list(GROUPS) == ["model", "kernels", "speculation", "server", "limits", "security"]
     assert FIELD_GROUPS["metrics_auth"] == "security" and FIELD_GROUPS["fast_step"] == "kernels"
-    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 88
+    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 89
+
+
+def test_the_http_api_is_on_port_and_grpc_on_grpc_port(capsys) -> None:
+    defaults = parse_settings([], env={}).server
+    assert (defaults.port, defaults.grpc_port) == (8000, 50051)
+    flags = parse_settings(["--port", "9000", "--grpc-port", "9001"], env={}).server
+    assert (flags.port, flags.grpc_port) == (9000, 9001)
+    assert capsys.readouterr().err == ""
+    env = parse_settings([], env={"KENSPEC_PORT": "9100", "KENSPEC_GRPC_PORT": "9101"}).server
+    assert (env.port, env.grpc_port) == (9100, 9101)
+
+
+def test_the_names_before_0_2_still_set_the_http_port_with_a_warning(capsys) -> None:
+    assert parse_settings(["--http-port", "9002"], env={}).server.port == 9002
+    assert "--http-port is now --port" in capsys.readouterr().err
+    assert parse_settings([], env={"KENSPEC_HTTP_PORT": "9003"}).server.port == 9003
+    assert "KENSPEC_HTTP_PORT is now KENSPEC_PORT" in capsys.readouterr().err
+    both = {"KENSPEC_HTTP_PORT": "9003", "KENSPEC_PORT": "9004"}
+    assert parse_settings([], env=both).server.port == 9004  # the new name wins
+    assert "[--http-port" not in parse_settings.__globals__["build_parser"]({}).format_usage()
+
+
+def test_an_api_key_is_a_secret_that_turns_authentication_on(capsys) -> None:
+    settings = parse_settings([], env={"KENSPEC_API_KEY": "sk-local-1"})
+    assert settings.security.api_key == "sk-local-1" and settings.security.authenticates
+    assert "sk-local-1" not in repr(settings)
+    assert not parse_settings([], env={}).security.authenticates
+    assert parse_settings(["--metrics-auth", "token", "--api-key", "k"], env={}).security.api_key
+    with pytest.raises(SystemExit):
+        parse_settings(["--api-key", "two words"], env={})
+    assert "--api-key must not contain whitespace" in capsys.readouterr().err
 
 
 def test_modes_are_enums_that_compare_with_their_strings() -> None:
@@ -213,14 +246,14 @@ def test_settings_made_in_code_are_checked_as_flags_are() -> None:
     with pytest.raises(SettingsError, match="int8 runs through the fast step") as error:
         Settings.of(weights="int8", fast_step=False)
     assert error.value.flag == "--weights"
-    with pytest.raises(SettingsError, match="needs --auth-tokens-file"):
+    with pytest.raises(SettingsError, match="needs --api-key or --auth-tokens-file"):
         Settings().replace(metrics_auth="token")
     with pytest.raises(TypeError, match="no field colour"):
         Settings.of(colour="red")
 
 
 def test_replace_routes_flat_names_to_their_groups() -> None:
-    base = Settings.of(port=0, http_port=-1, dtype="float32")
+    base = Settings.of(grpc_port=0, port=-1, dtype="float32")
     changed = base.replace(dtype="bfloat16", max_queue=4)
     assert (changed.kernels.dtype, changed.limits.max_queue) == ("bfloat16", 4)
     assert changed.server == base.server and changed.model is base.model  # others untouched
@@ -238,7 +271,7 @@ def test_help_is_grouped_by_the_settings_headings(capsys) -> None:
         "--gguf-cache",
         "--weights",
         "--tree-budget",
-        "--http-port",
+        "--port",
         "--max-queue",
         "--tls-cert",
     )
