@@ -148,30 +148,27 @@ step "starting a server on it"
 start_server "$WORK/model"
 echo "  listening on 127.0.0.1:$PORT (pid $SERVER_PID)"
 
-step "kenspec: one-shot generation"
 KENSPEC="$WORK/venv/bin/kenspec"
-rc=0
-"$KENSPEC" --address "127.0.0.1:$PORT" "Hello" -n 8 --ignore-eos \
-  >"$WORK/generate.out" 2>"$WORK/generate.err" || rc=$?
-if ((rc)); then
-  cat "$WORK/generate.err" >&2
-  fail "kenspec \"Hello\" -n 8 exited with $rc"
-fi
-[[ -s "$WORK/generate.out" ]] || fail "kenspec \"Hello\" -n 8 printed nothing"
-echo "  stdout: $(head -c 200 "$WORK/generate.out" | tr '\n' ' ')"
-echo "  stderr: $(tail -n 1 "$WORK/generate.err")"
+# run_cli NAME STDIN ARGS...: the venv's kenspec with ARGS (STDIN fed to it), which must exit 0
+# and print something.
+run_cli() {
+  local name=$1 input=$2 rc=0
+  shift 2
+  printf '%s' "$input" | "$KENSPEC" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" || rc=$?
+  if ((rc)); then
+    cat "$WORK/$name.err" >&2
+    fail "kenspec $* exited with $rc"
+  fi
+  [[ -s "$WORK/$name.out" ]] || fail "kenspec $* printed nothing"
+  echo "  stdout: $(head -c 200 "$WORK/$name.out" | tr '\n' ' ')"
+  echo "  stderr: $(tail -n 1 "$WORK/$name.err")"
+}
+
+step "kenspec: one-shot generation"
+run_cli generate "" --address "127.0.0.1:$PORT" "Hello" -n 8 --ignore-eos
 
 step "kenspec chat: one question on stdin"
-rc=0
-echo "Hello there" | "$KENSPEC" chat --address "127.0.0.1:$PORT" -n 8 --ignore-eos \
-  >"$WORK/chat.out" 2>"$WORK/chat.err" || rc=$?
-if ((rc)); then
-  cat "$WORK/chat.err" >&2
-  fail "kenspec chat exited with $rc"
-fi
-[[ -s "$WORK/chat.out" ]] || fail "kenspec chat printed no answer"
-echo "  stdout: $(head -c 200 "$WORK/chat.out" | tr '\n' ' ')"
-echo "  stderr: $(tail -n 1 "$WORK/chat.err")"
+run_cli chat $'Hello there\n' chat --address "127.0.0.1:$PORT" -n 8 --ignore-eos
 
 step "stopping the server"
 kill -TERM "$SERVER_PID"
