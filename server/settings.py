@@ -302,6 +302,12 @@ class ServerSettings:
                     _flag(name),
                     f"{_flag(name)} must be -1 (off), 0 (any free port) or a port number",
                 )
+        if self.port > 0 and self.port == self.grpc_port:
+            raise SettingsError(
+                "--port",
+                f"--port (the HTTP API) and --grpc-port are both {self.port}: since 0.2 --port "
+                "is the HTTP API's and gRPC's is --grpc-port",
+            )
         _mode(LogFormat, self, "log_format")
         if isinstance(self.log_level, str):  # INFO as info, as the logging module names them
             object.__setattr__(self, "log_level", self.log_level.lower())

@@ -201,6 +201,13 @@ def test_the_names_before_0_2_still_set_the_http_port_with_a_warning(capsys) -> 
     assert "[--http-port" not in parse_settings.__globals__["build_parser"]({}).format_usage()
 
 
+def test_a_0_1_port_flag_that_now_collides_with_grpc_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_settings([], env={"KENSPEC_PORT": "50051"})  # gRPC's, in 0.1
+    assert "since 0.2 --port is the HTTP API's and gRPC's is --grpc-port" in capsys.readouterr().err
+    assert parse_settings(["--port", "0", "--grpc-port", "0"], env={}).server.port == 0
+
+
 def test_an_api_key_is_a_secret_that_turns_authentication_on(capsys) -> None:
     settings = parse_settings([], env={"KENSPEC_API_KEY": "sk-local-1"})
     assert settings.security.api_key == "sk-local-1" and settings.security.authenticates
