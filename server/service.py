@@ -35,7 +35,7 @@ from kenspec.server.serving import (
     Unavailable,
     failure_of,
 )
-from kenspec.server.tool_calls.parser import ToolCallParser
+from kenspec.server.tool_calls.parser import ChoiceParsers
 
 log = structlog.get_logger("kenspec.service")
 
@@ -268,10 +268,7 @@ class ToolCalls:
     parser per choice."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self._format = runtime.tool_format
-        tokenizer = runtime.engine.target.tokenizer
-        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-        self._parsers: dict[int, ToolCallParser] = {}
+        self._parsers = ChoiceParsers(runtime.tool_format, runtime.engine.target.tokenizer)
 
     @classmethod
     def of(cls, runtime: Runtime, params: GenerateParams) -> ToolCalls | None:
@@ -281,14 +278,11 @@ class ToolCalls:
     def split(self, response: pb.GenerateResponse, round_: Round) -> None:
         """`response`'s text to the round's content, its calls to tool_calls; the finish
         reason TOOL_CALLS for an answer that made calls and ended by EOS."""
-        parser = self._parsers.get(round_.choice)
-        if parser is None:
-            parser = self._parsers[round_.choice] = self._format.parser(self._decode)
-        parsed = parser.feed(round_.text, round_.token_ids)
-        if round_.finish_reason is not None:
-            parsed.add(parser.finish())
-            if parser.calls and round_.finish_reason == FinishReason.EOS:
-                response.finish_reason = to_proto(FinishReason.TOOL_CALLS)
+        parsed, ended = self._parsers.round(
+            round_.choice, round_.text, round_.token_ids, round_.finish_reason
+        )
+        if ended == FinishReason.TOOL_CALLS:
+            response.finish_reason = to_proto(FinishReason.TOOL_CALLS)
         response.text = parsed.content
         for delta in parsed.calls:
             response.tool_calls.append(

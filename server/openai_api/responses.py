@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kenspec.api.outputs import FinishReason, Mode, TokenLogprob
 from kenspec.server.engine.detokenizer import TokenTexts
 from kenspec.server.engine.generation import Round
-from kenspec.server.tool_calls.formats import ToolFormat
-from kenspec.server.tool_calls.parser import ToolCallParser
-from kenspec.server.tool_calls.parser import whole as whole_answer
+from kenspec.server.tool_calls.parser import ChoiceParsers
 
 FINISH_REASONS = {
     FinishReason.EOS: "stop",
@@ -62,14 +60,11 @@ class Completion:
     speculative_rounds: int = 0
     report_source: bool = False  # each chunk's draft_source (--report-draft-source)
     texts: TokenTexts | None = None  # token texts, for logprobs
-    # The model's tool-call format, when the request lets it call tools: each choice's output
-    # is split into content and tool_calls (server.tool_calls.parser); `decode` finds a
-    # trigger that is a special token.
-    tools: ToolFormat | None = None
-    decode: Callable[[Sequence[int]], str] | None = None
+    # When the request lets the model call tools: each choice's output split into content and
+    # tool_calls (server.tool_calls.parser).
+    tool_calls: ChoiceParsers | None = None
     last: dict[int, Round] = field(default_factory=dict)  # each choice's latest round
     _offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
-    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -87,12 +82,11 @@ class Completion:
         choice: dict[str, Any] = {"index": round_.choice}
         if self.chat:
             delta: dict[str, Any] = {"content": round_.text}
-            parser = self._parser(round_.choice)
-            if parser is not None:
-                parsed = parser.feed(round_.text, round_.token_ids)
-                if round_.finish_reason is not None:
-                    parsed.add(parser.finish())
-                    finish = self._finish(round_.finish_reason, parser.calls)
+            if self.tool_calls is not None:
+                parsed, ended = self.tool_calls.round(
+                    round_.choice, round_.text, round_.token_ids, round_.finish_reason
+                )
+                finish = FINISH_REASONS[ended] if ended else None
                 delta = {"content": parsed.content or (None if parsed.calls else "")}
                 if parsed.calls:
                     delta["tool_calls"] = [call.as_openai() for call in parsed.calls]
@@ -133,16 +127,15 @@ class Completion:
             finish = own[-1].finish_reason
             reason = FINISH_REASONS.get(finish) if finish else None
             choice: dict[str, Any] = {"index": index}
-            parser = self._parser(index) if self.chat else None
-            if parser is not None:
+            if self.chat and self.tool_calls is not None:
                 ids = [token for r in own for token in r.token_ids]
-                content, calls = whole_answer(parser, text, ids)
+                content, calls, ended = self.tool_calls.whole(index, text, ids, finish)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
                     message["content"] = content.strip() or None
                     message["tool_calls"] = calls
                 choice["message"] = message
-                reason = self._finish(finish, len(calls)) if finish else None
+                reason = FINISH_REASONS[ended] if ended else None
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -156,19 +149,6 @@ class Completion:
         body = self._envelope(chunk=False, choices=choices)
         body.update(self._usage(lasts))
         return body
-
-    def _parser(self, choice: int) -> ToolCallParser | None:
-        if self.tools is None:
-            return None
-        if choice not in self._parsers:
-            self._parsers[choice] = self.tools.parser(self.decode)
-        return self._parsers[choice]
-
-    @staticmethod
-    def _finish(reason: FinishReason, calls: int) -> str:
-        """A turn that made calls and ended as the model chose ends with "tool_calls"."""
-        ended = FinishReason.TOOL_CALLS if calls and reason == FinishReason.EOS else reason
-        return FINISH_REASONS[ended]
 
     def _logprobs(
         self, choice: int, logprobs: Sequence[TokenLogprob] | None

@@ -40,6 +40,7 @@ from kenspec.server.openai_api.tokenize import detokenize, tokenize
 from kenspec.server.runtime import Runtime
 from kenspec.server.security import bearer_token, token_allowed
 from kenspec.server.serving import RETRY_AFTER_MS, Call, RequestRecord, Serving, Unavailable
+from kenspec.server.tool_calls.parser import ChoiceParsers
 
 log = structlog.get_logger("kenspec.http")
 
@@ -233,15 +234,17 @@ class OpenAIRoutes:
         parsed.ignored.log(request_id, request.url.path)  # (listed in its answer's headers)
         tools = parsed.params.tools
         calls = tools is not None and tools.calls
-        tokenizer = runtime.engine.target.tokenizer
         completion = Completion(
             chat=chat,
             request_id=request_id,
             model=self.model_name,
             report_source=self.serving.report_draft_source,
             texts=self.serving.token_texts(runtime),
-            tools=runtime.tool_format if calls else None,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            tool_calls=(
+                ChoiceParsers(runtime.tool_format, runtime.engine.target.tokenizer)
+                if calls
+                else None
+            ),
         )
         return GenerationResponse(
             self.serving,

@@ -22,7 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kenspec.api.outputs import FinishReason
+
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from kenspec.server.tool_calls.formats import ToolFormat
 
 
@@ -345,3 +349,43 @@ def whole(parser: ToolCallParser, text: str, token_ids: Sequence[int] = ()) -> t
         else:
             calls[delta.index]["function"]["arguments"] += delta.arguments
     return parsed.content, calls
+
+
+def ended_as(reason: FinishReason, calls: int) -> FinishReason:
+    """A turn that made calls and ended as the model chose (EOS) ends as TOOL_CALLS."""
+    return FinishReason.TOOL_CALLS if calls and reason == FinishReason.EOS else reason
+
+
+class ChoiceParsers:
+    """A request's answers split into content and calls, for both APIs: one parser per
+    choice (n > 1), made on its first round; the tokenizer decodes a special-token trigger."""
+
+    def __init__(self, format: ToolFormat, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._format = format
+        self._decode: Callable[[Sequence[int]], str] = lambda ids: tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+        self._parsers: dict[int, ToolCallParser] = {}
+
+    def of(self, choice: int) -> ToolCallParser:
+        if choice not in self._parsers:
+            self._parsers[choice] = self._format.parser(self._decode)
+        return self._parsers[choice]
+
+    def round(
+        self, choice: int, text: str, token_ids: Sequence[int], finish: FinishReason | None
+    ) -> tuple[Parsed, FinishReason | None]:
+        """A round's content and call deltas, and (its last round) the choice's finish reason."""
+        parser = self.of(choice)
+        parsed = parser.feed(text, token_ids)
+        if finish is None:
+            return parsed, None
+        parsed.add(parser.finish())
+        return parsed, ended_as(finish, parser.calls)
+
+    def whole(
+        self, choice: int, text: str, token_ids: Sequence[int], finish: FinishReason | None
+    ) -> tuple[str, list[dict[str, Any]], FinishReason | None]:
+        """A whole answer's content, calls (OpenAI's ``message.tool_calls``) and finish."""
+        content, calls = whole(self.of(choice), text, token_ids)
+        return content, calls, ended_as(finish, len(calls)) if finish else None

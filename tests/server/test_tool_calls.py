@@ -13,10 +13,11 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from kenspec.api.outputs import FinishReason
 from kenspec.server.engine.params import InvalidParameter
 from kenspec.server.runtime import load_runtime
 from kenspec.server.tool_calls.formats import PROMPT, ToolFormat, _format, detect
-from kenspec.server.tool_calls.parser import Parsed, whole
+from kenspec.server.tool_calls.parser import ChoiceParsers, Parsed, whole
 from kenspec.server.tool_calls.request import (
     Tool,
     ToolRequest,
@@ -359,3 +360,27 @@ def test_a_schema_s_own_references_keep_their_meaning(tiny_target) -> None:
     assert _accepts(_matcher(tokenizer, grammar), tokenizer, good)
     for bad in ('{"item": {"x": 1}}', '{"item": {"n": 1}, "next": {"item": {"x": 2}}}'):
         assert not _accepts(_matcher(tokenizer, grammar), tokenizer, call(bad)), bad
+
+
+class _Words:
+    """A tokenizer stand-in: ids are never decoded (a trigger in text needs no decoding)."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        raise AssertionError("a text trigger needs no decoding")
+
+
+def test_each_choice_has_its_own_parser_and_calls_end_a_turn_as_tool_calls() -> None:
+    hermes = ToolFormat("hermes", False, "<tool_call>", None, "</tool_call>")
+    parsers = ChoiceParsers(hermes, _Words())
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    cut = call.index(":", call.index('"x"'))  # the name sent once the arguments begin
+    first, ended = parsers.round(0, call[:cut], [], None)
+    assert ended is None and first.calls[0].name == "f"
+    other, ended = parsers.round(1, "plain text", [], FinishReason.EOS)
+    assert (other.content, other.calls, ended) == ("plain text", [], FinishReason.EOS)
+    rest, ended = parsers.round(0, call[cut:], [], FinishReason.EOS)
+    assert ended == FinishReason.TOOL_CALLS and rest.content == ""
+    assert parsers.round(2, call, [], FinishReason.LENGTH)[1] == FinishReason.LENGTH
+    content, calls, ended = ChoiceParsers(hermes, _Words()).whole(0, call, [], FinishReason.EOS)
+    assert (content, ended) == ("", FinishReason.TOOL_CALLS)
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 1}'}]
