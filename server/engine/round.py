@@ -26,6 +26,7 @@ import structlog
 from kenspec.server.engine.draft_choice import DraftChoice
 from kenspec.server.engine.generation import Round
 from kenspec.server.engine.intake import Entry
+from kenspec.server.engine.params import InvalidParameter
 from kenspec.server.engine.pass_logits import Logits
 from kenspec.server.engine.sampling import walk
 from kenspec.server.engine.speculator import Proposal
@@ -133,6 +134,10 @@ def run_round(
             continue
         try:
             round_ = _walk_and_commit(rows, index, entry, proposal, row, logits)
+        except InvalidParameter as error:  # the request's own grammar led nowhere: its 400
+            log.info("request_refused_mid_answer", field=error.field, reason=error.message)
+            finished.append((entry, error))
+            continue
         except Exception as error:
             log.exception("complete_failed")
             finished.append((entry, error))
@@ -167,6 +172,9 @@ def _propose(rows: BatchRows) -> dict[int, Proposal]:
     for entry in list(rows.entries):
         try:
             proposals[id(entry)] = entry.generation.propose()
+        except InvalidParameter as error:  # (its grammar, as above)
+            log.info("request_refused_mid_answer", field=error.field, reason=error.message)
+            rows.fail(entry, error)
         except Exception as error:
             log.exception("plan_failed")
             rows.fail(entry, error)  # rows move: the pass is laid out after this

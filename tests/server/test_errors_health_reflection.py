@@ -13,9 +13,11 @@ from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from structlog.testing import capture_logs
 
 from kenspec.api import generator_pb2 as pb
 from kenspec.api import generator_pb2_grpc as pb_grpc
+from kenspec.server.engine.params import InvalidParameter
 from kenspec.server.lifecycle import KenspecServer
 from kenspec.server.settings import Settings
 
@@ -91,6 +93,27 @@ async def test_unexpected_error_is_internal_with_request_id(
         await collect(stub.Generate(pb.GenerateRequest(prompt="x", request_id="rid-7")))
     assert error.value.code() == grpc.StatusCode.INTERNAL
     assert "rid-7" in error.value.details() and "secret" not in error.value.details()
+    assert server.scheduler.active == 0
+
+
+async def test_a_request_refused_mid_answer_is_invalid_and_logged_without_a_traceback(
+    start_server, monkeypatch, collect
+) -> None:
+    """Its own grammar leading nowhere (a limit reached further on): the caller's 400, an
+    info line, not an error with a traceback."""
+    server, stub = await start_server()
+
+    def nowhere(self, *round_):
+        raise InvalidParameter("response_format", "the grammar allows no token here")
+
+    monkeypatch.setattr("kenspec.server.engine.generation.Generation.accept", nowhere)
+    with capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as error:
+        await collect(stub.Generate(pb.GenerateRequest(prompt="x", request_id="rid-8")))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the grammar allows no token here" in error.value.details()
+    refused = [line for line in logs if line["event"] == "request_refused_mid_answer"]
+    assert refused and refused[0]["log_level"] == "info" and "exc_info" not in refused[0]
+    assert not [line for line in logs if line["log_level"] == "error"]
     assert server.scheduler.active == 0
 
 
