@@ -621,8 +621,8 @@ _HELP = {
     "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
     "fast_step": "on CPU in bfloat16, run Llama, Mistral and Qwen2 models through kenspec's "
     "lean decoder loop (fused products, each product's kernel timed at start-up by row "
-    "count: an AVX512-BF16 GEMV, oneDNN with packed weights, or torch's); --no-fast-step "
-    "keeps transformers' forward",
+    "count: kenspec's bf16 GEMV (AVX512-BF16, or AVX2), oneDNN with packed weights, or "
+    "torch's); --no-fast-step keeps transformers' forward",
     "attention": "attention of passes with a few queries per row: auto (grouped products over "
     "the cache where timed faster than SDPA at start-up, by queries per row and context "
     "length), sdpa (torch's scaled_dot_product_attention always) or grouped (always, up to "

@@ -4,6 +4,7 @@
  * functions the CPU can run:
  *   gemv_int8.c  AVX-512 F/BW/VL/DQ   int8 weights, float32 or bfloat16 activations
  *   gemv.c       + AVX512-BF16        bfloat16 products (and int8 weights widened to bf16)
+ *   gemv_avx2.c  AVX2 and FMA         bfloat16 products where AVX512-BF16 is not there
  *   layer.c      + AVX512-BF16        the work between a layer's products, top-k, the screen
  *   step.c       + AVX512-BF16        a whole decoder pass in one call
  *   gemv_u8s8.c  + AVX512-VNNI        the screened output layer's int8 x int8 product
@@ -54,6 +55,9 @@ int kenspec_gemv_int8_bf16(const uint16_t *x, const int8_t *q, const uint16_t *s
                            uint16_t *y, long rows, long k, long out);
 long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
                               const int32_t *candidates, long count, float *approximate);
+/* gemv_avx2.c: kenspec_gemv_bf16's product, summed in its own one order (see the file) */
+void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
+                            long k, long out);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

@@ -6,13 +6,14 @@ What decides what (docs/design.md, "The forward wing"):
   which only it computes at speed) and it reproduces the model (forward.lean.check), on a CPU
   in bfloat16 or with quantized weights; else transformers' eager modules;
 - the lean products' kernels, per row count, and the output layer's: by rule where kenspec's
-  bf16 GEMV runs (it, for every product at every width: one summation order, so a token's
-  bits never depend on what shares its pass, and nothing timed at start-up can change the
-  plan); elsewhere measured on the model's own weights (forward.products), a kernel taking
-  over only where it is MARGIN faster, unless the options fix them;
+  bf16 GEMV runs (AVX512-BF16's, else AVX2's: it, for every product at every width; one
+  summation order, so a token's bits never depend on what shares its pass, and nothing timed
+  at start-up can change the plan); elsewhere measured on the model's own weights
+  (forward.products), a kernel taking over only where it is MARGIN faster, unless the options
+  fix them;
 - the head: a LAZY output layer for the lean forward and for plain float32 heads on a CPU,
   PASS on an accelerator, else the MODEL's logits (forward.head); the int8 screen where the
-  lean forward reads a bf16 output layer with kenspec's GEMV;
+  lean forward reads a bf16 output layer with kenspec's GEMV and the CPU has AVX512-BF16;
 - attention: csrc/layer.c's for every pass of a fused lean forward; else grouped products
   where measured faster than SDPA (--attention auto), or fixed;
 - batch invariance: padded linear layers and invariant attention, measured on this CPU's
@@ -191,10 +192,12 @@ def _lean_plan(
     kernels: CpuKernels | None,
 ) -> tuple[ExecutionPlan, dict[str, object]]:
     """The lean forward's kernels by row count, and how many rows of logits one product
-    computes at about one row's cost. Where kenspec's bf16 GEMV runs, by rule: it for every
-    product at every width (one summation order, so a token's bits never depend on its pass),
-    GEMV_TOGETHER rows together. Elsewhere measured (unless the options fix them), a kernel
-    taking over only where it is MARGIN faster than the one before it in every repeat."""
+    computes at about one row's cost. Where kenspec's bf16 GEMV runs (AVX512-BF16's or
+    AVX2's), by rule: it for every product at every width (one summation order, so a token's
+    bits never depend on its pass), GEMV_TOGETHER rows together (AVX2's: AVX2_GEMV_TOGETHER);
+    the screen and the layer kernels only with AVX512-BF16. Elsewhere measured (unless the
+    options fix them), a kernel taking over only where it is MARGIN faster than the one before
+    it in every repeat."""
     decoder, head_kernels = options.decoder, options.head_kernels
     timings: dict[str, object] = {}
     together = 1
@@ -202,7 +205,8 @@ def _lean_plan(
     if gemv_everywhere:
         every = RowPlan.every(Kernel.GEMV)
         decoder, head_kernels = decoder or every, head_kernels or every
-        together = GEMV_TOGETHER if head_kernels == every else 1
+        if head_kernels == every:
+            together = GEMV_TOGETHER if kernels is not None and kernels.bf16 else AVX2_GEMV_TOGETHER
     if decoder is None:
         measured = time_products(lean.products, kernels, repeats=MEASURE_REPEATS)
         decoder = _fastest(measured, lean.products)
@@ -212,7 +216,8 @@ def _lean_plan(
         head_kernels = _fastest(measured, [output])
         together = rows_at_one_rows_cost(measured, head_kernels)
         timings["head"] = _ms_table(measured)
-    screen = options.screen and gemv_everywhere
+    # (the screen's int8 products and exact candidates are AVX512-BF16's, as the layer kernels)
+    screen = options.screen and gemv_everywhere and kernels is not None and kernels.bf16
     fused = options.fused_layer and kernels is not None and kernels.bf16 and lean.fusable(model)
     return replace(
         plan,
@@ -232,6 +237,10 @@ def _lean_plan(
 # 1.4 rows' on one; bench/results/verify-cost), where a walk that reads past row 0 would
 # otherwise pay a second read.
 GEMV_TOGETHER = 12
+# ... AVX2's (csrc/gemv_avx2.c): bound by its FMAs past a few rows, where dpbf16 does four
+# times the products an instruction. SmolLM2's output layer on one EPYC core: 4 rows at 1.4
+# times one row's cost, 8 at 2.6, 12 at 3.8 (bench/gemv_avx2.py --head).
+AVX2_GEMV_TOGETHER = 4
 # Measured plans (CPUs without kenspec's bf16 GEMV, int8 and int4 weights): repeats of each
 # kernel, alternating, and how much faster than the current choice another kernel must be in
 # its best repeat to take a row count over (a neighbour's burst must not flip a plan).
@@ -241,9 +250,9 @@ MARGIN = 0.10
 
 def _gemv_everywhere(lean: LeanWeights, output: Product, kernels: CpuKernels | None) -> bool:
     """Whether kenspec's bf16 GEMV computes every product: bf16 weights (the decoder's and
-    the output layer's) on a CPU with AVX512-BF16."""
+    the output layer's) on a CPU with AVX512-BF16, or AVX2 and FMA."""
     bf16 = output.scales is None and output.weight.dtype == torch.bfloat16
-    return kernels is not None and kernels.bf16 and not lean.quantized and bf16
+    return kernels is not None and kernels.gemv_bf16 and not lean.quantized and bf16
 
 
 def _fastest(measured: dict[int, dict[Kernel, float]], products: list[Product]) -> RowPlan:

@@ -9,7 +9,8 @@ source is compiled once, with the instructions it needs, and linked into one lib
 the machine's compiler the first time a process asks and keeps it under
 `~/.cache/kenspec/kernels/<key>/` (a restart loads it in milliseconds). `CpuKernels.isa` says
 which of its sources this CPU can run; a method whose source it cannot run raises instead of
-executing an illegal instruction.
+executing an illegal instruction. A CPU with AVX2 and FMA but no AVX512-BF16 gets the bf16
+GEMV alone (csrc/gemv_avx2.c: `gemv_bf16`), the rest where its AVX-512 runs it.
 
 A decoder pass's arguments cross to C as one struct (`PassArgs`, csrc/kenspec.h's
 `kenspec_pass`); at load the library reports each struct's size and member offsets and the
@@ -70,6 +71,7 @@ class PassArgs(ctypes.Structure):
 # name: (result, arguments, the instructions it runs)
 _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
+    "kenspec_gemv_bf16_avx2": (None, [_P] * 3 + [_L] * 3, Isa.AVX2),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
     "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
     "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
@@ -124,8 +126,14 @@ class CpuKernels:
 
     @property
     def bf16(self) -> bool:
-        """The bf16 GEMV, the layer kernels and the whole decoder pass run here."""
+        """AVX512-BF16's kernels run here: its bf16 GEMV, the layer kernels, the whole
+        decoder pass and the screen's exact candidates."""
         return Isa.BF16 in self.isa
+
+    @property
+    def gemv_bf16(self) -> bool:
+        """A bf16 GEMV (`gemv`) runs here: AVX512-BF16's, else AVX2's."""
+        return self.bf16 or Isa.AVX2 in self.isa
 
     @property
     def int8(self) -> bool:
@@ -145,13 +153,21 @@ class CpuKernels:
         return getattr(self.library, name)(*arguments)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T for bf16 x [rows, k] and weight [out, k]: bf16 [rows, out]."""
+        """x @ weight^T for bf16 x [rows, k] and weight [out, k]: bf16 [rows, out], through
+        AVX512-BF16's GEMV where it runs, else AVX2's (each sums in its own one order: the
+        same bits for a row whatever the row count, on one machine)."""
+        if not self.bf16 and Isa.AVX2 in self.isa:
+            return self.gemv_avx2(x, weight)
+        return self._gemv("kenspec_gemv_bf16", x, weight)
+
+    def gemv_avx2(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`gemv` through csrc/gemv_avx2.c, whatever else runs here."""
+        return self._gemv("kenspec_gemv_bf16_avx2", x, weight)
+
+    def _gemv(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
-        self._call(
-            "kenspec_gemv_bf16", x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, k,
-            weight.shape[0],
-        )  # fmt: skip
+        self._call(name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, k, weight.shape[0])
         return out
 
     def exact_candidates(
@@ -333,18 +349,21 @@ class CpuKernels:
 def load_kernels() -> CpuKernels | None:
     """The library, and a "kernels" log line saying which (module doc): the wheel's where it
     was built from these sources, else one compiled here (cached); None where this CPU runs
-    none of it (no AVX-512) or none is shipped or can be built (no compiler, a failed build:
-    the server then uses torch's kernels)."""
+    none of it (neither AVX-512 nor AVX2 with FMA) or none is shipped or can be built (no
+    compiler, a failed build: the server then uses torch's kernels)."""
     cpu = supported_isa(cpu_flags())
     if not cpu:
         lacking = ", ".join(sorted(CPU_FLAGS[Isa.AVX512]))
-        return _report(None, f"CPU lacks AVX-512 ({lacking}): no kernel runs here")
+        avx2 = ", ".join(sorted(CPU_FLAGS[Isa.AVX2]))
+        return _report(
+            None, f"CPU lacks AVX-512 ({lacking}) and AVX2 ({avx2}): no kernel runs here"
+        )
     notes: list[str] = []
     hashed = kernel_build.source_hash(SOURCES)
     found = _prebuilt(hashed, notes)
     if found is not None:
         try:
-            return _report(_open(*found, cpu, "prebuilt"), *notes)
+            return _report(_open(*found, cpu, "prebuilt"), *notes, cpu=cpu)
         except OSError as error:
             notes.append(f"prebuilt library not loaded: {error}")
     compiler = kernel_build.find_compiler()
@@ -356,7 +375,7 @@ def load_kernels() -> CpuKernels | None:
     except (OSError, ValueError, subprocess.CalledProcessError, kernel_build.BuildError) as error:
         reason = getattr(error, "stderr", None) or str(error)
         return _report(None, *notes, f"build with {compiler} failed: {str(reason)[-2000:]}")
-    return _report(kernels, *notes)
+    return _report(kernels, *notes, cpu=cpu)
 
 
 def _prebuilt(hashed: str, notes: list[str]) -> tuple[Path, Build] | None:
@@ -391,17 +410,26 @@ def _open(directory: Path, record: Build, cpu: frozenset[Isa], source: str) -> C
     return CpuKernels(library, path, cpu & record.isa, record, source)
 
 
-def _report(kernels: CpuKernels | None, *notes: str) -> CpuKernels | None:
+def _report(
+    kernels: CpuKernels | None, *notes: str, cpu: frozenset[Isa] = frozenset()
+) -> CpuKernels | None:
     """Log the one "kernels" line: which library runs, from where, what of it runs on this
-    CPU, and why (what is not used, and for what reason); kernels, or None where none of the
-    library runs here."""
+    CPU (whose instruction sets are `cpu`), and why (what is not used, and for what reason);
+    kernels, or None where none of the library runs here."""
     reasons = list(notes)
     if kernels is not None:
         assert kernels.record is not None  # (_open gives every library its record)
-        for isa, error in sorted(kernels.record.missing().items()):
-            reasons.append(f"library built without {isa} ({error}): {USES[isa]} not used")
+        avx2 = kernels.gemv_bf16 and not kernels.bf16
+        if avx2:
+            reasons.append("AVX2 bf16 GEMV")
+        uses = {**USES, Isa.BF16: _WITHOUT_BF16} if avx2 else USES
+        missing = kernels.record.missing()
+        for isa, error in sorted(missing.items()):
+            reasons.append(f"library built without {isa} ({error}): {uses[isa]} not used")
+        for isa in sorted(cpu - kernels.built - missing.keys()):  # (an older recipe's)
+            reasons.append(f"library built without {isa} (no source of it): {uses[isa]} not used")
         for isa in sorted(kernels.built - kernels.isa):
-            reasons.append(f"CPU lacks {isa}: {USES[isa]} not used")
+            reasons.append(f"CPU lacks {isa}: {uses[isa]} not used")
         if kernels.isa:
             log.info(
                 "kernels",
@@ -416,6 +444,10 @@ def _report(kernels: CpuKernels | None, *notes: str) -> CpuKernels | None:
         reasons.append("none of the library runs on this CPU")
     log.warning("kernels", source="none", library=None, isa=[], reason="; ".join(reasons))
     return None
+
+
+# What a CPU without AVX512-BF16 loses where AVX2's bf16 GEMV runs (for the log).
+_WITHOUT_BF16 = "layer kernels, whole pass and int8 screen"
 
 
 def declare(library: ctypes.CDLL, built: frozenset[Isa] = frozenset(Isa)) -> None:

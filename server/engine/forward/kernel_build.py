@@ -32,8 +32,9 @@ FORMAT = 1  # build.json's layout
 
 class Isa(StrEnum):
     """The instruction sets a source of the library is compiled for (its name: the
-    /proc/cpuinfo flag it adds to AVX-512 F/BW/VL/DQ)."""
+    /proc/cpuinfo flag it adds to AVX-512 F/BW/VL/DQ; AVX2's, the flag it needs with FMA)."""
 
+    AVX2 = "avx2"  # with FMA: the bf16 GEMV where AVX512-BF16 is not there
     AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
     BF16 = "avx512_bf16"  # bfloat16 products and the layer kernels
     VNNI = "avx512_vnni"  # the screened output layer's int8 x int8 product
@@ -42,12 +43,14 @@ class Isa(StrEnum):
 _BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # The /proc/cpuinfo flags a CPU needs to run each instruction set's sources.
 CPU_FLAGS = {
+    Isa.AVX2: frozenset({"avx2", "fma"}),
     Isa.AVX512: _BASE,
     Isa.BF16: _BASE | {"avx512_bf16"},
     Isa.VNNI: _BASE | {"avx512_vnni"},
 }
 # What a CPU without an instruction set loses (for the log).
 USES = {
+    Isa.AVX2: "AVX2 bf16 GEMV",
     Isa.AVX512: "int8 GEMV",
     Isa.BF16: "bf16 GEMV, layer kernels and decoder pass",
     Isa.VNNI: "int8 screen of the output layer",
@@ -55,6 +58,7 @@ USES = {
 _AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
     None: ("-O3",),
+    Isa.AVX2: ("-O3", "-fopenmp", "-mavx2", "-mfma"),
     Isa.AVX512: _AVX512,
     Isa.BF16: (*_AVX512, "-mavx512bf16"),
     Isa.VNNI: (*_AVX512, "-mavx512vnni"),
@@ -64,6 +68,7 @@ COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
 UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("gemv_int8.c", Isa.AVX512),
     ("gemv.c", Isa.BF16),
+    ("gemv_avx2.c", Isa.AVX2),
     ("layer.c", Isa.BF16),
     ("step.c", Isa.BF16),
     ("gemv_u8s8.c", Isa.VNNI),

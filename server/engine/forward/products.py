@@ -1,9 +1,10 @@
 """The lean forward's products: x @ W^T for one linear layer or several side by side, through
 the kernel a `RowPlan` names for the pass's row count, and the measurement that chooses it.
 
-Kernels (plan.Kernel): `gemv`, kenspec's (csrc/gemv.c; int8 weights: csrc/gemv_int8.c, or
-gemv.c's sums over the weights widened to bf16 where the CPU has AVX512-BF16), one summation
-order whatever the row count, so a verify pass computes each row as a one-token step does;
+Kernels (plan.Kernel): `gemv`, kenspec's (csrc/gemv.c, or csrc/gemv_avx2.c where the CPU has
+AVX2 but not AVX512-BF16; int8 weights: csrc/gemv_int8.c, or gemv.c's sums over the weights
+widened to bf16 where the CPU has AVX512-BF16), one summation order whatever the row count,
+so a verify pass computes each row as a one-token step does;
 `packed`, oneDNN with the weights laid out once for it (AMX where present); `stock`, torch's
 `F.linear` (int8: torch's int8 kernel, a GEMV whose cost grows with the rows; int4: torch's
 int4 kernel, the only one); `dequant`, int8 weights widened to the activations' dtype for
@@ -159,7 +160,7 @@ class Product:
             if kernel is Kernel.DEQUANT:  # a GEMM for wide passes: int8 values are exact in bf16
                 return self._biased(F.linear(x, self.weight.to(x.dtype)).mul_(self.scales))
             return int8_linear(x, self.weight, self.scales, self.bias)
-        if kernel is Kernel.GEMV and kernels is not None and kernels.bf16:
+        if kernel is Kernel.GEMV and kernels is not None and kernels.gemv_bf16:
             return self._biased(kernels.gemv(x, self.weight))
         if kernel is Kernel.PACKED and self.packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -220,7 +221,7 @@ def candidates(products: Sequence[Product], kernels: CpuKernels | None) -> tuple
     found = [Kernel.STOCK]
     if onednn_packs(torch.bfloat16):
         found.append(Kernel.PACKED)
-    if kernels is not None and kernels.bf16:
+    if kernels is not None and kernels.gemv_bf16:
         found.append(Kernel.GEMV)
     return tuple(found)
 

@@ -122,16 +122,19 @@ def test_avx512_kernel_row_bits_do_not_depend_on_the_row_count(
 
 
 def test_without_avx512_only_torchs_kernel_is_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX2-only CPU (the CI's) builds no int8 kernel; int8 products plan torch's only."""
+    """An AVX2-only CPU (the CI's) runs no int8 kernel (its library: the bf16 GEMV alone);
+    int8 products plan torch's only."""
     from kenspec.server.engine.forward import cpu_kernels
 
     load_kernels.cache_clear()
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
     try:
-        assert load_kernels() is None
+        avx2 = load_kernels()
     finally:
         load_kernels.cache_clear()
+    assert avx2 is None or not avx2.int8  # (None: no compiler)
     products = [Product.quantized(torch.randn(8, 32), torch.float32)]
+    assert candidates(products, avx2) == (Kernel.STOCK, Kernel.DEQUANT)
     assert candidates(products, None) == (Kernel.STOCK, Kernel.DEQUANT)
     gemv = (Kernel.GEMV,) if GEMV8 else ()
     assert candidates(products, KERNELS) == (Kernel.STOCK, Kernel.DEQUANT, *gemv)

@@ -26,6 +26,7 @@ COMPILER = kernel_build.find_compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler here")
 ALL_FLAGS = frozenset().union(*CPU_FLAGS.values())
 REAL_BF16 = Isa.BF16 in cpu_kernels.supported_isa(cpu_kernels.cpu_flags())
+REAL_AVX2 = Isa.AVX2 in cpu_kernels.supported_isa(cpu_kernels.cpu_flags())
 
 
 def prebuild(root: Path, compiler: str | None = COMPILER, sources: Path = SOURCES) -> Path:
@@ -109,7 +110,7 @@ def test_a_prebuilt_library_runs_without_a_compiler(
     assert kernels.path == directory / "libkenspec.so"
     assert not (tmp_path / "cache").exists()
     assert line["source"] == "prebuilt" and line["library"] == str(kernels.path)
-    assert line["isa"] == ["avx512", "avx512_bf16", "avx512_vnni"]
+    assert line["isa"] == ["avx2", "avx512", "avx512_bf16", "avx512_vnni"]
     assert line["build"] == record.key and line["reason"] == "all of it runs here"
     if REAL_BF16:  # the GEMV itself, where this CPU runs it
         x, weight = torch.randn(3, 256).bfloat16(), torch.randn(40, 256).bfloat16()
@@ -123,14 +124,25 @@ def test_a_cpu_without_bf16_gets_the_rest_and_the_log_says_what_is_not_used(
 ) -> None:
     prebuild(tmp_path / "prebuilt")
     no_compiler(monkeypatch, tmp_path)
-    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma"})
-    assert kernels is not None and kernels.isa == {Isa.AVX512} and not kernels.bf16
+    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512])  # (no AVX2: a CPU that does not exist)
+    assert kernels is not None and kernels.isa == {Isa.AVX512} and not kernels.gemv_bf16
     assert line["source"] == "prebuilt" and line["isa"] == ["avx512"]
-    assert "CPU lacks avx512_bf16: bf16 GEMV" in line["reason"]
+    assert "CPU lacks avx512_bf16: bf16 GEMV, layer kernels" in line["reason"]
     assert "CPU lacks avx512_vnni" in line["reason"]
     with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
         kernels.gemv(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
+    # AVX-512 without BF16 (Skylake-SP, Cascade Lake): the bf16 GEMV is AVX2's
+    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma"})
+    assert kernels is not None and kernels.isa == {Isa.AVX2, Isa.AVX512}
+    assert kernels.gemv_bf16 and not kernels.bf16
+    assert line["isa"] == ["avx2", "avx512"]
+    assert "AVX2 bf16 GEMV; CPU lacks avx512_bf16: layer kernels, whole pass" in line["reason"]
+    if REAL_AVX2:
+        x, weight = torch.randn(3, 40).bfloat16(), torch.randn(9, 40).bfloat16()
+        assert torch.equal(kernels.gemv(x, weight), (x.double() @ weight.double().t()).bfloat16())
     kernels, (line,) = loading(frozenset({"avx2", "fma"}))  # no AVX-512 at all
+    assert kernels is not None and kernels.isa == {Isa.AVX2} and line["isa"] == ["avx2"]
+    kernels, (line,) = loading(frozenset({"avx", "sse4_2"}))  # nor AVX2
     assert kernels is None and line["source"] == "none"
     assert line["reason"].startswith("CPU lacks AVX-512")
 
@@ -184,16 +196,56 @@ def test_a_compiler_without_a_flag_builds_the_other_instruction_sets(
     old.chmod(0o755)
     directory = prebuild(tmp_path / "prebuilt", compiler=str(old))
     record = json.loads((directory / "build.json").read_text())
-    assert record["isa"] == ["avx512", "avx512_bf16"]
+    assert record["isa"] == ["avx2", "avx512", "avx512_bf16"]
     (failed,) = [unit for unit in record["units"] if unit["error"]]
     assert failed["source"] == "gemv_u8s8.c" and "-mavx512vnni" in failed["error"]
     kernels, (line,) = loading()
     assert kernels is not None and kernels.bf16 and not kernels.vnni
-    assert line["source"] == "prebuilt" and line["isa"] == ["avx512", "avx512_bf16"]
+    assert line["source"] == "prebuilt" and line["isa"] == ["avx2", "avx512", "avx512_bf16"]
     assert "library built without avx512_vnni (gemv_u8s8.c: cc: error" in line["reason"]
     values = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(KernelUnavailable, match="avx512_vnni, which the library was built"):
         kernels.u8s8_prepare(values, torch.ones(4).bfloat16())
+
+
+@needs_compiler
+@pytest.mark.parametrize("how", ["failed", "older"])
+def test_a_library_without_the_avx2_gemv_is_loaded_for_the_rest(
+    how: str, loading, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A library whose record holds no AVX2 (failed: a compiler without -mavx2; older: a
+    recipe before gemv_avx2.c, e.g. a wheel built then): an AVX2-only CPU runs none of it and
+    keeps torch's kernels; a CPU with AVX-512 but not BF16 its int8 GEMV, `gemv` refusing."""
+    if how == "failed":
+        cc = tmp_path / "old-cc"
+        cc.write_text(
+            "#!/bin/sh\n"
+            'for a in "$@"; do [ "$a" = -mavx2 ] && '
+            "echo \"cc: error: unrecognized command-line option '$a'\" >&2 && exit 1; done\n"
+            f'exec {COMPILER} "$@"\n'
+        )
+        cc.chmod(0o755)
+        directory = prebuild(tmp_path / "prebuilt", compiler=str(cc))
+    else:
+        directory = prebuild(tmp_path / "prebuilt")
+        record = json.loads((directory / "build.json").read_text())
+        record["units"] = [u for u in record["units"] if u["source"] != "gemv_avx2.c"]
+        record["isa"] = [isa for isa in record["isa"] if isa != "avx2"]
+        (directory / "build.json").write_text(json.dumps(record))
+    assert Isa.AVX2 not in kernel_build.read_record(directory).isa
+    no_compiler(monkeypatch, tmp_path)
+    kernels, (line,) = loading(frozenset({"avx2", "fma"}))
+    assert kernels is None and line["source"] == "none"
+    built_without = "(gemv_avx2.c: cc: error" if how == "failed" else "(no source of it)"
+    assert f"library built without avx2 {built_without}" in line["reason"]
+    assert line["reason"].endswith("none of the library runs on this CPU")
+    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma"})
+    assert kernels is not None and kernels.isa == {Isa.AVX512} and not kernels.gemv_bf16
+    assert "library built without avx2" in line["reason"]
+    with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
+        kernels.gemv(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
+    with pytest.raises(KernelUnavailable, match="avx2, which the library was built without"):
+        kernels.gemv_avx2(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
 
 
 @needs_compiler

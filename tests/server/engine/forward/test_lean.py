@@ -28,8 +28,8 @@ from tests.server.engine.drafts import generate, last_rows
 from tests.tiny_architectures import save_architecture
 
 KERNELS = load_kernels()
-GEMV = KERNELS.gemv if KERNELS is not None and KERNELS.bf16 else None
-NO_GEMV = pytest.mark.skipif(GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)")
+GEMV = KERNELS.gemv if KERNELS is not None and KERNELS.gemv_bf16 else None  # either ISA's
+NO_GEMV = pytest.mark.skipif(GEMV is None, reason="the CPU has no AVX2 (or no compiler)")
 STOCK, PACKED, GEMV_ = Kernel.STOCK, Kernel.PACKED, Kernel.GEMV
 NO_BF16_PACKING = pytest.mark.skipif(
     not onednn_packs(torch.bfloat16),
@@ -129,9 +129,10 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(out: int, k: int) -> None:
 def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without avx512_bf16 the library holds the int8 GEMV (AVX-512 F/BW/VL/DQ) alone: the
-    bf16 GEMV and the layer kernels refuse with a reason instead of an illegal instruction,
-    and the int8 GEMV of bf16 activations takes its float32 sums (none widened to bf16)."""
+    """Without avx512_bf16 the library holds the int8 GEMV (AVX-512 F/BW/VL/DQ) and AVX2's
+    bf16 GEMV: AVX512-BF16's GEMV and the layer kernels refuse with a reason instead of an
+    illegal instruction, `gemv` runs AVX2's, and the int8 GEMV of bf16 activations takes its
+    float32 sums (none widened to bf16)."""
     # (the int8 GEMV runs below only where this CPU really has AVX-512: an AVX2-only one
     # would execute an illegal instruction, whatever the faked flags say)
     runs_avx512 = cpu_kernels.Isa.AVX512 in cpu_kernels.supported_isa(cpu_kernels.cpu_flags())
@@ -142,19 +143,21 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
         kernels = load_kernels()
         if kernels is None:
             pytest.skip("no compiler here")
-        assert kernels.int8 and not kernels.bf16 and not kernels.vnni
+        assert kernels.int8 and not kernels.bf16 and not kernels.vnni and kernels.gemv_bf16
         x = torch.randn(2, 64).bfloat16()
         with pytest.raises(cpu_kernels.KernelUnavailable, match="avx512_bf16"):
-            kernels.gemv(x, torch.randn(8, 64).bfloat16())
+            kernels.silu_mul(torch.randn(2, 64).bfloat16(), x[:, :32].contiguous())
+        weight = torch.randn(8, 64).bfloat16()
+        assert torch.equal(kernels.gemv(x, weight), kernels.gemv_avx2(x, weight))
         values, scales = torch.randint(-9, 9, (8, 64), dtype=torch.int8), torch.ones(8).bfloat16()
         expected = (x.float() @ values.float().t()).bfloat16()
         if runs_avx512:
             torch.testing.assert_close(kernels.gemv_int8(x, values, scales), expected)
     finally:
         load_kernels.cache_clear()
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
     try:
-        assert load_kernels() is None  # no AVX-512: nothing of it runs here
+        assert load_kernels() is None  # neither AVX-512 nor AVX2: nothing of it runs here
     finally:
         load_kernels.cache_clear()
 

@@ -28,7 +28,7 @@ from tests.tiny_architectures import save_architecture
 
 EVERY_GEMV = RowPlan.every(Kernel.GEMV)
 KERNELS = load_kernels()
-BF16 = KERNELS is not None and KERNELS.bf16
+GEMV = KERNELS is not None and KERNELS.gemv_bf16
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_two_targets_with_different_plans_run_side_by_side(llama_dir: Path) -> N
     """A lean bf16 target (kenspec's kernels, or torch's where the CPU has none) and an eager
     one of the same model in one process: each keeps its own plan and Forward, and their
     passes, interleaved, give what each gives alone."""
-    kernel = Kernel.GEMV if BF16 else Kernel.STOCK
+    kernel = Kernel.GEMV if GEMV else Kernel.STOCK
     lean_options = ExecutionOptions(
         lean=LeanMode.AUTO, decoder=RowPlan.every(kernel), head_kernels=RowPlan.every(kernel)
     )

@@ -1,0 +1,263 @@
+"""The AVX2 bf16 GEMV (csrc/gemv_avx2.c): the product rounded once, in one summation order
+whatever the pass; and a CPU with AVX2 but no AVX512-BF16 (the flags faked, the kernel run for
+real) gets it for every product at every width, so bf16 speculation there is plain decoding."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from kenspec.server.engine.forward import choose, cpu_kernels
+from kenspec.server.engine.forward.cpu_kernels import (
+    CpuKernels,
+    Isa,
+    KernelUnavailable,
+    load_kernels,
+)
+from kenspec.server.engine.forward.plan import (
+    ExecutionOptions,
+    ForwardKind,
+    Kernel,
+    LeanMode,
+    RowPlan,
+)
+from kenspec.server.engine.target import TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
+from tests import tiny
+from tests.server.engine.drafts import (
+    Branching,
+    OracleDraft,
+    generate,
+    never_matching_kenlm,
+    plain_decoding,
+)
+from tests.tiny_architectures import save_architecture
+
+pytestmark = pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_kernels.cpu_flags(), reason="the CPU has no AVX2 and FMA"
+)
+AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c"})  # e.g. an AMD Zen 2 or 3
+WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1 2 3 4 5 6", "Hello world"]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    """The library as this CPU loads it (gemv_avx2 is called directly: it runs on any CPU
+    with AVX2, the AVX512-BF16 ones too)."""
+    loaded = load_kernels()
+    assert loaded is not None and Isa.AVX2 in loaded.isa
+    return loaded
+
+
+@pytest.fixture
+def avx2_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, object]]]:
+    """load_kernels as on a CPU with AVX2 and FMA and no AVX-512 (for this test, and for the
+    targets it loads); yields the "kernels" log lines of its load."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX2_ONLY)
+    load_kernels.cache_clear()
+    with structlog.testing.capture_logs() as logs:
+        load_kernels()
+    yield [dict(line) for line in logs if line["event"] == "kernels"]
+    load_kernels.cache_clear()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bfloat16 steps between a and b, element by element (on one line through zero)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "out"),
+    [(1, 576, 1536), (17, 1536, 576), (5, 77, 301), (3, 1000, 9), (2, 15, 17), (9, 16, 8),
+     (13, 33, 100), (7, 1, 3), (4, 40, 1), (1, 31, 7)],
+)  # fmt: skip
+def test_each_output_is_the_product_rounded_once(
+    kernels: CpuKernels, rows: int, k: int, out: int
+) -> None:
+    """Against float64 rounded to bf16: one step apart at most wherever float32's summation
+    error (its worst case) is below half a step, and almost everywhere in fact; within that
+    error plus the rounding everywhere."""
+    generator = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    w = torch.randn(out, k, generator=generator).bfloat16()
+    exact = x.double() @ w.double().t()
+    got = kernels.gemv_avx2(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    error = (x.double().abs() @ w.double().abs().t()) * (k + 8) * 2.0**-24  # float32 sums
+    close = error < exact.abs() * 2.0**-9
+    ulps = _ulps(got, exact.bfloat16())
+    assert bool((ulps[close] <= 1).all())
+    assert float((ulps <= 1).double().mean()) > 0.99
+    assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + 2 * error).all())
+
+
+@pytest.mark.parametrize("k", [576, 77, 1, 16, 47])
+def test_small_integer_products_are_exact(kernels: CpuKernels, k: int) -> None:
+    """Integer inputs whose sums float32 holds exactly: the exact sum rounded to bf16 once."""
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randint(-8, 9, (17, k), generator=generator).bfloat16()
+    w = torch.randint(-8, 9, (301, k), generator=generator).bfloat16()
+    exact = (x.double() @ w.double().t()).bfloat16()
+    for rows in range(1, 18):
+        assert torch.equal(kernels.gemv_avx2(x[:rows], w), exact[:rows])
+
+
+def test_infinities_and_nans_are_ieees_and_the_padding_adds_none(kernels: CpuKernels) -> None:
+    """An infinity in the zero-padded last chunk (k = 21) gives an infinity (the padding's
+    zeros are multiplied by zeros, never by it); 0 * inf and inf - inf give NaN; a NaN input
+    a NaN output, as float64 does."""
+    x = torch.ones(3, 21).bfloat16()
+    w = torch.ones(5, 21).bfloat16()
+    x[0, 20] = float("inf")
+    x[1, 3] = float("nan")
+    w[2, 20] = 0.0  # 0 * inf
+    w[3, 20] = -1.0  # -inf
+    x[2, 19], w[4, 19] = float("inf"), 1.0
+    w[4, 20], x[2, 20] = -1.0, float("inf")  # row 2, output 4: inf - inf
+    got = kernels.gemv_avx2(x, w).double()
+    exact = x.double() @ w.double().t()
+    assert torch.equal(got.isnan(), exact.isnan()) and bool(got.isnan().any())
+    finite = ~exact.isnan()
+    assert torch.equal(got[finite], exact[finite].bfloat16().double())
+
+
+@pytest.mark.parametrize(("out", "k"), [(1536, 576), (301, 77), (13, 1000)])
+def test_a_rows_bits_do_not_depend_on_its_pass_or_the_threads(
+    kernels: CpuKernels, out: int, k: int
+) -> None:
+    """Each row of a 17-row product is bit-identical to the row alone and within passes of 2,
+    3 and 5 rows (other blocks of outputs and rows, one-row blocks of 8, single-output
+    tails), with one thread or two: one summation order."""
+    generator = torch.Generator().manual_seed(out)
+    x = torch.randn(17, k, generator=generator).bfloat16()
+    w = torch.randn(out, k, generator=generator).bfloat16()
+    alone = torch.cat([kernels.gemv_avx2(x[i : i + 1], w) for i in range(17)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)  # (the kernel's OpenMP is torch's)
+            assert torch.equal(kernels.gemv_avx2(x, w), alone), count
+            for width in (2, 3, 5):
+                passes = [kernels.gemv_avx2(x[i : i + width], w) for i in range(0, 17, width)]
+                assert torch.equal(torch.cat(passes), alone), (count, width)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
+    avx2_only: list[dict[str, object]], kernels: CpuKernels
+) -> None:
+    """The library loads (before: no kernel at all without AVX-512); `gemv` runs the AVX2
+    kernel, AVX-512's refuse; the log line says what runs and what does not."""
+    faked = load_kernels()
+    assert faked is not None and faked.isa == {Isa.AVX2}
+    assert faked.gemv_bf16 and not faked.bf16 and not faked.int8 and not faked.vnni
+    x, w = torch.randn(3, 77).bfloat16(), torch.randn(40, 77).bfloat16()
+    assert torch.equal(faked.gemv(x, w), kernels.gemv_avx2(x, w))
+    with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
+        faked.silu_mul(torch.zeros(1, 64).bfloat16(), torch.zeros(1, 32).bfloat16())
+    with pytest.raises(KernelUnavailable, match="avx512, which this CPU lacks"):
+        faked.gemv_int8(x, torch.zeros(4, 77, dtype=torch.int8), torch.ones(4).bfloat16())
+    (line,) = avx2_only
+    assert line["isa"] == ["avx2"] and line["log_level"] == "info"
+    reason = str(line["reason"])
+    assert "AVX2 bf16 GEMV; CPU lacks avx512: int8 GEMV not used" in reason
+    assert "CPU lacks avx512_bf16: layer kernels, whole pass and int8 screen not used" in reason
+
+
+def test_no_avx2_and_no_avx512_is_still_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    load_kernels.cache_clear()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert load_kernels() is None
+    finally:
+        load_kernels.cache_clear()
+    (line,) = [line for line in logs if line["event"] == "kernels"]
+    assert str(line["reason"]).startswith("CPU lacks AVX-512")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = tiny.build_byte_tokenizer()
+    directory = tmp_path_factory.mktemp("avx2")
+    return save_architecture(directory, tokenizer, "llama", **WIDE_HEADS)
+
+
+def _avx2_target(directory: Path) -> TargetModel:
+    """The tiny bf16 Llama as an AVX2-only CPU serves it: the options' defaults (the layer
+    kernels and the screen asked for), the plan decided by rule."""
+    options = ExecutionOptions(lean=LeanMode.AUTO)
+    return TargetModel.load(directory, device="cpu", dtype="bfloat16", execution=options)
+
+
+def test_the_plan_takes_the_gemv_everywhere_without_screen_or_layer_kernels(
+    avx2_only: list[dict[str, object]], llama_dir: Path
+) -> None:
+    """By rule, nothing timed: the GEMV for every product at every width (every pass row
+    invariant); the screen and the layer kernels, asked for, left out (AVX512-BF16's)."""
+    plan = _avx2_target(llama_dir).plan
+    every = RowPlan.every(Kernel.GEMV)
+    assert plan.forward is ForwardKind.LEAN
+    assert plan.decoder == every and plan.head_kernels == every
+    assert not plan.screen and not plan.fused_layer
+    assert plan.together == choose.AVX2_GEMV_TOGETHER  # (FMA-bound past a few rows)
+    assert plan.row_invariant_below == sys.maxsize and plan.kernel_build
+
+
+def test_bf16_speculation_on_the_avx2_gemv_is_plain_decoding(
+    avx2_only: list[dict[str, object]],
+    llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the AVX2 GEMV (every product calls it): a pass of 7 tokens gives the logits of
+    7 one-token passes bit for bit, and greedy speculation, whatever the draft proposes, is
+    plain decoding token for token."""
+    calls = 0
+    avx2 = CpuKernels.gemv_avx2
+
+    def counted(self: CpuKernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return avx2(self, x, weight)
+
+    monkeypatch.setattr(CpuKernels, "gemv_avx2", counted)
+    target = _avx2_target(llama_dir)
+    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
+    rows = []
+    for widths in ((7,), (1,) * 7):
+        cache = target.new_cache(1)
+        target.prefill(cache, 0, 0, ids[:-7])
+        at, logits = len(ids) - 7, []
+        for width in widths:
+            (out,) = target.forward(cache, VerifyPass.sequences([at], [ids[at : at + width]]))
+            logits += [out[i] for i in range(width)]
+            at += width
+        rows.append(torch.stack(logits))
+    assert calls > 0
+    assert torch.equal(rows[0], rows[1])
+    plain = plain_decoding(target, PROMPTS, max_new_tokens=24)
+    seen = {token for _, output in plain.values() for token in output}
+    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
+    for prompt_ids, expected in plain.values():
+        for draft, options in (
+            (OracleDraft(expected), {"k": 4}),
+            (never, {"k": 4}),
+            (Branching(expected, target.vocab_size), {"k": 4, "tree_budget": 12}),
+        ):
+            solo = generate(target, draft, prompt_ids, max_new_tokens=24, **options)
+            for _ in solo:
+                pass
+            assert solo.output_ids == expected, draft.name
