@@ -33,8 +33,8 @@ from types import ModuleType
 import structlog
 
 from kenspec.server.answer_records import AnswerRecord, decode, encode, stream_key
+from kenspec.server.engine.extras import require
 from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
-from kenspec.server.extras import require
 from kenspec.server.metrics import Metrics
 
 log = structlog.get_logger("kenspec.answer_stream")

@@ -18,27 +18,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from kenspec.server.engine.extras import (
-    EXTRAS,
-    GRAMMAR_FEATURE,
-    ExtraMissing,
-    install_command,
-    missing_package,
-    require,
-)
+from kenspec.server.engine.extras import GRAMMAR_FEATURE, install_command, missing_package, require
 
 if TYPE_CHECKING:
     from kenspec.server.settings import Settings
-
-__all__ = [
-    "EXTRAS",
-    "GRAMMAR_FEATURE",
-    "ExtraMissing",
-    "check_extras",
-    "install_command",
-    "missing_package",
-    "require",
-]
 
 log = structlog.get_logger("kenspec.server")
 

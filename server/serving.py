@@ -21,11 +21,11 @@ import torch
 
 from kenspec.api.outputs import FinishReason
 from kenspec.server.engine.detokenizer import TokenTexts
+from kenspec.server.engine.extras import ExtraMissing
 from kenspec.server.engine.generation import Generation, Round
 from kenspec.server.engine.grammar import GrammarSpec
 from kenspec.server.engine.params import InvalidParameter, SamplingParams
 from kenspec.server.engine.tenant_index import SHARED_TENANT
-from kenspec.server.extras import ExtraMissing
 from kenspec.server.generate_params import (
     GenerateParams,
     Limits,

@@ -22,9 +22,10 @@ from harness import server_process
 from harness.server_process import ServerProcess
 from kenspec.client import Client, KenspecError
 from kenspec.server.answer_stream import AnswerStream, StreamSettings
+from kenspec.server.engine.extras import ExtraMissing, missing_package
 from kenspec.server.engine.grammar import GrammarCompiler, GrammarSpec
 from kenspec.server.engine.tenant_index import TenantSuffixIndex
-from kenspec.server.extras import ExtraMissing, check_extras, missing_package
+from kenspec.server.extras import check_extras
 from kenspec.server.metrics import Metrics
 from kenspec.server.serving import failure_of
 from kenspec.server.settings import parse_settings
