@@ -15,6 +15,7 @@ from kenspec.api import generator_pb2 as pb
 from kenspec.server import __version__, calibration_cache
 from kenspec.server.engine.calibration import Calibration, calibrate
 from kenspec.server.engine.costs import Costs, one_row_steps
+from kenspec.server.engine.draft_head import DraftHead, HeadFormatError
 from kenspec.server.engine.events import NO_EVENTS, EngineEvents
 from kenspec.server.engine.forward.cpu_kernels import load_kernels
 from kenspec.server.engine.forward.plan import ExecutionOptions, LeanMode
@@ -73,6 +74,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         ),
     )
     draft = _load_draft(settings, target)
+    head = _load_head(settings, target)
     log.info(
         "model_loaded",
         model=target.name,
@@ -118,6 +120,7 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
             if settings.speculation.recycled_predictions and settings.speculation.draft_context
             else None
         ),
+        head=head,
     )
     _warm_up(engine)
     max_prompt_tokens = min(
@@ -176,6 +179,34 @@ def _load_draft(settings: Settings, target: TargetModel) -> KenLMDraft | None:
         min_draft_prob=settings.speculation.min_draft_prob,
         end_token_id=eos,
     )
+
+
+def _load_head(settings: Settings, target: TargetModel) -> DraftHead | None:
+    """The draft folder's learned head for this target (engine.draft_head), where it has one,
+    --draft-head is on and context drafting too. One trained for another target is left out
+    with a warning: the KenLM draft still serves (its tokenizer matched)."""
+    spec = settings.speculation
+    if not (spec.draft_head and spec.draft_context and settings.model.has_draft):
+        return None
+    folder = Path(settings.model.draft)
+    if not folder.is_dir():
+        return None
+    try:
+        kernels = load_kernels() if target.device.type == "cpu" else None
+        head = DraftHead.load(folder, target.model, kernels=kernels)
+    except HeadFormatError as error:
+        log.warning("draft_head_refused", reason=str(error))
+        return None
+    if head is not None:
+        log.info(
+            "draft_head",
+            folder=str(folder),
+            vocabulary=head.vocabulary,
+            inner=head.net.inner,
+            kernels="gemv_bf16" if head.uses_kernels else "torch",
+            heldout=head.manifest.get("heldout_check"),
+        )
+    return head
 
 
 def _load_suffix_index(settings: Settings, target: TargetModel) -> TenantSuffixIndex | None:

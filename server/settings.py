@@ -202,6 +202,7 @@ class SpeculationSettings:
     share_answers_buffer: int = 1024
     report_draft_source: bool = False
     recycled_predictions: bool = True
+    draft_head: bool = False
     # circuit breakers
     breaker_window: int = 8
     breaker_threshold: float = -1.0  # < 0: calibrate from measured costs at start-up
@@ -678,6 +679,10 @@ _HELP = {
     "to the caller; off: the field is empty (gRPC) or absent (HTTP)",
     "recycled_predictions": "with context drafting, also draft from the target's own recent "
     "predictions: the top next tokens every pass computed after each token, kept per token",
+    "draft_head": "with context drafting, also draft from the learned head in the draft "
+    "folder (head.json, built by `python -m draft_tools head`) where it has one for this "
+    "target: a small network over the target's own last hidden state (off by default: on "
+    "the default model it adds ~0.2 tokens a round and costs about as much time)",
     "live_costs": "update the measured pass costs (and the calibrated breaker threshold) from "
     "the timing of every verify pass, measuring widths the draft choice avoids now and then; "
     "off: start-up's numbers for the process's life",

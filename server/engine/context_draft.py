@@ -11,13 +11,16 @@ tokens per round on every prompt set, replaying the default model's greedy answe
 docs/design.md, "Drafts"), the index's, and the static draft's; a matched chain that runs
 out is continued by the static draft (llama.cpp's ngram-cache combines a context and a static
 cache the same way). The longest match leads, the others ride along as alternatives that the
-speculator weighs by measured acceptance.
+speculator weighs by measured acceptance. With a learned head (engine.draft_head), one more
+chain comes from the target's own hidden state at the row that chose the last token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+
+import torch
 
 from kenspec.server.engine.draft import (
     Branching,
@@ -27,11 +30,14 @@ from kenspec.server.engine.draft import (
     StaticDraft,
     StaticSession,
 )
+from kenspec.server.engine.draft_head import DraftHead, HeadChain
 from kenspec.server.engine.draft_tree import Source
 from kenspec.server.engine.recycled import RecycledPredictions
 from kenspec.server.engine.suffix_index import SuffixIndex
 from kenspec.server.engine.tenant_index import TenantView
 
+HEAD_AFTER_MATCH = 4  # no head chain after a context match this long (accepted ~95% already)
+HEAD_BRANCHES = 2  # in a token tree, the head's next best first tokens offered as branches
 RECYCLED_MIN_PROB = 0.1  # a recycled chain stops where its path probability falls below this
 TREE_MIN_DRAFT_PROB = 0.05  # the static chain's gate in a token tree (see _static_chain)
 LONG_DRAFT_TOKENS = 16  # the most a chain after a long exact match drafts (see propose)
@@ -84,6 +90,7 @@ class ContextDraft:
         recycled_min_prob: float = RECYCLED_MIN_PROB,
         long_draft_tokens: int = LONG_DRAFT_TOKENS,
         branches: int = 0,
+        head: DraftHead | None = None,
     ) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
@@ -95,9 +102,11 @@ class ContextDraft:
         self.recycled_min_prob = recycled_min_prob
         self.long_draft_tokens = long_draft_tokens
         self.branches = branches  # n-best alternatives at the root, for token trees (0: none)
+        self.head = head  # a learned head over the target's hidden states (engine.draft_head)
         parts = ["context", *(["suffix"] if suffix is not None else [])]
         parts += ["recycled"] if recycled is not None else []
         parts += [static.name] if static is not None else []
+        parts += ["head"] if head is not None else []
         self._name = name or "+".join(parts)
 
     @property
@@ -139,6 +148,10 @@ class ContextSession(DraftSession, Branching):
         self._recycled_min_prob = draft.recycled_min_prob
         self._long = draft.long_draft_tokens
         self._branches = draft.branches
+        self._head = draft.head
+        # the head's chain after the token at _head_at - 1 (drafted in `observe`)
+        self._head_found: HeadChain | None = None
+        self._head_at = -1
 
     def propose(self, k: int) -> Candidates:
         """The chain of the longest match (own context, or the suffix index if longer; a tie
@@ -152,6 +165,7 @@ class ContextSession(DraftSession, Branching):
         chains = self._matched_chains(k)
         if self._static is not None:
             chains.append((0, self._labelled(self._static_chain(k))))
+        chains += [(0, chain) for chain in self._head_chains(k)]
         # In a token tree, recycled predictions come in below every node (`expand`); their
         # chain as well would count the same prediction twice, as if two sources agreed.
         if self._recycled is not None and not self._branches:
@@ -182,6 +196,47 @@ class ContextSession(DraftSession, Branching):
                 chains.append(
                     (length, self._chain(found[:reach], reach, _source("suffix", length)))
                 )
+        return chains
+
+    @property
+    def wants_features(self) -> bool:
+        return self._head is not None
+
+    def observe(self, feature: torch.Tensor) -> None:
+        """The target's hidden state at the row that chose the last token: the head drafts
+        its chain now, on the engine thread, for the next round's proposal.
+
+        Not at `propose`, which runs on the draft thread: kenspec's kernels called from a
+        second thread start a second OpenMP team, and with more OpenMP threads than cores
+        libgomp's workers stop spinning between parallel regions, so every later pass, plain
+        ones included, ran ~30% slower (measured: docs/design.md, "A learned draft head").
+        None after a context match of HEAD_AFTER_MATCH tokens or more."""
+        tokens = self._index.tokens
+        self._head_at = len(tokens)
+        self._head_found = None
+        if self._head is None or self._index.continuation(1)[1] >= HEAD_AFTER_MATCH:
+            return
+        self._head_found = self._head.chain(
+            feature, tokens[-1], self._head.max_tokens,
+            alternatives=HEAD_BRANCHES if self._branches else 0,
+        )  # fmt: skip
+
+    def _head_chains(self, k: int) -> list[Chain]:
+        """The learned head's chain (drafted in `observe`) cut to k, and in a token tree its
+        next best first tokens as one-token chains; none before the first round, or when the
+        stream moved on since (tokens given ahead by a grammar). Tokens are labelled by the
+        head's probability decile: acceptance is learned per decile, as for n-gram guesses."""
+        found = self._head_found
+        if found is None or self._head_at != len(self._index.tokens):
+            return []
+        chains = [
+            Chain((token,), (p,), HEAD, (Source("head", _decile(p)),))
+            for token, p in found.alternatives
+        ]
+        if found.tokens:
+            drafted, probs = found.tokens[:k], found.probs[:k]
+            labels = tuple(Source("head", _decile(p)) for p in probs)
+            chains.insert(0, Chain(drafted, probs, HEAD, labels if self._branches else ()))
         return chains
 
     def branching(self) -> Branching:
@@ -249,6 +304,7 @@ class ContextSession(DraftSession, Branching):
 
 
 RECYCLED = Source("recycled")  # the recycled predictions' chain (a tree's: per decile)
+HEAD = Source("head")  # the learned head's chain (a tree's: per decile of its probability)
 _BUCKETS = (16, 8, 5, 4, 3, 2, 1)
 
 

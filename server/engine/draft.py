@@ -5,7 +5,8 @@ alone turns them into the round's `DraftTree` (the best chain, or a token tree o
 them). Every ability a session may have is declared here:
 
 - `DraftSession`: `propose` and `extend`, and `branching()`, the way a token tree may branch
-  below any node (None for a session that offers chains only);
+  below any node (None for a session that offers chains only); `observe`, the target's hidden
+  state for a session that drafts from it (a learned head: `wants_features`);
 - `StaticSession`: a static draft's (KenLM's) session, which a context draft also asks for a
   chain behind another gate, its n-best next tokens and a chain after given tokens.
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from kenspec.server.engine.draft_tree import Source
 
@@ -80,6 +83,15 @@ class DraftSession(Protocol):
 
     def branching(self) -> Branching | None:
         """How a token tree may branch below its nodes; None: the chains alone."""
+        return None
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether it drafts from the target's hidden states (`observe`); False: never."""
+        return False
+
+    def observe(self, feature: torch.Tensor) -> None:
+        """The target's final hidden state at the row that chose the last token extended."""
         return None
 
 

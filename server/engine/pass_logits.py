@@ -117,6 +117,9 @@ class Logits:
         self._pass_argmax = pass_argmax  # the pass's greedy tokens, in one copy
         self._offset = offset  # this row's first in the pass's argmax
         self._ahead: torch.Tensor | None = None  # rows computed ahead, handed out as read
+        # the target's final hidden states [count, hidden_size] the rows were computed from,
+        # where the forward has them (a learned draft head reads one: engine.draft_head)
+        self.features: torch.Tensor | None = None
 
     @classmethod
     def of(cls, rows: torch.Tensor) -> Logits:

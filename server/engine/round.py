@@ -195,6 +195,11 @@ def _walk_and_commit(
     generation.speculator.record(proposal, len(emitted) - 1, path)
     # The stream: its prompt tail is cached now, its output grows, stops are checked.
     round_ = generation.accept(proposal, row, emitted, path, choice.logprobs)
+    # A learned draft head drafts the next round from the hidden state of the row that chose
+    # the last emitted token (row 0: after the pending token; row i + 1: after node i).
+    wanted = round_.finish_reason is None and generation.speculator.wants_features
+    if logits.features is not None and wanted:
+        generation.speculator.observe(logits.features[path[-1] + 1 if path else 0])
     # Cache moves: a tree's accepted nodes were written at their slots, not their positions.
     rows.relocate(index, generation.kv_moves)
     return round_

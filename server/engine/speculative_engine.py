@@ -13,6 +13,7 @@ from kenspec.server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from kenspec.server.engine.context_draft import LONG_DRAFT_TOKENS, ContextDraft
 from kenspec.server.engine.costs import Costs
 from kenspec.server.engine.draft import Draft, DraftSession, StaticDraft
+from kenspec.server.engine.draft_head import DraftHead
 from kenspec.server.engine.events import NO_EVENTS, EngineEvents
 from kenspec.server.engine.generation import Generation
 from kenspec.server.engine.grammar import GrammarCompiler, GrammarSpec, GrammarState, check_stopping
@@ -75,6 +76,7 @@ class SpeculativeEngine:
         recycled: RecycledPredictions | None = None,
         isolate_tenants: bool = True,
         max_tenants: int = MAX_TENANTS,
+        head: DraftHead | None = None,
     ) -> None:
         self.target = target
         self._grammars: GrammarCompiler | None = None  # made for the first grammar asked
@@ -104,6 +106,7 @@ class SpeculativeEngine:
             branches=self.context.branches if self.context.tree_budget > 1 else 0,
             suffix=suffix.view(SHARED_TENANT) if suffix is not None else None,
             recycled=recycled,
+            head=head,
         )
         # Both breakers' settings: each request's acceptance breaker and the draft-fault one.
         self.breaker_settings = breaker_settings or BreakerSettings()

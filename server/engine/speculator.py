@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
+import torch
+
 from kenspec.api.outputs import BreakerState
 from kenspec.server.engine.breaker import AcceptanceBreaker, DraftFaultBreaker
 from kenspec.server.engine.costs import chain_gains
@@ -185,6 +187,8 @@ class Speculator:
         self._own = AcceptanceStats(decay=_OWN_DECAY)
         self._sampled = sampled  # sampled rounds accept less than greedy ones: separate priors
         self._ahead: list[int] = []  # forced tokens the session holds that the output does not
+        # (a session class that does not subclass DraftSession declares no features)
+        self._features = bool(getattr(self._session, "wants_features", False))
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -349,6 +353,17 @@ class Speculator:
         # request every draft until its reset timeout); the batch already keeps only the
         # nodes worth their cost.
         return full, (1, min(accepted, 1))
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether the session drafts from the target's hidden states (a learned head)."""
+        return self._features
+
+    def observe(self, feature: torch.Tensor) -> None:
+        """The target's final hidden state [hidden_size] at the row that chose the output's
+        last token (after `extend` with the round's tokens)."""
+        if self._session is not None and self._features:
+            self._session.observe(feature)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """The output grew by `token_ids` (the session already holds forced ones given ahead)."""

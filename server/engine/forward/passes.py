@@ -82,7 +82,11 @@ class _PackedForward:
             (start + len(row.prompt_tail), start + len(row.tokens))
             for start, row in zip(packed.starts, rows, strict=True)
         ]
-        return self.head.logits(outputs, spans, verify)
+        result = self.head.logits(outputs, spans, verify)
+        if not self.head.wants_model_logits:  # outputs are the final hidden states
+            for logits, (begin, end) in zip(result, spans, strict=True):
+                logits.features = outputs[begin:end]
+        return result
 
     @torch.inference_mode()
     def prefill(self, cache: SlotCache, row: int, length: int, token_ids: Sequence[int]) -> None:

@@ -11,6 +11,7 @@ import torch
 from kenspec.server.engine.costs import Costs
 from kenspec.server.engine.draft import Branching as TreeBranching
 from kenspec.server.engine.draft import Candidates, Chain, DraftSession, StaticSession
+from kenspec.server.engine.draft_head import DraftHead
 from kenspec.server.engine.draft_tree import Source
 from kenspec.server.engine.generation import Generation, Round
 from kenspec.server.engine.grammar import GrammarSpec
@@ -183,10 +184,11 @@ def start(
     grammar: GrammarSpec | None = None,
     processing: ProcessorParams | None = None,
     top_logprobs: int | None = None,
+    head: DraftHead | None = None,
 ) -> tuple[SpeculativeEngine, Generation]:
     """A new engine (batch of its own) and a generation started on it, not yet run;
     `recycled`: the table its passes record into (the one a ContextDraft given as `draft`
-    drafts from)."""
+    drafts from); `head`: a learned head the engine's context draft drafts from."""
     engine = SpeculativeEngine(
         target,
         draft,
@@ -195,7 +197,9 @@ def start(
         costs=costs,
         timer=timer,
         recycled=recycled,
-        context=ContextSettings(tree_budget=tree_budget),
+        # (a head drafts through the engine's context draft: on where one is given)
+        context=ContextSettings(enabled=head is not None, tree_budget=tree_budget),
+        head=head,
     )
     generation = engine.start(
         prompt_ids,
