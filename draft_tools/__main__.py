@@ -1,9 +1,11 @@
-"""python -m draft_tools build|distill|train ...: the draft tools behind one entry point.
+"""python -m draft_tools build|head|distill|train ...: the draft tools behind one entry point.
 
     python -m draft_tools build --model MODEL_DIR --prompts prompts.txt --out drafts/mymodel
+    python -m draft_tools head --model MODEL_DIR --prompts prompts.txt --draft drafts/mymodel
 
-`build` runs everything (see python -m draft_tools build -h); `distill` and `train` are the
-single steps of draft_tools.distill and draft_tools.train.
+`build` runs everything for a KenLM draft (see python -m draft_tools build -h); `head` trains
+a learned head beside it from the same answers (draft_tools.head); `distill` and `train` are
+the single steps of draft_tools.distill and draft_tools.train.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kenspec.draft_tools import distill
 
         return distill.main(rest)
+    if command == "head":
+        from kenspec.draft_tools import head
+
+        return head.main(rest)
     if command == "train":
         from kenspec.draft_tools import train
 

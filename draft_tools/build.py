@@ -24,6 +24,11 @@ terminal (--quiet: none).
 
 The folder OUT is what `kenspec serve --draft OUT` loads; OUT/work holds what a rerun
 resumes from and is not needed to serve.
+
+    python -m draft_tools build --kind head --model MODEL_DIR --prompts prompts.txt --out OUT
+
+trains a learned head beside the n-gram from the same answers (OUT/corpus.ids.gz; see
+`python -m draft_tools head -h`); the server drafts from both.
 """
 
 from __future__ import annotations
@@ -156,7 +161,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    kind, rest = _kind(list(sys.argv[1:] if argv is None else argv))
+    if kind not in ("kenlm", "head"):
+        print(f"error: --kind must be kenlm or head, not {kind!r}", file=sys.stderr)
+        return 2
+    if kind == "head":  # the learned head, beside the draft in --out (draft_tools.head)
+        from kenspec.draft_tools import head
+
+        return head.main(["--draft" if word == "--out" else word for word in rest])
+    args = parse_args(rest)
     configure_logging(level="warning")  # the engine's warnings on stderr; stdout: the summary
     try:
         check_inputs(args)
@@ -169,6 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(report)
     return 0
+
+
+def _kind(argv: list[str]) -> tuple[str, list[str]]:
+    """`--kind kenlm|head` (kenlm: the n-gram draft, the default) and the other arguments."""
+    for index, word in enumerate(argv):
+        if word == "--kind" and index + 1 < len(argv):
+            return argv[index + 1], argv[:index] + argv[index + 2 :]
+        if word.startswith("--kind="):
+            return word.partition("=")[2], argv[:index] + argv[index + 1 :]
+    return "kenlm", argv
 
 
 if __name__ == "__main__":
