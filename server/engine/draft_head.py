@@ -147,7 +147,8 @@ class DraftHead:
         [V, hidden] in float32 (`output_rows`); kernels: kenspec's CPU kernels, whose bf16
         GEMV then runs the head's products (its weights kept in bf16 too; torch's float32
         products otherwise: several times slower for one row)."""
-        self.net = net.float().eval().requires_grad_(False)
+        # (on the target's device: a GPU target's hidden states stay where they are)
+        self.net = net.float().eval().requires_grad_(False).to(embed.device)
         self.keep = keep.to(torch.long)
         self._keep_ids = self.keep.tolist()
         self._embed = embed.detach()

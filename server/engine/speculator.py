@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
+import structlog
 import torch
 
 from kenspec.api.outputs import BreakerState
@@ -35,6 +36,8 @@ from kenspec.server.engine.draft import UNNAMED, Candidates, Chain, DraftSession
 from kenspec.server.engine.draft_tree import NO_DRAFTS, DraftTree, Source
 from kenspec.server.engine.params import SpeculationParams
 from kenspec.server.engine.token_tree import build_tree
+
+log = structlog.get_logger("kenspec.speculator")
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 PROBE_AFTER_MAX = 256
@@ -361,9 +364,15 @@ class Speculator:
 
     def observe(self, feature: torch.Tensor) -> None:
         """The target's final hidden state [hidden_size] at the row that chose the output's
-        last token (after `extend` with the round's tokens)."""
-        if self._session is not None and self._features:
+        last token (after `extend` with the round's tokens). A session that fails on it is
+        given no more (a draft's failure never fails the request; its other sources go on)."""
+        if self._session is None or not self._features:
+            return
+        try:
             self._session.observe(feature)
+        except Exception:
+            log.exception("draft_observe_failed", request_id=self._request_id)
+            self._features = False
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """The output grew by `token_ids` (the session already holds forced ones given ahead)."""

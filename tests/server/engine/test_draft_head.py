@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 
 import pytest
+import structlog
 import torch
 
 from kenspec.server.engine import context_draft, draft_head
@@ -251,3 +252,21 @@ def test_no_head_chain_after_a_long_match(tiny_target, references) -> None:
     rounds = list(generation)
     assert generation.output_ids == expected
     assert 0 < len(head.fed) < len(rounds) - 1  # (the tiny model repeats itself: long matches)
+
+
+def test_a_head_that_raises_stops_drafting_and_the_answer_goes_on(
+    tiny_target, references, head_always
+) -> None:
+    class Failing(RecordingHead):
+        def chain(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            super().chain(*args, **kwargs)
+            raise RuntimeError("simulated head failure")
+
+    ids, expected = references[tiny.PROMPTS[2]]
+    head = Failing(_head(tiny_target))
+    with structlog.testing.capture_logs() as logs:
+        generation = generate(tiny_target, None, ids, max_new_tokens=MAX_NEW, k=4, head=head)
+        list(generation)
+    assert generation.output_ids == expected
+    assert len(head.fed) == 1  # tried once, then given no more
+    assert [log["event"] for log in logs].count("draft_observe_failed") == 1
