@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kind == "head":  # the learned head, beside the draft in --out (draft_tools.head)
         from kenspec.draft_tools import head
 
-        return head.main(["--draft" if word == "--out" else word for word in rest])
+        renamed = ["--draft" if word == "--out" else word for word in rest]
+        return head.main([f"--draft={w[6:]}" if w.startswith("--out=") else w for w in renamed])
     args = parse_args(rest)
     configure_logging(level="warning")  # the engine's warnings on stderr; stdout: the summary
     try:

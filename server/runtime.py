@@ -191,11 +191,18 @@ def _load_head(settings: Settings, target: TargetModel) -> DraftHead | None:
     folder = Path(settings.model.draft)
     if not folder.is_dir():
         return None
+    if target.passes.head.wants_model_logits:  # its passes return logits, not hidden states
+        log.warning(
+            "draft_head_refused",
+            reason="this target's passes give the model's logits, not its hidden states "
+            f"(plan: {target.plan.describe()}); the head would never draft",
+        )
+        return None
     try:
         kernels = load_kernels() if target.device.type == "cpu" else None
         head = DraftHead.load(folder, target.model, kernels=kernels)
-    except HeadFormatError as error:
-        log.warning("draft_head_refused", reason=str(error))
+    except (HeadFormatError, OSError, ValueError, KeyError, RuntimeError) as error:
+        log.warning("draft_head_refused", reason=f"{type(error).__name__}: {error}")
         return None
     if head is not None:
         log.info(

@@ -182,7 +182,8 @@ class DraftHead:
     ) -> HeadChain:
         """Up to min(k, max_tokens) tokens after `token`, from the target's hidden state
         `feature` [hidden] at the row that chose it; stops at the first below `min_prob`.
-        With `alternatives`, also the next best first tokens (at least ALTERNATIVE_MIN_PROB)."""
+        With `alternatives`, also the next best first tokens (at least ALTERNATIVE_MIN_PROB;
+        none when the first token itself is under the gate)."""
         gate = self.min_prob if min_prob is None else min_prob
         tokens: list[int] = []
         probs: list[float] = []
@@ -196,13 +197,13 @@ class DraftHead:
                 # probabilities of the top tokens: exp(logit - logsumexp)
                 top_probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1)).tolist()
                 ids = [self._keep_ids[i] for i in top.indices.tolist()]
-                if depth == 0:
+                if top_probs[0] < gate:
+                    break
+                if depth == 0:  # (branches beside a first token that passed the gate)
                     others = [
                         (i, p) for i, p in zip(ids[1:], top_probs[1:], strict=True)
                         if p >= ALTERNATIVE_MIN_PROB
                     ]  # fmt: skip
-                if top_probs[0] < gate:
-                    break
                 token = ids[0]
                 tokens.append(token)
                 probs.append(top_probs[0])

@@ -62,6 +62,20 @@ def test_head_trains_checks_and_saves_a_loadable_head(tiny_model_dir, draft_fold
     assert "features: reused" in " ".join(said) and "resumed after epoch 3" in " ".join(said)
     assert again["losses"] == manifest["losses"]
     assert (folder / "head.safetensors").read_bytes() == weights
+    # Another corpus (an answer changed): its hidden states and training anew.
+    corpus = folder / "corpus.ids.gz"
+    with gzip.open(corpus, "rt") as read:
+        lines = read.read().splitlines()
+    original = corpus.read_bytes()
+    try:
+        with gzip.open(corpus, "wt") as changed:
+            changed.write("".join(line + "\n" for line in [lines[0] + " 65", *lines[1:]]))
+        said.clear()
+        head_tool.build(_args(tiny_model_dir, folder, prompts), say=said.append)
+        assert "features: reused" not in " ".join(said)
+        assert "starting over" in " ".join(said)
+    finally:
+        corpus.write_bytes(original)
 
 
 def test_the_check_replays_the_head_chain_alone() -> None:

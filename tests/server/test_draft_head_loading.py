@@ -31,3 +31,26 @@ def test_a_head_loads_for_its_target_and_is_refused_for_another(
         assert _load_head(parse_settings(flags), other) is None  # the server still starts
     refused = [log for log in logs if log["event"] == "draft_head_refused"]
     assert refused and "trained for another target" in refused[0]["reason"]
+
+
+def test_a_head_is_not_loaded_where_passes_give_logits(tiny_model_dir, tiny_target, tmp_path):
+    """A plan whose passes return the model's logits has no hidden states to feed a head."""
+    from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind
+
+    folder = tmp_path / "draft"
+    save_head(folder, HeadNet(tiny_target.model.config.hidden_size, 8), torch.arange(16),
+              tiny_target.model)  # fmt: skip
+    generic = TargetModel.load(
+        tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        execution=ExecutionOptions(head=HeadKind.MODEL),
+    )
+    flags = ["--model", str(tiny_model_dir), "--draft", str(folder), "--draft-head"]
+    with structlog.testing.capture_logs() as logs:
+        assert _load_head(parse_settings(flags), generic) is None
+    assert any("hidden states" in log.get("reason", "") for log in logs)
+    (folder / "head.json").write_text("{not json")
+    with structlog.testing.capture_logs() as logs:
+        assert _load_head(parse_settings(flags), tiny_target) is None  # a warning, no crash
+    assert any(log["event"] == "draft_head_refused" for log in logs)

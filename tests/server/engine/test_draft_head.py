@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from kenspec.server.engine import context_draft, draft_head
+from kenspec.server.engine.draft import Candidates, Chain, DraftSession
 from kenspec.server.engine.draft_head import (
     HEAD_MANIFEST,
     DraftHead,
@@ -21,6 +22,8 @@ from kenspec.server.engine.draft_head import (
     reduced_vocabulary,
     save_head,
 )
+from kenspec.server.engine.params import SpeculationParams
+from kenspec.server.engine.speculator import Speculator
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import generate
@@ -71,6 +74,9 @@ def test_alternatives_are_the_next_best_first_tokens(tiny_target, monkeypatch) -
     assert head.chain(feature, 5, k=3, min_prob=0.0).alternatives == ()
     monkeypatch.setattr(draft_head, "ALTERNATIVE_MIN_PROB", 1.0)
     assert head.chain(feature, 5, k=3, min_prob=0.0, alternatives=2).alternatives == ()
+    monkeypatch.setattr(draft_head, "ALTERNATIVE_MIN_PROB", 0.0)
+    gated = head.chain(feature, 5, k=3, min_prob=1.01, alternatives=2)  # the first gated off
+    assert gated.tokens == () and gated.alternatives == ()
 
 
 def test_the_reduced_vocabulary_is_the_most_frequent_tokens() -> None:
@@ -270,3 +276,44 @@ def test_a_head_that_raises_stops_drafting_and_the_answer_goes_on(
     assert generation.output_ids == expected
     assert len(head.fed) == 1  # tried once, then given no more
     assert [log["event"] for log in logs].count("draft_observe_failed") == 1
+
+
+def test_no_state_while_grammar_tokens_are_held_ahead() -> None:
+    """Forced tokens the session was given ahead of the output were chosen by no row: the head
+    is given no state until the output has caught up."""
+
+    class Session(DraftSession):
+        def __init__(self) -> None:
+            self.observed = 0
+
+        def propose(self, k: int) -> Candidates:
+            return (Chain(),)
+
+        def extend(self, token_ids) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        @property
+        def wants_features(self) -> bool:
+            return True
+
+        def observe(self, feature: torch.Tensor) -> None:
+            self.observed += 1
+
+    class Forcing:
+        def forced(self) -> tuple[int, ...]:
+            return (7, 8)
+
+        def prune(self, tree):  # type: ignore[no-untyped-def]
+            return tree
+
+    session = Session()
+    speculator = Speculator(session, SpeculationParams())
+    speculator.observe(torch.zeros(4))
+    assert session.observed == 1
+    speculator.propose(limit=8, constraint=Forcing())  # 7 and 8 given to the session ahead
+    speculator.extend([7])  # the output caught up with one of them
+    speculator.observe(torch.zeros(4))
+    assert session.observed == 1
+    speculator.extend([8])
+    speculator.observe(torch.zeros(4))
+    assert session.observed == 2
