@@ -10,7 +10,9 @@ import pytest
 import structlog
 import torch
 
+from kenspec.api.outputs import BreakerState
 from kenspec.server.engine import context_draft, draft_head
+from kenspec.server.engine.breaker import AcceptanceBreaker
 from kenspec.server.engine.draft import Candidates, Chain, DraftSession
 from kenspec.server.engine.draft_head import (
     HEAD_MANIFEST,
@@ -278,7 +280,7 @@ def test_a_head_that_raises_stops_drafting_and_the_answer_goes_on(
     assert [log["event"] for log in logs].count("draft_observe_failed") == 1
 
 
-def test_no_state_while_grammar_tokens_are_held_ahead() -> None:
+def test_no_state_while_grammar_tokens_are_held_ahead_or_the_breaker_is_open(clock) -> None:
     """Forced tokens the session was given ahead of the output were chosen by no row: the head
     is given no state until the output has caught up."""
 
@@ -310,6 +312,13 @@ def test_no_state_while_grammar_tokens_are_held_ahead() -> None:
     speculator = Speculator(session, SpeculationParams())
     speculator.observe(torch.zeros(4))
     assert session.observed == 1
+    # (while a request's acceptance breaker is open its drafts are not used: no state either)
+    breaker = AcceptanceBreaker(threshold=0.9, window_rounds=1, reset_timeout_s=60.0, clock=clock)
+    breaker.record(4, 0)
+    assert breaker.state is BreakerState.OPEN
+    shut = Session()
+    Speculator(shut, SpeculationParams(), acceptance=breaker).observe(torch.zeros(4))
+    assert shut.observed == 0
     speculator.propose(limit=8, constraint=Forcing())  # 7 and 8 given to the session ahead
     speculator.extend([7])  # the output caught up with one of them
     speculator.observe(torch.zeros(4))
