@@ -39,6 +39,7 @@ from kenspec.draft_tools.distill import read_prompts, render_prompt
 from kenspec.server.engine.draft_head import (
     DraftHead,
     HeadNet,
+    input_embedding,
     output_rows,
     reduced_vocabulary,
     save_head,
@@ -170,7 +171,7 @@ def train(
     resumes after its last finished epoch (a checkpoint of another `key`, other settings or
     data, is not resumed)."""
     generator = torch.Generator().manual_seed(seed)
-    embed = model.get_input_embeddings().weight.detach()
+    embed = input_embedding(model)
     rows = output_rows(model, keep)
     remap = torch.full((embed.shape[0],), -1, dtype=torch.long)
     remap[keep] = torch.arange(len(keep))
@@ -297,10 +298,9 @@ def build(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
         key=repr((fingerprint, data, args.vocabulary, args.inner, args.epochs, args.rollout,
                   args.batch, args.seed, args.heldout)),
     )  # fmt: skip
-    embed = model.get_input_embeddings().weight
     # (checked as the server drafts: through kenspec's bf16 GEMV where this CPU runs it)
-    kernels = load_kernels() if target.device.type == "cpu" else None
-    head = DraftHead(net, keep, embed, output_rows(model, keep), kernels=kernels)
+    rows = output_rows(model, keep)
+    head = DraftHead(net, keep, input_embedding(model), rows, kernels=load_kernels())
     report = check(head, checking) if checking else None
     manifest = save_head(
         args.draft, net, keep, model,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,10 +161,6 @@ class DraftHead:
         self._bf16 = _Bf16Weights.of(self.net, rows) if self._kernels is not None else None
 
     @property
-    def name(self) -> str:
-        return "head"
-
-    @property
     def uses_kernels(self) -> bool:
         """Whether its products run through kenspec's bf16 GEMV."""
         return self._kernels is not None
@@ -230,7 +227,6 @@ class DraftHead:
         folder: Path,
         model: PreTrainedModel,
         *,
-        min_prob: float = MIN_PROB,
         kernels: CpuKernels | None = None,
     ) -> DraftHead | None:
         """The head in a draft folder, for `model` (None: the folder has none);
@@ -260,7 +256,7 @@ class DraftHead:
         net.load_state_dict({name: t.float() for name, t in tensors.items()})
         embed = input_embedding(model)
         rows = output_rows(model, keep.to(torch.long))
-        return cls(net, keep, embed, rows, min_prob=min_prob, manifest=manifest, kernels=kernels)
+        return cls(net, keep, embed, rows, manifest=manifest, kernels=kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,10 +312,7 @@ def save_head(
 
 def reduced_vocabulary(answers: Sequence[Sequence[int]], size: int) -> tuple[torch.Tensor, float]:
     """The `size` tokens most frequent in `answers` and the share of answer tokens they cover."""
-    counts: dict[int, int] = {}
-    for answer in answers:
-        for token in answer:
-            counts[token] = counts.get(token, 0) + 1
+    counts = Counter(token for answer in answers for token in answer)
     ranked = sorted(counts, key=lambda token: (-counts[token], token))[:size]
     total = sum(counts.values())
     covered = sum(counts[token] for token in ranked)
