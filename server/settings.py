@@ -160,7 +160,7 @@ class KernelSettings:
 
     device: str = "auto"
     dtype: str = "auto"
-    weights: Weights = Weights.BF16
+    weights: Weights = Weights.AUTO
     threads: int = 0
     fast_step: bool = True
     skinny_gemm: bool = True
@@ -502,7 +502,7 @@ class Settings:
 def check_rules(settings: Settings) -> None:
     """The rules between flags, in one place (each group checked its own fields)."""
     kernels, speculation, security = settings.kernels, settings.speculation, settings.security
-    if kernels.weights != Weights.BF16:  # int8 and int4 are computed by the lean forward only
+    if kernels.weights in (Weights.INT8, Weights.INT4):  # computed by the lean forward only
         flag = f"--weights {kernels.weights}"
         if not kernels.fast_step:
             raise SettingsError(
@@ -518,6 +518,17 @@ def check_rules(settings: Settings) -> None:
         if kernels.dtype == "float16":
             raise SettingsError(
                 "--weights", f"{flag} computes in bfloat16 or float32: not with --dtype float16"
+            )
+    if kernels.weights == Weights.GGUF:  # the file's own groups: refused where they cannot be
+        if kernels.batch_invariant:
+            raise SettingsError(
+                "--weights",
+                "--weights gguf cannot be combined with --batch-invariant (which pads the "
+                "model's own layers); --weights auto serves the file dequantized there",
+            )
+        if kernels.dtype == "float16":
+            raise SettingsError(
+                "--weights", "--weights gguf computes in bfloat16 or float32: not --dtype float16"
             )
     indexed = speculation.suffix_index and speculation.draft_context
     if speculation.share_answers and not indexed:
@@ -565,7 +576,11 @@ _HELP = {
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
     "float16",
-    "weights": "how the linear layers' weights are kept: bf16 (as loaded, in --dtype), int8 "
+    "weights": "how the linear layers' weights are kept: auto (a GGUF file's own quantization "
+    "where it can be served so: a CPU, --dtype bfloat16 or float32, not --batch-invariant; else "
+    "as loaded), gguf (the file's own, or refuse: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+    "Q6_K, ... kept as the file holds them, F16/BF16/F32 as loaded), bf16 (as loaded, in "
+    "--dtype; a GGUF file dequantized), int8 "
     "(weight-only, symmetric, one scale per output row; the output layer too, the embedding "
     "stays in --dtype) or int4 (the decoder's layers in groups of 32 weights with a scale and "
     "an offset each, as GGUF's Q4_1, through torch's int4 kernel; the output layer int8): a "

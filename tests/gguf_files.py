@@ -145,3 +145,77 @@ def _finish(writer: GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Where each K-quant block keeps its float16 factors (ggml's block structs): d, and dmin
+_F16_FIELDS = {
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,),
+}
+
+
+def quantized_blocks(
+    weight: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
+    """weight [rows, cols] in `qtype`'s raw blocks: gguf's own quantization where it has one
+    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); else (the K-quants) random blocks with float16 factors of
+    the weight's scale: a tensor whose dequantization *is* the weight served."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    if qtype not in _F16_FIELDS:
+        return quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = weight.shape
+    blocks = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+    step = np.float32(np.abs(weight).max() / 2000)
+    for offset in _F16_FIELDS[qtype]:
+        factors = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * step).astype(np.float16)
+        blocks[..., offset : offset + 2] = factors[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_quantized_llama_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    qtype: GGMLQuantizationType,
+    output_qtype: GGMLQuantizationType | None = None,
+    float_layers: frozenset[str] = frozenset(),
+) -> Path:
+    """As write_llama_gguf, with the decoder's linear layers in `qtype` and the token
+    embedding (and an untied output layer) in `output_qtype` (None: F32); layers named in
+    `float_layers` (GGUF names, e.g. "ffn_down.weight") stay F32."""
+    rng = np.random.default_rng(0)
+    config = model.config
+    writer = GGUFWriter(path, "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(0)
+    _add_tokenizer(writer, tokenizer)
+    tied = config.tie_word_embeddings
+    for name, array in _tensors(model).items():
+        if tied and name == "output.weight":
+            continue  # llama.cpp's files of tied models have none
+        linear = name.startswith("blk.") and array.ndim == 2
+        chosen = qtype if linear else output_qtype if array.ndim == 2 else None
+        if linear and name.split(".", 2)[2] in float_layers:
+            chosen = None
+        if chosen is None:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            writer.add_tensor(name, quantized_blocks(array, chosen, rng), raw_dtype=chosen)
+    _finish(writer)
+    return path

@@ -21,12 +21,15 @@ CHAIN_TOKENS = 6  # an ordinary chain's length k (a short match's, KenLM's)
 
 
 class Weights(StrEnum):
-    """How the target's linear layers are kept (--weights): as --dtype loads them, or
-    quantized (engine.quantize)."""
+    """How the target's linear layers are kept (--weights): as --dtype loads them, quantized
+    by kenspec (engine.quantize), or as a GGUF file quantized them (engine.gguf_weights);
+    auto: a GGUF file's own where it can be served so, else as loaded."""
 
+    AUTO = "auto"
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
+    GGUF = "gguf"
 
 
 class AttentionMode(StrEnum):

@@ -24,13 +24,17 @@ z = -0.3 + 0.8 = 0.5, q = round((W - z) / s) + 8 = [0, 3, 5, 15] (exact here).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # (the kernels' module reads GroupedWeight: no import at run time)
+    from kenspec.server.engine.forward.cpu_kernels import CpuKernels
 
 TORCH_INT8_K = 32  # torch's int8 kernel takes rows of a multiple of this many weights
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -222,3 +226,131 @@ def quantize_model(model: PreTrainedModel, dtype: torch.dtype, weights: str = "i
     head = model.get_output_embeddings()
     if isinstance(head, nn.Linear) and not tied_head(model):
         model.set_output_embeddings(Int8Linear.of(head, dtype))
+
+
+# A GGUF file's own quantization, served as the file holds it (engine.gguf_quants reads it):
+# integers with a float32 scale and offset per group of a row's weights, W = q * s + m.
+GROUPED_BITS = (4, 8)  # how q is kept: two to a byte (4-bit files, groups of 32), or int8
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedWeight:
+    """A weight [out, in] as a GGUF file keeps it: q (int8 [out, in], or 4-bit values 0..15 two
+    to a byte [out, in / 2] in ggml's order: byte j of a group of 32 holds weight j low and
+    j + 16 high), scales and offsets (None: none) float32 [out, in / group]. `kind` names the
+    file's types it came from, e.g. "Q4_1" (for the log)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    bits: int  # 4 or 8: how values are kept
+    kind: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * self.group
+
+    def integers(self) -> torch.Tensor:
+        """q [out, in] as int8 (4-bit values unpacked)."""
+        if self.bits == 8:
+            return self.values
+        out, half = self.values.shape
+        packed = self.values.reshape(out, half // 16, 16)
+        low, high = packed & 15, packed >> 4
+        return torch.cat([low, high], dim=-1).reshape(out, half * 2).to(torch.int8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """q * s + m [out, in] in float32 (as the file's dequantization computes each weight),
+        then in `dtype`."""
+        scales = self.scales.repeat_interleave(self.group, dim=1)
+        weight = self.integers().float() * scales
+        if self.mins is not None:
+            weight += self.mins.repeat_interleave(self.group, dim=1)
+        return weight.to(dtype)
+
+    def widened(self) -> GroupedWeight:
+        """The same weight with q as int8 (exact)."""
+        if self.bits == 8:
+            return self
+        return GroupedWeight(self.integers(), self.scales, self.mins, self.group, 8, self.kind)
+
+
+def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
+    """Weights side by side (rows of the first, then the next...): one kind of q (4-bit ones
+    widened where another is int8), one group, offsets zero where a part has none."""
+    groups = {part.group for part in parts}
+    if len(groups) > 1:
+        parts = [_as_group16(part) for part in parts]
+    if len({part.bits for part in parts}) > 1:
+        parts = [part.widened() for part in parts]
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    mins = None
+    if any(part.mins is not None for part in parts):
+        mins = torch.cat([_offsets(part) for part in parts])
+    kinds = sorted({part.kind for part in parts if part.kind})
+    return GroupedWeight(
+        torch.cat([part.values for part in parts]),
+        torch.cat([part.scales for part in parts]),
+        mins,
+        first.group,
+        first.bits,
+        "+".join(kinds),
+    )
+
+
+def _offsets(part: GroupedWeight) -> torch.Tensor:
+    return torch.zeros_like(part.scales) if part.mins is None else part.mins
+
+
+def _as_group16(part: GroupedWeight) -> GroupedWeight:
+    """A weight in groups of 16 (each group of 32's scale and offset twice; q as int8)."""
+    if part.group == 16:
+        return part
+    mins = None if part.mins is None else part.mins.repeat_interleave(2, dim=1)
+    scales = part.scales.repeat_interleave(2, dim=1)
+    return GroupedWeight(part.integers(), scales, mins, 16, 8, part.kind)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: GroupedWeight, kernels: CpuKernels | None = None
+) -> torch.Tensor:
+    """x [rows, in] @ weight^T: kenspec's grouped GEMV for bf16 x where it runs (`kernels`),
+    else the file's weights dequantized in float32 (exact), summed in float32 and rounded once
+    to x's dtype."""
+    if kernels is not None and kernels.bf16 and x.dtype == torch.bfloat16:
+        return kernels.gemv_grouped(x, weight)
+    return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
+
+
+class GroupedLinear(nn.Module):
+    """A linear layer whose weight is a GGUF file's own quantized tensor (GroupedWeight)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(
+        self, weight: GroupedWeight, bias: torch.Tensor | None, kernels: CpuKernels | None = None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group, self.bits, self.kind = weight.group, weight.bits, weight.kind
+        self.register_buffer("values", weight.values)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernels = kernels  # CpuKernels where the grouped GEMV runs (bf16 activations)
+
+    @property
+    def weight_groups(self) -> GroupedWeight:
+        return GroupedWeight(self.values, self.scales, self.mins, self.group, self.bits, self.kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = grouped_linear(rows, self.weight_groups, self.kernels)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)

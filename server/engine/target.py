@@ -28,6 +28,7 @@ from kenspec.server.engine.architecture import (
 )
 from kenspec.server.engine.attention import PACKED_ATTENTION
 from kenspec.server.engine.forward.choose import build_forward
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
 from kenspec.server.engine.forward.lean import Unsupported, check
 from kenspec.server.engine.forward.passes import Forward
 from kenspec.server.engine.forward.plan import ExecutionOptions, ExecutionPlan
@@ -37,6 +38,7 @@ from kenspec.server.engine.gguf_model import (
     cached_folder,
     find_gguf,
 )
+from kenspec.server.engine.gguf_weights import FileWeights, FileWeightsError, apply_file_weights
 from kenspec.server.engine.kernels import Kernels
 from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.params import Weights
@@ -105,6 +107,8 @@ class TargetModel:
     # How its passes are computed: the plan chosen at load and the code that runs it
     # (engine.forward); fixed for the target's life.
     passes: Forward
+    # What a GGUF file's own quantization serves (--weights gguf, or auto on a GGUF file)
+    file_weights: FileWeights | None = None
 
     @classmethod
     def load(
@@ -113,13 +117,15 @@ class TargetModel:
         device: str = "auto",
         dtype: str = "auto",
         gguf_cache: str | Path = DEFAULT_GGUF_CACHE,
-        weights: str = "bf16",
+        weights: str = "auto",
         execution: ExecutionOptions = STOCK,
         chat_template: str | None = None,
     ) -> TargetModel:
         """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
         `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
-        int8 or int4, its linear layers quantized (engine.quantize); its passes planned within
+        int8 or int4, its linear layers quantized (engine.quantize), gguf (auto, where it can
+        be: a GGUF file on a CPU in bfloat16 or float32) the file's own quantized tensors
+        served as it keeps them (engine.gguf_weights); its passes planned within
         `execution` and built (engine.forward). chat_template: a Jinja template its tokenizer
         renders chats with instead of its own (or the one a model without one gets)."""
         try:
@@ -130,6 +136,8 @@ class TargetModel:
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         name = str(Path(path))
+        gguf_file = _gguf_file(Path(path))
+        kept = _resolve_weights(kept, gguf_file, resolved_device, resolved_dtype, execution)
         directory = _model_folder(Path(path), resolved_dtype, Path(gguf_cache))
         config = AutoConfig.from_pretrained(directory)
         try:
@@ -150,7 +158,13 @@ class TargetModel:
             raise TargetLoadError(f"{name}: {error}") from None
         if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
             raise TargetLoadError(f"{name}: its output layer is not a linear layer")
-        if kept is not Weights.BF16:
+        file_weights = None
+        if kept is Weights.GGUF:
+            assert gguf_file is not None  # _resolve_weights saw to it
+            file_weights = _file_weights(model, name, gguf_file)
+            if not file_weights.quantized_layers and file_weights.output is None:
+                kept, file_weights = Weights.BF16, None  # a float file: nothing to keep
+        elif kept is not Weights.BF16:
             _quantize(model, name, kept)
         max_context = served_context(config, windows)
         passes = build_forward(
@@ -159,6 +173,7 @@ class TargetModel:
             weights=kept,
             attention_shape=attention_shape(model),
             max_context=max_context,
+            file_output=None if file_weights is None else file_weights.output,
         )
         return cls(
             model=model,
@@ -169,6 +184,7 @@ class TargetModel:
             eos_token_ids=_eos_ids(model, tokenizer),
             max_context=max_context,
             passes=passes,
+            file_weights=file_weights,
         )
 
     @property
@@ -183,7 +199,10 @@ class TargetModel:
 
     @property
     def weights(self) -> str:
-        """How the linear layers' weights are kept: int8, int4, or the dtype (bfloat16)."""
+        """How the linear layers' weights are kept: int8, int4, a GGUF file's own ("gguf Q4_1
+        (210 layers), output Q8_0"), or the dtype (bfloat16)."""
+        if self.file_weights is not None:
+            return self.file_weights.describe()
         if self.quantized is not Weights.BF16:
             return str(self.quantized)
         return str(self.dtype).removeprefix("torch.")
@@ -289,6 +308,52 @@ def _quantize(model: PreTrainedModel, name: str, weights: Weights) -> None:
     if weights == "int4" and (refusal := int4_refusal(model)) is not None:
         raise TargetLoadError(f"{name}: {flag} cannot keep this model's layers: {refusal}")
     quantize_model(model, model.dtype, weights)
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names (gguf_model.find_gguf); None for a Hugging Face folder."""
+    try:
+        return find_gguf(path)
+    except GgufRefused as error:
+        raise TargetLoadError(str(error)) from None
+
+
+def _resolve_weights(
+    weights: Weights,
+    gguf_file: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    execution: ExecutionOptions,
+) -> Weights:
+    """auto: the GGUF file's own quantization where it is served fast (a GGUF file, a CPU
+    with AVX512-BF16 whose grouped GEMV computes it, bfloat16), else the weights as loaded.
+    gguf: the file's own wherever it can be served (float32 too: its weights dequantized for
+    every product, exact but slow), or TargetLoadError saying why it cannot be."""
+    if weights not in (Weights.AUTO, Weights.GGUF):
+        return weights
+    why = None
+    if gguf_file is None:
+        why = "the model is not a GGUF file"
+    elif device.type != "cpu":
+        why = f"it runs on a CPU only, not {device.type}"
+    elif dtype not in (torch.bfloat16, torch.float32):
+        why = f"it computes in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    elif execution.batch_invariant:
+        why = "batch-invariant mode pads the model's own layers"
+    if weights is Weights.GGUF:
+        if why is not None:
+            raise TargetLoadError(f"--weights gguf serves a GGUF file's own quantization: {why}")
+        return Weights.GGUF
+    kernels = load_kernels() if execution.cpu_kernels else None
+    fast = dtype == torch.bfloat16 and kernels is not None and kernels.bf16
+    return Weights.GGUF if why is None and fast else Weights.BF16
+
+
+def _file_weights(model: PreTrainedModel, name: str, gguf_file: Path) -> FileWeights:
+    try:
+        return apply_file_weights(model, gguf_file)
+    except FileWeightsError as error:
+        raise TargetLoadError(f"{name}: {error}") from None
 
 
 def _model_folder(path: Path, dtype: torch.dtype, gguf_cache: Path) -> Path:

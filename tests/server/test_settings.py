@@ -147,13 +147,15 @@ def test_tree_and_long_draft_bounds_are_checked(flag, value, message, capsys) ->
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--weights", "int2"], "--weights must be bf16, int8 or int4, not 'int2'"),
+        (["--weights", "int2"], "--weights must be auto, bf16, int8, int4 or gguf, not 'int2'"),
         (["--weights", "int8", "--no-fast-step"], "int8 runs through the fast step: it cannot"),
         (["--weights", "int8", "--batch-invariant"], "cannot be combined with --batch-invariant"),
         (["--weights", "int8", "--dtype", "float16"], "not with --dtype float16"),
         (["--weights", "int4", "--no-fast-step"], "int4 runs through the fast step: it cannot"),
         (["--weights", "int4", "--batch-invariant"], "int4 cannot be combined with --batch-inv"),
         (["--weights", "int4", "--dtype", "float16"], "--weights int4 computes in bfloat16 or"),
+        (["--weights", "gguf", "--batch-invariant"], "gguf cannot be combined with --batch-inv"),
+        (["--weights", "gguf", "--dtype", "float16"], "--weights gguf computes in bfloat16 or"),
     ],
 )
 def test_quantized_weights_conflicts_are_refused_with_flags_named(flags, message, capsys) -> None:
@@ -163,8 +165,9 @@ def test_quantized_weights_conflicts_are_refused_with_flags_named(flags, message
     assert message in capsys.readouterr().err
 
 
-def test_weights_default_to_bf16_and_take_int8_from_the_environment() -> None:
-    assert parse_settings([], env={}).kernels.weights == "bf16"
+def test_weights_default_to_auto_and_take_int8_from_the_environment() -> None:
+    assert parse_settings([], env={}).kernels.weights == "auto"
+    assert parse_settings(["--weights", "gguf"], env={}).kernels.weights == Weights.GGUF
     assert parse_settings([], env={"KENSPEC_WEIGHTS": "int8"}).kernels.weights == "int8"
     flags = ["--weights", "int8", "--dtype", "float32"]
     assert parse_settings(flags, env={}).kernels.weights == Weights.INT8
@@ -236,7 +239,7 @@ def test_modes_are_enums_that_compare_with_their_strings() -> None:
         (["--log-level", "loud"], {}, "--log-level must be debug, info, warning or error, not"),
         (["--log-format", "xml"], {}, "--log-format must be auto, console or json, not 'xml'"),
         ([], {"KENSPEC_LOG_FORMAT": "xml"}, "--log-format must be auto, console or json, not"),
-        ([], {"KENSPEC_WEIGHTS": "int2"}, "--weights must be bf16, int8 or int4, not 'int2'"),
+        ([], {"KENSPEC_WEIGHTS": "int2"}, "--weights must be auto, bf16, int8, int4 or gguf, not"),
     ],
 )
 def test_modes_are_refused_naming_the_values_they_take(argv, env, message, capsys) -> None:
@@ -284,4 +287,4 @@ def test_help_is_grouped_by_the_settings_headings(capsys) -> None:
     )
     for start, end, flag in zip(starts, ends, flags, strict=True):
         assert start < text.index(f"  {flag} ") < end
-    assert "[env KENSPEC_WEIGHTS; default: bf16]" in " ".join(text.split())
+    assert "[env KENSPEC_WEIGHTS; default: auto]" in " ".join(text.split())

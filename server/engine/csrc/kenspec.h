@@ -4,6 +4,7 @@
  * functions the CPU can run:
  *   gemv_int8.c  AVX-512 F/BW/VL/DQ   int8 weights, float32 or bfloat16 activations
  *   gemv.c       + AVX512-BF16        bfloat16 products (and int8 weights widened to bf16)
+ *   gemv_grouped.c + AVX512-BF16      a GGUF file's own groups: int8 or 4-bit q, scales, offsets
  *   gemv_avx2.c  AVX2 and FMA         bfloat16 products where AVX512-BF16 is not there
  *   layer.c      + AVX512-BF16        the work between a layer's products, top-k, the screen
  *   step.c       + AVX512-BF16        a whole decoder pass in one call
@@ -14,8 +15,9 @@
 #define KENSPEC_H
 #include <stdint.h>
 
-/* One decoder layer's weights: each product's weight [out, in] (bf16, or int8 with bf16
- * scales [out]), its bias [out] or NULL; the two norms' weights; the layer's cache. */
+/* One decoder layer's weights: each product's weight [out, in] (bf16, int8 with bf16 scales
+ * [out], or a GGUF file's own groups: q with float32 scales and offsets, gemv_grouped.c), its
+ * bias [out] or NULL; the two norms' weights; the layer's cache. */
 typedef struct {
   const void *qkv, *qkv_scales, *qkv_bias;
   const void *out, *out_scales, *out_bias;
@@ -23,6 +25,11 @@ typedef struct {
   const void *down, *down_scales;
   const uint16_t *input_norm, *post_norm;
   uint16_t *keys, *values; /* [slots, kv_heads, capacity, dim] */
+  /* a file's own groups (kenspec_pass.quant 2): each product's offsets (or NULL), its group
+   * and its bits (4 or 8) */
+  const float *qkv_mins, *out_mins, *gate_up_mins, *down_mins;
+  long qkv_group, out_group, gate_up_group, down_group;
+  long qkv_bits, out_bits, gate_up_bits, down_bits;
 } kenspec_layer;
 
 /* One decoder pass (kenspec_decoder_pass): `tokens` packed tokens through `count` layers.
@@ -36,7 +43,7 @@ typedef struct {
   const uint16_t *final_norm;
   uint16_t *hidden, *normed;
   long tokens, size, heads, kv_heads, dim, intermediate;
-  int int8; /* the layers' weights are int8 with scales */
+  int quant; /* the layers' weights: 0 bf16, 1 int8 with scales, 2 a file's own groups */
   float eps;
   const uint16_t *cos, *sin;
   const int64_t *cache_rows, *positions;
@@ -58,6 +65,10 @@ long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
 /* gemv_avx2.c: kenspec_gemv_bf16's product, summed in its own one order (see the file) */
 void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
                             long k, long out);
+/* gemv_grouped.c */
+int kenspec_gemv_grouped(const uint16_t *x, const void *q, int bits, const float *scales,
+                         const float *mins, long group, uint16_t *y, long rows, long k,
+                         long out);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

@@ -14,13 +14,19 @@ static const long layer_offsets[] = {
     AT(kenspec_layer, down),        AT(kenspec_layer, down_scales),
     AT(kenspec_layer, input_norm),  AT(kenspec_layer, post_norm),
     AT(kenspec_layer, keys),        AT(kenspec_layer, values),
+    AT(kenspec_layer, qkv_mins),    AT(kenspec_layer, out_mins),
+    AT(kenspec_layer, gate_up_mins), AT(kenspec_layer, down_mins),
+    AT(kenspec_layer, qkv_group),   AT(kenspec_layer, out_group),
+    AT(kenspec_layer, gate_up_group), AT(kenspec_layer, down_group),
+    AT(kenspec_layer, qkv_bits),    AT(kenspec_layer, out_bits),
+    AT(kenspec_layer, gate_up_bits), AT(kenspec_layer, down_bits),
 };
 
 static const long pass_offsets[] = {
     AT(kenspec_pass, layers),     AT(kenspec_pass, count),      AT(kenspec_pass, final_norm),
     AT(kenspec_pass, hidden),     AT(kenspec_pass, normed),     AT(kenspec_pass, tokens),
     AT(kenspec_pass, size),       AT(kenspec_pass, heads),      AT(kenspec_pass, kv_heads),
-    AT(kenspec_pass, dim),        AT(kenspec_pass, intermediate), AT(kenspec_pass, int8),
+    AT(kenspec_pass, dim),        AT(kenspec_pass, intermediate), AT(kenspec_pass, quant),
     AT(kenspec_pass, eps),        AT(kenspec_pass, cos),        AT(kenspec_pass, sin),
     AT(kenspec_pass, cache_rows), AT(kenspec_pass, positions),  AT(kenspec_pass, capacity),
     AT(kenspec_pass, mask),       AT(kenspec_pass, mask_bf16),  AT(kenspec_pass, mask_rows),

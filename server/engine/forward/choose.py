@@ -60,7 +60,7 @@ from kenspec.server.engine.invariant import choose_padding, short_key_counts, va
 from kenspec.server.engine.kernels import BatchInvariance, Kernels
 from kenspec.server.engine.linear_kernels import measure_skinny_rows
 from kenspec.server.engine.params import MAX_DRAFT_TOKENS, AttentionMode, Weights
-from kenspec.server.engine.quantize import Int8Linear
+from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, Int8Linear
 
 log = structlog.get_logger("kenspec.forward")
 
@@ -72,12 +72,18 @@ def build_forward(
     weights: Weights = Weights.BF16,
     attention_shape: tuple[int, int, int],
     max_context: int,
+    file_output: GroupedWeight | None = None,
 ) -> Forward:
-    """Plan the model's passes within `options` and build the Forward that runs them."""
+    """Plan the model's passes within `options` and build the Forward that runs them.
+    file_output: the output layer as a GGUF file keeps it (--weights gguf), for the lean
+    forward's output product."""
     started = time.perf_counter()
     kernels = load_kernels() if options.cpu_kernels and model.device.type == "cpu" else None
+    for module in model.modules():  # a file's own layers: the grouped GEMV where it runs
+        if isinstance(module, GroupedLinear):
+            module.kernels = kernels
     lean = _lean_weights(model, options, weights)
-    output = output_product(model, lean) if lean is not None else None
+    output = output_product(model, lean, file_output) if lean is not None else None
     plan, timings = plan_execution(
         model, options, weights, kernels, lean, output, attention_shape, max_context
     )
@@ -157,7 +163,11 @@ def _lean_weights(
     model: PreTrainedModel, options: ExecutionOptions, weights: Weights
 ) -> LeanWeights | None:
     """The lean forward's products, where it is asked for and serves the model."""
-    quantized = weights is not Weights.BF16
+    # int8 and int4 are computed by the lean forward only; a GGUF file's own layers also by
+    # transformers' modules (--no-fast-step, architectures the lean loop does not serve)
+    quantized = weights in (Weights.INT8, Weights.INT4) or (
+        weights is Weights.GGUF and options.lean is not LeanMode.OFF
+    )
     cpu = model.device.type == "cpu"
     pays = quantized or (cpu and model.dtype == torch.bfloat16)
     wanted = (
@@ -172,11 +182,16 @@ def _lean_weights(
         return None
 
 
-def output_product(model: PreTrainedModel, lean: LeanWeights) -> Product:
-    """The lean forward's output layer: as loaded, or an int8 copy where the decoder is
-    quantized and the layer is tied to the embedding (which keeps the model's dtype)."""
+def output_product(
+    model: PreTrainedModel, lean: LeanWeights, file_output: GroupedWeight | None = None
+) -> Product:
+    """The lean forward's output layer: the GGUF file's own tensor where given, as loaded,
+    or an int8 copy where the decoder is quantized (int8, int4) and the layer is tied to the
+    embedding (which keeps the model's dtype)."""
+    if file_output is not None:
+        return Product.of_file(file_output)
     head = model.get_output_embeddings()
-    if isinstance(head, Int8Linear) or not lean.quantized:
+    if isinstance(head, Int8Linear) or lean.quantized in ("", "gguf"):
         assert isinstance(head, (nn.Linear, Int8Linear))
         return Product.of([head])
     assert isinstance(head, nn.Linear)
@@ -202,6 +217,12 @@ def _lean_plan(
     timings: dict[str, object] = {}
     together = 1
     gemv_everywhere = _gemv_everywhere(lean, output, kernels)
+    if lean.quantized == "gguf" and kernels is not None and kernels.bf16:
+        # A file's own groups: the grouped GEMV at every width, by rule (a bf16 output layer:
+        # the bf16 GEMV); a prompt's wide passes too (see GROUPED_TOGETHER)
+        decoder = decoder or RowPlan.every(Kernel.GEMV)
+        head_kernels = head_kernels or RowPlan.every(Kernel.GEMV)
+        together = GROUPED_TOGETHER if output.grouped is not None else GEMV_TOGETHER
     if gemv_everywhere:
         every = RowPlan.every(Kernel.GEMV)
         decoder, head_kernels = decoder or every, head_kernels or every
@@ -241,6 +262,13 @@ GEMV_TOGETHER = 12
 # times the products an instruction. SmolLM2's output layer on one EPYC core: 4 rows at 1.4
 # times one row's cost, 8 at 2.6, 12 at 3.8 (bench/gemv_avx2.py --head).
 AVX2_GEMV_TOGETHER = 4
+# A GGUF file's own groups (csrc/gemv_grouped.c) are computed by the grouped GEMV at every
+# width: it is bound by its arithmetic (each group's widening, one dpbf16 and one scaling per
+# row), about 1.3 ms a row for SmolLM2's 4-bit decoder on two cores from 16 rows up, where
+# torch's GEMM over the weights dequantized for each product took 2.2 ms a row at 256 rows
+# and 6.3 at 64 (bench/results/gguf-weights). So one order at every width, a prompt's too.
+# Rows of logits computed together: 4 rows cost ~1.8 times one, 1 row alone.
+GROUPED_TOGETHER = 4
 # Measured plans (CPUs without kenspec's bf16 GEMV, int8 and int4 weights): repeats of each
 # kernel, alternating, and how much faster than the current choice another kernel must be in
 # its best repeat to take a row count over (a neighbour's burst must not flip a plan).

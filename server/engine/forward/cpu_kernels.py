@@ -34,6 +34,7 @@ from kenspec.server.engine.forward import kernel_build
 from kenspec.server.engine.forward.kernel_build import CPU_FLAGS, USES, Build
 from kenspec.server.engine.forward.kernel_build import SOURCES as SOURCES
 from kenspec.server.engine.forward.kernel_build import Isa as Isa
+from kenspec.server.engine.quantize import GroupedWeight
 
 log = structlog.get_logger("kenspec.kernels")
 
@@ -52,7 +53,12 @@ class DecoderLayer(ctypes.Structure):
         for name in (
             "qkv", "qkv_scales", "qkv_bias", "out", "out_scales", "out_bias", "gate_up",
             "gate_up_scales", "down", "down_scales", "input_norm", "post_norm", "keys", "values",
+            "qkv_mins", "out_mins", "gate_up_mins", "down_mins",
         )
+    ] + [
+        (f"{product}_{what}", _L)
+        for what in ("group", "bits")
+        for product in ("qkv", "out", "gate_up", "down")
     ]  # fmt: skip
 
 
@@ -62,7 +68,7 @@ class PassArgs(ctypes.Structure):
     _fields_ = [
         ("layers", ctypes.POINTER(DecoderLayer)), ("count", _L), ("final_norm", _P),
         ("hidden", _P), ("normed", _P), ("tokens", _L), ("size", _L), ("heads", _L),
-        ("kv_heads", _L), ("dim", _L), ("intermediate", _L), ("int8", _I), ("eps", _F),
+        ("kv_heads", _L), ("dim", _L), ("intermediate", _L), ("quant", _I), ("eps", _F),
         ("cos", _P), ("sin", _P), ("cache_rows", _P), ("positions", _P), ("capacity", _L),
         ("mask", _P), ("mask_bf16", _I), ("mask_rows", _P), ("kv_length", _L), ("scale", _F),
     ]  # fmt: skip
@@ -73,6 +79,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
     "kenspec_gemv_bf16_avx2": (None, [_P] * 3 + [_L] * 3, Isa.AVX2),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
+    "kenspec_gemv_grouped": (_I, [_P, _P, _I, _P, _P, _L, _P, _L, _L, _L], Isa.BF16),
     "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
     "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
     "kenspec_u8s8_prepare": (None, [_P] * 2 + [_L] * 2 + [_P] * 2, Isa.VNNI),
@@ -201,6 +208,27 @@ class CpuKernels:
         )  # fmt: skip
         if failed:
             raise MemoryError("kenspec_gemv_int8: no memory for the widened activations")
+        return out
+
+    def gemv_grouped(self, x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:
+        """x @ W^T for bf16 x [rows, in] and a GGUF file's own quantized weight W [out, in]
+        (engine.quantize.GroupedWeight: q * s + m per group, the file's values exactly),
+        summed in one order whatever the row count (csrc/gemv_grouped.c): bf16 [rows, out]."""
+        x = x.contiguous()
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+        failed = self._call(
+            "kenspec_gemv_grouped", x.data_ptr(), weight.values.data_ptr(), weight.bits,
+            weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
+            weight.group, out.data_ptr(), rows, k, weight.shape[0],
+        )  # fmt: skip
+        if failed == -2:
+            raise MemoryError("kenspec_gemv_grouped: no memory for the groups' sums")
+        if failed:
+            raise ValueError(
+                f"kenspec_gemv_grouped does not take {weight.bits}-bit groups of "
+                f"{weight.group} over {k} inputs"
+            )
         return out
 
     def widened(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

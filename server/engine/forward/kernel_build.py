@@ -68,6 +68,7 @@ COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
 UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("gemv_int8.c", Isa.AVX512),
     ("gemv.c", Isa.BF16),
+    ("gemv_grouped.c", Isa.BF16),
     ("gemv_avx2.c", Isa.AVX2),
     ("layer.c", Isa.BF16),
     ("step.c", Isa.BF16),

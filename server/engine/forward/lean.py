@@ -36,11 +36,15 @@ from kenspec.server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
 from kenspec.server.engine.forward.products import Linear, Product, lay_out, quantized_kind
 from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.packing import Packing
-from kenspec.server.engine.quantize import Int4Linear, Int8Linear
+from kenspec.server.engine.quantize import GroupedLinear, Int4Linear, Int8Linear
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 _FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
-_LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear})
+_LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear, GroupedLinear})
+
+
+# csrc/step.c's kenspec_pass.quant for the lean weights' kinds it computes (int4: not)
+_QUANT = {"": 0, "int8": 1, "gguf": 2}
 
 
 class Unsupported(ValueError):
@@ -230,8 +234,8 @@ class LeanDecoder:
 
     def _all_gemv(self, tokens: int) -> bool:
         """Whether every decoder product of a `tokens`-row pass takes the GEMV that
-        csrc/step.c runs (bf16 weights, or int8 ones widened to bf16)."""
-        return self.plan.kernel(tokens) is Kernel.GEMV and self.weights.quantized != "int4"
+        csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups)."""
+        return self.plan.kernel(tokens) is Kernel.GEMV and self.weights.quantized in _QUANT
 
     def _describe_layers(self) -> ctypes.Array[DecoderLayer]:
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -247,6 +251,11 @@ class LeanDecoder:
             ):  # fmt: skip
                 setattr(described, name, product.weight.data_ptr())
                 setattr(described, f"{name}_scales", pointer(product.scales))
+                if (grouped := product.grouped) is not None:  # a file's own groups
+                    setattr(described, f"{name}_scales", grouped.scales.data_ptr())
+                    setattr(described, f"{name}_mins", pointer(grouped.mins))
+                    setattr(described, f"{name}_group", grouped.group)
+                    setattr(described, f"{name}_bits", grouped.bits)
                 if name in ("qkv", "out"):
                     setattr(described, f"{name}_bias", pointer(product.bias))
                 else:
@@ -280,7 +289,7 @@ class LeanDecoder:
             layers=layers, count=len(w.layers), final_norm=w.norm_weights[-1].data_ptr(),
             hidden=hidden.data_ptr(), normed=normed.data_ptr(), tokens=hidden.shape[0],
             size=hidden.shape[1], heads=heads, kv_heads=kv_heads, dim=dim,
-            intermediate=w.layers[0].down.weight.shape[1], int8=int(w.quantized == "int8"),
+            intermediate=w.layers[0].down.in_features, quant=_QUANT[w.quantized],
             eps=w.eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache_rows=rows.data_ptr(),
             positions=positions.data_ptr(), capacity=keys.shape[2], mask=mask.data_ptr(),
             mask_bf16=int(mask.dtype == torch.bfloat16), mask_rows=mask_rows.data_ptr(),
@@ -303,7 +312,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _linear(module: nn.Module, name: str) -> Linear:
     layer = module.get_submodule(name)
-    assert isinstance(layer, (nn.Linear, Int8Linear, Int4Linear))  # check() saw to it
+    assert isinstance(layer, (nn.Linear, Int8Linear, Int4Linear, GroupedLinear))  # check()
     return layer
 
 
@@ -334,4 +343,6 @@ def check(model: PreTrainedModel) -> None:
             if kinds - _LINEARS:
                 raise Unsupported(f"mlp.{name} is not a plain linear layer")
     if len(kinds) > 1:
-        raise Unsupported("the linear layers are not all of one kind (bf16, int8 or int4)")
+        raise Unsupported(
+            "the linear layers are not all of one kind (bf16, int8, int4 or the file's own)"
+        )

@@ -27,11 +27,15 @@ from kenspec.server.engine.forward.cpu_kernels import CpuKernels
 from kenspec.server.engine.forward.plan import Kernel, RowPlan
 from kenspec.server.engine.quantize import (
     INT4_JOINED_ROWS,
+    GroupedLinear,
+    GroupedWeight,
     Int4Linear,
     Int4Weight,
     Int8Linear,
+    grouped_linear,
     int4_linear,
     int8_linear,
+    join_grouped,
     quantize,
 )
 
@@ -42,7 +46,7 @@ MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 34, 64, 136)  # rows a pass's pro
 # "Lazy logits rows").
 TOGETHER_SLACK = 0.5
 
-Linear = nn.Linear | Int8Linear | Int4Linear
+Linear = nn.Linear | Int8Linear | Int4Linear | GroupedLinear
 
 
 @functools.cache
@@ -64,23 +68,29 @@ class Product:
     """x @ weight^T (+ bias) for x [rows, in]: one linear layer, or several side by side.
     With `scales`, weight is int8 and the product (x @ weight^T) * scales; with `int4`, the
     product is torch's int4 kernel's over those parts, side by side, and weight is the first
-    part's packed values (engine.quantize)."""
+    part's packed values (engine.quantize); with `grouped`, a GGUF file's own quantized
+    tensor (csrc/gemv_grouped.c) and weight its values."""
 
     weight: torch.Tensor  # [out, in], contiguous
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout of weight, where a plan uses it
     scales: torch.Tensor | None = None  # [out], the activations' dtype: weight is int8
     int4: tuple[Int4Weight, ...] = ()  # one part where the layers' rows could be joined
+    grouped: GroupedWeight | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype."""
+        if self.grouped is not None:
+            return torch.bfloat16
         if self.int4:
             return self.int4[0].scales_zeros.dtype
         return self.weight.dtype if self.scales is None else self.scales.dtype
 
     @property
     def in_features(self) -> int:
+        if self.grouped is not None:
+            return self.grouped.shape[1]
         return self.int4[0].shape[1] if self.int4 else self.weight.shape[1]
 
     @classmethod
@@ -90,6 +100,10 @@ class Product:
         forward still computes what it did and no weight is held twice."""
         int8 = [layer for layer in layers if isinstance(layer, Int8Linear)]
         int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
+        grouped = [layer for layer in layers if isinstance(layer, GroupedLinear)]
+        if grouped:
+            assert len(grouped) == len(layers)  # lean.check: one kind
+            return cls._of_grouped(grouped)
         if int8 or int4:
             assert len(int8) == len(layers) or len(int4) == len(layers)  # lean.check: one kind
             return cls._of_int8(int8) if int8 else cls._of_int4(int4)
@@ -136,6 +150,24 @@ class Product:
         return cls(parts[0].packed, bias, int4=tuple(parts))
 
     @classmethod
+    def _of_grouped(cls, layers: Sequence[GroupedLinear]) -> Product:
+        """As `of`, for a GGUF file's own tensors: joined (engine.quantize.join_grouped), each
+        layer's values, scales and offsets a view of the joined rows."""
+        joined = join_grouped([layer.weight_groups for layer in layers])
+        if len(layers) > 1:
+            for layer, rows in zip(layers, _row_ranges(layers), strict=True):
+                layer.values, layer.scales = joined.values[rows], joined.scales[rows]
+                layer.mins = None if joined.mins is None else joined.mins[rows]
+                layer.group, layer.bits = joined.group, joined.bits
+        bias = _joined_bias(layers, joined.scales.new_empty(0, dtype=torch.bfloat16))
+        return cls(joined.values, bias, grouped=joined)
+
+    @classmethod
+    def of_file(cls, weight: GroupedWeight) -> Product:
+        """A GGUF file's own tensor as a product (an output layer the file keeps quantized)."""
+        return cls(weight.values, grouped=weight)
+
+    @classmethod
     def quantized(cls, weight: torch.Tensor, dtype: torch.dtype) -> Product:
         """An int8 copy of weight [out, in] (an output layer tied to the embedding, which keeps
         its own dtype for the lookup)."""
@@ -144,11 +176,15 @@ class Product:
 
     def pack(self) -> None:
         """oneDNN's layout of a bf16 weight, made once (a plan that takes `packed` reads it)."""
-        if self.packed is None and self.scales is None and not self.int4:
+        if self.packed is None and self.scales is None and not self.int4 and self.grouped is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     def run(self, x: torch.Tensor, kernel: Kernel, kernels: CpuKernels | None) -> torch.Tensor:
         """The product of x [rows, in] through `kernel` (where it cannot run: torch's)."""
+        if self.grouped is not None:  # the GEMV; else the file's weights in float32, exact
+            gemv = kernel is Kernel.GEMV and kernels is not None and kernels.bf16
+            out = grouped_linear(x, self.grouped, kernels if gemv else None)
+            return out if self.bias is None else out.add_(self.bias.to(out.dtype))
         if self.int4:  # one kernel: torch's
             if len(self.int4) == 1:
                 return int4_linear(x, self.weight, self.int4[0].scales_zeros, self.bias)
@@ -203,7 +239,10 @@ def _joined_bias(layers: Sequence[Linear], like: torch.Tensor) -> torch.Tensor |
 
 
 def quantized_kind(products: Sequence[Product]) -> str:
-    """The products' weights: "int8", "int4", or "" (the model's dtype)."""
+    """The products' weights: "int8", "int4", "gguf" (a file's own), or "" (the model's
+    dtype)."""
+    if any(product.grouped is not None for product in products):
+        return "gguf"
     if any(product.scales is not None for product in products):
         return "int8"
     return "int4" if any(product.int4 for product in products) else ""
@@ -215,6 +254,8 @@ def candidates(products: Sequence[Product], kernels: CpuKernels | None) -> tuple
     kind = quantized_kind(products)
     if kind == "int4":
         return (Kernel.STOCK,)
+    if kind == "gguf":
+        return (Kernel.STOCK,) + ((Kernel.GEMV,) if kernels is not None and kernels.bf16 else ())
     if kind == "int8":
         gemv = kernels is not None and kernels.int8
         return (Kernel.STOCK, Kernel.DEQUANT) + ((Kernel.GEMV,) if gemv else ())

@@ -62,10 +62,10 @@ def test_a_member_added_on_one_side_only_fails_at_load(
     monkeypatch.setattr(cpu_kernels, name, extra)
     with pytest.raises(LayoutMismatch, match=name):
         check_layout(KERNELS.library)
-    if which == "pass":  # int8 (an int) and eps (a float) read as one long: offsets move
+    if which == "pass":  # quant (an int) and eps (a float) read as one long: offsets move
         fields = list(original._fields_)
-        at = [field[0] for field in fields].index("int8")
-        fields[at : at + 2] = [("int8", ctypes.c_long)]
+        at = [field[0] for field in fields].index("quant")
+        fields[at : at + 2] = [("quant", ctypes.c_long)]
         short = type(name, (ctypes.Structure,), {"_fields_": fields})
         monkeypatch.setattr(cpu_kernels, name, short)
         with pytest.raises(LayoutMismatch):

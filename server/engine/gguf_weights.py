@@ -1,0 +1,186 @@
+"""A GGUF file's weights served in the file's own quantization (--weights auto or gguf).
+
+The model is loaded dequantized (gguf_model's cached folder: the tokenizer, the config, the
+norms, the embedding for lookups); then each of the decoder's linear layers whose tensor the
+file keeps quantized becomes a `GroupedLinear` holding the file's integers with their scales
+and offsets (engine.gguf_quants reads them, engine.quantize keeps them), and the output
+layer's product is the file's own tensor (`output.weight`, or `token_embd.weight` where the
+model ties them). Nothing is re-quantized: the served weights are the file's, each exactly
+as its dequantization computes it (checked at load against the loaded model's rows).
+
+Where a tensor is F32/F16/BF16 the layer stays as loaded (in --dtype). The file's tensor
+names and llama.cpp's rotary row order of q and k are undone as transformers undoes them on
+load (its name map and tensor processor, applied to each row's index).
+
+    >>> # the Q4_1 file of SmolLM2: every decoder layer Q4_1 (4-bit groups), output Q8_0
+    >>> # describe(FileWeights(...)) == "gguf Q4_1 (210 layers), output Q8_0"
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from transformers import PreTrainedModel
+
+from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, pack_nibbles, read_blocks
+from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, decoder_linears, tied_head
+
+FLOAT_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+)
+_CHECKED_ROWS = 8  # rows of each tensor compared with the loaded model's at load
+
+
+class FileWeightsError(ValueError):
+    """The file's tensors cannot be served as the file keeps them (the message says why)."""
+
+
+@dataclass
+class FileWeights:
+    """What was taken from the file: the output layer's tensor (None: as loaded) and the
+    count of decoder layers per GGUF type (those kept as loaded under their float type)."""
+
+    output: GroupedWeight | None = None
+    layers: Counter[str] = field(default_factory=Counter)
+    output_type: str = ""
+
+    @property
+    def quantized_layers(self) -> int:
+        return sum(n for kind, n in self.layers.items() if kind not in _FLOAT_NAMES)
+
+    def describe(self) -> str:
+        """E.g. "gguf Q4_1 (210 layers), output Q8_0"."""
+        kinds = ", ".join(f"{kind} ({n} layers)" for kind, n in sorted(self.layers.items()))
+        output = self.output_type or "as loaded"
+        return f"gguf {kinds}, output {output}"
+
+
+_FLOAT_NAMES = frozenset(t.name for t in FLOAT_TYPES)
+
+
+def apply_file_weights(model: PreTrainedModel, path: Path) -> FileWeights:
+    """Replace the model's decoder linear layers by the file's quantized tensors, and read
+    its output layer's; FileWeightsError where a tensor is missing, of a type not read, or
+    does not match the loaded model."""
+    reader = GGUFReader(path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    field_value = reader.get_field("general.architecture")
+    architecture = str(field_value.contents()) if field_value is not None else ""
+    names, processor = _names(model, architecture)
+    found = FileWeights()
+    for parent, name, linear in list(decoder_linears(model)):
+        if not isinstance(linear, torch.nn.Linear):
+            raise FileWeightsError(f"{name} is a {type(linear).__name__}, not the loaded layer")
+        hf_name = _parameter_name(model, linear)
+        tensor = tensors.get(names.get(hf_name, ""))
+        if tensor is None:
+            raise FileWeightsError(f"{path}: no tensor for {hf_name}")
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        found.layers[qtype.name] += 1
+        if qtype in FLOAT_TYPES:
+            continue
+        weight = _grouped(tensor, qtype, processor, linear.weight.detach(), hf_name)
+        setattr(parent, name, GroupedLinear(weight, linear.bias))
+    head = model.get_output_embeddings()
+    source = "model.embed_tokens.weight" if tied_head(model) else _parameter_name(model, head)
+    tensor = tensors.get(names.get(source, ""))
+    if tensor is None and tied_head(model):
+        tensor = tensors.get("token_embd.weight")
+    if tensor is not None:
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        found.output_type = qtype.name
+        weight = head.weight
+        if qtype not in FLOAT_TYPES and isinstance(weight, torch.Tensor):
+            found.output = _grouped(tensor, qtype, processor, weight.detach(), source)
+    return found
+
+
+def _names(model: PreTrainedModel, architecture: str) -> tuple[dict[str, str], Any]:
+    """{Hugging Face parameter name: GGUF tensor name}, and transformers' tensor processor for
+    the architecture (which undoes llama.cpp's layouts on load)."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    kind: Any = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    processor = kind(config=model.config.to_dict())
+    mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor)
+    return {hf: gguf for gguf, hf in mapping.items()}, processor
+
+
+def _parameter_name(model: PreTrainedModel, module: torch.nn.Module) -> str:
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return f"{name}.weight"
+    raise FileWeightsError(f"{type(module).__name__} is not a module of the model")
+
+
+def _row_order(processor: Any, name: str, rows: int) -> np.ndarray:
+    """The file's row each loaded row comes from: transformers' processor applied to each
+    row's index (llama.cpp keeps q and k in its rotary order; most tensors as they are)."""
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    processed = np.asarray(processor.process(weights=index, name=name).weights)
+    order = processed.reshape(-1).astype(np.int64)
+    if processed.shape != index.shape or sorted(order.tolist()) != list(range(rows)):
+        raise FileWeightsError(f"{name}: the loader does more than reorder its rows")
+    return order
+
+
+def _grouped(
+    tensor: Any, qtype: GGMLQuantizationType, processor: Any, loaded: torch.Tensor, hf_name: str
+) -> GroupedWeight:
+    """The file's tensor as a GroupedWeight in the loaded model's row order, checked against
+    `loaded` (the model's dequantized weight) on a few rows."""
+    if qtype not in READABLE:
+        raise FileWeightsError(
+            f"{hf_name} is {qtype.name}, which kenspec does not serve as the file keeps it; "
+            "start with --weights bf16 to serve it dequantized"
+        )
+    rows, cols = loaded.shape
+    blocks = read_blocks(np.asarray(tensor.data).reshape(rows, -1), qtype, cols)
+    order = _row_order(processor, tensor.name, rows)
+    values = blocks.values[order]
+    scales = np.ascontiguousarray(blocks.scales[order], dtype=np.float32)
+    mins = None if blocks.mins is None else np.ascontiguousarray(blocks.mins[order], np.float32)
+    packed = qtype in FOUR_BIT and blocks.group == 32 and cols % 32 == 0
+    stored = pack_nibbles(values) if packed else np.ascontiguousarray(values, dtype=np.int8)
+    weight = GroupedWeight(
+        torch.from_numpy(np.ascontiguousarray(stored)),
+        torch.from_numpy(scales),
+        None if mins is None else torch.from_numpy(mins),
+        blocks.group,
+        4 if packed else 8,
+        qtype.name,
+    )
+    _check_rows(weight, loaded, hf_name)
+    return weight
+
+
+def _check_rows(weight: GroupedWeight, loaded: torch.Tensor, hf_name: str) -> None:
+    """The file's weights on a few rows against the loaded model's: equal in float32 (both
+    are the file's dequantization), within a bfloat16 rounding in bfloat16."""
+    rows = loaded.shape[0]
+    picked = torch.linspace(0, rows - 1, min(rows, _CHECKED_ROWS)).long().unique()
+    part = GroupedWeight(
+        weight.values[picked],
+        weight.scales[picked],
+        None if weight.mins is None else weight.mins[picked],
+        weight.group,
+        weight.bits,
+    )
+    mine = part.dequantize(torch.float32).to(loaded.dtype)
+    theirs = loaded[picked]
+    if not torch.equal(mine, theirs):
+        worst = (mine.float() - theirs.float()).abs().max().item()
+        raise FileWeightsError(
+            f"{hf_name}: the file's weights read as kept differ from the loaded model's "
+            f"(up to {worst:.3g}); serve it with --weights bf16"
+        )

@@ -1,0 +1,304 @@
+"""A GGUF file served in its own quantization (--weights auto/gguf: engine.gguf_weights): the
+grouped GEMV (csrc/gemv_grouped.c) against a float64 reference and its row invariance, layers
+joined side by side, each quantization type's tensors served as the file holds them (the
+weights equal the file's dequantization; float32 greedy output equals transformers' generate
+on the dequantized file), greedy speculation equal to plain decoding of the same target
+through the fast step, and what auto and gguf do with what they cannot serve."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
+from kenspec.server.engine.gguf_quants import READABLE
+from kenspec.server.engine.params import Weights
+from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, join_grouped
+from kenspec.server.engine.target import TargetLoadError, TargetModel
+from tests import tiny
+from tests.gguf_files import write_quantized_llama_gguf
+from tests.server.engine.drafts import last_rows
+from tests.server.engine.quantized_models import (
+    check_float32_decoding_is_generate,
+    check_greedy_speculation_is_plain_decoding,
+)
+
+Q = GGMLQuantizationType
+KERNELS = load_kernels()
+BF16 = KERNELS is not None and KERNELS.bf16
+needs_bf16 = pytest.mark.skipif(not BF16, reason="the CPU has no avx512_bf16 (or no compiler)")
+# Every type the reader takes that a tiny model's rows (256 and 512 weights) can hold
+TYPES = sorted((t for t in READABLE if t not in (Q.F32, Q.F16, Q.BF16)), key=lambda t: t.name)
+LEAN = ExecutionOptions(lean=LeanMode.AUTO)
+
+
+def _grouped(out: int, k: int, bits: int, group: int, offsets: bool, seed: int) -> GroupedWeight:
+    """A random weight of the kind a file holds: 4-bit values 0..15 two to a byte, or int8."""
+    generator = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (out, k), generator=generator, dtype=torch.int16)
+        halves = q.reshape(out, k // 32, 2, 16)
+        values = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(out, k // 2)
+    else:
+        values = torch.randint(-128, 128, (out, k), generator=generator).to(torch.int8)
+    scales = (torch.rand(out, k // group, generator=generator) * 0.01).half().float()
+    mins = (torch.randn(out, k // group, generator=generator) * 0.05).half().float()
+    return GroupedWeight(values.contiguous(), scales, mins if offsets else None, group, bits)
+
+
+KINDS = [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False)]
+KINDS.append((8, 16, True))
+KIND_IDS = [f"{bits}bit-g{group}-{'offsets' if o else 'scales'}" for bits, group, o in KINDS]
+
+
+@needs_bf16
+@pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("shape", [(64, 64), (96, 576), (33, 256)], ids=str)
+def test_the_grouped_gemv_is_the_files_weights_product(
+    bits: int, group: int, offsets: bool, shape: tuple[int, int]
+) -> None:
+    """x @ (q * s + m)^T against float64: within the bf16 rounding of the output (the sums are
+    float32; q and x products exact)."""
+    assert KERNELS is not None
+    weight = _grouped(*shape, bits, group, offsets, seed=1)
+    x = torch.randn(5, shape[1]).bfloat16()
+    expected = x.double() @ weight.dequantize(torch.float64).T
+    got = KERNELS.gemv_grouped(x, weight).double()
+    assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * shape[1]).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
+    bits: int, group: int, offsets: bool, threads: int
+) -> None:
+    """What exactness rests on: each row of a pass of 1 to 17 rows has the bits it has alone."""
+    assert KERNELS is not None
+    weight = _grouped(100, 576, bits, group, offsets, seed=2)
+    x = torch.randn(17, 576).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([KERNELS.gemv_grouped(x[i : i + 1], weight) for i in range(17)])
+        for rows in (2, 3, 4, 5, 8, 16, 17):
+            assert torch.equal(KERNELS.gemv_grouped(x[:rows], weight), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16
+def test_the_grouped_gemv_refuses_what_it_does_not_take() -> None:
+    assert KERNELS is not None
+    weight = _grouped(16, 64, 8, 32, True, seed=3)
+    with pytest.raises(ValueError, match="8-bit groups of 32 over 48 inputs"):
+        KERNELS.gemv_grouped(torch.zeros(1, 48, dtype=torch.bfloat16), weight)
+
+
+def test_layers_joined_side_by_side_keep_each_ones_weights() -> None:
+    """4-bit and int8 parts, groups of 16 and 32, with and without offsets: the joined weight's
+    rows are each part's, exactly."""
+    parts = [
+        _grouped(32, 256, 4, 32, True, seed=4),
+        _grouped(16, 256, 8, 32, False, seed=5),
+        _grouped(48, 256, 8, 16, True, seed=6),
+    ]
+    joined = join_grouped(parts)
+    assert joined.bits == 8 and joined.group == 16 and joined.mins is not None
+    expected = torch.cat([part.dequantize() for part in parts])
+    assert torch.equal(joined.dequantize(), expected)
+    same = join_grouped(parts[:1] * 2)
+    assert same.bits == 4 and same.group == 32  # alike parts are kept as they are
+
+
+def test_the_fallback_product_is_the_dequantized_product_in_float32() -> None:
+    """Where the GEMV does not run (float32 activations): the file's weights in float32,
+    F.linear's bits exactly."""
+    layer = GroupedLinear(_grouped(48, 256, 4, 32, True, seed=7), bias=None)
+    x = torch.randn(3, 256)
+    weight = layer.weight_groups.dequantize(torch.float32)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+
+
+def _tiny_llama(tokenizer: PreTrainedTokenizerFast, tied: bool) -> LlamaForCausalLM:
+    """Rows of 256 and 512 weights: whole blocks of every type (the K-quants' are 256)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return tiny.build_byte_tokenizer()
+
+
+def _file(
+    folder: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    qtype: GGMLQuantizationType,
+    *,
+    tied: bool = True,
+    output: GGMLQuantizationType | None = Q.Q8_0,
+    float_layers: frozenset[str] = frozenset(),
+) -> Path:
+    path = folder / f"{qtype.name}-{tied}-{output}-{len(float_layers)}.gguf"
+    model = _tiny_llama(tokenizer, tied)
+    return write_quantized_llama_gguf(path, model, tokenizer, qtype, output, float_layers)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_type_is_served_as_the_file_holds_it(
+    qtype: GGMLQuantizationType, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """Every decoder layer is the file's tensor (its weights the dequantized file's, bit for
+    bit in float32), and float32 greedy output equals transformers' generate on the file
+    dequantized."""
+    path = _file(tmp_path, tokenizer, qtype)
+    cache = tmp_path / "cache"
+    served = TargetModel.load(path, device="cpu", dtype="float32", gguf_cache=cache, weights="gguf")
+    plain = TargetModel.load(path, device="cpu", dtype="float32", gguf_cache=cache)  # auto
+    assert plain.file_weights is None  # auto: float32 is served as loaded
+    assert served.quantized is Weights.GGUF and plain.quantized is Weights.BF16
+    assert served.weights == f"gguf {qtype.name} (14 layers), output Q8_0"
+    assert served.file_weights is not None and served.file_weights.output is not None
+    layers = dict(served.model.named_modules())
+    for name, module in plain.model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            grouped = layers[name]
+            assert isinstance(grouped, GroupedLinear) and grouped.kind == qtype.name, name
+            assert torch.equal(grouped.weight_groups.dequantize(), module.weight), name
+    embedding = plain.model.get_input_embeddings().weight
+    assert torch.equal(served.file_weights.output.dequantize(), embedding)
+    check_float32_decoding_is_generate(served)
+    for prompt in tiny.PROMPTS[:3]:  # the same answers as the dequantized file's
+        ids = served.encode_prompt(prompt)
+        greedy = [
+            target.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False, max_new_tokens=12,
+            )[0].tolist()
+            for target in (served, plain)
+        ]  # fmt: skip
+        assert greedy[0] == greedy[1]
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_speculation_on_the_files_own_weights_is_plain_decoding(
+    qtype: GGMLQuantizationType, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """bfloat16 through the fast step (the grouped GEMV, the whole pass in one call): greedy
+    output with drafts that always and never match equals plain decoding of the same target;
+    every verify width computes each row as a one-row pass does."""
+    path = _file(tmp_path, tokenizer, qtype)
+    target = TargetModel.load(
+        path, device="cpu", dtype="bfloat16", gguf_cache=tmp_path / "cache", execution=LEAN
+    )
+    assert target.plan.forward is ForwardKind.LEAN
+    assert target.quantized is Weights.GGUF
+    assert "gguf" in target.plan.describe()
+    assert target.plan.row_invariant_below == sys.maxsize  # every width: the GEMV
+    check_greedy_speculation_is_plain_decoding(target, tmp_path)
+
+
+@needs_bf16
+def test_the_fast_step_computes_what_the_models_own_layers_do(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """A bf16 pass of 1 and of 7 tokens through the fast step over the file's groups (an
+    untied output layer the file keeps in Q6_K) gives transformers' logits through the same
+    GroupedLinear layers up to bf16 rounding, and the same argmax."""
+    path = _file(tmp_path, tokenizer, Q.Q4_K, tied=False, output=Q.Q6_K)
+    cache = tmp_path / "cache"
+    stock = TargetModel.load(path, device="cpu", dtype="bfloat16", gguf_cache=cache)
+    fast = TargetModel.load(path, device="cpu", dtype="bfloat16", gguf_cache=cache, execution=LEAN)
+    assert stock.plan.forward is ForwardKind.EAGER and fast.plan.forward is ForwardKind.LEAN
+    assert fast.file_weights is not None and fast.file_weights.output is not None
+    assert fast.weights == "gguf Q4_K (14 layers), output Q6_K"
+    ids = stock.encode_prompt("The quick brown fox jumps over")
+    for width in (1, 7):
+        rows = [last_rows(target, ids, width) for target in (stock, fast)]
+        torch.testing.assert_close(rows[1], rows[0], rtol=0.05, atol=0.05)
+        assert torch.equal(rows[1].argmax(-1), rows[0].argmax(-1))
+
+
+def test_layers_the_file_keeps_in_float_stay_as_loaded(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """F32 layers among quantized ones: those stay linear layers (served by transformers'
+    modules, float32 exact), the others are the file's."""
+    path = _file(tmp_path, tokenizer, Q.Q4_0, float_layers=frozenset({"ffn_down.weight"}))
+    target = TargetModel.load(
+        path, device="cpu", dtype="float32", gguf_cache=tmp_path / "c", weights="gguf"
+    )
+    assert target.weights == "gguf F32 (2 layers), Q4_0 (12 layers), output Q8_0"
+    kinds = {type(layer.mlp.down_proj) for layer in target.model.model.layers}
+    assert kinds == {torch.nn.Linear}
+    check_float32_decoding_is_generate(target)
+
+
+def test_auto_serves_the_files_own_only_where_the_grouped_gemv_computes_it(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """auto: a GGUF file in bfloat16 on a CPU with AVX512-BF16 is served as the file keeps it;
+    float32 (every product would dequantize), a folder, a CPU without the kernel: as loaded."""
+    path = _file(tmp_path, tokenizer, Q.Q4_0, output=None)  # decoder Q4_0, embedding F32
+    cache = tmp_path / "c"
+    bf16 = TargetModel.load(path, device="cpu", dtype="bfloat16", gguf_cache=cache)
+    assert bf16.quantized is (Weights.GGUF if BF16 else Weights.BF16)
+    if BF16:
+        assert bf16.weights == "gguf Q4_0 (14 layers), output F32"
+        assert bf16.file_weights is not None and bf16.file_weights.output is None
+    without = TargetModel.load(
+        path, device="cpu", dtype="bfloat16", gguf_cache=cache,
+        execution=ExecutionOptions(cpu_kernels=False),
+    )  # fmt: skip
+    assert without.quantized is Weights.BF16
+    fp32 = TargetModel.load(path, device="cpu", dtype="float32", gguf_cache=cache)
+    assert fp32.quantized is Weights.BF16 and fp32.weights == "float32"
+    folder = TargetModel.load(tiny_model_dir, device="cpu", dtype="bfloat16")
+    assert folder.quantized is Weights.BF16 and folder.file_weights is None
+
+
+def test_gguf_weights_are_refused_where_they_cannot_be_served(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(TargetLoadError, match="not a GGUF file"):
+        TargetModel.load(tiny_model_dir, device="cpu", dtype="float32", weights="gguf")
+    path = _file(tmp_path, tokenizer, Q.Q8_0)
+    with pytest.raises(TargetLoadError, match="bfloat16 or float32, not float16"):
+        TargetModel.load(path, device="cpu", dtype="float16", weights="gguf")
+    half = TargetModel.load(path, device="cpu", dtype="float16", gguf_cache=tmp_path / "c")
+    assert half.quantized is Weights.BF16  # auto: as loaded
+    with pytest.raises(TargetLoadError, match="batch-invariant"):
+        TargetModel.load(
+            path, device="cpu", dtype="float32", weights="gguf", gguf_cache=tmp_path / "c",
+            execution=ExecutionOptions(batch_invariant=True),
+        )  # fmt: skip
+
+
+def test_a_type_the_reader_does_not_take_is_refused_naming_it(tmp_path: Path) -> None:
+    from kenspec.server.engine.gguf_weights import FileWeightsError, _grouped
+
+    class Tensor:
+        name = "blk.0.ffn_up.weight"
+        data = np.zeros((4, 32), dtype=np.uint8)
+
+    with pytest.raises(FileWeightsError, match="IQ4_NL, which kenspec does not serve"):
+        _grouped(Tensor(), Q.IQ4_NL, None, torch.zeros(4, 64), "model.layers.0.mlp.up_proj.weight")
