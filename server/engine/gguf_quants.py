@@ -11,7 +11,7 @@ of the same bytes (every weight; Q4_0's zeros may differ in sign, -0.0 there and
 Signed types keep their integers signed (Q8_0's q, Q5_0's q - 16, Q3_K's q - 4, Q6_K's q - 32:
 no offsets); the 4-bit types keep them unsigned 0..15 with an offset (Q4_0's -8 * d becomes
 the offset, Q4_1's m, Q4_K's -dmin * m), so that they can be kept two to a byte
-(`pack_nibbles`, in ggml's own order of a group of 32).
+(engine.quantize.GroupedWeight).
 
 Example: a Q4_0 block (32 weights) whose d is 0.5 (f16 bytes 00 38) and whose first byte of
 nibbles is 0x93 holds weight 0 = (3 - 8) * 0.5 = -2.5 and weight 16 = (9 - 8) * 0.5 = 0.5;
@@ -217,19 +217,3 @@ def read_blocks(data: npt.NDArray[np.uint8], qtype: GGMLQuantizationType, cols: 
         group=group,
         bits=bits,
     )
-
-
-def pack_nibbles(values: npt.NDArray[np.integer]) -> U8:
-    """Values 0..15 [rows, cols] (cols a multiple of 32) two to a byte, uint8 [rows, cols // 2]:
-    for each group of 32 values of a row, 16 bytes, byte j = values[j] | values[j + 16] << 4
-    (ggml's Q4_0 order)."""
-    if not np.issubdtype(values.dtype, np.integer):
-        raise ValueError(f"pack_nibbles takes integers, got {values.dtype}")
-    if values.ndim != 2 or values.shape[1] % 32:
-        raise ValueError(f"pack_nibbles takes [rows, a multiple of 32] values, got {values.shape}")
-    if values.size and (values.min() < 0 or values.max() > 15):
-        raise ValueError(f"pack_nibbles takes values 0..15, got {values.min()}..{values.max()}")
-    rows, cols = values.shape
-    halves = values.astype(np.uint8).reshape(rows, cols // 32, 2, 16)
-    packed = halves[:, :, 0] | (halves[:, :, 1] << np.uint8(4))
-    return np.ascontiguousarray(packed.reshape(rows, cols // 2))

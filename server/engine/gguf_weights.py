@@ -28,7 +28,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from transformers import PreTrainedModel
 
-from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, pack_nibbles, read_blocks
+from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, read_blocks
 from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, decoder_linears, tied_head
 
 FLOAT_TYPES = frozenset(
@@ -146,37 +146,31 @@ def _grouped(
         )
     rows, cols = loaded.shape
     blocks = read_blocks(np.asarray(tensor.data).reshape(rows, -1), qtype, cols)
-    order = _row_order(processor, tensor.name, rows)
-    values = blocks.values[order]
-    scales = np.ascontiguousarray(blocks.scales[order], dtype=np.float32)
-    mins = None if blocks.mins is None else np.ascontiguousarray(blocks.mins[order], np.float32)
-    packed = qtype in FOUR_BIT and blocks.group == 32 and cols % 32 == 0
-    stored = pack_nibbles(values) if packed else np.ascontiguousarray(values, dtype=np.int8)
-    weight = GroupedWeight(
-        torch.from_numpy(np.ascontiguousarray(stored)),
-        torch.from_numpy(scales),
-        None if mins is None else torch.from_numpy(mins),
-        blocks.group,
-        4 if packed else 8,
-        qtype.name,
-    )
-    _check_rows(weight, loaded, hf_name)
-    return weight
+    order = torch.from_numpy(_row_order(processor, tensor.name, rows))
+    q = torch.from_numpy(blocks.values)[order]
+    scales = torch.from_numpy(blocks.scales)[order]
+    mins = None if blocks.mins is None else torch.from_numpy(blocks.mins)[order]
+    _check_rows(q, scales, mins, blocks.group, loaded, hf_name)
+    bits = 4 if qtype in FOUR_BIT else 8
+    return GroupedWeight.of(q, scales, mins, blocks.group, bits, qtype.name)
 
 
-def _check_rows(weight: GroupedWeight, loaded: torch.Tensor, hf_name: str) -> None:
+def _check_rows(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group: int,
+    loaded: torch.Tensor,
+    hf_name: str,
+) -> None:
     """The file's weights on a few rows against the loaded model's: equal in float32 (both
     are the file's dequantization), within a bfloat16 rounding in bfloat16."""
     rows = loaded.shape[0]
     picked = torch.linspace(0, rows - 1, min(rows, _CHECKED_ROWS)).long().unique()
-    part = GroupedWeight(
-        weight.values[picked],
-        weight.scales[picked],
-        None if weight.mins is None else weight.mins[picked],
-        weight.group,
-        weight.bits,
-    )
-    mine = part.dequantize(torch.float32).to(loaded.dtype)
+    mine = q[picked].float() * scales[picked].repeat_interleave(group, dim=1)
+    if mins is not None:
+        mine += mins[picked].repeat_interleave(group, dim=1)
+    mine = mine.to(loaded.dtype)
     theirs = loaded[picked]
     if not torch.equal(mine, theirs):
         worst = (mine.float() - theirs.float()).abs().max().item()

@@ -230,88 +230,137 @@ def quantize_model(model: PreTrainedModel, dtype: torch.dtype, weights: str = "i
 
 # A GGUF file's own quantization, served as the file holds it (engine.gguf_quants reads it):
 # integers with a float32 scale and offset per group of a row's weights, W = q * s + m.
-GROUPED_BITS = (4, 8)  # how q is kept: two to a byte (4-bit files, groups of 32), or int8
+GROUPED_BITS = (4, 8)  # how q is kept: two to a byte (4-bit types), or int8
+TILE = 16  # output rows a tile holds: the grouped GEMV's lanes (csrc/gemv_grouped.c)
 
 
 @dataclass(frozen=True, slots=True)
 class GroupedWeight:
-    """A weight [out, in] as a GGUF file keeps it: q (int8 [out, in], or 4-bit values 0..15 two
-    to a byte [out, in / 2] in ggml's order: byte j of a group of 32 holds weight j low and
-    j + 16 high), scales and offsets (None: none) float32 [out, in / group]. `kind` names the
-    file's types it came from, e.g. "Q4_1" (for the log)."""
+    """A weight [out, in] as a GGUF file keeps it, W = q * s + m per group of `group` weights
+    of a row, laid out in tiles for the grouped GEMV: the rows in blocks of TILE (the last
+    padded with zeros), each block's groups in order, each group's weights in pairs (k = 2i,
+    2i + 1) and each pair's TILE rows side by side. values: int8 [blocks, groups, group / 2,
+    2 * TILE] (pair i of row o at 2o, 2o + 1), or for 4-bit values (0..15) uint8 [blocks, groups,
+    group / 2, TILE] (row o's pair in byte o: low nibble k = 2i, high 2i + 1); scales and
+    offsets (None: none) float32 [blocks, groups, TILE]. `kind` names the file's types it came
+    from, e.g. "Q4_1" (for the log). `of` lays it out; `rows` gives it back row by row."""
 
     values: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     group: int
     bits: int  # 4 or 8: how values are kept
+    out: int  # rows of the weight (the tiles may hold a few more, zeros)
     kind: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group: int,
+        bits: int,
+        kind: str = "",
+    ) -> GroupedWeight:
+        """q [out, in] (int8; 0..15 where bits is 4), scales and offsets [out, in / group]."""
+        out, k = q.shape
+        groups, pairs = k // group, group // 2
+        blocks = -(-out // TILE)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            extra = blocks * TILE - out
+            return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+        tiles = padded(q).reshape(blocks, TILE, groups, pairs, 2).permute(0, 2, 3, 1, 4)
+        if bits == 4:
+            nibbles = tiles.to(torch.uint8)
+            values = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous()
+        else:
+            values = tiles.reshape(blocks, groups, pairs, 2 * TILE).to(torch.int8).contiguous()
+
+        def per_tile(t: torch.Tensor) -> torch.Tensor:
+            return padded(t.float()).reshape(blocks, TILE, groups).permute(0, 2, 1).contiguous()
+
+        return cls(values, per_tile(scales), None if mins is None else per_tile(mins), group,
+                   bits, out, kind)  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * self.group
+        return self.out, self.scales.shape[1] * self.group
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [out, in] (int8), scales and offsets [out, in / group]: the weight row by row."""
+        blocks, groups = self.scales.shape[:2]
+        pairs = self.group // 2
+        if self.bits == 4:
+            tiles = torch.stack([self.values & 15, self.values >> 4], dim=-1)
+        else:
+            tiles = self.values.reshape(blocks, groups, pairs, TILE, 2)
+        q = tiles.permute(0, 3, 1, 2, 4).reshape(blocks * TILE, -1)[: self.out].to(torch.int8)
+
+        def untiled(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(blocks * TILE, groups)[: self.out]
+
+        return q, untiled(self.scales), None if self.mins is None else untiled(self.mins)
 
     def integers(self) -> torch.Tensor:
-        """q [out, in] as int8 (4-bit values unpacked)."""
-        if self.bits == 8:
-            return self.values
-        out, half = self.values.shape
-        packed = self.values.reshape(out, half // 16, 16)
-        low, high = packed & 15, packed >> 4
-        return torch.cat([low, high], dim=-1).reshape(out, half * 2).to(torch.int8)
+        """q [out, in] as int8."""
+        return self.rows()[0]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * s + m [out, in] in float32 (as the file's dequantization computes each weight),
         then in `dtype`."""
-        scales = self.scales.repeat_interleave(self.group, dim=1)
-        weight = self.integers().float() * scales
-        if self.mins is not None:
-            weight += self.mins.repeat_interleave(self.group, dim=1)
+        q, scales, mins = self.rows()
+        weight = q.float() * scales.repeat_interleave(self.group, dim=1)
+        if mins is not None:
+            weight += mins.repeat_interleave(self.group, dim=1)
         return weight.to(dtype)
 
-    def widened(self) -> GroupedWeight:
-        """The same weight with q as int8 (exact)."""
-        if self.bits == 8:
-            return self
-        return GroupedWeight(self.integers(), self.scales, self.mins, self.group, 8, self.kind)
+    def blocks(self, rows: slice) -> GroupedWeight:
+        """The weight's rows `rows` (whole tiles: start and stop multiples of TILE) as views."""
+        assert rows.start % TILE == 0 and (rows.stop % TILE == 0 or rows.stop == self.out)
+        tiles = slice(rows.start // TILE, -(-rows.stop // TILE))
+        mins = None if self.mins is None else self.mins[tiles]
+        out = rows.stop - rows.start
+        return GroupedWeight(self.values[tiles], self.scales[tiles], mins, self.group,
+                             self.bits, out, self.kind)  # fmt: skip
 
 
 def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
-    """Weights side by side (rows of the first, then the next...): one kind of q (4-bit ones
-    widened where another is int8), one group, offsets zero where a part has none."""
-    groups = {part.group for part in parts}
-    if len(groups) > 1:
-        parts = [_as_group16(part) for part in parts]
-    if len({part.bits for part in parts}) > 1:
-        parts = [part.widened() for part in parts]
-    first = parts[0]
+    """Weights side by side (rows of the first, then the next...). Parts alike (bits, group)
+    whose rows fill whole tiles: their tiles side by side (offsets zero where a part has none);
+    else laid out anew from their rows (4-bit ones widened to int8, groups of 32 as two of 16
+    where another part has 16: exact either way)."""
     if len(parts) == 1:
-        return first
+        return parts[0]
+    first = parts[0]
+    kinds = "+".join(sorted({part.kind for part in parts if part.kind}))
+    offsets = any(part.mins is not None for part in parts)
+    alike = all(p.bits == first.bits and p.group == first.group for p in parts)
+    if alike and all(part.out % TILE == 0 for part in parts):
+        mins = torch.cat([_offsets(part) for part in parts]) if offsets else None
+        values = torch.cat([part.values for part in parts])
+        scales = torch.cat([part.scales for part in parts])
+        out = sum(part.out for part in parts)
+        return GroupedWeight(values, scales, mins, first.group, first.bits, out, kinds)
+    group = min(part.group for part in parts)
+    rows = [part.rows() for part in parts]
+    repeat = [part.group // group for part in parts]  # a group of 32 as two of 16
+
+    def side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p.repeat_interleave(n, 1) for p, n in zip(parts, repeat, strict=True)])
+
+    q = torch.cat([r[0] for r in rows])
+    scales = side_by_side([r[1] for r in rows])
     mins = None
-    if any(part.mins is not None for part in parts):
-        mins = torch.cat([_offsets(part) for part in parts])
-    kinds = sorted({part.kind for part in parts if part.kind})
-    return GroupedWeight(
-        torch.cat([part.values for part in parts]),
-        torch.cat([part.scales for part in parts]),
-        mins,
-        first.group,
-        first.bits,
-        "+".join(kinds),
-    )
+    if offsets:
+        mins = side_by_side([torch.zeros_like(r[1]) if r[2] is None else r[2] for r in rows])
+    return GroupedWeight.of(q, scales, mins, group, first.bits if alike else 8, kinds)
 
 
 def _offsets(part: GroupedWeight) -> torch.Tensor:
     return torch.zeros_like(part.scales) if part.mins is None else part.mins
-
-
-def _as_group16(part: GroupedWeight) -> GroupedWeight:
-    """A weight in groups of 16 (each group of 32's scale and offset twice; q as int8)."""
-    if part.group == 16:
-        return part
-    mins = None if part.mins is None else part.mins.repeat_interleave(2, dim=1)
-    scales = part.scales.repeat_interleave(2, dim=1)
-    return GroupedWeight(part.integers(), scales, mins, 16, 8, part.kind)
 
 
 def grouped_linear(
@@ -346,7 +395,10 @@ class GroupedLinear(nn.Module):
 
     @property
     def weight_groups(self) -> GroupedWeight:
-        return GroupedWeight(self.values, self.scales, self.mins, self.group, self.bits, self.kind)
+        return GroupedWeight(
+            self.values, self.scales, self.mins, self.group, self.bits, self.out_features,
+            self.kind,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -27,6 +27,7 @@ from kenspec.server.engine.forward.cpu_kernels import CpuKernels
 from kenspec.server.engine.forward.plan import Kernel, RowPlan
 from kenspec.server.engine.quantize import (
     INT4_JOINED_ROWS,
+    TILE,
     GroupedLinear,
     GroupedWeight,
     Int4Linear,
@@ -151,14 +152,16 @@ class Product:
 
     @classmethod
     def _of_grouped(cls, layers: Sequence[GroupedLinear]) -> Product:
-        """As `of`, for a GGUF file's own tensors: joined (engine.quantize.join_grouped), each
-        layer's values, scales and offsets a view of the joined rows."""
+        """As `of`, for a GGUF file's own tensors: joined (engine.quantize.join_grouped); where
+        the parts' tiles were laid side by side, each layer's a view of the joined tiles."""
         joined = join_grouped([layer.weight_groups for layer in layers])
-        if len(layers) > 1:
+        if len(layers) > 1 and joined.values.data_ptr() != layers[0].values.data_ptr():
             for layer, rows in zip(layers, _row_ranges(layers), strict=True):
-                layer.values, layer.scales = joined.values[rows], joined.scales[rows]
-                layer.mins = None if joined.mins is None else joined.mins[rows]
-                layer.group, layer.bits = joined.group, joined.bits
+                if rows.start % TILE or joined.bits != layer.bits or joined.group != layer.group:
+                    break  # laid out anew: the layers keep their own
+                view = joined.blocks(rows)
+                layer.values, layer.scales = view.values, view.scales
+                layer.mins = None if layer.mins is None else view.mins
         bias = _joined_bias(layers, joined.scales.new_empty(0, dtype=torch.bfloat16))
         return cls(joined.values, bias, grouped=joined)
 

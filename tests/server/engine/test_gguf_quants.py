@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, pack_nibbles, read_blocks
+from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, read_blocks
 
 Q = GGMLQuantizationType
 ROWS, COLS = 8, 512
@@ -118,43 +118,6 @@ def test_hand_written_q8_0_block() -> None:
     blocks = read_blocks(block.reshape(1, 34), Q.Q8_0, 32)
     assert blocks.values[0, :3].tolist() == [-1, -128, 127]
     assert blocks.dequantize()[0, :3].tolist() == [-0.25, -32.0, 31.75]
-
-
-@pytest.mark.parametrize(("qtype", "at"), [(Q.Q4_0, 2), (Q.Q4_1, 4)], ids=["Q4_0", "Q4_1"])
-def test_packed_nibbles_are_the_files_bytes(qtype: GGMLQuantizationType, at: int) -> None:
-    data = _random_blocks(qtype, seed=3)
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    packed = pack_nibbles(read_blocks(data, qtype, COLS).values)
-    assert packed.dtype == np.uint8 and packed.shape == (ROWS, COLS // 2)
-    file_nibbles = data.reshape(ROWS, -1, type_size)[:, :, at:].reshape(ROWS, COLS // 2)
-    assert np.array_equal(packed, file_nibbles)
-
-
-def test_pack_nibbles_round_trip() -> None:
-    values = np.random.default_rng(5).integers(0, 16, (3, 96)).astype(np.int8)
-    packed = pack_nibbles(values)
-    assert packed.dtype == np.uint8 and packed.shape == (3, 48)
-    groups = packed.reshape(3, 3, 16)
-    unpacked = np.concatenate([groups & 15, groups >> 4], axis=-1).reshape(3, 96)
-    assert np.array_equal(unpacked, values)
-
-
-def test_pack_nibbles_byte_order() -> None:
-    """Byte j of a group of 32: value j low, value j + 16 high."""
-    values = np.concatenate([np.arange(16), 15 - np.arange(16)]).reshape(1, 32)
-    packed = pack_nibbles(values)
-    assert packed[0].tolist() == [j | (15 - j) << 4 for j in range(16)]
-    assert packed[0, 0] == 0xF0 and packed[0, 15] == 0x0F
-
-
-@pytest.mark.parametrize(
-    "values",
-    [np.full((1, 32), 16), np.full((1, 32), -1), np.zeros((1, 48), dtype=np.int8)],
-    ids=["16", "-1", "48 columns"],
-)
-def test_pack_nibbles_refuses(values: np.ndarray) -> None:
-    with pytest.raises(ValueError, match="pack_nibbles"):
-        pack_nibbles(values)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.IQ4_NL, Q.TQ1_0], ids=lambda t: t.name)

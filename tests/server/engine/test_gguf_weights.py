@@ -40,17 +40,35 @@ LEAN = ExecutionOptions(lean=LeanMode.AUTO)
 
 
 def _grouped(out: int, k: int, bits: int, group: int, offsets: bool, seed: int) -> GroupedWeight:
-    """A random weight of the kind a file holds: 4-bit values 0..15 two to a byte, or int8."""
+    """A random weight of the kind a file holds: 4-bit values 0..15, or int8."""
     generator = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 16, (out, k), generator=generator, dtype=torch.int16)
-        halves = q.reshape(out, k // 32, 2, 16)
-        values = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(out, k // 2)
-    else:
-        values = torch.randint(-128, 128, (out, k), generator=generator).to(torch.int8)
+    low, high = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(low, high, (out, k), generator=generator).to(torch.int8)
     scales = (torch.rand(out, k // group, generator=generator) * 0.01).half().float()
     mins = (torch.randn(out, k // group, generator=generator) * 0.05).half().float()
-    return GroupedWeight(values.contiguous(), scales, mins if offsets else None, group, bits)
+    return GroupedWeight.of(q, scales, mins if offsets else None, group, bits)
+
+
+def test_tiles_give_back_the_rows_they_were_laid_out_from() -> None:
+    """Tiles of 16 rows (the last padded), pairs of weights side by side: rows() is the
+    layout's inverse, for 4-bit and int8 values, groups of 16 and 32, rows not filling a tile."""
+    for bits, group in ((4, 32), (4, 16), (8, 32), (8, 16)):
+        weight = _grouped(37, 64, bits, group, True, seed=8)
+        blocks = -(-37 // 16)
+        assert weight.scales.shape == (blocks, 64 // group, 16)
+        pairs = group // 2
+        assert weight.values.shape == (blocks, 64 // group, pairs, 16 if bits == 4 else 32)
+        q, scales, mins = weight.rows()
+        again = GroupedWeight.of(q, scales, mins, group, bits)
+        assert torch.equal(again.values, weight.values) and torch.equal(again.scales, weight.scales)
+        assert q.shape == (37, 64) and scales.shape == (37, 64 // group)
+    # row 0's first pair (k = 0, 1) in byte 0 of its group's first pair: k = 0 low, k = 1 high
+    q = torch.zeros(16, 32, dtype=torch.int8)
+    q[0, 0], q[0, 1], q[3, 0] = 5, 9, 7
+    tiled = GroupedWeight.of(q, torch.ones(16, 1), None, 32, 4)
+    assert tiled.values[0, 0, 0, 0] == 5 | 9 << 4 and tiled.values[0, 0, 0, 3] == 7
+    wide = GroupedWeight.of(q, torch.ones(16, 1), None, 32, 8)
+    assert wide.values[0, 0, 0, :2].tolist() == [5, 9] and wide.values[0, 0, 0, 6] == 7
 
 
 KINDS = [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False)]
