@@ -2,8 +2,9 @@
 
 Standard library and llama_cpp only: this file is executed by the peer's own Python, never
 imported by kenspec. It reads one JSON job on stdin ({"model", "prompts", "max_tokens",
-"threads", "lookup"}) and writes one JSON line per prompt: time to first token and the decode
-rate of a greedy chat completion through the GGUF file's own chat template, the context reset
+"threads", "lookup", "raw"}) and writes one JSON line per prompt: time to first token and the
+decode rate of a greedy chat completion through the GGUF file's own chat template (with "raw":
+a completion of the prompt as it is), the context reset
 between prompts (so no prompt reuses the previous one's cache). With "lookup" > 0, llama.cpp's
 prompt-lookup decoding drafts that many tokens (LlamaPromptLookupDecoding).
 With "quantize_bf16": write a BF16 copy of "model" there (same values) and exit.
@@ -47,13 +48,20 @@ def main() -> int:
         started = time.perf_counter()
         first = last = None
         pieces = 0
-        for chunk in llm.create_chat_completion(
-            [{"role": "user", "content": prompt}],
-            max_tokens=job["max_tokens"],
-            temperature=0.0,
-            stream=True,
-        ):
-            if chunk["choices"][0]["delta"].get("content"):
+        if job.get("raw"):  # the prompt completed as it is
+            chunks = llm.create_completion(
+                prompt, max_tokens=job["max_tokens"], temperature=0.0, stream=True
+            )
+        else:
+            chunks = llm.create_chat_completion(
+                [{"role": "user", "content": prompt}],
+                max_tokens=job["max_tokens"],
+                temperature=0.0,
+                stream=True,
+            )
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            if choice.get("text") or choice.get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 pieces += 1

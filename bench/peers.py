@@ -7,14 +7,16 @@ What users run: kenspec at its default flags (all cores) unless flags follow `--
 the same thread count (`--threads`, default all cores), `--starts` fresh starts of every side
 (3), interleaved: a start runs kenspec, then each peer, so the VM's drift hits all alike. Same
 prompts (a chat set, `--skip` then `--limit` of them: keep prompts you tuned on out), greedy,
-up to `--max-new-tokens`, one request at a time, then `--streams` concurrent streams:
+up to `--max-new-tokens`, one request at a time, then `--streams` concurrent streams (`--raw`:
+the prompts completed as they are, for a base model without a chat template):
 
 - kenspec OFF and AUTO: one `kenspec serve` (flags after `--`), reached over its HTTP API,
   the two modes alternating prompt by prompt (`speculation: "off"` per request); its
   `calibrated` and `execution_plan` log lines are kept with the results;
 - llama.cpp through llama-cpp-python (`--llama-python`: the interpreter of a venv holding it,
   never kenspec's), plain and with prompt-lookup decoding, on the default model's own GGUF
-  (Q4_1, `--gguf`) and a BF16 copy of it (llama.cpp's quantize: the same values); the Python
+  (Q4_1, `--gguf`; another file with `--gguf`, named in `--llama-files` by its type) and a
+  BF16 copy of it (llama.cpp's quantize: the same values); the Python
   bindings serve one sequence, so it has no concurrent-streams figure;
 - any OpenAI-compatible server already running (`--openai NAME=URL`, e.g. vLLM CPU plain and
   with n-gram speculation), one stream and `--streams`.
@@ -64,12 +66,16 @@ def served_model(url: str) -> str:
 
 
 def chat_stream(url: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
-    """One streamed greedy chat completion from an OpenAI-compatible server: its timings."""
+    """One streamed greedy chat completion from an OpenAI-compatible server (extra "raw":
+    a completion of the prompt as it is): its timings."""
     parsed = urlparse(url)
     connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
+    raw = bool(extra and extra.get("raw"))
+    extra = {key: value for key, value in (extra or {}).items() if key != "raw"}
+    text = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
     body = {
         "model": served_model(url),
-        "messages": [{"role": "user", "content": prompt}],
+        **text,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
@@ -77,9 +83,8 @@ def chat_stream(url: str, prompt: str, max_tokens: int, extra: dict | None = Non
         **(extra or {}),
     }
     started = time.perf_counter()
-    connection.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-    )
+    path = "/v1/completions" if raw else "/v1/chat/completions"
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     if response.status != 200:
         raise RuntimeError(f"{url}: HTTP {response.status}: {response.read()[:300]!r}")
@@ -92,7 +97,7 @@ def chat_stream(url: str, prompt: str, max_tokens: int, extra: dict | None = Non
         if chunk.get("usage"):
             completion = chunk["usage"]["completion_tokens"]
         for choice in chunk.get("choices", []):
-            if choice.get("delta", {}).get("content"):
+            if choice.get("text") or choice.get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 pieces += 1
@@ -214,8 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--llama-python", help="python of a venv with llama-cpp-python")
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
-    parser.add_argument("--llama-files", default="BF16,Q4_1", help="llama.cpp's files to run")
+    parser.add_argument(
+        "--llama-files",
+        default="BF16,Q4_1",
+        help="llama.cpp's files to run: BF16 (a copy of --gguf in BF16) and a name for --gguf "
+        "itself (its type, e.g. Q4_1 or Q8_0: the label)",
+    )
     parser.add_argument("--lookup", type=int, default=0, help="prompt-lookup drafts (0: none)")
+    parser.add_argument(
+        "--raw", action="store_true", help="prompts completed as they are, no chat template"
+    )
     parser.add_argument("--openai", action="append", default=[], help="NAME=URL of a peer")
     parser.add_argument("--port", type=int, default=18080)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/peers")
@@ -250,18 +263,20 @@ def _kenspec(args: argparse.Namespace, prompts: Sequence[str], start: dict) -> N
     """A fresh kenspec server: AUTO and OFF prompt by prompt, then the concurrent streams."""
     server = KenspecServer(args.server_flags, args.port)
     try:
-        chat_stream(server.url, "Say hello.", 8)  # a warm-up, not counted
+        chat_stream(server.url, "Say hello.", 8, {"raw": args.raw})  # a warm-up, not counted
         for i, prompt in enumerate(prompts):
             # AUTO first: an answer OFF gave would be in the suffix index AUTO drafts from.
             for mode in ("auto", "off"):
-                result = chat_stream(server.url, prompt, args.max_new_tokens, {"speculation": mode})
+                fields = {"speculation": mode, "raw": args.raw}
+                result = chat_stream(server.url, prompt, args.max_new_tokens, fields)
                 start["runs"].setdefault(f"kenspec {mode.upper()}", []).append(result)
                 print(f"kenspec {mode} {i}: {result['decode_tok_s']:.1f} tok/s", flush=True)
         if args.streams:
             for mode in ("off", "auto"):
                 start["streams"][f"kenspec {mode.upper()}"] = concurrent(
-                    server.url, prompts, args.streams, args.max_new_tokens, {"speculation": mode}
-                )
+                    server.url, prompts, args.streams, args.max_new_tokens,
+                    {"speculation": mode, "raw": args.raw},
+                )  # fmt: skip
     finally:
         start["calibrated"] = server.line("calibrated")
         start["execution_plan"] = server.line("execution_plan")
@@ -277,12 +292,13 @@ def _llama(args: argparse.Namespace, prompts: Sequence[str], start: dict) -> Non
     bf16 = args.out / "model-bf16.gguf"
     if not bf16.exists():
         llama_cpp(args.llama_python, {"model": str(args.gguf), "quantize_bf16": str(bf16)})
-    files = {"BF16": bf16, "Q4_1": args.gguf}
-    for name in args.llama_files.split(","):
+    for name in args.llama_files.split(","):  # BF16: the copy; any other: --gguf itself
         for lookup in (0, args.lookup) if args.lookup else (0,):
             label = f"llama.cpp {name}" + (f" lookup {lookup}" if lookup else "")
-            job = {"model": str(files[name]), "prompts": list(prompts), "threads": args.threads,
-                   "max_tokens": args.max_new_tokens, "lookup": lookup}  # fmt: skip
+            model = bf16 if name == "BF16" else args.gguf
+            job = {"model": str(model), "prompts": list(prompts), "threads": args.threads,
+                   "max_tokens": args.max_new_tokens, "lookup": lookup,
+                   "raw": args.raw}  # fmt: skip
             try:
                 start["runs"][label] = llama_cpp(args.llama_python, job)
             except RuntimeError as error:  # one peer's failure costs only its rows

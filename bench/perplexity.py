@@ -6,9 +6,12 @@ with its kernels measured at start-up where the server would use it): perplexity
 token after a line's first, and top-1 agreement, position by position, with the other modes.
 
     python -m bench.perplexity --out bench/results/int8-weights/perplexity.json
+    python -m bench.perplexity --model FILE.gguf --modes fp32,bf16,gguf,gguf-fp32 --out ...
 
 Modes: fp32 (--dtype float32), bf16 (--dtype bfloat16), int8 (--dtype bfloat16 --weights
-int8), int8-fp32 (--dtype float32 --weights int8), int4 and int4-fp32 likewise. The default
+int8), int8-fp32 (--dtype float32 --weights int8), int4, int4-fp32, gguf and gguf-fp32 (a
+GGUF --model served in its own quantization) likewise; with a GGUF --model, fp32 and bf16 are
+the file dequantized. The default
 text is the evaluation prompts (prompts/dev, ood, grounded, templated: not the draft's training
 prompts).
 """
@@ -37,6 +40,8 @@ MODES = {  # name: (--dtype, --weights)
     "int8-fp32": ("float32", "int8"),
     "int4": ("bfloat16", "int4"),
     "int4-fp32": ("float32", "int4"),
+    "gguf": ("bfloat16", "gguf"),  # a GGUF file's own quantization (engine.gguf_weights)
+    "gguf-fp32": ("float32", "gguf"),
 }
 TEXTS = [REPO_ROOT / "prompts" / f"{name}.txt" for name in ("dev", "ood", "grounded", "templated")]
 
