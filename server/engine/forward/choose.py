@@ -263,11 +263,11 @@ GEMV_TOGETHER = 12
 # times one row's cost, 8 at 2.6, 12 at 3.8 (bench/gemv_avx2.py --head).
 AVX2_GEMV_TOGETHER = 4
 # A GGUF file's own groups (csrc/gemv_grouped.c) are computed by the grouped GEMV at every
-# width: it is bound by its arithmetic (each group's widening, one dpbf16 and one scaling per
-# row), about 1.3 ms a row for SmolLM2's 4-bit decoder on two cores from 16 rows up, where
-# torch's GEMM over the weights dequantized for each product took 2.2 ms a row at 256 rows
-# and 6.3 at 64 (bench/results/gguf-weights). So one order at every width, a prompt's too.
-# Rows of logits computed together: 4 rows cost ~1.8 times one, 1 row alone.
+# width, wide passes too: it is bound by its arithmetic, ~0.56 ms a row for SmolLM2's 4-bit
+# decoder on two cores from 16 rows up, where torch's GEMM over the weights dequantized for
+# each product took 2.2 ms a row at 256 rows (bench/results/gguf-weights). So one order at
+# every width, a prompt's too. Rows of logits computed together: 4 rows of an int8 output
+# layer cost ~1.3 times one, 8 rows ~1.85.
 GROUPED_TOGETHER = 4
 # Measured plans (CPUs without kenspec's bf16 GEMV, int8 and int4 weights): repeats of each
 # kernel, alternating, and how much faster than the current choice another kernel must be in
