@@ -24,22 +24,30 @@ _LAYER_NAMES = {
 }
 
 
-def gguf_loaded_tied_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    """A tiny Llama with tied embeddings whose config claims GGUF quantization, as a model
-    transformers loaded from a GGUF file carries (what the plain copy must drop)."""
+def tiny_llama(
+    tokenizer: PreTrainedTokenizerFast, hidden: int = 32, intermediate: int = 64, tied: bool = True
+) -> LlamaForCausalLM:
+    """A tiny Llama (two layers, 4 query heads and 2 key/value heads), seeded."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
-    config.quantization_config = {"quant_method": "gguf"}
     return LlamaForCausalLM(config).eval()
+
+
+def gguf_loaded_tied_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """A tiny Llama with tied embeddings whose config claims GGUF quantization, as a model
+    transformers loaded from a GGUF file carries (what the plain copy must drop)."""
+    model = tiny_llama(tokenizer)
+    model.config.quantization_config = {"quant_method": "gguf"}
+    return model
 
 
 def _permuted(weight: torch.Tensor, heads: int) -> np.ndarray:
@@ -94,15 +102,8 @@ def _add_tokenizer(
     writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_llama_gguf(
-    path: Path,
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    eot_token_id: int | None = None,
-) -> Path:
-    """The model's weights in F32 (exact) with its tokenizer and chat template (and an end of
-    turn token, `tokenizer.ggml.eot_token_id`, when given)."""
-    config = model.config
+def _llama_writer(path: Path, config: LlamaConfig) -> GGUFWriter:
+    """A writer with a Llama's header (llama.cpp's keys for the config's shapes)."""
     writer = GGUFWriter(path, "llama")
     writer.add_name("tiny-llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -115,6 +116,18 @@ def write_llama_gguf(
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
+def write_llama_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    eot_token_id: int | None = None,
+) -> Path:
+    """The model's weights in F32 (exact) with its tokenizer and chat template (and an end of
+    turn token, `tokenizer.ggml.eot_token_id`, when given)."""
+    writer = _llama_writer(path, model.config)
     writer.add_file_type(0)  # all F32
     _add_tokenizer(writer, tokenizer, eot_token_id)
     for name, array in _tensors(model).items():
@@ -190,22 +203,10 @@ def write_quantized_llama_gguf(
     embedding (and an untied output layer) in `output_qtype` (None: F32); layers named in
     `float_layers` (GGUF names, e.g. "ffn_down.weight") stay F32."""
     rng = np.random.default_rng(0)
-    config = model.config
-    writer = GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    writer = _llama_writer(path, model.config)
     writer.add_file_type(0)
     _add_tokenizer(writer, tokenizer)
-    tied = config.tie_word_embeddings
+    tied = model.config.tie_word_embeddings
     for name, array in _tensors(model).items():
         if tied and name == "output.weight":
             continue  # llama.cpp's files of tied models have none

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from kenspec.server.engine.forward.cpu_kernels import load_kernels
 from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
@@ -23,7 +23,7 @@ from kenspec.server.engine.params import Weights
 from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, join_grouped
 from kenspec.server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
-from tests.gguf_files import write_quantized_llama_gguf
+from tests.gguf_files import tiny_llama, write_quantized_llama_gguf
 from tests.server.engine.drafts import last_rows
 from tests.server.engine.quantized_models import (
     check_float32_decoding_is_generate,
@@ -145,22 +145,6 @@ def test_the_fallback_product_is_the_dequantized_product_in_float32() -> None:
     assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
 
 
-def _tiny_llama(tokenizer: PreTrainedTokenizerFast, tied: bool) -> LlamaForCausalLM:
-    """Rows of 256 and 512 weights: whole blocks of every type (the K-quants' are 256)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     return tiny.build_byte_tokenizer()
@@ -176,7 +160,8 @@ def _file(
     float_layers: frozenset[str] = frozenset(),
 ) -> Path:
     path = folder / f"{qtype.name}-{tied}-{output}-{len(float_layers)}.gguf"
-    model = _tiny_llama(tokenizer, tied)
+    # rows of 256 and 512 weights: whole blocks of every type (the K-quants' are 256)
+    model = tiny_llama(tokenizer, hidden=256, intermediate=512, tied=tied)
     return write_quantized_llama_gguf(path, model, tokenizer, qtype, output, float_layers)
 
 
