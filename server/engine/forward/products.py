@@ -155,10 +155,13 @@ class Product:
         """As `of`, for a GGUF file's own tensors: joined (engine.quantize.join_grouped); where
         the parts' tiles were laid side by side, each layer's a view of the joined tiles."""
         joined = join_grouped([layer.weight_groups for layer in layers])
-        if len(layers) > 1 and joined.values.data_ptr() != layers[0].values.data_ptr():
+        side_by_side = all(
+            layer.out_features % TILE == 0
+            and (layer.bits, layer.group) == (joined.bits, joined.group)
+            for layer in layers
+        )  # else laid out anew: the layers keep their own
+        if len(layers) > 1 and side_by_side:
             for layer, rows in zip(layers, _row_ranges(layers), strict=True):
-                if rows.start % TILE or joined.bits != layer.bits or joined.group != layer.group:
-                    break  # laid out anew: the layers keep their own
                 view = joined.blocks(rows)
                 layer.values, layer.scales = view.values, view.scales
                 layer.mins = None if layer.mins is None else view.mins

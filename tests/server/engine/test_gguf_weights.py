@@ -305,3 +305,26 @@ def test_a_type_the_reader_does_not_take_is_refused_naming_it(tmp_path: Path) ->
 
     with pytest.raises(FileWeightsError, match="IQ4_NL, which kenspec does not serve"):
         _grouped(Tensor(), Q.IQ4_NL, None, torch.zeros(4, 64), "model.layers.0.mlp.up_proj.weight")
+
+
+@pytest.mark.parametrize("rows", [(32, 16, 48), (24, 40)], ids=["whole tiles", "part tiles"])
+def test_a_product_of_layers_side_by_side_is_their_outputs_side_by_side(
+    rows: tuple[int, ...],
+) -> None:
+    """q/k/v or gate/up as one product: its output is each layer's, and each layer still
+    computes its own (a view of the joined tiles where they fill whole tiles)."""
+    from kenspec.server.engine.forward.plan import Kernel
+    from kenspec.server.engine.forward.products import Product
+
+    layers = [
+        GroupedLinear(_grouped(n, 64, 4, 32, True, seed=10 + i), bias=None)
+        for i, n in enumerate(rows)
+    ]
+    x = torch.randn(3, 64)
+    alone = [layer(x) for layer in layers]
+    product = Product.of(layers)
+    assert torch.equal(product.run(x, Kernel.GEMV, None), torch.cat(alone, dim=1))
+    for layer, expected in zip(layers, alone, strict=True):
+        assert torch.equal(layer(x), expected)
+    shared = {layer.values.untyped_storage().data_ptr() for layer in layers}
+    assert (shared == {product.weight.untyped_storage().data_ptr()}) == (rows[0] % 16 == 0)
