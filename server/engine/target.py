@@ -43,7 +43,7 @@ from kenspec.server.engine.kernels import Kernels
 from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.params import Weights
 from kenspec.server.engine.pass_logits import Logits
-from kenspec.server.engine.quantize import int4_refusal, quantize_model
+from kenspec.server.engine.quantize import GroupedLinear, int4_refusal, quantize_model
 from kenspec.server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
@@ -151,20 +151,23 @@ class TargetModel:
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         model.to(resolved_device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
+        if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+            raise TargetLoadError(f"{name}: its output layer is not a linear layer")
+        file_weights = None
+        if kept is Weights.GGUF:
+            # Before the load-time check: it runs the model, and run on the dequantized layers
+            # it would read their pages of the cached folder's file into memory for good
+            # (transformers keeps the file mapped).
+            assert gguf_file is not None  # _resolve_weights saw to it
+            file_weights = _file_weights(model, name, gguf_file, execution)
+            if not file_weights.quantized_layers and file_weights.output is None:
+                kept, file_weights = Weights.BF16, None  # a float file: nothing to keep
         try:
             refuse_unsupported(model)
             windows = check_packed_passes(model, PACKED_ATTENTION, Kernels())
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{name}: {error}") from None
-        if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-            raise TargetLoadError(f"{name}: its output layer is not a linear layer")
-        file_weights = None
-        if kept is Weights.GGUF:
-            assert gguf_file is not None  # _resolve_weights saw to it
-            file_weights = _file_weights(model, name, gguf_file)
-            if not file_weights.quantized_layers and file_weights.output is None:
-                kept, file_weights = Weights.BF16, None  # a float file: nothing to keep
-        elif kept is not Weights.BF16:
+        if kept in (Weights.INT8, Weights.INT4):
             _quantize(model, name, kept)
         max_context = served_context(config, windows)
         passes = build_forward(
@@ -349,11 +352,20 @@ def _resolve_weights(
     return Weights.GGUF if why is None and fast else Weights.BF16
 
 
-def _file_weights(model: PreTrainedModel, name: str, gguf_file: Path) -> FileWeights:
+def _file_weights(
+    model: PreTrainedModel, name: str, gguf_file: Path, execution: ExecutionOptions
+) -> FileWeights:
+    """The file's own tensors in the model (engine.gguf_weights), computed by the grouped GEMV
+    from the first pass where it runs."""
     try:
-        return apply_file_weights(model, gguf_file)
+        found = apply_file_weights(model, gguf_file)
     except FileWeightsError as error:
         raise TargetLoadError(f"{name}: {error}") from None
+    kernels = load_kernels() if execution.cpu_kernels and model.device.type == "cpu" else None
+    for module in model.modules():
+        if isinstance(module, GroupedLinear):
+            module.kernels = kernels
+    return found
 
 
 def _model_folder(path: Path, dtype: torch.dtype, gguf_cache: Path) -> Path:

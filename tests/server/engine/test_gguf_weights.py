@@ -328,3 +328,18 @@ def test_a_product_of_layers_side_by_side_is_their_outputs_side_by_side(
         assert torch.equal(layer(x), expected)
     shared = {layer.values.untyped_storage().data_ptr() for layer in layers}
     assert (shared == {product.weight.untyped_storage().data_ptr()}) == (rows[0] % 16 == 0)
+
+
+def test_a_file_read_in_the_wrong_row_order_is_refused_at_load(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load-time check against the loaded model's rows: q and k taken in the file's own
+    (llama.cpp's rotary) order instead of the model's are found and refused, naming the layer."""
+    from kenspec.server.engine import gguf_weights
+
+    path = _file(tmp_path, tokenizer, Q.Q8_0)
+    monkeypatch.setattr(gguf_weights, "_row_order", lambda processor, name, rows: np.arange(rows))
+    with pytest.raises(TargetLoadError, match=r"q_proj\.weight: the file.s weights read as kept"):
+        TargetModel.load(
+            path, device="cpu", dtype="float32", gguf_cache=tmp_path / "c", weights="gguf"
+        )
