@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from transformers import PreTrainedModel
 
 from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, read_blocks
 from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, decoder_linears, tied_head
+
+if TYPE_CHECKING:
+    from kenspec.server.engine.forward.cpu_kernels import CpuKernels
 
 FLOAT_TYPES = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -67,20 +70,23 @@ class FileWeights:
 _FLOAT_NAMES = frozenset(t.name for t in FLOAT_TYPES)
 
 
-def apply_file_weights(model: PreTrainedModel, path: Path) -> FileWeights:
-    """Replace the model's decoder linear layers by the file's quantized tensors, and read
-    its output layer's; FileWeightsError where a tensor is missing, of a type not read, or
-    does not match the loaded model."""
+def apply_file_weights(
+    model: PreTrainedModel, path: Path, kernels: CpuKernels | None = None
+) -> FileWeights:
+    """Replace the model's decoder linear layers by the file's quantized tensors (computed by
+    `kernels`' grouped GEMV where given), and read its output layer's; FileWeightsError where
+    a tensor is missing, of a type not read, or does not match the loaded model."""
     reader = GGUFReader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     field_value = reader.get_field("general.architecture")
     architecture = str(field_value.contents()) if field_value is not None else ""
     names, processor = _names(model, architecture)
+    module_names = {module: name for name, module in model.named_modules()}
     found = FileWeights()
     for parent, name, linear in list(decoder_linears(model)):
         if not isinstance(linear, torch.nn.Linear):
             raise FileWeightsError(f"{name} is a {type(linear).__name__}, not the loaded layer")
-        hf_name = _parameter_name(model, linear)
+        hf_name = f"{module_names[linear]}.weight"
         tensor = tensors.get(names.get(hf_name, ""))
         if tensor is None:
             raise FileWeightsError(f"{path}: no tensor for {hf_name}")
@@ -89,9 +95,9 @@ def apply_file_weights(model: PreTrainedModel, path: Path) -> FileWeights:
         if qtype in FLOAT_TYPES:
             continue
         weight = _grouped(tensor, qtype, processor, linear.weight.detach(), hf_name)
-        setattr(parent, name, GroupedLinear(weight, linear.bias))
+        setattr(parent, name, GroupedLinear(weight, linear.bias, kernels))
     head = model.get_output_embeddings()
-    source = "model.embed_tokens.weight" if tied_head(model) else _parameter_name(model, head)
+    source = "model.embed_tokens.weight" if tied_head(model) else f"{module_names[head]}.weight"
     tensor = tensors.get(names.get(source, ""))
     if tensor is None and tied_head(model):
         tensor = tensors.get("token_embd.weight")
@@ -117,13 +123,6 @@ def _names(model: PreTrainedModel, architecture: str) -> tuple[dict[str, str], A
     processor = kind(config=model.config.to_dict())
     mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor)
     return {hf: gguf for gguf, hf in mapping.items()}, processor
-
-
-def _parameter_name(model: PreTrainedModel, module: torch.nn.Module) -> str:
-    for name, candidate in model.named_modules():
-        if candidate is module:
-            return f"{name}.weight"
-    raise FileWeightsError(f"{type(module).__name__} is not a module of the model")
 
 
 def _row_order(processor: Any, name: str, rows: int) -> np.ndarray:

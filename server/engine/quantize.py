@@ -230,7 +230,6 @@ def quantize_model(model: PreTrainedModel, dtype: torch.dtype, weights: str = "i
 
 # A GGUF file's own quantization, served as the file holds it (engine.gguf_quants reads it):
 # integers with a float32 scale and offset per group of a row's weights, W = q * s + m.
-GROUPED_BITS = (4, 8)  # how q is kept: two to a byte (4-bit types), or int8
 TILE = 16  # output rows a tile holds: the grouped GEMV's lanes (csrc/gemv_grouped.c)
 
 
@@ -303,10 +302,6 @@ class GroupedWeight:
             return t.permute(0, 2, 1).reshape(blocks * TILE, groups)[: self.out]
 
         return q, untiled(self.scales), None if self.mins is None else untiled(self.mins)
-
-    def integers(self) -> torch.Tensor:
-        """q [out, in] as int8."""
-        return self.rows()[0]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * s + m [out, in] in float32 (as the file's dequantization computes each weight),

@@ -43,7 +43,7 @@ from kenspec.server.engine.kernels import Kernels
 from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.params import Weights
 from kenspec.server.engine.pass_logits import Logits
-from kenspec.server.engine.quantize import GroupedLinear, int4_refusal, quantize_model
+from kenspec.server.engine.quantize import int4_refusal, quantize_model
 from kenspec.server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
@@ -123,8 +123,8 @@ class TargetModel:
     ) -> TargetModel:
         """Load a Hugging Face folder, or a GGUF file (or a folder holding one), dequantized to
         `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
-        int8 or int4, its linear layers quantized (engine.quantize), gguf (auto, where it can
-        be: a GGUF file on a CPU in bfloat16 or float32) the file's own quantized tensors
+        int8 or int4, its linear layers quantized (engine.quantize), gguf (and auto where the
+        grouped GEMV computes it: see _resolve_weights) a GGUF file's own quantized tensors
         served as it keeps them (engine.gguf_weights); its passes planned within
         `execution` and built (engine.forward). chat_template: a Jinja template its tokenizer
         renders chats with instead of its own (or the one a model without one gets)."""
@@ -138,7 +138,7 @@ class TargetModel:
         name = str(Path(path))
         gguf_file = _gguf_file(Path(path))
         kept = _resolve_weights(kept, gguf_file, resolved_device, resolved_dtype, execution)
-        directory = _model_folder(Path(path), resolved_dtype, Path(gguf_cache))
+        directory = _model_folder(Path(path), gguf_file, resolved_dtype, Path(gguf_cache))
         config = AutoConfig.from_pretrained(directory)
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolved_dtype)
@@ -357,25 +357,20 @@ def _file_weights(
 ) -> FileWeights:
     """The file's own tensors in the model (engine.gguf_weights), computed by the grouped GEMV
     from the first pass where it runs."""
+    kernels = load_kernels() if execution.cpu_kernels and model.device.type == "cpu" else None
     try:
-        found = apply_file_weights(model, gguf_file)
+        return apply_file_weights(model, gguf_file, kernels)
     except FileWeightsError as error:
         raise TargetLoadError(f"{name}: {error}") from None
-    kernels = load_kernels() if execution.cpu_kernels and model.device.type == "cpu" else None
-    for module in model.modules():
-        if isinstance(module, GroupedLinear):
-            module.kernels = kernels
-    return found
 
 
-def _model_folder(path: Path, dtype: torch.dtype, gguf_cache: Path) -> Path:
-    """The Hugging Face folder to load: `path` itself, or a GGUF file's converted copy."""
-    try:
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
+def _model_folder(path: Path, gguf_file: Path | None, dtype: torch.dtype, gguf_cache: Path) -> Path:
+    """The Hugging Face folder to load: `path` itself, or its GGUF file's converted copy."""
+    if gguf_file is not None:
+        try:
             return cached_folder(gguf_file, dtype, gguf_cache)
-    except GgufRefused as error:
-        raise TargetLoadError(str(error)) from None
+        except GgufRefused as error:
+            raise TargetLoadError(str(error)) from None
     _check_model_dir(path)
     return path
 

@@ -60,7 +60,7 @@ from kenspec.server.engine.invariant import choose_padding, short_key_counts, va
 from kenspec.server.engine.kernels import BatchInvariance, Kernels
 from kenspec.server.engine.linear_kernels import measure_skinny_rows
 from kenspec.server.engine.params import MAX_DRAFT_TOKENS, AttentionMode, Weights
-from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, Int8Linear
+from kenspec.server.engine.quantize import GroupedWeight, Int8Linear
 
 log = structlog.get_logger("kenspec.forward")
 
@@ -79,9 +79,6 @@ def build_forward(
     forward's output product."""
     started = time.perf_counter()
     kernels = load_kernels() if options.cpu_kernels and model.device.type == "cpu" else None
-    for module in model.modules():  # a file's own layers: the grouped GEMV where it runs
-        if isinstance(module, GroupedLinear):
-            module.kernels = kernels
     lean = _lean_weights(model, options, weights)
     output = output_product(model, lean, file_output) if lean is not None else None
     plan, timings = plan_execution(
