@@ -33,6 +33,11 @@ PLANS = {  # name: the options a target of that plan loads with
         decoder=RowPlan.every(Kernel.GEMV),
         head_kernels=RowPlan.every(Kernel.GEMV),
     ),
+    "amx": ExecutionOptions(
+        lean=LeanMode.AUTO,
+        decoder=RowPlan.every(Kernel.AMX),
+        head_kernels=RowPlan.every(Kernel.GEMV),
+    ),
     "packed": ExecutionOptions(
         lean=LeanMode.AUTO,
         decoder=RowPlan.every(Kernel.PACKED),

@@ -311,6 +311,7 @@ def execution_options(settings: Settings) -> ExecutionOptions:
         skinny_gemm=kernels.skinny_gemm,
         attention=kernels.attention,
         batch_invariant=kernels.batch_invariant,
+        amx=kernels.amx,
     )
 
 

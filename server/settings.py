@@ -163,6 +163,7 @@ class KernelSettings:
     weights: Weights = Weights.AUTO
     threads: int = 0
     fast_step: bool = True
+    amx: bool = True
     skinny_gemm: bool = True
     attention: AttentionMode = AttentionMode.AUTO
     batch_invariant: bool = False
@@ -639,6 +640,9 @@ _HELP = {
     "lean decoder loop (fused products, each product's kernel timed at start-up by row "
     "count: kenspec's bf16 GEMV (AVX512-BF16, or AVX2), oneDNN with packed weights, or "
     "torch's); --no-fast-step keeps transformers' forward",
+    "amx": "on CPUs with AMX-BF16 (Xeon Sapphire Rapids and later), compute the fast step's "
+    "bf16 decoder products through AMX tiles at every width (a verify pass of up to 16 "
+    "tokens then costs about one step); --no-amx keeps the AVX512-BF16 GEMV",
     "attention": "attention of passes with a few queries per row: auto (grouped products over "
     "the cache where timed faster than SDPA at start-up, by queries per row and context "
     "length), sdpa (torch's scaled_dot_product_attention always) or grouped (always, up to "

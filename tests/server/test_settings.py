@@ -181,7 +181,7 @@ def test_settings_are_grouped_as_the_engine_uses_them() -> None:
     assert settings.limits.max_queue == 3 and settings.model.has_draft
     assert list(GROUPS) == ["model", "kernels", "speculation", "server", "limits", "security"]
     assert FIELD_GROUPS["metrics_auth"] == "security" and FIELD_GROUPS["fast_step"] == "kernels"
-    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 90
+    assert len({env_name(name) for name in FIELD_GROUPS}) == len(FIELD_GROUPS) == 91
 
 
 def test_the_http_api_is_on_port_and_grpc_on_grpc_port(capsys) -> None:

@@ -6,6 +6,7 @@
  *   gemv.c       + AVX512-BF16        bfloat16 products (and int8 weights widened to bf16)
  *   gemv_grouped.c + AVX512-BF16      a GGUF file's own groups: int8 or 4-bit q, scales, offsets
  *   gemv_avx2.c  AVX2 and FMA         bfloat16 products where AVX512-BF16 is not there
+ *   gemv_amx.c   + AMX-TILE, AMX-BF16  bfloat16 products through AMX tiles
  *   layer.c      + AVX512-BF16        the work between a layer's products, top-k, the screen
  *   step.c       + AVX512-BF16        a whole decoder pass in one call
  *   gemv_u8s8.c  + AVX512-VNNI        the screened output layer's int8 x int8 product
@@ -14,6 +15,11 @@
 #ifndef KENSPEC_H
 #define KENSPEC_H
 #include <stdint.h>
+
+/* A bf16 product y [rows, out] = x [rows, k] @ w [out, k]^T (kenspec_gemv_amx's signature):
+ * 0, or non-zero where it failed. */
+typedef int (*kenspec_bf16_product)(const uint16_t *x, const uint16_t *w, uint16_t *y,
+                                    long rows, long k, long out);
 
 /* One decoder layer's weights: each product's weight [out, in] (bf16, int8 with bf16 scales
  * [out], or a GGUF file's own groups: q with float32 scales and offsets, gemv_grouped.c), its
@@ -53,6 +59,10 @@ typedef struct {
   const int64_t *mask_rows;
   long kv_length;
   float scale; /* attention's */
+  /* bf16 layers' products (quant 0): kenspec_gemv_amx passed in by the caller where the plan
+   * takes AMX (a library's sources of one instruction set call no other set's), or NULL:
+   * gemv.c's kenspec_gemv_bf16 */
+  kenspec_bf16_product bf16_product;
 } kenspec_pass;
 
 /* gemv.c */
@@ -65,6 +75,11 @@ long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
 /* gemv_avx2.c: kenspec_gemv_bf16's product, summed in its own one order (see the file) */
 void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
                             long k, long out);
+/* gemv_amx.c: kenspec_gemv_bf16's product through AMX tiles, in its own one order (see the
+ * file); kenspec_amx_init asks Linux for the tile state once a process (0: granted) */
+int kenspec_amx_init(void);
+int kenspec_gemv_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows, long k,
+                     long out);
 /* gemv_grouped.c */
 int kenspec_gemv_grouped(const uint16_t *x, const void *q, int bits, const float *scales,
                          const float *mins, long group, uint16_t *y, long rows, long k,

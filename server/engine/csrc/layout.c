@@ -30,7 +30,7 @@ static const long pass_offsets[] = {
     AT(kenspec_pass, eps),        AT(kenspec_pass, cos),        AT(kenspec_pass, sin),
     AT(kenspec_pass, cache_rows), AT(kenspec_pass, positions),  AT(kenspec_pass, capacity),
     AT(kenspec_pass, mask),       AT(kenspec_pass, mask_bf16),  AT(kenspec_pass, mask_rows),
-    AT(kenspec_pass, kv_length),  AT(kenspec_pass, scale),
+    AT(kenspec_pass, kv_length),  AT(kenspec_pass, scale),      AT(kenspec_pass, bf16_product),
 };
 
 long kenspec_layout(int which, long *offsets, long room) {

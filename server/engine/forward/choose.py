@@ -8,9 +8,10 @@ What decides what (docs/design.md, "The forward wing"):
 - the lean products' kernels, per row count, and the output layer's: by rule where kenspec's
   bf16 GEMV runs (AVX512-BF16's, else AVX2's: it, for every product at every width; one
   summation order, so a token's bits never depend on what shares its pass, and nothing timed
-  at start-up can change the plan); elsewhere measured on the model's own weights
-  (forward.products), a kernel taking over only where it is MARGIN faster, unless the options
-  fix them;
+  at start-up can change the plan); on a CPU with AMX the decoder's products take AMX's tiles
+  instead, at every width (their own one order; a verify pass then costs about a step);
+  elsewhere measured on the model's own weights (forward.products), a kernel taking over only
+  where it is MARGIN faster, unless the options fix them;
 - the head: a LAZY output layer for the lean forward and for plain float32 heads on a CPU,
   PASS on an accelerator, else the MODEL's logits (forward.head); the int8 screen where the
   lean forward reads a bf16 output layer with kenspec's GEMV and the CPU has AVX512-BF16;
@@ -222,6 +223,8 @@ def _lean_plan(
         together = GROUPED_TOGETHER if output.grouped is not None else GEMV_TOGETHER
     if gemv_everywhere:
         every = RowPlan.every(Kernel.GEMV)
+        if options.amx and _amx_serves(lean, kernels):
+            decoder = decoder or RowPlan.every(Kernel.AMX)
         decoder, head_kernels = decoder or every, head_kernels or every
         if head_kernels == every:
             together = GEMV_TOGETHER if kernels is not None and kernels.bf16 else AVX2_GEMV_TOGETHER
@@ -278,6 +281,17 @@ def _gemv_everywhere(lean: LeanWeights, output: Product, kernels: CpuKernels | N
     the output layer's) on a CPU with AVX512-BF16, or AVX2 and FMA."""
     bf16 = output.scales is None and output.weight.dtype == torch.bfloat16
     return kernels is not None and kernels.gemv_bf16 and not lean.quantized and bf16
+
+
+def _amx_serves(lean: LeanWeights, kernels: CpuKernels | None) -> bool:
+    """Whether AMX's tiles compute the decoder's bf16 products: the CPU has them (and the
+    layer kernels), and every product's in-features are whole tiles (multiples of 32)."""
+    return (
+        kernels is not None
+        and kernels.amx
+        and kernels.bf16
+        and all(product.in_features % 32 == 0 for product in lean.products)
+    )
 
 
 def _fastest(measured: dict[int, dict[Kernel, float]], products: list[Product]) -> RowPlan:

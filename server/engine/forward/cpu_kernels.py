@@ -71,6 +71,7 @@ class PassArgs(ctypes.Structure):
         ("kv_heads", _L), ("dim", _L), ("intermediate", _L), ("quant", _I), ("eps", _F),
         ("cos", _P), ("sin", _P), ("cache_rows", _P), ("positions", _P), ("capacity", _L),
         ("mask", _P), ("mask_bf16", _I), ("mask_rows", _P), ("kv_length", _L), ("scale", _F),
+        ("bf16_product", _P),
     ]  # fmt: skip
 
 
@@ -78,6 +79,8 @@ class PassArgs(ctypes.Structure):
 _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
     "kenspec_gemv_bf16_avx2": (None, [_P] * 3 + [_L] * 3, Isa.AVX2),
+    "kenspec_gemv_amx": (_I, [_P] * 3 + [_L] * 3, Isa.AMX),
+    "kenspec_amx_init": (_I, [], Isa.AMX),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
     "kenspec_gemv_grouped": (_I, [_P, _P, _I, _P, _P, _L, _P, _L, _L, _L], Isa.BF16),
     "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
@@ -143,6 +146,19 @@ class CpuKernels:
         return self.bf16 or Isa.AVX2 in self.isa
 
     @property
+    def amx(self) -> bool:
+        """AMX-BF16's tile product (`gemv_amx`) runs here: the CPU has it, the library was
+        built with it and Linux granted this process the tile state (`load_kernels` asks)."""
+        return Isa.AMX in self.isa
+
+    @property
+    def amx_product(self) -> int:
+        """kenspec_gemv_amx's address, for a decoder pass's bf16 products (PassArgs)."""
+        address = ctypes.cast(self.library.kenspec_gemv_amx, ctypes.c_void_p).value
+        assert address is not None and self.amx
+        return address
+
+    @property
     def int8(self) -> bool:
         """The int8 GEMV with float32 (or bf16) activations runs here."""
         return Isa.AVX512 in self.isa
@@ -166,6 +182,21 @@ class CpuKernels:
         if not self.bf16 and Isa.AVX2 in self.isa:
             return self.gemv_avx2(x, weight)
         return self._gemv("kenspec_gemv_bf16", x, weight)
+
+    def gemv_amx(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`gemv`'s product through AMX tiles (csrc/gemv_amx.c): its own one order, the
+        same bits for a row whatever the row count; weight's in-features a multiple of 32."""
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+        failed = self._call(
+            "kenspec_gemv_amx", x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, k,
+            weight.shape[0],
+        )  # fmt: skip
+        if failed == -2:
+            raise ValueError(f"kenspec_gemv_amx takes in-features in multiples of 32, not {k}")
+        if failed:
+            raise MemoryError("kenspec_gemv_amx: no memory for the pass's tiles")
+        return out
 
     def gemv_avx2(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`gemv` through csrc/gemv_avx2.c, whatever else runs here."""
@@ -435,7 +466,16 @@ def _open(directory: Path, record: Build, cpu: frozenset[Isa], source: str) -> C
     library = ctypes.CDLL(str(path))
     declare(library, record.isa)
     check_layout(library)
-    return CpuKernels(library, path, cpu & record.isa, record, source)
+    runs = cpu & record.isa
+    if Isa.AMX in runs and not grant_amx(library):
+        runs -= {Isa.AMX}  # (_report says why)
+    return CpuKernels(library, path, runs, record, source)
+
+
+def grant_amx(library: ctypes.CDLL) -> bool:
+    """Ask Linux for AMX's tile state for this process (once is enough; again is harmless):
+    True where granted. A kernel before 5.16, or a sandbox that filters arch_prctl, refuses."""
+    return bool(library.kenspec_amx_init() == 0)
 
 
 def _report(
@@ -457,7 +497,10 @@ def _report(
         for isa in sorted(cpu - kernels.built - missing.keys()):  # (an older recipe's)
             reasons.append(f"library built without {isa} (no source of it): {uses[isa]} not used")
         for isa in sorted(kernels.built - kernels.isa):
-            reasons.append(f"CPU lacks {isa}: {uses[isa]} not used")
+            if isa in cpu:  # (AMX: the CPU has it, Linux did not grant the tile state)
+                reasons.append(f"Linux refused {isa}'s tile state: {uses[isa]} not used")
+            else:
+                reasons.append(f"CPU lacks {isa}: {uses[isa]} not used")
         if kernels.isa:
             log.info(
                 "kernels",

@@ -38,6 +38,7 @@ class Isa(StrEnum):
     AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
     BF16 = "avx512_bf16"  # bfloat16 products and the layer kernels
     VNNI = "avx512_vnni"  # the screened output layer's int8 x int8 product
+    AMX = "amx_bf16"  # with AMX-TILE and AVX512-BF16: the decoder's bf16 products in tiles
 
 
 _BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
@@ -47,6 +48,7 @@ CPU_FLAGS = {
     Isa.AVX512: _BASE,
     Isa.BF16: _BASE | {"avx512_bf16"},
     Isa.VNNI: _BASE | {"avx512_vnni"},
+    Isa.AMX: _BASE | {"avx512_bf16", "amx_bf16", "amx_tile"},
 }
 # What a CPU without an instruction set loses (for the log).
 USES = {
@@ -54,6 +56,7 @@ USES = {
     Isa.AVX512: "int8 GEMV",
     Isa.BF16: "bf16 GEMV, layer kernels and decoder pass",
     Isa.VNNI: "int8 screen of the output layer",
+    Isa.AMX: "AMX bf16 products",
 }
 _AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
@@ -62,6 +65,7 @@ COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
     Isa.AVX512: _AVX512,
     Isa.BF16: (*_AVX512, "-mavx512bf16"),
     Isa.VNNI: (*_AVX512, "-mavx512vnni"),
+    Isa.AMX: (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
 }
 # Each source once, with what it needs (None: any x86-64). Sources of one instruction set may
 # call each other (step.c calls gemv.c and layer.c), never another set's: the link checks it.
@@ -73,6 +77,7 @@ UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("layer.c", Isa.BF16),
     ("step.c", Isa.BF16),
     ("gemv_u8s8.c", Isa.VNNI),
+    ("gemv_amx.c", Isa.AMX),
     ("layout.c", None),
 )
 

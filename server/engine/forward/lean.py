@@ -233,9 +233,13 @@ class LeanDecoder:
         return normed
 
     def _all_gemv(self, tokens: int) -> bool:
-        """Whether every decoder product of a `tokens`-row pass takes the GEMV that
-        csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups)."""
-        return self.plan.kernel(tokens) is Kernel.GEMV and self.weights.quantized in _QUANT
+        """Whether every decoder product of a `tokens`-row pass takes a GEMV that
+        csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups; or
+        bf16 weights through AMX tiles)."""
+        kernel = self.plan.kernel(tokens)
+        if kernel is Kernel.AMX:
+            return self.weights.quantized == ""
+        return kernel is Kernel.GEMV and self.weights.quantized in _QUANT
 
     def _describe_layers(self) -> ctypes.Array[DecoderLayer]:
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -279,6 +283,7 @@ class LeanDecoder:
         order, for a pass whose products all take the GEMV."""
         layers, w = self._layers, self.weights
         assert layers is not None
+        tokens = hidden.shape[0]
         heads, kv_heads, dim = w.layers[0].heads
         like = hidden.new_empty(1, kv_heads, 1, dim)
         rows = positions = keys = torch.empty(0)
@@ -287,13 +292,14 @@ class LeanDecoder:
             layers[index].keys, layers[index].values = keys.data_ptr(), values.data_ptr()
         arguments = PassArgs(
             layers=layers, count=len(w.layers), final_norm=w.norm_weights[-1].data_ptr(),
-            hidden=hidden.data_ptr(), normed=normed.data_ptr(), tokens=hidden.shape[0],
+            hidden=hidden.data_ptr(), normed=normed.data_ptr(), tokens=tokens,
             size=hidden.shape[1], heads=heads, kv_heads=kv_heads, dim=dim,
             intermediate=w.layers[0].down.in_features, quant=_QUANT[w.quantized],
             eps=w.eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache_rows=rows.data_ptr(),
             positions=positions.data_ptr(), capacity=keys.shape[2], mask=mask.data_ptr(),
             mask_bf16=int(mask.dtype == torch.bfloat16), mask_rows=mask_rows.data_ptr(),
             kv_length=mask.shape[-1], scale=w.scaling,
+            bf16_product=fused.amx_product if self.plan.kernel(tokens) is Kernel.AMX else None,
         )  # fmt: skip
         fused.decoder_pass(arguments)
 

@@ -25,6 +25,7 @@ class Kernel(StrEnum):
     STOCK = "stock"  # torch's F.linear (int8: torch's int8 kernel; int4: torch's int4 kernel)
     PACKED = "packed"  # oneDNN, with the weights laid out once for it
     GEMV = "gemv"  # kenspec's (csrc/gemv.c, gemv_int8.c): one summation order at any width
+    AMX = "amx"  # kenspec's through AMX tiles (csrc/gemv_amx.c), bf16: its own one order
     DEQUANT = "dequant"  # int8 weights widened to the activations' dtype for torch's GEMM
 
 
@@ -103,6 +104,7 @@ class ExecutionOptions:
     cpu_kernels: bool = True  # kenspec's C kernels where the CPU runs them
     fused_layer: bool = True  # csrc/layer.c between the lean products, where it serves
     screen: bool = True  # greedy tokens through the int8 screen, where it serves
+    amx: bool = True  # the decoder's bf16 products through AMX tiles, where the CPU has them
     decoder: RowPlan | None = None
     head_kernels: RowPlan | None = None
     head: HeadKind | None = None
@@ -139,9 +141,11 @@ class ExecutionPlan:
         every product (0: none are; sys.maxsize: all are)."""
         if self.forward is not ForwardKind.LEAN:
             return 0
-        # int4's decoder products are torch's int4 kernel (its one order); every output layer
-        # of a lean forward is bf16 or int8, the GEMV's
+        # int4's decoder products are torch's int4 kernel (its one order); AMX's tiles sum in
+        # theirs; every output layer of a lean forward is bf16 or int8, the GEMV's
         decoder = Kernel.STOCK if self.weights is Weights.INT4 else Kernel.GEMV
+        if self.decoder.kernel(1) is Kernel.AMX:
+            decoder = Kernel.AMX
         return min(
             self.decoder.invariant_below(decoder), self.head_kernels.invariant_below(Kernel.GEMV)
         )

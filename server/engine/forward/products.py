@@ -204,6 +204,8 @@ class Product:
             return int8_linear(x, self.weight, self.scales, self.bias)
         if kernel is Kernel.GEMV and kernels is not None and kernels.gemv_bf16:
             return self._biased(kernels.gemv(x, self.weight))
+        if kernel is Kernel.AMX and kernels is not None and kernels.amx:
+            return self._biased(kernels.gemv_amx(x, self.weight))
         if kernel is Kernel.PACKED and self.packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             assert isinstance(out, torch.Tensor)

@@ -45,6 +45,9 @@ def loading(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no
     and the "kernels" log lines."""
     monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path / "prebuilt")
     monkeypatch.setattr(cpu_kernels, "CACHE", tmp_path / "cache")
+    # (flags that fake AMX: Linux's grant of the tile state faked too, so a CPU without it
+    # loads as one with it would; no AMX kernel is called here)
+    monkeypatch.setattr(cpu_kernels, "grant_amx", lambda library: True)
 
     def load(flags: frozenset[str] = ALL_FLAGS) -> tuple[cpu_kernels.CpuKernels | None, list]:
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
@@ -110,7 +113,7 @@ def test_a_prebuilt_library_runs_without_a_compiler(
     assert kernels.path == directory / "libkenspec.so"
     assert not (tmp_path / "cache").exists()
     assert line["source"] == "prebuilt" and line["library"] == str(kernels.path)
-    assert line["isa"] == ["avx2", "avx512", "avx512_bf16", "avx512_vnni"]
+    assert line["isa"] == ["amx_bf16", "avx2", "avx512", "avx512_bf16", "avx512_vnni"]
     assert line["build"] == record.key and line["reason"] == "all of it runs here"
     if REAL_BF16:  # the GEMV itself, where this CPU runs it
         x, weight = torch.randn(3, 256).bfloat16(), torch.randn(40, 256).bfloat16()
@@ -136,7 +139,9 @@ def test_a_cpu_without_bf16_gets_the_rest_and_the_log_says_what_is_not_used(
     assert kernels is not None and kernels.isa == {Isa.AVX2, Isa.AVX512}
     assert kernels.gemv_bf16 and not kernels.bf16
     assert line["isa"] == ["avx2", "avx512"]
-    assert "AVX2 bf16 GEMV; CPU lacks avx512_bf16: layer kernels, whole pass" in line["reason"]
+    assert line["reason"].startswith("AVX2 bf16 GEMV; ")
+    assert "CPU lacks avx512_bf16: layer kernels, whole pass" in line["reason"]
+    assert "CPU lacks amx_bf16: AMX bf16 products not used" in line["reason"]
     if REAL_AVX2:
         x, weight = torch.randn(3, 40).bfloat16(), torch.randn(9, 40).bfloat16()
         assert torch.equal(kernels.gemv(x, weight), (x.double() @ weight.double().t()).bfloat16())
@@ -196,12 +201,13 @@ def test_a_compiler_without_a_flag_builds_the_other_instruction_sets(
     old.chmod(0o755)
     directory = prebuild(tmp_path / "prebuilt", compiler=str(old))
     record = json.loads((directory / "build.json").read_text())
-    assert record["isa"] == ["avx2", "avx512", "avx512_bf16"]
+    assert record["isa"] == ["amx_bf16", "avx2", "avx512", "avx512_bf16"]
     (failed,) = [unit for unit in record["units"] if unit["error"]]
     assert failed["source"] == "gemv_u8s8.c" and "-mavx512vnni" in failed["error"]
     kernels, (line,) = loading()
     assert kernels is not None and kernels.bf16 and not kernels.vnni
-    assert line["source"] == "prebuilt" and line["isa"] == ["avx2", "avx512", "avx512_bf16"]
+    assert line["source"] == "prebuilt"
+    assert line["isa"] == ["amx_bf16", "avx2", "avx512", "avx512_bf16"]
     assert "library built without avx512_vnni (gemv_u8s8.c: cc: error" in line["reason"]
     values = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(KernelUnavailable, match="avx512_vnni, which the library was built"):

@@ -172,7 +172,8 @@ def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
     (line,) = avx2_only
     assert line["isa"] == ["avx2"] and line["log_level"] == "info"
     reason = str(line["reason"])
-    assert "AVX2 bf16 GEMV; CPU lacks avx512: int8 GEMV not used" in reason
+    assert "AVX2 bf16 GEMV; CPU lacks amx_bf16: AMX bf16 products not used" in reason
+    assert "CPU lacks avx512: int8 GEMV not used" in reason
     assert "CPU lacks avx512_bf16: layer kernels, whole pass and int8 screen not used" in reason
 
 
