@@ -1,6 +1,7 @@
 /* The fast step's whole decoder pass in one call, for passes whose products all take the GEMV
- * (gemv.c, gemv_grouped.c, or gemv_amx.c's tiles through kenspec_pass.bf16_product) and whose attention is layer.c's: per layer the same kernels, in the same order,
- * as the lean forward's loop calls them one by one from Python (so the same bits), without
+ * (gemv.c, gemv_grouped.c, or gemv_amx.c's tiles through kenspec_pass.bf16_product) and whose
+ * attention is layer.c's: per layer the same kernels, in the same order, as the lean
+ * forward's loop calls them one by one from Python (so the same bits), without
  * the ~10 Python and ctypes calls a layer costs between them.
  * Compiled with AVX512-BF16 into the kernel library (engine.forward.cpu_kernels).
  */
