@@ -304,3 +304,41 @@ class _BranchingSession(DraftSession, TreeBranching):
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._position += len(token_ids)
+
+
+def wide_pass_rows(target: TargetModel, text: str, width: int = 7) -> list[torch.Tensor]:
+    """The last `width` tokens' logits of `text` after a prefill of the rest, from one pass
+    of `width` tokens and from `width` one-token passes (each [width, vocab])."""
+    ids = target.encode_prompt(text)
+    rows = []
+    for widths in ((width,), (1,) * width):
+        cache = target.new_cache(1)
+        target.prefill(cache, 0, 0, ids[:-width])
+        at, logits = len(ids) - width, []
+        for step in widths:
+            (out,) = target.forward(cache, VerifyPass.sequences([at], [ids[at : at + step]]))
+            logits += [out[i] for i in range(step)]
+            at += step
+        rows.append(torch.stack(logits))
+    return rows
+
+
+def assert_speculation_is_plain_decoding(
+    target: TargetModel, prompts: Sequence[str], arpa: Path, max_new_tokens: int = 24
+) -> None:
+    """Greedy speculation gives plain decoding's tokens for each prompt, whatever the draft
+    proposes: always right (chains of 4), never right (a KenLM draft of unseen tokens written
+    to `arpa`), or token trees partly right."""
+    plain = plain_decoding(target, prompts, max_new_tokens=max_new_tokens)
+    seen = {token for _, output in plain.values() for token in output}
+    never = never_matching_kenlm(target, arpa, seen)
+    for ids, expected in plain.values():
+        for draft, options in (
+            (OracleDraft(expected), {"k": 4}),
+            (never, {"k": 4}),
+            (Branching(expected, target.vocab_size), {"k": 4, "tree_budget": 12}),
+        ):
+            solo = generate(target, draft, ids, max_new_tokens=max_new_tokens, **options)
+            for _ in solo:
+                pass
+            assert solo.output_ids == expected, draft.name

@@ -27,12 +27,8 @@ from kenspec.server.engine.target import TargetModel
 from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import (
-    Branching,
-    OracleDraft,
-    generate,
+    assert_speculation_is_plain_decoding,
     last_rows,
-    never_matching_kenlm,
-    plain_decoding,
 )
 from tests.tiny_architectures import save_architecture
 
@@ -276,20 +272,7 @@ def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
     draft proposes: always right, never right, or token trees partly right."""
     directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
     target = _served(directory, EVERY_GEMV)
-    plain = plain_decoding(target, PROMPTS, max_new_tokens=24)
-    seen = {token for _, output in plain.values() for token in output}
-    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
-    for ids, expected in plain.values():
-        branching = Branching(expected, target.vocab_size)
-        for draft, options in (
-            (OracleDraft(expected), {"k": 4}),
-            (never, {"k": 4}),
-            (branching, {"k": 4, "tree_budget": 12}),
-        ):
-            solo = generate(target, draft, ids, max_new_tokens=24, **options)
-            for _ in solo:
-                pass
-            assert solo.output_ids == expected, draft.name
+    assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
 
 
 def test_runtime_serves_bf16_through_the_fused_layer(

@@ -28,13 +28,7 @@ from kenspec.server.engine.forward.plan import (
 from kenspec.server.engine.target import TargetModel
 from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
-from tests.server.engine.drafts import (
-    Branching,
-    OracleDraft,
-    generate,
-    never_matching_kenlm,
-    plain_decoding,
-)
+from tests.server.engine.drafts import assert_speculation_is_plain_decoding, wide_pass_rows
 from tests.tiny_architectures import save_architecture
 
 KERNELS = load_kernels()
@@ -266,29 +260,7 @@ def test_bf16_speculation_through_amx_is_plain_decoding(
     monkeypatch.setattr(CpuKernels, "decoder_pass", counted)
     target = _target(llama_dir)
     assert target.plan.decoder == EVERY_AMX
-    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
-    rows = []
-    for widths in ((7,), (1,) * 7):
-        cache = target.new_cache(1)
-        target.prefill(cache, 0, 0, ids[:-7])
-        at, logits = len(ids) - 7, []
-        for width in widths:
-            (out,) = target.forward(cache, VerifyPass.sequences([at], [ids[at : at + width]]))
-            logits += [out[i] for i in range(width)]
-            at += width
-        rows.append(torch.stack(logits))
+    one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
     assert calls > 0
-    assert torch.equal(rows[0], rows[1])
-    plain = plain_decoding(target, PROMPTS, max_new_tokens=24)
-    seen = {token for _, output in plain.values() for token in output}
-    never = never_matching_kenlm(target, tmp_path / "never.arpa", seen)
-    for prompt_ids, expected in plain.values():
-        for draft, options in (
-            (OracleDraft(expected), {"k": 4}),
-            (never, {"k": 4}),
-            (Branching(expected, target.vocab_size), {"k": 4, "tree_budget": 12}),
-        ):
-            solo = generate(target, draft, prompt_ids, max_new_tokens=24, **options)
-            for _ in solo:
-                pass
-            assert solo.output_ids == expected, draft.name
+    assert torch.equal(one_pass, one_by_one)
+    assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
