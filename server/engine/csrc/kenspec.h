@@ -110,6 +110,19 @@ long kenspec_screen(const float *a, const float *error, float norm, const float 
                     float residue, long vocab, int32_t *out, long room);
 /* step.c */
 int kenspec_decoder_pass(const kenspec_pass *pass);
+/* layer_avx2.c: layer.c's kernels and step.c's pass (bf16 weights, quant 0) with AVX2 */
+void kenspec_add_rmsnorm_avx2(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight,
+                              uint16_t *normed, long rows, long n, float eps);
+void kenspec_rotary_cache_avx2(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                               long tokens, long heads, long kv_heads, long dim, uint16_t *keys,
+                               uint16_t *values, const int64_t *cache_rows,
+                               const int64_t *positions, long capacity);
+int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long heads,
+                           long kv_heads, long dim, const uint16_t *keys, const uint16_t *values,
+                           const int64_t *cache_rows, long capacity, const void *mask,
+                           int mask_bf16, const int64_t *mask_rows, long kv_length, float scale);
+void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n);
+int kenspec_decoder_pass_avx2(const kenspec_pass *pass);
 /* layout.c: which = 0 (kenspec_layer) or 1 (kenspec_pass); writes each member's offset, in
  * declaration order, into offsets (at most room of them); returns the struct's size. */
 long kenspec_layout(int which, long *offsets, long room);

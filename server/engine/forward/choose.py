@@ -15,8 +15,8 @@ What decides what (docs/design.md, "The forward wing"):
 - the head: a LAZY output layer for the lean forward and for plain float32 heads on a CPU,
   PASS on an accelerator, else the MODEL's logits (forward.head); the int8 screen where the
   lean forward reads a bf16 output layer with kenspec's GEMV and the CPU has AVX512-BF16;
-- attention: csrc/layer.c's for every pass of a fused lean forward; else grouped products
-  where measured faster than SDPA (--attention auto), or fixed;
+- attention: csrc/layer.c's (layer_avx2.c's on AVX2) for every pass of a fused lean forward;
+  else grouped products where measured faster than SDPA (--attention auto), or fixed;
 - batch invariance: padded linear layers and invariant attention, measured on this CPU's
   kernels (engine.invariant); it keeps the eager forward and the model's own head;
 - skinny float32 products (W @ x^T) at the row counts measured faster (engine.linear_kernels).
@@ -208,9 +208,9 @@ def _lean_plan(
     computes at about one row's cost. Where kenspec's bf16 GEMV runs (AVX512-BF16's or
     AVX2's), by rule: it for every product at every width (one summation order, so a token's
     bits never depend on its pass), GEMV_TOGETHER rows together (AVX2's: AVX2_GEMV_TOGETHER);
-    the screen and the layer kernels only with AVX512-BF16. Elsewhere measured (unless the
-    options fix them), a kernel taking over only where it is MARGIN faster than the one before
-    it in every repeat."""
+    the screen only with AVX512-BF16, the layer kernels with it or AVX2. Elsewhere measured
+    (unless the options fix them), a kernel taking over only where it is MARGIN faster than
+    the one before it in every repeat."""
     decoder, head_kernels = options.decoder, options.head_kernels
     timings: dict[str, object] = {}
     together = 1
@@ -239,7 +239,9 @@ def _lean_plan(
         timings["head"] = _ms_table(measured)
     # (the screen's int8 products and exact candidates are AVX512-BF16's, as the layer kernels)
     screen = options.screen and gemv_everywhere and kernels is not None and kernels.bf16
-    fused = options.fused_layer and kernels is not None and kernels.bf16 and lean.fusable(model)
+    fused = (
+        options.fused_layer and kernels is not None and kernels.layer_kernels
+    ) and lean.fusable(model)
     return replace(
         plan,
         kernel_build="" if kernels is None else kernels.path.parent.name,

@@ -10,7 +10,8 @@ the machine's compiler the first time a process asks and keeps it under
 `~/.cache/kenspec/kernels/<key>/` (a restart loads it in milliseconds). `CpuKernels.isa` says
 which of its sources this CPU can run; a method whose source it cannot run raises instead of
 executing an illegal instruction. A CPU with AVX2 and FMA but no AVX512-BF16 gets the bf16
-GEMV alone (csrc/gemv_avx2.c: `gemv_bf16`), the rest where its AVX-512 runs it.
+GEMV and the layer kernels (csrc/gemv_avx2.c, layer_avx2.c: `gemv_bf16`, `layer_kernels`), the
+rest where its AVX-512 runs it.
 
 A decoder pass's arguments cross to C as one struct (`PassArgs`, csrc/kenspec.h's
 `kenspec_pass`); at load the library reports each struct's size and member offsets and the
@@ -75,6 +76,7 @@ class PassArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+_ATTENTION = [_P] * 2 + [_L] * 4 + [_P] * 3 + [_L, _P, _I, _P, _L, _F]  # kenspec_attention's
 # name: (result, arguments, the instructions it runs)
 _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
@@ -89,11 +91,16 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_u8s8": (_I, [_P] * 6 + [_L] * 3, Isa.VNNI),
     "kenspec_add_rmsnorm": (None, [_P] * 4 + [_L] * 2 + [_F], Isa.BF16),
     "kenspec_rotary_cache": (None, [_P] * 3 + [_L] * 4 + [_P] * 4 + [_L], Isa.BF16),
-    "kenspec_attention": (_I, [_P] * 2 + [_L] * 4 + [_P] * 3 + [_L, _P, _I, _P, _L, _F], Isa.BF16),
+    "kenspec_attention": (_I, _ATTENTION, Isa.BF16),
     "kenspec_silu_mul": (None, [_P] * 2 + [_L] * 2, Isa.BF16),
     "kenspec_top_probs": (None, [_P] + [_L] * 3 + [_P] * 2, Isa.BF16),
     "kenspec_screen": (_L, [_P] * 2 + [_F, _P, _F, _L, _P, _L], Isa.BF16),
     "kenspec_decoder_pass": (_I, [ctypes.POINTER(PassArgs)], Isa.BF16),
+    "kenspec_add_rmsnorm_avx2": (None, [_P] * 4 + [_L] * 2 + [_F], Isa.AVX2),
+    "kenspec_rotary_cache_avx2": (None, [_P] * 3 + [_L] * 4 + [_P] * 4 + [_L], Isa.AVX2),
+    "kenspec_attention_avx2": (_I, _ATTENTION, Isa.AVX2),
+    "kenspec_silu_mul_avx2": (None, [_P] * 2 + [_L] * 2, Isa.AVX2),
+    "kenspec_decoder_pass_avx2": (_I, [ctypes.POINTER(PassArgs)], Isa.AVX2),
     "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
 }
 
@@ -144,6 +151,16 @@ class CpuKernels:
     def gemv_bf16(self) -> bool:
         """A bf16 GEMV (`gemv`) runs here: AVX512-BF16's, else AVX2's."""
         return self.bf16 or Isa.AVX2 in self.isa
+
+    @property
+    def layer_kernels(self) -> bool:
+        """The layer kernels and the whole decoder pass of bf16 weights run here:
+        AVX512-BF16's (csrc/layer.c, step.c), else AVX2's (csrc/layer_avx2.c)."""
+        return self.bf16 or Isa.AVX2 in self.isa
+
+    def _layer(self, name: str, *arguments: object) -> object:
+        """A layer kernel by layer.c's name: AVX512-BF16's where it runs, else AVX2's."""
+        return self._call(name if self.bf16 else f"{name}_avx2", *arguments)
 
     @property
     def amx(self) -> bool:
@@ -285,7 +302,7 @@ class CpuKernels:
     ) -> None:
         """hidden += delta (None: nothing to add), in place; normed = RMSNorm(hidden)."""
         rows, n = hidden.shape
-        self._call(
+        self._layer(
             "kenspec_add_rmsnorm", hidden.data_ptr(), None if delta is None else delta.data_ptr(),
             weight.data_ptr(), normed.data_ptr(), rows, n, eps,
         )  # fmt: skip
@@ -302,7 +319,7 @@ class CpuKernels:
         positions: torch.Tensor,
     ) -> None:
         """Rotary on qkv's query and key heads in place; keys and values into the cache."""
-        self._call(
+        self._layer(
             "kenspec_rotary_cache", qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
             *heads, keys.data_ptr(), values.data_ptr(), rows.data_ptr(), positions.data_ptr(),
             keys.shape[2],
@@ -321,7 +338,7 @@ class CpuKernels:
         scale: float,
     ) -> None:
         """out [tokens, heads * dim]: each token's queries over its row's cache (layer.c)."""
-        failed = self._call(
+        failed = self._layer(
             "kenspec_attention", qkv.data_ptr(), out.data_ptr(), qkv.shape[0], *heads,
             keys.data_ptr(), values.data_ptr(), rows.data_ptr(), keys.shape[2], mask.data_ptr(),
             int(mask.dtype == torch.bfloat16), mask_rows.data_ptr(), mask.shape[-1], scale,
@@ -331,7 +348,7 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
-        self._call("kenspec_silu_mul", gate_up.data_ptr(), out.data_ptr(), *out.shape)
+        self._layer("kenspec_silu_mul", gate_up.data_ptr(), out.data_ptr(), *out.shape)
 
     def top_probs(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids [rows, width] (int32) of each float32 logits row's `width` largest logits,
@@ -399,8 +416,12 @@ class CpuKernels:
         return y, residue
 
     def decoder_pass(self, arguments: PassArgs) -> None:
-        """Every layer of a pass whose products all take the GEMV, in one call (step.c)."""
-        if self._call("kenspec_decoder_pass", ctypes.byref(arguments)):
+        """Every layer of a pass whose products all take the GEMV, in one call (step.c; on
+        AVX2, layer_avx2.c's: bf16 weights only)."""
+        failed = self._layer("kenspec_decoder_pass", ctypes.byref(arguments))
+        if failed == -2:
+            raise ValueError("the AVX2 decoder pass takes bf16 weights through its own GEMV")
+        if failed:
             raise MemoryError("kenspec_decoder_pass: no memory for the pass's buffers")
 
 
@@ -489,7 +510,7 @@ def _report(
         assert kernels.record is not None  # (_open gives every library its record)
         avx2 = kernels.gemv_bf16 and not kernels.bf16
         if avx2:
-            reasons.append("AVX2 bf16 GEMV")
+            reasons.append("AVX2 bf16 GEMV and layer kernels")
         uses = {**USES, Isa.BF16: _WITHOUT_BF16} if avx2 else USES
         missing = kernels.record.missing()
         for isa, error in sorted(missing.items()):
@@ -518,7 +539,7 @@ def _report(
 
 
 # What a CPU without AVX512-BF16 loses where AVX2's bf16 GEMV runs (for the log).
-_WITHOUT_BF16 = "layer kernels, whole pass and int8 screen"
+_WITHOUT_BF16 = "int8 screen, grouped GEMV and top-k kernel"
 
 
 def declare(library: ctypes.CDLL, built: frozenset[Isa] = frozenset(Isa)) -> None:

@@ -10,7 +10,8 @@ kenspec's packed attention and cache as before.
 Between the products, on CPUs with AVX512-BF16 and for bf16 activations, csrc/layer.c does
 each layer's other work in five calls (the plan's `fused_layer`): the residual add with the
 next RMSNorm, rotary with the cache write, attention (each query on its own), SiLU(gate) * up;
-and where every product of a pass takes the GEMV, csrc/step.c runs all layers in one call.
+and where every product of a pass takes the GEMV, csrc/step.c runs all layers in one call. On
+CPUs with AVX2 but not AVX512-BF16, csrc/layer_avx2.c does both for bf16 weights.
 
 It serves only what it reproduces (`check`): Llama, Mistral and Qwen2 models without sliding
 windows, on a CPU, in bfloat16 (or with int8/int4 weights, whose activations may be float32).
@@ -235,10 +236,10 @@ class LeanDecoder:
     def _all_gemv(self, tokens: int) -> bool:
         """Whether every decoder product of a `tokens`-row pass takes a GEMV that
         csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups; or
-        bf16 weights through AMX tiles)."""
+        bf16 weights through AMX tiles); on AVX2, layer_avx2.c's pass: bf16 weights."""
         kernel = self.plan.kernel(tokens)
-        if kernel is Kernel.AMX:
-            return self.weights.quantized == ""
+        if kernel is Kernel.AMX or (self.fused is not None and not self.fused.bf16):
+            return kernel in (Kernel.AMX, Kernel.GEMV) and self.weights.quantized == ""
         return kernel is Kernel.GEMV and self.weights.quantized in _QUANT
 
     def _describe_layers(self) -> ctypes.Array[DecoderLayer]:

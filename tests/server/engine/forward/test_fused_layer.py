@@ -1,10 +1,13 @@
-"""The lean forward's per-layer kernels (csrc/layer.c through forward.cpu_kernels): each the
-computation of the transformers modules it replaces, its attention a query's own (the same
-bits whatever shares its pass, a tree node the same as its ancestors' sequence), and bf16
-speculation through a step of row-independent kernels equal to plain decoding."""
+"""The lean forward's per-layer kernels (csrc/layer.c, and layer_avx2.c for CPUs without
+AVX512-BF16, through forward.cpu_kernels): each the computation of the transformers modules it
+replaces, its attention a query's own (the same bits whatever shares its pass, a tree node the
+same as its ancestors' sequence), and bf16 speculation through a step of row-independent
+kernels equal to plain decoding. The kernel tests run each instruction set's kernels this CPU
+runs; the served models take the ones the CPU's flags choose."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels, Isa, load_kernels
 from kenspec.server.engine.forward.passes import LeanForward
 from kenspec.server.engine.forward.plan import (
     ExecutionOptions,
@@ -33,12 +36,28 @@ from tests.server.engine.drafts import (
 from tests.tiny_architectures import save_architecture
 
 KERNELS = load_kernels()
-LAYER = KERNELS if KERNELS is not None and KERNELS.bf16 else None
+LAYER = KERNELS if KERNELS is not None and KERNELS.layer_kernels else None
 GEMV = LAYER.gemv if LAYER is not None else None
 EVERY_GEMV = RowPlan.every(Kernel.GEMV)
 pytestmark = pytest.mark.skipif(
-    LAYER is None or GEMV is None, reason="the CPU has no avx512_bf16 (or no compiler)"
+    LAYER is None or GEMV is None, reason="the CPU has no AVX512-BF16 or AVX2 (or no compiler)"
 )
+needs_bf16 = pytest.mark.skipif(
+    LAYER is None or not LAYER.bf16, reason="top_probs is AVX512-BF16's (layer.c)"
+)
+
+
+@pytest.fixture(params=[Isa.BF16, Isa.AVX2])
+def layer(request: pytest.FixtureRequest) -> CpuKernels:
+    """The library with one instruction set's layer kernels: layer.c's (AVX512-BF16), or
+    layer_avx2.c's (the library as a CPU without AVX512-BF16 sees it)."""
+    if KERNELS is None or request.param not in KERNELS.isa:
+        pytest.skip(f"this CPU does not run {request.param}'s layer kernels")
+    if request.param is Isa.AVX2:
+        return replace(KERNELS, isa=frozenset({Isa.AVX2}))
+    return KERNELS
+
+
 BF16 = torch.bfloat16
 # The tiny architectures' heads are 16 wide; the fused attention takes multiples of 32.
 WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -51,7 +70,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [576, 64, 40])
-def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int) -> None:
+def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int, layer: CpuKernels) -> None:
     torch.manual_seed(0)
     norm = LlamaRMSNorm(n, eps=1e-5).to(BF16)
     with torch.no_grad():
@@ -61,18 +80,19 @@ def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int) -> None:
     with torch.inference_mode():
         expected = norm(summed)
     normed = torch.empty_like(hidden)
-    assert LAYER is not None
-    LAYER.add_rmsnorm(hidden, delta, norm.weight.detach(), normed, 1e-5)
+    layer.add_rmsnorm(hidden, delta, norm.weight.detach(), normed, 1e-5)
     assert torch.equal(hidden, summed)  # the add, in place, rounded as torch's
     # The mean of squares is summed in another order: at most one bf16 step apart.
     assert int(_ulps(normed, expected).max()) <= 1
     assert (normed == expected).float().mean() > 0.99
     before = hidden.clone()
-    LAYER.add_rmsnorm(hidden, None, norm.weight.detach(), normed, 1e-5)
+    layer.add_rmsnorm(hidden, None, norm.weight.detach(), normed, 1e-5)
     assert torch.equal(hidden, before)
 
 
-def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values() -> None:
+def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values(
+    layer: CpuKernels,
+) -> None:
     torch.manual_seed(1)
     heads, kv_heads, dim, tokens, capacity = 6, 2, 64, 5, 32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(BF16)
@@ -87,8 +107,7 @@ def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values() -> N
     values = torch.zeros_like(keys)
     rows = torch.tensor([0, 2, 2, 1, 2])
     positions = torch.tensor([7, 0, 1, 31, 2])
-    assert LAYER is not None
-    LAYER.rotary_cache(qkv, cos, sin, (heads, kv_heads, dim), keys, values, rows, positions)
+    layer.rotary_cache(qkv, cos, sin, (heads, kv_heads, dim), keys, values, rows, positions)
     rotated = qkv[:, : heads * dim].view(tokens, heads, dim)
     assert torch.equal(rotated, expected_q[0].transpose(0, 1))
     for t in range(tokens):
@@ -98,14 +117,13 @@ def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values() -> N
     assert int((keys != 0).any(-1).sum()) == tokens * kv_heads  # nothing written elsewhere
 
 
-def test_silu_mul_is_the_mlps_activation_times_up() -> None:
+def test_silu_mul_is_the_mlps_activation_times_up(layer: CpuKernels) -> None:
     torch.manual_seed(2)
     gate_up = (torch.randn(3, 2 * 200) * 4).to(BF16)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = nn.SiLU()(gate) * up
     out = torch.empty(3, 200, dtype=BF16)
-    assert LAYER is not None
-    LAYER.silu_mul(gate_up, out)
+    layer.silu_mul(gate_up, out)
     assert int(_ulps(out, expected).max()) <= 1  # exp by another polynomial
     assert (out == expected).float().mean() > 0.98
 
@@ -166,34 +184,38 @@ def _reference(qkv, keys, values, cache_rows, mask, mask_rows, heads, scale) -> 
     ],
 )
 def test_attention_is_float64_attention_rounded_once(
-    kv_lengths: list[int], widths: list[int], heads: tuple[int, int, int], mask_dtype
+    kv_lengths: list[int],
+    widths: list[int],
+    heads: tuple[int, int, int],
+    mask_dtype,
+    layer: CpuKernels,
 ) -> None:
     case = _attention_case(kv_lengths, widths, heads, mask_dtype)
     qkv, keys, values, cache_rows, mask, mask_rows = case
     scale = heads[2] ** -0.5
     out = torch.empty(qkv.shape[0], heads[0] * heads[2], dtype=BF16)
-    assert LAYER is not None
-    LAYER.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, scale)
+    layer.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, scale)
     expected = _reference(*case, heads, scale)
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
     assert int(_ulps(out, expected.to(BF16)).max()) <= 1  # float32 sums, rounded once
 
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 2, 96)])
-def test_a_querys_bits_do_not_depend_on_its_pass(heads: tuple[int, int, int]) -> None:
+def test_a_querys_bits_do_not_depend_on_its_pass(
+    heads: tuple[int, int, int], layer: CpuKernels
+) -> None:
     """Alone in a one-token pass, or among 17 in a row beside two other rows (whose values
     are read once for all the row's heads), or a token tree's node: a query over the same
     visible keys gives the same bits."""
     qkv, keys, values, cache_rows, mask, mask_rows = _attention_case(
         [200, 150, 90], [17, 4, 1], heads
     )
-    assert LAYER is not None
     out = torch.empty(qkv.shape[0], heads[0] * heads[2], dtype=BF16)
-    LAYER.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, 0.125)
+    layer.attention(qkv, out, heads, keys, values, cache_rows, mask, mask_rows, 0.125)
     for t in range(qkv.shape[0]):
         alone = torch.empty(1, heads[0] * heads[2], dtype=BF16)
         row_mask = mask.reshape(-1, mask.shape[-1])[int(mask_rows[t])][None].contiguous()
-        LAYER.attention(
+        layer.attention(
             qkv[t : t + 1].contiguous(), alone, heads, keys, values, cache_rows[t : t + 1],
             row_mask, torch.zeros(1, dtype=torch.long), 0.125,
         )  # fmt: skip
@@ -211,9 +233,9 @@ def test_a_querys_bits_do_not_depend_on_its_pass(heads: tuple[int, int, int]) ->
     in_tree = torch.empty(1, heads[0] * heads[2], dtype=BF16)
     in_sequence = torch.empty_like(in_tree)
     one = torch.tensor([1])
-    LAYER.attention(query, in_tree, heads, keys, values, one, tree_mask, torch.tensor([3]), 0.125)
+    layer.attention(query, in_tree, heads, keys, values, one, tree_mask, torch.tensor([3]), 0.125)
     causal = attention_mask(torch.tensor([[102]]), 103, BF16).contiguous()
-    LAYER.attention(
+    layer.attention(
         query, in_sequence, heads, sequence_keys, sequence_values, one, causal,
         torch.tensor([0]), 0.125,
     )  # fmt: skip
@@ -345,7 +367,9 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
             logits = target.forward(cache, verify)[0]
             rows.append(torch.stack([logits[i] for i in range(width)]))
         results.append((rows, cache.read(0, len(ids) - 1)))
-    assert calls == [1, 1, 1]  # the prefill, 1- and 7-token passes; the loop's passes none
+    # the prefill, 1- and 7-token passes; the loop's passes none (AVX2's pass: bf16 weights)
+    assert LAYER is not None
+    assert calls == ([1, 1, 1] if LAYER.bf16 or weights == "bf16" else [])
     (whole_rows, whole_cache), (loop_rows, loop_cache) = results
     for a, b in zip(whole_rows, loop_rows, strict=True):
         assert torch.equal(a, b)
@@ -355,6 +379,7 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
         assert torch.equal(a, b)
 
 
+@needs_bf16
 @pytest.mark.parametrize("vocab", [5, 49, 1000])
 def test_top_probs_are_torchs_top_k_of_the_softmax(vocab: int) -> None:
     """layer.c's kenspec_top_probs (the recycled predictions' rows): the ids torch.topk
@@ -380,6 +405,7 @@ def test_top_probs_are_torchs_top_k_of_the_softmax(vocab: int) -> None:
     assert probs[0].tolist() == [1.0] + [0.0] * (width - 1)
 
 
+@needs_bf16
 def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel() -> None:
     """RecycledPredictions with top_probs (as the server builds it on these CPUs) keeps what
     it keeps with torch's top-k: the same next tokens, probabilities within float error."""

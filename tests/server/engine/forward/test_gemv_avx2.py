@@ -1,17 +1,20 @@
 """The AVX2 bf16 GEMV (csrc/gemv_avx2.c): the product rounded once, in one summation order
-whatever the pass; and a CPU with AVX2 but no AVX512-BF16 (the flags faked, the kernel run for
-real) gets it for every product at every width, so bf16 speculation there is plain decoding."""
+whatever the pass; and a CPU with AVX2 but no AVX512-BF16 (the flags faked, the kernels run for
+real) gets it for every product at every width and layer_avx2.c's layer kernels and whole
+pass, so bf16 speculation there is plain decoding."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import structlog
 import torch
 
+from kenspec.server.engine import target as target_module
 from kenspec.server.engine.forward import choose, cpu_kernels
 from kenspec.server.engine.forward.cpu_kernels import (
     CpuKernels,
@@ -151,23 +154,28 @@ def test_a_rows_bits_do_not_depend_on_its_pass_or_the_threads(
 def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
     avx2_only: list[dict[str, object]], kernels: CpuKernels
 ) -> None:
-    """The library loads (before: no kernel at all without AVX-512); `gemv` runs the AVX2
-    kernel, AVX-512's refuse; the log line says what runs and what does not."""
+    """The library loads (before: no kernel at all without AVX-512); `gemv` and the layer
+    kernels run AVX2's, AVX-512's refuse; the log line says what runs and what does not."""
     faked = load_kernels()
     assert faked is not None and faked.isa == {Isa.AVX2}
-    assert faked.gemv_bf16 and not faked.bf16 and not faked.int8 and not faked.vnni
+    assert faked.gemv_bf16 and faked.layer_kernels
+    assert not faked.bf16 and not faked.int8 and not faked.vnni
     x, w = torch.randn(3, 77).bfloat16(), torch.randn(40, 77).bfloat16()
     assert torch.equal(faked.gemv(x, w), kernels.gemv_avx2(x, w))
+    gate_up, out = torch.randn(2, 64).bfloat16(), torch.zeros(2, 32).bfloat16()
+    faked.silu_mul(gate_up, out)  # layer_avx2.c's
+    expected = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
-        faked.silu_mul(torch.zeros(1, 64).bfloat16(), torch.zeros(1, 32).bfloat16())
+        faked.top_probs(torch.zeros(1, 20), 4)
     with pytest.raises(KernelUnavailable, match="avx512, which this CPU lacks"):
         faked.gemv_int8(x, torch.zeros(4, 77, dtype=torch.int8), torch.ones(4).bfloat16())
     (line,) = avx2_only
     assert line["isa"] == ["avx2"] and line["log_level"] == "info"
     reason = str(line["reason"])
-    assert "AVX2 bf16 GEMV; CPU lacks amx_bf16: AMX bf16 products not used" in reason
+    assert "AVX2 bf16 GEMV and layer kernels; CPU lacks amx_bf16: AMX bf16 products" in reason
     assert "CPU lacks avx512: int8 GEMV not used" in reason
-    assert "CPU lacks avx512_bf16: layer kernels, whole pass and int8 screen not used" in reason
+    assert "CPU lacks avx512_bf16: int8 screen, grouped GEMV and top-k kernel not" in reason
 
 
 def test_no_avx2_and_no_avx512_is_still_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,16 +204,16 @@ def _avx2_target(directory: Path) -> TargetModel:
     return TargetModel.load(directory, device="cpu", dtype="bfloat16", execution=options)
 
 
-def test_the_plan_takes_the_gemv_everywhere_without_screen_or_layer_kernels(
+def test_the_plan_takes_the_gemv_everywhere_and_the_layer_kernels_without_screen(
     avx2_only: list[dict[str, object]], llama_dir: Path
 ) -> None:
     """By rule, nothing timed: the GEMV for every product at every width (every pass row
-    invariant); the screen and the layer kernels, asked for, left out (AVX512-BF16's)."""
+    invariant) and AVX2's layer kernels; the screen, asked for, left out (AVX512-BF16's)."""
     plan = _avx2_target(llama_dir).plan
     every = RowPlan.every(Kernel.GEMV)
     assert plan.forward is ForwardKind.LEAN
     assert plan.decoder == every and plan.head_kernels == every
-    assert not plan.screen and not plan.fused_layer
+    assert not plan.screen and plan.fused_layer
     assert plan.together == choose.AVX2_GEMV_TOGETHER  # (FMA-bound past a few rows)
     assert plan.row_invariant_below == sys.maxsize and plan.kernel_build
 
@@ -216,20 +224,44 @@ def test_bf16_speculation_on_the_avx2_gemv_is_plain_decoding(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Through the AVX2 GEMV (every product calls it): a pass of 7 tokens gives the logits of
-    7 one-token passes bit for bit, and greedy speculation, whatever the draft proposes, is
-    plain decoding token for token."""
-    calls = 0
-    avx2 = CpuKernels.gemv_avx2
+    """Through the AVX2 kernels (layer_avx2.c's whole pass, the output layer's rows by the
+    AVX2 GEMV): a pass of 7 tokens gives the logits of 7 one-token passes bit for bit, and
+    greedy speculation, whatever the draft proposes, is plain decoding token for token."""
+    called: set[str] = set()
+    call = CpuKernels._call
 
-    def counted(self: CpuKernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return avx2(self, x, weight)
+    def recorded(self: CpuKernels, name: str, *arguments: object) -> object:
+        called.add(name)
+        return call(self, name, *arguments)
 
-    monkeypatch.setattr(CpuKernels, "gemv_avx2", counted)
+    monkeypatch.setattr(CpuKernels, "_call", recorded)
     target = _avx2_target(llama_dir)
     one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
-    assert calls > 0
+    assert called == {"kenspec_decoder_pass_avx2", "kenspec_gemv_bf16_avx2"}
     assert torch.equal(one_pass, one_by_one)
     assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
+
+
+def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
+    avx2_only: list[dict[str, object]],
+    llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--dtype auto on a CPU without native bf16: bfloat16 where the AVX2 kernels run the
+    lean forward's step (a Llama), float32 where they would not (the lean forward off, no
+    kernels asked for, a model family it does not serve)."""
+    monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)
+    lean = ExecutionOptions(lean=LeanMode.AUTO)
+
+    def dtype(directory: Path, options: ExecutionOptions) -> torch.dtype:
+        return TargetModel.load(directory, device="cpu", execution=options).dtype
+
+    assert dtype(llama_dir, lean) is torch.bfloat16
+    assert dtype(llama_dir, ExecutionOptions()) is torch.float32  # (lean forward off)
+    assert dtype(llama_dir, replace(lean, cpu_kernels=False)) is torch.float32
+    other = save_architecture(tmp_path / "gpt2", tiny.build_byte_tokenizer(), "gpt2")
+    assert dtype(other, lean) is torch.float32
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
+    load_kernels.cache_clear()
+    assert dtype(llama_dir, lean) is torch.float32  # (no kernel runs)

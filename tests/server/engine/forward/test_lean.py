@@ -130,9 +130,9 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without avx512_bf16 the library holds the int8 GEMV (AVX-512 F/BW/VL/DQ) and AVX2's
-    bf16 GEMV: AVX512-BF16's GEMV and the layer kernels refuse with a reason instead of an
-    illegal instruction, `gemv` runs AVX2's, and the int8 GEMV of bf16 activations takes its
-    float32 sums (none widened to bf16)."""
+    bf16 GEMV and layer kernels: AVX512-BF16's kernels (top_probs here) refuse with a reason
+    instead of an illegal instruction, `gemv` runs AVX2's, and the int8 GEMV of bf16
+    activations takes its float32 sums (none widened to bf16)."""
     # (the int8 GEMV runs below only where this CPU really has AVX-512: an AVX2-only one
     # would execute an illegal instruction, whatever the faked flags say)
     runs_avx512 = cpu_kernels.Isa.AVX512 in cpu_kernels.supported_isa(cpu_kernels.cpu_flags())
@@ -146,7 +146,8 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
         assert kernels.int8 and not kernels.bf16 and not kernels.vnni and kernels.gemv_bf16
         x = torch.randn(2, 64).bfloat16()
         with pytest.raises(cpu_kernels.KernelUnavailable, match="avx512_bf16"):
-            kernels.silu_mul(torch.randn(2, 64).bfloat16(), x[:, :32].contiguous())
+            kernels.top_probs(torch.randn(2, 64), 4)
+        assert kernels.layer_kernels  # (AVX2's)
         weight = torch.randn(8, 64).bfloat16()
         assert torch.equal(kernels.gemv(x, weight), kernels.gemv_avx2(x, weight))
         values, scales = torch.randint(-9, 9, (8, 64), dtype=torch.int8), torch.ones(8).bfloat16()

@@ -1,0 +1,368 @@
+/* layer.c's kernels and step.c's whole decoder pass for CPUs with AVX2 and FMA but no
+ * AVX512-BF16: the residual add fused with RMS normalisation, rotary embedding fused with the
+ * cache write, attention of a packed pass over the cache, SiLU(gate) * up, and every layer of
+ * a pass in one call with gemv_avx2.c's products. Same arguments and the same rules as
+ * layer.c's (read its header): every elementwise result rounded to bfloat16 where
+ * transformers' bfloat16 layers round it; attention computes each query on its own, in
+ * float32, in one order (scores by FMA over the head dimension, eight lanes summed by one
+ * tree; the softmax's sum and the weighted sum of values key after key, masked keys skipped),
+ * so a query's bits depend only on its own unmasked keys, not on what shares its pass.
+ *
+ * Eight float32 lanes where layer.c has sixteen, so its sums run in another order: the two
+ * files may differ in a last bit, and a machine runs one of them.
+ * Compiled with AVX2 and FMA into the kernel library (engine.forward.cpu_kernels).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "kenspec.h"
+
+#define MASKED (-1e30f) /* a mask at or below this hides its key (finfo.min in practice) */
+
+/* 8 bf16 at p as float32 */
+static inline __m256 widen8(const uint16_t *p) {
+  const __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* the first n (< 8 allowed) bf16 at p as float32, the other lanes 0 */
+static inline __m256 widen(const uint16_t *p, long n) {
+  if (n >= 8) return widen8(p);
+  uint16_t part[8] = {0};
+  memcpy(part, p, (size_t)n * 2);
+  return widen8(part);
+}
+
+/* Each lane rounded to bfloat16, to nearest even (a NaN stays a quiet NaN), in the high half of
+ * its 32 bits: gemv_avx2.c's round_bf16, eight at a time. */
+static inline __m256i bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i nearest = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  const __m256i out = _mm256_blendv_epi8(nearest, quiet, _mm256_castps_si256(nan));
+  return _mm256_and_si256(out, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+static inline __m256 rounded(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+
+/* the first n (8 or fewer) lanes of v to p as bf16 */
+static inline void store(uint16_t *p, __m256 v, long n) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16); /* each lane <= 0xffff */
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  const __m128i eight = _mm256_castsi256_si128(packed);
+  if (n >= 8) {
+    _mm_storeu_si128((__m128i *)p, eight);
+  } else {
+    uint16_t part[8];
+    _mm_storeu_si128((__m128i *)part, eight);
+    memcpy(p, part, (size_t)n * 2);
+  }
+}
+
+/* The sum of v's 8 lanes: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as sums8's. */
+static inline float sum8(__m256 v) {
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  const __m128 a = _mm_hadd_ps(lo, lo), b = _mm_hadd_ps(hi, hi);
+  return _mm_cvtss_f32(_mm_add_ss(_mm_hadd_ps(a, a), _mm_hadd_ps(b, b)));
+}
+
+static inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* Lane j: the sum of a[j]'s lanes, each by sum8's tree, whichever j. */
+static inline __m256 sums8(const __m256 a[8]) {
+  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  /* c0 lane i (i < 4): a[i]'s lanes 0-3 summed; lane 4 + i: its lanes 4-7 (c1: a[4 + i]'s) */
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+/* exp(x) for each lane, layer.c's exp16 with eight lanes (the same polynomial; 2^n applied as
+ * two exact powers of two, as scalef would); lanes below -87.3 give 0, above 88.7 infinity. */
+static inline __m256 exp8(__m256 x) {
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(89.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i whole = _mm256_cvtps_epi32(n); /* -127 .. 128: each half's power is normal */
+  const __m256i first = _mm256_srai_epi32(whole, 1), second = _mm256_sub_epi32(whole, first);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 power1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+  const __m256 power2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, bias), 23));
+  __m256 out = _mm256_mul_ps(_mm256_mul_ps(p, power1), power2);
+  out = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(out, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
+}
+
+/* layer.c's kenspec_add_rmsnorm: hidden [rows, n] += delta (where given, rounded as a bfloat16
+ * add), then normed = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)). */
+void kenspec_add_rmsnorm_avx2(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight,
+                              uint16_t *normed, long rows, long n, float eps) {
+  for (long r = 0; r < rows; r++) {
+    uint16_t *h = hidden + r * n;
+    __m256 squares = _mm256_setzero_ps();
+    for (long i = 0; i < n; i += 8) {
+      __m256 v = widen(h + i, n - i);
+      if (delta) {
+        v = rounded(_mm256_add_ps(v, widen(delta + r * n + i, n - i)));
+        store(h + i, v, n - i);
+      }
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    const __m256 s = _mm256_set1_ps(1.0f / sqrtf(sum8(squares) / (float)n + eps));
+    for (long i = 0; i < n; i += 8) {
+      const __m256 v = rounded(_mm256_mul_ps(widen(h + i, n - i), s));
+      store(normed + r * n + i, _mm256_mul_ps(widen(weight + i, n - i), v), n - i);
+    }
+  }
+}
+
+/* layer.c's kenspec_rotary_cache: rotary on each token's query and key heads in place (each op
+ * rounded to bfloat16, as transformers' q * cos + rotate_half(q) * sin), then its keys and
+ * values into the cache at (cache_rows[t], positions[t]). */
+void kenspec_rotary_cache_avx2(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                               long tokens, long heads, long kv_heads, long dim, uint16_t *keys,
+                               uint16_t *values, const int64_t *cache_rows,
+                               const int64_t *positions, long capacity) {
+  const long width = (heads + 2 * kv_heads) * dim, half = dim / 2; /* half: a multiple of 16 */
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (long t = 0; t < tokens; t++) {
+    uint16_t *token = qkv + t * width;
+    const uint16_t *c = cos + t * dim, *s = sin + t * dim;
+    for (long head = 0; head < heads + kv_heads; head++) {
+      uint16_t *x = token + head * dim;
+      for (long d = 0; d < half; d += 8) {
+        const __m256 first = widen8(x + d), second = widen8(x + half + d);
+        const __m256 rotated_first = rounded(_mm256_add_ps(
+            rounded(_mm256_mul_ps(first, widen8(c + d))),
+            rounded(_mm256_mul_ps(_mm256_xor_ps(second, sign), widen8(s + d)))));
+        const __m256 rotated_second = rounded(_mm256_add_ps(
+            rounded(_mm256_mul_ps(second, widen8(c + half + d))),
+            rounded(_mm256_mul_ps(first, widen8(s + half + d)))));
+        store(x + d, rotated_first, 8);
+        store(x + half + d, rotated_second, 8);
+      }
+    }
+    const long at = (cache_rows[t] * kv_heads * capacity + positions[t]) * dim;
+    for (long g = 0; g < kv_heads; g++) {
+      memcpy(keys + at + g * capacity * dim, token + (heads + g) * dim, dim * 2);
+      memcpy(values + at + g * capacity * dim, token + (heads + kv_heads + g) * dim, dim * 2);
+    }
+  }
+}
+
+/* The scores of `group` query heads (widened: q [group, dim] float32) over one kv head's keys
+ * k ([kv_length, dim]): scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for a
+ * masked key. Each score: eight lanes of FMAs over the head dimension in order, summed by
+ * sums8's tree, whatever else is computed beside it. */
+static void score_group(const float *q, const uint16_t *k, long group, const void *mask,
+                        int mask_bf16, long kv_length, long dim, float scale, float *scores,
+                        long stride) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (long h = 0; h < group; h++) {
+    const float *query = q + h * dim;
+    float *row = scores + h * stride;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (long j0 = 0; j0 < kv_length; j0 += 8) {
+      const long count = kv_length - j0 < 8 ? kv_length - j0 : 8;
+      __m256 acc[8];
+      for (long jj = 0; jj < 8; jj++) {
+        acc[jj] = _mm256_setzero_ps();
+        if (jj >= count) continue;
+        const uint16_t *key = k + (j0 + jj) * dim;
+        for (long d = 0; d < dim; d += 8)
+          acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), widen8(key + d), acc[jj]);
+      }
+      __m256 added;
+      if (mask_bf16) {
+        added = widen((const uint16_t *)mask + j0, count);
+      } else {
+        float part[8] = {0};
+        memcpy(part, (const float *)mask + j0, (size_t)count * 4);
+        added = _mm256_loadu_ps(part);
+      }
+      const __m256 visible = _mm256_and_ps(
+          _mm256_cmp_ps(added, _mm256_set1_ps(MASKED), _CMP_GT_OQ),
+          _mm256_cmp_ps(lane, _mm256_set1_ps((float)count), _CMP_LT_OQ));
+      const __m256 score = _mm256_blendv_ps(
+          _mm256_set1_ps(-INFINITY), _mm256_fmadd_ps(sums8(acc), _mm256_set1_ps(scale), added),
+          visible);
+      top = _mm256_max_ps(top, score);
+      _mm256_storeu_ps(row + j0, score);
+    }
+    const __m256 most = _mm256_set1_ps(max8(top));
+    for (long j0 = 0; j0 < kv_length; j0 += 8) /* exp8 gives 0 for -inf */
+      _mm256_storeu_ps(row + j0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j0), most)));
+  }
+}
+
+/* out = sum_j p_j v_j / sum_j p_j for one query head whose scores are p ([kv_length]), over
+ * `chunks` (compile-time, <= 8) eight-lane pieces of the values at v (row stride dim): its
+ * sums key after key, zero weights skipped, in registers. */
+static inline __attribute__((always_inline)) void value_piece(const float *p, const int chunks,
+                                                              const uint16_t *v, long dim,
+                                                              long kv_length, float total,
+                                                              uint16_t *out) {
+  __m256 acc[8];
+  for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
+  for (long j = 0; j < kv_length; j++) {
+    if (p[j] == 0.0f) continue;
+    const __m256 weight = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < chunks; c++)
+      acc[c] = _mm256_fmadd_ps(weight, widen8(v + j * dim + c * 8), acc[c]);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0f / total);
+  for (int c = 0; c < chunks; c++) store(out + c * 8, _mm256_mul_ps(acc[c], inverse), 8);
+}
+
+/* Each of `count` heads' weighted values (its scores: row h of scores), 64 dimensions at a time
+ * (the last piece 32: dim is a multiple of 32). */
+static void value_heads(const float *scores, long stride, long count, long dim, const uint16_t *v,
+                        long kv_length, uint16_t *const *out) {
+  for (long h = 0; h < count; h++) {
+    const float *p = scores + h * stride;
+    float total = 0.0f;
+    for (long j = 0; j < kv_length; j++) total += p[j];
+    for (long d = 0; d < dim; d += 64) {
+      if (dim - d >= 64)
+        value_piece(p, 8, v + d, dim, kv_length, total, out[h] + d);
+      else
+        value_piece(p, 4, v + d, dim, kv_length, total, out[h] + d);
+    }
+  }
+}
+
+/* Queries of one cache row a work item takes at most, and the work below which a layer's
+ * attention runs on one thread: layer.c's. */
+#define QUERY_CHUNK 4
+#define PARALLEL_WORK (1L << 17)
+
+/* layer.c's kenspec_attention (the same arguments and work items): out [tokens, heads * dim]
+ * = attention of each token's query heads over the first kv_length keys and values of its
+ * cache row. Returns 0, or 1 without memory. */
+int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long heads,
+                           long kv_heads, long dim, const uint16_t *keys, const uint16_t *values,
+                           const int64_t *cache_rows, long capacity, const void *mask,
+                           int mask_bf16, const int64_t *mask_rows, long kv_length, float scale) {
+  const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+  const long stride = kv_length + 16;
+  long *firsts = malloc(sizeof(long) * (tokens + 1)); /* each chunk's first token, and the end */
+  if (!firsts) return 1;
+  long chunks = 0;
+  for (long t = 0; t < tokens; t++)
+    if (t == 0 || cache_rows[t] != cache_rows[t - 1] || t - firsts[chunks - 1] == QUERY_CHUNK)
+      firsts[chunks++] = t;
+  firsts[chunks] = tokens;
+  const long items = chunks * kv_heads;
+  int failed = 0;
+#pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > PARALLEL_WORK) \
+    reduction(| : failed)
+  {
+    float *scores = malloc(sizeof(float) * stride * group * QUERY_CHUNK);
+    float *query = malloc(sizeof(float) * group * dim);
+    uint16_t **outs = malloc(sizeof(uint16_t *) * group * QUERY_CHUNK);
+    if (!scores || !query || !outs) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < items; item++) {
+      if (!scores || !query || !outs) continue;
+      const long chunk = item / kv_heads, g = item % kv_heads;
+      const long first = firsts[chunk], count = firsts[chunk + 1] - first;
+      const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
+      for (long i = 0; i < count; i++) {
+        const long t = first + i;
+        const uint16_t *q = qkv + t * width + g * group * dim;
+        for (long e = 0; e < group * dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
+        const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
+        score_group(query, keys + cache_at, group, row_mask, mask_bf16, kv_length, dim, scale,
+                    scores + i * group * stride, stride);
+        for (long h = 0; h < group; h++) outs[i * group + h] = out + t * heads * dim + (g * group + h) * dim;
+      }
+      value_heads(scores, stride, count * group, dim, values + cache_at, kv_length, outs);
+    }
+    free(scores);
+    free(query);
+    free(outs);
+  }
+  free(firsts);
+  return failed;
+}
+
+/* layer.c's kenspec_silu_mul: out [rows, n] = bf16(silu(gate)) * up for gate_up [rows, 2n]. */
+void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n) {
+  for (long r = 0; r < rows; r++) {
+    const uint16_t *gate = gate_up + r * 2 * n, *up = gate + n;
+    for (long i = 0; i < n; i += 8) {
+      const __m256 g = widen(gate + i, n - i);
+      const __m256 silu = rounded(_mm256_div_ps(
+          g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+      store(out + r * n + i, _mm256_mul_ps(silu, widen(up + i, n - i)), n - i);
+    }
+  }
+}
+
+/* y [rows, n] += bias, each sum rounded to bf16, as torch's in-place bf16 add. */
+static void add_bias(uint16_t *y, const uint16_t *bias, long rows, long n) {
+  for (long r = 0; r < rows; r++)
+    for (long i = 0; i < n; i += 8)
+      store(y + r * n + i, _mm256_add_ps(widen(y + r * n + i, n - i), widen(bias + i, n - i)),
+            n - i);
+}
+
+/* step.c's kenspec_decoder_pass for bf16 weights (kenspec_pass.quant 0; others: -2), with
+ * gemv_avx2.c's products and this file's kernels, in step.c's order. Returns 0, -1 where
+ * memory ran out. */
+int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
+  if (p->quant != 0 || p->bf16_product != NULL) return -2;
+  const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
+  const long kv_heads = p->kv_heads, intermediate = p->intermediate;
+  const long width = (heads + 2 * kv_heads) * dim;
+  const long widest = width > 2 * intermediate ? width : 2 * intermediate;
+  uint16_t *wide = malloc(sizeof(uint16_t) * tokens * widest);
+  long across = intermediate > size ? intermediate : size; /* the MLP's activations, or ... */
+  if (heads * dim > across) across = heads * dim;           /* ... the attention's output */
+  uint16_t *narrow = malloc(sizeof(uint16_t) * tokens * across);
+  uint16_t *delta = malloc(sizeof(uint16_t) * tokens * size);
+  int failed = wide == NULL || narrow == NULL || delta == NULL;
+  if (!failed)
+    kenspec_add_rmsnorm_avx2(p->hidden, NULL, p->layers[0].input_norm, p->normed, tokens, size,
+                             p->eps);
+  for (long l = 0; l < p->count && !failed; l++) {
+    const kenspec_layer *L = p->layers + l;
+    kenspec_gemv_bf16_avx2(p->normed, L->qkv, wide, tokens, size, width);
+    if (L->qkv_bias) add_bias(wide, L->qkv_bias, tokens, width);
+    kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
+                              L->values, p->cache_rows, p->positions, p->capacity);
+    failed |= kenspec_attention_avx2(wide, narrow, tokens, heads, kv_heads, dim, L->keys,
+                                     L->values, p->cache_rows, p->capacity, p->mask,
+                                     p->mask_bf16, p->mask_rows, p->kv_length, p->scale);
+    kenspec_gemv_bf16_avx2(narrow, L->out, delta, tokens, heads * dim, size);
+    if (L->out_bias) add_bias(delta, L->out_bias, tokens, size);
+    kenspec_add_rmsnorm_avx2(p->hidden, delta, L->post_norm, p->normed, tokens, size, p->eps);
+    kenspec_gemv_bf16_avx2(p->normed, L->gate_up, wide, tokens, size, 2 * intermediate);
+    kenspec_silu_mul_avx2(wide, narrow, tokens, intermediate);
+    kenspec_gemv_bf16_avx2(narrow, L->down, delta, tokens, intermediate, size);
+    const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
+    kenspec_add_rmsnorm_avx2(p->hidden, delta, next, p->normed, tokens, size, p->eps);
+  }
+  free(wide);
+  free(narrow);
+  free(delta);
+  return failed ? -1 : 0;
+}
