@@ -47,6 +47,8 @@ def test_dtype_resolution(monkeypatch) -> None:
     assert resolve_dtype("auto", cpu) is torch.bfloat16
     monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("auto", cpu, avx2_step=True) is torch.bfloat16
+    assert resolve_dtype("float32", cpu, avx2_step=True) is torch.float32
     assert resolve_dtype("float32", cuda) is torch.float32
     with pytest.raises(TargetLoadError, match="dtype 'int8'"):
         resolve_dtype("int8", cpu)
