@@ -389,13 +389,17 @@ def _avx2_step(
 
 
 def _model_type(path: Path, gguf_file: Path | None) -> str | None:
-    """The model's type as its config.json (or its GGUF file's header) names it; None where
-    it cannot be read (the load then says why)."""
+    """The model's type as its config.json (or its GGUF file's header) names it, None where it
+    cannot be read (the load then says why) or where the config declares a sliding window the
+    lean forward does not serve (forward.lean.check)."""
     try:
         if gguf_file is not None:
             return inspect(gguf_file).architecture
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
+        model_type = config.get("model_type")
     except (GgufRefused, OSError, ValueError, AttributeError):
+        return None
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
         return None
     return model_type if isinstance(model_type, str) else None
 

@@ -250,7 +250,7 @@ def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
 ) -> None:
     """--dtype auto on a CPU without native bf16: bfloat16 where the AVX2 kernels run the
     lean forward's step (a Llama), float32 where they would not (the lean forward off, no
-    kernels asked for, a model family it does not serve)."""
+    kernels asked for, a model family or a sliding window it does not serve)."""
     monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)
     lean = ExecutionOptions(lean=LeanMode.AUTO)
 
@@ -260,8 +260,11 @@ def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
     assert dtype(llama_dir, lean) is torch.bfloat16
     assert dtype(llama_dir, ExecutionOptions()) is torch.float32  # (lean forward off)
     assert dtype(llama_dir, replace(lean, cpu_kernels=False)) is torch.float32
-    other = save_architecture(tmp_path / "gpt2", tiny.build_byte_tokenizer(), "gpt2")
+    tokenizer = tiny.build_byte_tokenizer()
+    other = save_architecture(tmp_path / "gpt2", tokenizer, "gpt2")
     assert dtype(other, lean) is torch.float32
+    windowed = save_architecture(tmp_path / "mistral", tokenizer, "mistral", sliding_window=8)
+    assert dtype(windowed, lean) is torch.float32  # (the lean forward serves no window)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
     load_kernels.cache_clear()
     assert dtype(llama_dir, lean) is torch.float32  # (no kernel runs)
