@@ -2,8 +2,8 @@
 # What CI runs after the test suite: kenspec as a user installs it. The wheel is built from the
 # repository's files (compiling the C kernels into it), installed with its dependencies into a
 # fresh venv, and run with no C compiler on PATH: only `kenspec` imports (not server, client,
-# ...), and the server starts on the kernels the wheel ships, with the bf16 GEMV in its plan
-# where the CPU has avx512_bf16.
+# ...), and the server starts on the kernels the wheel ships, with the bf16 GEMV and layer
+# kernels in its plan where the CPU has avx512_bf16 or AVX2.
 #
 #   scripts/install_check.sh [MODEL]
 #
@@ -128,7 +128,8 @@ until grep -q '"event": *"ready"' "$LOG"; do
 done
 step "the server is ready"
 
-# 5. Its kernels: the wheel's; the bf16 GEMV in the plan where the CPU has avx512_bf16.
+# 5. Its kernels: the wheel's; the bf16 GEMV and the layer kernels in the plan where the CPU
+#    has avx512_bf16 or AVX2 (with FMA).
 run python - "$LOG" <<'EOF' || { tail -30 "$LOG" >&2; fail "the kernels the server runs (above)"; }
 import json, re, sys
 from pathlib import Path
@@ -150,17 +151,21 @@ for row in Path("/proc/cpuinfo").read_text().splitlines():
     if row.startswith("flags"):
         flags = set(row.split(":", 1)[1].split())
         break
-if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+avx2 = {"avx2", "fma"} <= flags
+if not avx512 and not avx2:
     assert line["source"] == "none" and line["reason"].startswith("CPU lacks AVX-512"), line
-    print("install_check: no AVX-512 on this CPU: no kernels to check beyond the wheel's")
+    print("install_check: neither AVX-512 nor AVX2 on this CPU: no kernels to check")
     sys.exit(0)
 assert line["source"] == "prebuilt", f"the kernels are {line['source']}, not the wheel's"
 assert "/_prebuilt/" in line["library"], line["library"]
-if "avx512_bf16" in flags:
-    assert "avx512_bf16" in line["isa"], line["isa"]
-    plan = [l["plan"] for l in lines if l.get("event") == "execution_plan"][-1]  # the server's
-    print("install_check: execution_plan:", plan)
+plan = [l["plan"] for l in lines if l.get("event") == "execution_plan"][-1]  # the server's
+print("install_check: execution_plan:", plan)
+if "avx512_bf16" in flags or avx2:
+    # the bf16 GEMV (AVX512-BF16's, else AVX2's) and the layer kernels in the plan
+    assert "avx512_bf16" in line["isa"] or "avx2" in line["isa"], line["isa"]
     assert re.search(r"\b(decoder|output) (\d+:\w+ )*\d+:gemv\b", plan), "no GEMV in the plan"
+    assert "; fused;" in plan, "no layer kernels in the plan"
 EOF
 
 # 6. SIGTERM: it stops, cleanly.
