@@ -24,9 +24,11 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -116,6 +118,54 @@ def inspect(path: Path) -> GgufFile:
     _refuse_architecture(info)
     _refuse_tensor_types(info)
     return info
+
+
+# GGUF metadata value types' sizes in bytes (gguf.GGUFValueType: 8 is a string, 9 an array)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def read_architecture(path: Path) -> str | None:
+    """The file's general.architecture, read from its header only as far as that key (writers
+    put it first), where `inspect` parses the whole header: seconds for a large vocabulary.
+    None where the file is not GGUF or its header does not say."""
+
+    def read(file: BinaryIO, size: int) -> bytes:
+        data = file.read(size)
+        if len(data) != size:
+            raise ValueError("the header ends early")
+        return data
+
+    def skip(file: BinaryIO, kind: int) -> None:
+        if kind == _STRING:
+            file.seek(struct.unpack("<Q", read(file, 8))[0], os.SEEK_CUR)
+        elif kind == _ARRAY:
+            inner, count = struct.unpack("<IQ", read(file, 12))
+            if inner in _SCALAR_BYTES:
+                file.seek(count * _SCALAR_BYTES[inner], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip(file, inner)
+        elif kind in _SCALAR_BYTES:
+            file.seek(_SCALAR_BYTES[kind], os.SEEK_CUR)
+        else:
+            raise ValueError(f"value type {kind}")
+
+    try:
+        with path.open("rb") as file:
+            magic, _version, _tensors, keys = struct.unpack("<4sIQQ", read(file, 24))
+            if magic != b"GGUF":
+                return None
+            for _ in range(keys):
+                key = read(file, struct.unpack("<Q", read(file, 8))[0])
+                (kind,) = struct.unpack("<I", read(file, 4))
+                if key == b"general.architecture" and kind == _STRING:
+                    text = read(file, struct.unpack("<Q", read(file, 8))[0])
+                    return text.decode("utf-8", errors="replace")
+                skip(file, kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
 
 
 def _refuse_architecture(info: GgufFile) -> None:

@@ -37,7 +37,7 @@ from kenspec.server.engine.gguf_model import (
     GgufRefused,
     cached_folder,
     find_gguf,
-    inspect,
+    read_architecture,
 )
 from kenspec.server.engine.gguf_weights import FileWeights, FileWeightsError, apply_file_weights
 from kenspec.server.engine.kernels import Kernels
@@ -378,29 +378,31 @@ def _avx2_step(
     forward and C kernels, they load here, and the model is of a family the lean forward
     serves. There a bf16 step reads half of float32's bytes through C for every layer: on a
     Zen 3 EPYC, SmolLM2-135M decoded at 65.6 tokens/s in bf16 against 17.1 in float32."""
-    if device.type != "cpu" or not execution.cpu_kernels or execution.batch_invariant:
-        return False
-    if execution.lean is LeanMode.OFF:
+    if device.type != "cpu" or cpu_has_native_bf16() or not execution.cpu_kernels:
+        return False  # (auto is bf16 on a CPU with native bf16 whatever this says)
+    if execution.batch_invariant or execution.lean is LeanMode.OFF:
         return False
     kernels = load_kernels()
     if kernels is None or not kernels.layer_kernels:
         return False
-    return _model_type(path, gguf_file) in FAMILIES
+    return _lean_model_type(path, gguf_file) in FAMILIES
 
 
-def _model_type(path: Path, gguf_file: Path | None) -> str | None:
-    """The model's type as its config.json (or its GGUF file's header) names it, None where it
-    cannot be read (the load then says why) or where the config declares a sliding window the
-    lean forward does not serve (forward.lean.check)."""
+def _lean_model_type(path: Path, gguf_file: Path | None) -> str | None:
+    """The model's type as its config.json (or its GGUF file's header) names it; None where it
+    cannot be read (the load then says why) or where the config declares a sliding window,
+    which the lean forward does not serve (forward.lean.check)."""
+    if gguf_file is not None:
+        return read_architecture(gguf_file)
     try:
-        if gguf_file is not None:
-            return inspect(gguf_file).architecture
         config = json.loads((path / "config.json").read_text())
-        model_type = config.get("model_type")
-    except (GgufRefused, OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
         return None
     if config.get("sliding_window") and config.get("use_sliding_window", True):
         return None
+    model_type = config.get("model_type")
     return model_type if isinstance(model_type, str) else None
 
 

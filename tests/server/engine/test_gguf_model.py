@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,40 @@ def test_end_tokens_are_the_declared_ones_and_llama_cpps_by_text(
     declared, special, starts, ends
 ) -> None:
     assert gguf_model.end_token_ids(declared, special, starts) == ends
+
+
+def _string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def test_the_architecture_is_read_from_the_header_alone(gguf_path: Path, tmp_path: Path) -> None:
+    """read_architecture (what --dtype auto asks before loading) gives inspect's answer on
+    the files a writer makes; reaches the key past values of every kind; and says None for a
+    file that is not GGUF, ends early, or names none."""
+    assert gguf_model.read_architecture(gguf_path) == gguf_model.inspect(gguf_path).architecture
+    bert = write_header_only_gguf(tmp_path / "bert.gguf", "bert")
+    assert gguf_model.read_architecture(bert) == "bert"
+    values = [
+        (b"general.name", 8, _string("tiny")),
+        (b"vocab", 9, struct.pack("<IQ", 8, 2) + _string("<s>") + _string("hello")),
+        (b"scores", 9, struct.pack("<IQ", 6, 3) + struct.pack("<3f", 0.5, 1.0, 2.0)),
+        (b"nested", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 7, 2) + b"\x01\x00"),
+        (b"count", 4, struct.pack("<I", 7)),
+        (b"flag", 7, b"\x01"),
+        (b"big", 11, struct.pack("<q", -3)),
+        (b"general.architecture", 8, _string("qwen2")),
+    ]
+    entries = [struct.pack("<Q", len(k)) + k + struct.pack("<I", t) + v for k, t, v in values]
+
+    def gguf(name: str, kept: list[bytes]) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kept)) + b"".join(kept))
+        return path
+
+    assert gguf_model.read_architecture(gguf("handmade.gguf", entries)) == "qwen2"
+    cut = gguf("cut.gguf", entries)
+    cut.write_bytes(cut.read_bytes()[:-3])
+    assert gguf_model.read_architecture(cut) is None
+    assert gguf_model.read_architecture(gguf("nameless.gguf", entries[:-1])) is None
+    assert gguf_model.read_architecture(tmp_path / "missing.gguf") is None
+    assert gguf_model.read_architecture(Path(__file__)) is None

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kenspec.server.engine import target as target_module
-from kenspec.server.engine.forward.plan import HeadKind
+from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.plan import ExecutionOptions, HeadKind, LeanMode
 from kenspec.server.engine.packed_pass import pack
 from kenspec.server.engine.target import TargetLoadError, TargetModel, resolve_dtype
 from kenspec.server.engine.verify_pass import VerifyPass
@@ -52,6 +53,25 @@ def test_dtype_resolution(monkeypatch) -> None:
     assert resolve_dtype("float32", cuda) is torch.float32
     with pytest.raises(TargetLoadError, match="dtype 'int8'"):
         resolve_dtype("int8", cpu)
+
+
+def test_a_cpu_with_native_bf16_reads_no_model_for_the_avx2_rule(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir
+) -> None:
+    """--dtype auto is bf16 there anyway: the AVX2 rule reads neither the config nor a GGUF
+    header (parsing a large one whole takes seconds)."""
+
+    def unread(*args: object) -> None:
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(target_module, "_lean_model_type", unread)
+    lean = ExecutionOptions(lean=LeanMode.AUTO)
+    assert not target_module._avx2_step(tiny_model_dir, None, torch.device("cpu"), lean)
+    monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)
+    if (kernels := load_kernels()) is not None and kernels.layer_kernels:
+        with pytest.raises(AssertionError, match="the model was read"):
+            target_module._avx2_step(tiny_model_dir, None, torch.device("cpu"), lean)
 
 
 def test_rollback_restores_the_cache_exactly(tiny_target: TargetModel) -> None:

@@ -31,6 +31,7 @@ from kenspec.server.engine.forward.plan import (
 )
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
+from tests.gguf_files import tiny_llama, write_llama_gguf
 from tests.server.engine.drafts import assert_speculation_is_plain_decoding, wide_pass_rows
 from tests.tiny_architectures import save_architecture
 
@@ -265,6 +266,9 @@ def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
     assert dtype(other, lean) is torch.float32
     windowed = save_architecture(tmp_path / "mistral", tokenizer, "mistral", sliding_window=8)
     assert dtype(windowed, lean) is torch.float32  # (the lean forward serves no window)
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama(tokenizer), tokenizer)
+    loaded = TargetModel.load(gguf, device="cpu", execution=lean, gguf_cache=tmp_path / "cache")
+    assert loaded.dtype is torch.bfloat16  # (a GGUF file: its header's architecture)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
     load_kernels.cache_clear()
     assert dtype(llama_dir, lean) is torch.float32  # (no kernel runs)
