@@ -239,9 +239,8 @@ def _lean_plan(
         timings["head"] = _ms_table(measured)
     # (the screen's int8 products and exact candidates are AVX512-BF16's, as the layer kernels)
     screen = options.screen and gemv_everywhere and kernels is not None and kernels.bf16
-    fused = (
-        options.fused_layer and kernels is not None and kernels.layer_kernels
-    ) and lean.fusable(model)
+    layer_kernels = kernels is not None and kernels.layer_kernels
+    fused = options.fused_layer and layer_kernels and lean.fusable(model)
     return replace(
         plan,
         kernel_build="" if kernels is None else kernels.path.parent.name,

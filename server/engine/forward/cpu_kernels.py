@@ -155,8 +155,9 @@ class CpuKernels:
     @property
     def layer_kernels(self) -> bool:
         """The layer kernels and the whole decoder pass of bf16 weights run here:
-        AVX512-BF16's (csrc/layer.c, step.c), else AVX2's (csrc/layer_avx2.c)."""
-        return self.bf16 or Isa.AVX2 in self.isa
+        AVX512-BF16's (csrc/layer.c, step.c), else AVX2's (csrc/layer_avx2.c): wherever a
+        bf16 GEMV does (each instruction set builds both or neither)."""
+        return self.gemv_bf16
 
     def _layer(self, name: str, *arguments: object) -> object:
         """A layer kernel by layer.c's name: AVX512-BF16's where it runs, else AVX2's."""

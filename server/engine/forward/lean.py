@@ -237,10 +237,11 @@ class LeanDecoder:
         """Whether every decoder product of a `tokens`-row pass takes a GEMV that
         csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups; or
         bf16 weights through AMX tiles); on AVX2, layer_avx2.c's pass: bf16 weights."""
-        kernel = self.plan.kernel(tokens)
-        if kernel is Kernel.AMX or (self.fused is not None and not self.fused.bf16):
-            return kernel in (Kernel.AMX, Kernel.GEMV) and self.weights.quantized == ""
-        return kernel is Kernel.GEMV and self.weights.quantized in _QUANT
+        kernel, quantized = self.plan.kernel(tokens), self.weights.quantized
+        if kernel is Kernel.AMX:
+            return quantized == ""
+        avx2 = self.fused is not None and not self.fused.bf16
+        return kernel is Kernel.GEMV and (quantized == "" if avx2 else quantized in _QUANT)
 
     def _describe_layers(self) -> ctypes.Array[DecoderLayer]:
         def pointer(tensor: torch.Tensor | None) -> int | None:
