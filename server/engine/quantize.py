@@ -364,7 +364,7 @@ def grouped_linear(
     """x [rows, in] @ weight^T: kenspec's grouped GEMV for bf16 x where it runs (`kernels`),
     else the file's weights dequantized in float32 (exact), summed in float32 and rounded once
     to x's dtype."""
-    if kernels is not None and kernels.bf16 and x.dtype == torch.bfloat16:
+    if kernels is not None and kernels.grouped and x.dtype == torch.bfloat16:
         return kernels.gemv_grouped(x, weight)
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
 

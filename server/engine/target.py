@@ -354,7 +354,7 @@ def _resolve_weights(
             raise TargetLoadError(f"--weights gguf serves a GGUF file's own quantization: {why}")
         return Weights.GGUF
     kernels = load_kernels() if execution.cpu_kernels else None
-    fast = dtype == torch.bfloat16 and kernels is not None and kernels.bf16
+    fast = dtype == torch.bfloat16 and kernels is not None and kernels.grouped
     return Weights.GGUF if why is None and fast else Weights.BF16
 
 

@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include "kenspec.h"
+#include "avx2.h"
 
 /* Outputs x pass rows a block takes at once, one accumulator each: one-row passes 8 outputs,
  * others 4 x 2 (8 accumulators, 4 vectors of the rows and 2 of weights in 16 registers; 4 x 3
@@ -40,25 +41,6 @@
 #ifndef PREFETCH
 #define PREFETCH 16384
 #endif
-
-/* simd.h's to_bf16 and thread_share: that header holds AVX-512 code this unit is not compiled
- * for. Round to nearest even, as torch and cvtneps do; a NaN stays a (quiet) NaN. */
-static inline uint16_t round_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-/* This OpenMP thread's share [first, last) of `out` outputs, in whole blocks of `block`. */
-static inline void share(long out, long block, long *first, long *last) {
-  const long blocks = (out + block - 1) / block;
-  const long t = omp_get_thread_num(), n = omp_get_num_threads();
-  *first = blocks * t / n * block;
-  *last = blocks * (t + 1) / n * block;
-  if (*last > out) *last = out;
-}
 
 /* 16 bf16 at p as float32: elements 0, 2, .., 14 (even) and 1, 3, .., 15 (odd). */
 static inline __attribute__((always_inline)) void split(const uint16_t *p, __m256 *even,

@@ -6,6 +6,7 @@
  *   gemv.c       + AVX512-BF16        bfloat16 products (and int8 weights widened to bf16)
  *   gemv_grouped.c + AVX512-BF16      a GGUF file's own groups: int8 or 4-bit q, scales, offsets
  *   gemv_avx2.c  AVX2 and FMA         bfloat16 products where AVX512-BF16 is not there
+ *   gemv_grouped_avx2.c  AVX2 and FMA a GGUF file's own groups where AVX512-BF16 is not there
  *   gemv_amx.c   + AMX-TILE, AMX-BF16  bfloat16 products through AMX tiles
  *   layer.c      + AVX512-BF16        the work between a layer's products, top-k, the screen
  *   step.c       + AVX512-BF16        a whole decoder pass in one call
@@ -84,6 +85,10 @@ int kenspec_gemv_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, long row
 int kenspec_gemv_grouped(const uint16_t *x, const void *q, int bits, const float *scales,
                          const float *mins, long group, uint16_t *y, long rows, long k,
                          long out);
+/* gemv_grouped_avx2.c: kenspec_gemv_grouped's product, summed in its own one order */
+int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *q, int bits, const float *scales,
+                              const float *mins, long group, uint16_t *y, long rows, long k,
+                              long out);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);
@@ -110,7 +115,8 @@ long kenspec_screen(const float *a, const float *error, float norm, const float 
                     float residue, long vocab, int32_t *out, long room);
 /* step.c */
 int kenspec_decoder_pass(const kenspec_pass *pass);
-/* layer_avx2.c: layer.c's kernels and step.c's pass (bf16 weights, quant 0) with AVX2 */
+/* layer_avx2.c: layer.c's kernels and step.c's pass (bf16 weights or a file's own groups:
+ * quant 0 or 2) with AVX2 */
 void kenspec_add_rmsnorm_avx2(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight,
                               uint16_t *normed, long rows, long n, float eps);
 void kenspec_rotary_cache_avx2(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,

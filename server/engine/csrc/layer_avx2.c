@@ -20,50 +20,9 @@
 #include <omp.h>
 
 #include "kenspec.h"
+#include "avx2.h"
 
 #define MASKED (-1e30f) /* a mask at or below this hides its key (finfo.min in practice) */
-
-/* 8 bf16 at p as float32 */
-static inline __m256 widen8(const uint16_t *p) {
-  const __m128i v = _mm_loadu_si128((const __m128i *)p);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-/* the first n (< 8 allowed) bf16 at p as float32, the other lanes 0 */
-static inline __m256 widen(const uint16_t *p, long n) {
-  if (n >= 8) return widen8(p);
-  uint16_t part[8] = {0};
-  memcpy(part, p, (size_t)n * 2);
-  return widen8(part);
-}
-
-/* Each lane rounded to bfloat16, to nearest even (a NaN stays a quiet NaN), in the high half of
- * its 32 bits: gemv_avx2.c's round_bf16, eight at a time. */
-static inline __m256i bf16_bits(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i nearest = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
-  const __m256i out = _mm256_blendv_epi8(nearest, quiet, _mm256_castps_si256(nan));
-  return _mm256_and_si256(out, _mm256_set1_epi32((int)0xffff0000u));
-}
-
-static inline __m256 rounded(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
-
-/* the first n (8 or fewer) lanes of v to p as bf16 */
-static inline void store(uint16_t *p, __m256 v, long n) {
-  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16); /* each lane <= 0xffff */
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
-  const __m128i eight = _mm256_castsi256_si128(packed);
-  if (n >= 8) {
-    _mm_storeu_si128((__m128i *)p, eight);
-  } else {
-    uint16_t part[8];
-    _mm_storeu_si128((__m128i *)part, eight);
-    memcpy(p, part, (size_t)n * 2);
-  }
-}
 
 /* The sum of v's 8 lanes: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as sums8's. */
 static inline float sum8(__m256 v) {
@@ -325,11 +284,30 @@ static void add_bias(uint16_t *y, const uint16_t *bias, long rows, long n) {
             n - i);
 }
 
-/* step.c's kenspec_decoder_pass for bf16 weights (kenspec_pass.quant 0; others: -2), with
- * gemv_avx2.c's products and this file's kernels, in step.c's order. Returns 0, -1 where
- * memory ran out. */
+/* y = x @ W^T (+ bias) for one product, its weights as `quant` says (0 bf16, 2 a file's own
+ * groups): step.c's linear with this instruction set's GEMVs. 0, or -1 where it failed. */
+static int linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
+                  long group, long bits, const void *bias, uint16_t *y, long rows, long k,
+                  long n, int quant) {
+  if (quant == 2) {
+    if (kenspec_gemv_grouped_avx2(x, w, (int)bits, (const float *)scales, mins, group, y, rows,
+                                  k, n))
+      return -1;
+  } else {
+    kenspec_gemv_bf16_avx2(x, (const uint16_t *)w, y, rows, k, n);
+  }
+  if (bias) add_bias(y, (const uint16_t *)bias, rows, n);
+  return 0;
+}
+
+/* A layer's product by name: its weights, scales, offsets, group and bits. */
+#define PRODUCT(L, name) L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits
+
+/* step.c's kenspec_decoder_pass for bf16 weights or a file's own groups (kenspec_pass.quant 0
+ * or 2; others: -2), with gemv_avx2.c's and gemv_grouped_avx2.c's products and this file's
+ * kernels, in step.c's order. Returns 0, -1 where memory ran out. */
 int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
-  if (p->quant != 0 || p->bf16_product != NULL) return -2;
+  if ((p->quant != 0 && p->quant != 2) || p->bf16_product != NULL) return -2;
   const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
   const long kv_heads = p->kv_heads, intermediate = p->intermediate;
   const long width = (heads + 2 * kv_heads) * dim;
@@ -345,19 +323,19 @@ int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
                              p->eps);
   for (long l = 0; l < p->count && !failed; l++) {
     const kenspec_layer *L = p->layers + l;
-    kenspec_gemv_bf16_avx2(p->normed, L->qkv, wide, tokens, size, width);
-    if (L->qkv_bias) add_bias(wide, L->qkv_bias, tokens, width);
+    failed |= linear(p->normed, PRODUCT(L, qkv), L->qkv_bias, wide, tokens, size, width, p->quant);
     kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
                               L->values, p->cache_rows, p->positions, p->capacity);
     failed |= kenspec_attention_avx2(wide, narrow, tokens, heads, kv_heads, dim, L->keys,
                                      L->values, p->cache_rows, p->capacity, p->mask,
                                      p->mask_bf16, p->mask_rows, p->kv_length, p->scale);
-    kenspec_gemv_bf16_avx2(narrow, L->out, delta, tokens, heads * dim, size);
-    if (L->out_bias) add_bias(delta, L->out_bias, tokens, size);
+    failed |= linear(narrow, PRODUCT(L, out), L->out_bias, delta, tokens, heads * dim, size,
+                     p->quant);
     kenspec_add_rmsnorm_avx2(p->hidden, delta, L->post_norm, p->normed, tokens, size, p->eps);
-    kenspec_gemv_bf16_avx2(p->normed, L->gate_up, wide, tokens, size, 2 * intermediate);
+    failed |= linear(p->normed, PRODUCT(L, gate_up), NULL, wide, tokens, size, 2 * intermediate,
+                     p->quant);
     kenspec_silu_mul_avx2(wide, narrow, tokens, intermediate);
-    kenspec_gemv_bf16_avx2(narrow, L->down, delta, tokens, intermediate, size);
+    failed |= linear(narrow, PRODUCT(L, down), NULL, delta, tokens, intermediate, size, p->quant);
     const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
     kenspec_add_rmsnorm_avx2(p->hidden, delta, next, p->normed, tokens, size, p->eps);
   }

@@ -215,7 +215,7 @@ def _lean_plan(
     timings: dict[str, object] = {}
     together = 1
     gemv_everywhere = _gemv_everywhere(lean, output, kernels)
-    if lean.quantized == "gguf" and kernels is not None and kernels.bf16:
+    if lean.quantized == "gguf" and kernels is not None and kernels.grouped:
         # A file's own groups: the grouped GEMV at every width, by rule (a bf16 output layer:
         # the bf16 GEMV); a prompt's wide passes too (see GROUPED_TOGETHER)
         decoder = decoder or RowPlan.every(Kernel.GEMV)

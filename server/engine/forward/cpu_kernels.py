@@ -77,6 +77,7 @@ class PassArgs(ctypes.Structure):
 
 
 _ATTENTION = [_P] * 2 + [_L] * 4 + [_P] * 3 + [_L, _P, _I, _P, _L, _F]  # kenspec_attention's
+_GROUPED = [_P, _P, _I, _P, _P, _L, _P, _L, _L, _L]  # kenspec_gemv_grouped's
 # name: (result, arguments, the instructions it runs)
 _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_bf16": (None, [_P] * 3 + [_L] * 3, Isa.BF16),
@@ -84,7 +85,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_gemv_amx": (_I, [_P] * 3 + [_L] * 3, Isa.AMX),
     "kenspec_amx_init": (_I, [], Isa.AMX),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
-    "kenspec_gemv_grouped": (_I, [_P, _P, _I, _P, _P, _L, _P, _L, _L, _L], Isa.BF16),
+    "kenspec_gemv_grouped": (_I, _GROUPED, Isa.BF16),
+    "kenspec_gemv_grouped_avx2": (_I, _GROUPED, Isa.AVX2),
     "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
     "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
     "kenspec_u8s8_prepare": (None, [_P] * 2 + [_L] * 2 + [_P] * 2, Isa.VNNI),
@@ -157,6 +159,13 @@ class CpuKernels:
         """The layer kernels and the whole decoder pass of bf16 weights run here:
         AVX512-BF16's (csrc/layer.c, step.c), else AVX2's (csrc/layer_avx2.c): wherever a
         bf16 GEMV does (each instruction set builds both or neither)."""
+        return self.gemv_bf16
+
+    @property
+    def grouped(self) -> bool:
+        """The grouped GEMV of a GGUF file's own groups (`gemv_grouped`) runs here:
+        AVX512-BF16's (csrc/gemv_grouped.c), else AVX2's (gemv_grouped_avx2.c), wherever a
+        bf16 GEMV does."""
         return self.gemv_bf16
 
     def _layer(self, name: str, *arguments: object) -> object:
@@ -262,21 +271,22 @@ class CpuKernels:
     def gemv_grouped(self, x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:
         """x @ W^T for bf16 x [rows, in] and a GGUF file's own quantized weight W [out, in]
         (engine.quantize.GroupedWeight: q * s + m per group, the file's values exactly),
-        summed in one order whatever the row count (csrc/gemv_grouped.c): bf16 [rows, out]."""
+        summed in one order whatever the row count (csrc/gemv_grouped.c where AVX512-BF16
+        runs, else gemv_grouped_avx2.c: each its own order): bf16 [rows, out]."""
         x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+        name = "kenspec_gemv_grouped" if self.bf16 else "kenspec_gemv_grouped_avx2"
         failed = self._call(
-            "kenspec_gemv_grouped", x.data_ptr(), weight.values.data_ptr(), weight.bits,
+            name, x.data_ptr(), weight.values.data_ptr(), weight.bits,
             weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
             weight.group, out.data_ptr(), rows, k, weight.shape[0],
         )  # fmt: skip
         if failed == -2:
-            raise MemoryError("kenspec_gemv_grouped: no memory for the groups' sums")
+            raise MemoryError(f"{name}: no memory for the pass's rows and groups' sums")
         if failed:
             raise ValueError(
-                f"kenspec_gemv_grouped does not take {weight.bits}-bit groups of "
-                f"{weight.group} over {k} inputs"
+                f"{name} does not take {weight.bits}-bit groups of {weight.group} over {k} inputs"
             )
         return out
 
@@ -511,7 +521,7 @@ def _report(
         assert kernels.record is not None  # (_open gives every library its record)
         avx2 = kernels.gemv_bf16 and not kernels.bf16
         if avx2:
-            reasons.append("AVX2 bf16 GEMV and layer kernels")
+            reasons.append("AVX2 bf16 and grouped GEMV and layer kernels")
         uses = {**USES, Isa.BF16: _WITHOUT_BF16} if avx2 else USES
         missing = kernels.record.missing()
         for isa, error in sorted(missing.items()):
@@ -540,7 +550,7 @@ def _report(
 
 
 # What a CPU without AVX512-BF16 loses where AVX2's bf16 GEMV runs (for the log).
-_WITHOUT_BF16 = "int8 screen, grouped GEMV and top-k kernel"
+_WITHOUT_BF16 = "int8 screen and top-k kernel"
 
 
 def declare(library: ctypes.CDLL, built: frozenset[Isa] = frozenset(Isa)) -> None:

@@ -34,7 +34,7 @@ class Isa(StrEnum):
     """The instruction sets a source of the library is compiled for (its name: the
     /proc/cpuinfo flag it adds to AVX-512 F/BW/VL/DQ; AVX2's, the flag it needs with FMA)."""
 
-    AVX2 = "avx2"  # with FMA: the bf16 GEMV and layer kernels where AVX512-BF16 is not there
+    AVX2 = "avx2"  # with FMA: bf16 and grouped GEMVs, layer kernels where AVX512-BF16 is not
     AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
     BF16 = "avx512_bf16"  # bfloat16 products and the layer kernels
     VNNI = "avx512_vnni"  # the screened output layer's int8 x int8 product
@@ -52,7 +52,7 @@ CPU_FLAGS = {
 }
 # What a CPU without an instruction set loses (for the log).
 USES = {
-    Isa.AVX2: "AVX2 bf16 GEMV and layer kernels",
+    Isa.AVX2: "AVX2 bf16 and grouped GEMV and layer kernels",
     Isa.AVX512: "int8 GEMV",
     Isa.BF16: "bf16 GEMV, layer kernels and decoder pass",
     Isa.VNNI: "int8 screen of the output layer",
@@ -74,6 +74,7 @@ UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("gemv.c", Isa.BF16),
     ("gemv_grouped.c", Isa.BF16),
     ("gemv_avx2.c", Isa.AVX2),
+    ("gemv_grouped_avx2.c", Isa.AVX2),
     ("layer_avx2.c", Isa.AVX2),
     ("layer.c", Isa.BF16),
     ("step.c", Isa.BF16),

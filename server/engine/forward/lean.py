@@ -11,7 +11,8 @@ Between the products, on CPUs with AVX512-BF16 and for bf16 activations, csrc/la
 each layer's other work in five calls (the plan's `fused_layer`): the residual add with the
 next RMSNorm, rotary with the cache write, attention (each query on its own), SiLU(gate) * up;
 and where every product of a pass takes the GEMV, csrc/step.c runs all layers in one call. On
-CPUs with AVX2 but not AVX512-BF16, csrc/layer_avx2.c does both for bf16 weights.
+CPUs with AVX2 but not AVX512-BF16, csrc/layer_avx2.c does both for bf16 weights and a GGUF
+file's own groups.
 
 It serves only what it reproduces (`check`): Llama, Mistral and Qwen2 models without sliding
 windows, on a CPU, in bfloat16 (or with int8/int4 weights, whose activations may be float32).
@@ -46,6 +47,7 @@ _LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear, GroupedLinear})
 
 # csrc/step.c's kenspec_pass.quant for the lean weights' kinds it computes (int4: not)
 _QUANT = {"": 0, "int8": 1, "gguf": 2}
+_AVX2_QUANT = frozenset({"", "gguf"})  # ... and layer_avx2.c's
 
 
 class Unsupported(ValueError):
@@ -236,12 +238,13 @@ class LeanDecoder:
     def _all_gemv(self, tokens: int) -> bool:
         """Whether every decoder product of a `tokens`-row pass takes a GEMV that
         csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups; or
-        bf16 weights through AMX tiles); on AVX2, layer_avx2.c's pass: bf16 weights."""
+        bf16 weights through AMX tiles); on AVX2, layer_avx2.c's pass: bf16 weights or a
+        file's own groups."""
         kernel, quantized = self.plan.kernel(tokens), self.weights.quantized
         if kernel is Kernel.AMX:
             return quantized == ""
         avx2 = self.fused is not None and not self.fused.bf16
-        return kernel is Kernel.GEMV and (quantized == "" if avx2 else quantized in _QUANT)
+        return kernel is Kernel.GEMV and quantized in (_AVX2_QUANT if avx2 else _QUANT)
 
     def _describe_layers(self) -> ctypes.Array[DecoderLayer]:
         def pointer(tensor: torch.Tensor | None) -> int | None:

@@ -188,7 +188,7 @@ class Product:
     def run(self, x: torch.Tensor, kernel: Kernel, kernels: CpuKernels | None) -> torch.Tensor:
         """The product of x [rows, in] through `kernel` (where it cannot run: torch's)."""
         if self.grouped is not None:  # the GEMV; else the file's weights in float32, exact
-            gemv = kernel is Kernel.GEMV and kernels is not None and kernels.bf16
+            gemv = kernel is Kernel.GEMV and kernels is not None and kernels.grouped
             out = grouped_linear(x, self.grouped, kernels if gemv else None)
             return out if self.bias is None else out.add_(self.bias.to(out.dtype))
         if self.int4:  # one kernel: torch's
@@ -263,7 +263,7 @@ def candidates(products: Sequence[Product], kernels: CpuKernels | None) -> tuple
     if kind == "int4":
         return (Kernel.STOCK,)
     if kind == "gguf":
-        return (Kernel.STOCK,) + ((Kernel.GEMV,) if kernels is not None and kernels.bf16 else ())
+        return (Kernel.STOCK,) + ((Kernel.GEMV,) if kernels is not None and kernels.grouped else ())
     if kind == "int8":
         gemv = kernels is not None and kernels.int8
         return (Kernel.STOCK, Kernel.DEQUANT) + ((Kernel.GEMV,) if gemv else ())

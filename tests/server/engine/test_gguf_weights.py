@@ -1,5 +1,6 @@
 """A GGUF file served in its own quantization (--weights auto/gguf: engine.gguf_weights): the
-grouped GEMV (csrc/gemv_grouped.c) against a float64 reference and its row invariance, layers
+grouped GEMV (csrc/gemv_grouped.c, and gemv_grouped_avx2.c for CPUs without AVX512-BF16)
+against a float64 reference and its row invariance, layers
 joined side by side, each quantization type's tensors served as the file holds them (the
 weights equal the file's dequantization; float32 greedy output equals transformers' generate
 on the dequantized file), greedy speculation equal to plain decoding of the same target
@@ -8,6 +9,7 @@ through the fast step, and what auto and gguf do with what they cannot serve."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,8 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import PreTrainedTokenizerFast
 
-from kenspec.server.engine.forward.cpu_kernels import load_kernels
+from kenspec.server.engine.forward.cpu_kernels import CpuKernels, load_kernels
+from kenspec.server.engine.forward.kernel_build import Isa
 from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
 from kenspec.server.engine.gguf_quants import READABLE
 from kenspec.server.engine.params import Weights
@@ -32,8 +35,10 @@ from tests.server.engine.quantized_models import (
 
 Q = GGMLQuantizationType
 KERNELS = load_kernels()
-BF16 = KERNELS is not None and KERNELS.bf16
-needs_bf16 = pytest.mark.skipif(not BF16, reason="the CPU has no avx512_bf16 (or no compiler)")
+GROUPED = KERNELS is not None and KERNELS.grouped
+needs_grouped = pytest.mark.skipif(
+    not GROUPED, reason="the CPU has neither avx512_bf16 nor avx2 (or no compiler)"
+)
 # Every type the reader takes that a tiny model's rows (256 and 512 weights) can hold
 TYPES = sorted((t for t in READABLE if t not in (Q.F32, Q.F16, Q.BF16)), key=lambda t: t.name)
 LEAN = ExecutionOptions(lean=LeanMode.AUTO)
@@ -76,48 +81,56 @@ KINDS.append((8, 16, True))
 KIND_IDS = [f"{bits}bit-g{group}-{'offsets' if o else 'scales'}" for bits, group, o in KINDS]
 
 
-@needs_bf16
+@pytest.fixture(params=[Isa.BF16, Isa.AVX2])
+def grouped(request: pytest.FixtureRequest) -> CpuKernels:
+    """The library with one instruction set's grouped GEMV: gemv_grouped.c's (AVX512-BF16), or
+    gemv_grouped_avx2.c's (the library as a CPU without AVX512-BF16 sees it)."""
+    if KERNELS is None or request.param not in KERNELS.isa:
+        pytest.skip(f"this CPU does not run {request.param}'s grouped GEMV")
+    if request.param is Isa.AVX2:
+        return replace(KERNELS, isa=frozenset({Isa.AVX2}))
+    return KERNELS
+
+
 @pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("shape", [(64, 64), (96, 576), (33, 256)], ids=str)
+@pytest.mark.parametrize("shape", [(64, 64), (96, 576), (33, 256), (7, 32)], ids=str)
 def test_the_grouped_gemv_is_the_files_weights_product(
-    bits: int, group: int, offsets: bool, shape: tuple[int, int]
+    grouped: CpuKernels, bits: int, group: int, offsets: bool, shape: tuple[int, int]
 ) -> None:
     """x @ (q * s + m)^T against float64: within the bf16 rounding of the output (the sums are
-    float32; q and x products exact)."""
-    assert KERNELS is not None
+    float32; q and x products exact); rows from 1 to past a row block, outputs not filling a
+    tile (33: one row past two; 7: less than half of one)."""
     weight = _grouped(*shape, bits, group, offsets, seed=1)
-    x = torch.randn(5, shape[1]).bfloat16()
-    expected = x.double() @ weight.dequantize(torch.float64).T
-    got = KERNELS.gemv_grouped(x, weight).double()
-    assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * shape[1]).all()
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, shape[1]).bfloat16()
+        expected = x.double() @ weight.dequantize(torch.float64).T
+        got = grouped.gemv_grouped(x, weight).double()
+        assert got.shape == expected.shape
+        assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * shape[1]).all()
 
 
-@needs_bf16
 @pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
-    bits: int, group: int, offsets: bool, threads: int
+    grouped: CpuKernels, bits: int, group: int, offsets: bool, threads: int
 ) -> None:
     """What exactness rests on: each row of a pass of 1 to 17 rows has the bits it has alone."""
-    assert KERNELS is not None
     weight = _grouped(100, 576, bits, group, offsets, seed=2)
     x = torch.randn(17, 576).bfloat16()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([KERNELS.gemv_grouped(x[i : i + 1], weight) for i in range(17)])
-        for rows in (2, 3, 4, 5, 8, 16, 17):
-            assert torch.equal(KERNELS.gemv_grouped(x[:rows], weight), alone[:rows]), rows
+        alone = torch.cat([grouped.gemv_grouped(x[i : i + 1], weight) for i in range(17)])
+        for rows in (2, 3, 4, 5, 8, 9, 16, 17):
+            assert torch.equal(grouped.gemv_grouped(x[:rows], weight), alone[:rows]), rows
     finally:
         torch.set_num_threads(before)
 
 
-@needs_bf16
-def test_the_grouped_gemv_refuses_what_it_does_not_take() -> None:
-    assert KERNELS is not None
+def test_the_grouped_gemv_refuses_what_it_does_not_take(grouped: CpuKernels) -> None:
     weight = _grouped(16, 64, 8, 32, True, seed=3)
     with pytest.raises(ValueError, match="8-bit groups of 32 over 48 inputs"):
-        KERNELS.gemv_grouped(torch.zeros(1, 48, dtype=torch.bfloat16), weight)
+        grouped.gemv_grouped(torch.zeros(1, 48, dtype=torch.bfloat16), weight)
 
 
 def test_layers_joined_side_by_side_keep_each_ones_weights() -> None:
@@ -201,7 +214,7 @@ def test_each_type_is_served_as_the_file_holds_it(
         assert greedy[0] == greedy[1]
 
 
-@needs_bf16
+@needs_grouped
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_speculation_on_the_files_own_weights_is_plain_decoding(
     qtype: GGMLQuantizationType, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
@@ -220,7 +233,7 @@ def test_speculation_on_the_files_own_weights_is_plain_decoding(
     check_greedy_speculation_is_plain_decoding(target, tmp_path)
 
 
-@needs_bf16
+@needs_grouped
 def test_the_fast_step_computes_what_the_models_own_layers_do(
     tokenizer: PreTrainedTokenizerFast, tmp_path: Path
 ) -> None:
@@ -259,13 +272,14 @@ def test_layers_the_file_keeps_in_float_stay_as_loaded(
 def test_auto_serves_the_files_own_only_where_the_grouped_gemv_computes_it(
     tokenizer: PreTrainedTokenizerFast, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """auto: a GGUF file in bfloat16 on a CPU with AVX512-BF16 is served as the file keeps it;
+    """auto: a GGUF file in bfloat16 on a CPU with AVX512-BF16 or AVX2 is served as the file
+    keeps it;
     float32 (every product would dequantize), a folder, a CPU without the kernel: as loaded."""
     path = _file(tmp_path, tokenizer, Q.Q4_0, output=None)  # decoder Q4_0, embedding F32
     cache = tmp_path / "c"
     bf16 = TargetModel.load(path, device="cpu", dtype="bfloat16", gguf_cache=cache)
-    assert bf16.quantized is (Weights.GGUF if BF16 else Weights.BF16)
-    if BF16:
+    assert bf16.quantized is (Weights.GGUF if GROUPED else Weights.BF16)
+    if GROUPED:
         assert bf16.weights == "gguf Q4_0 (14 layers), output F32"
         assert bf16.file_weights is not None and bf16.file_weights.output is None
     without = TargetModel.load(

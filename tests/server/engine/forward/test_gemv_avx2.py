@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+from gguf import GGMLQuantizationType
 
 from kenspec.server.engine import target as target_module
 from kenspec.server.engine.forward import choose, cpu_kernels
@@ -24,6 +25,7 @@ from kenspec.server.engine.forward.cpu_kernels import (
 )
 from kenspec.server.engine.forward.plan import (
     ExecutionOptions,
+    ExecutionPlan,
     ForwardKind,
     Kernel,
     LeanMode,
@@ -31,7 +33,7 @@ from kenspec.server.engine.forward.plan import (
 )
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
-from tests.gguf_files import tiny_llama, write_llama_gguf
+from tests.gguf_files import tiny_llama, write_llama_gguf, write_quantized_llama_gguf
 from tests.server.engine.drafts import assert_speculation_is_plain_decoding, wide_pass_rows
 from tests.tiny_architectures import save_architecture
 
@@ -174,9 +176,9 @@ def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
     (line,) = avx2_only
     assert line["isa"] == ["avx2"] and line["log_level"] == "info"
     reason = str(line["reason"])
-    assert "AVX2 bf16 GEMV and layer kernels; CPU lacks amx_bf16: AMX bf16 products" in reason
+    assert "AVX2 bf16 and grouped GEMV and layer kernels; CPU lacks amx_bf16: AMX" in reason
     assert "CPU lacks avx512: int8 GEMV not used" in reason
-    assert "CPU lacks avx512_bf16: int8 screen, grouped GEMV and top-k kernel not" in reason
+    assert "CPU lacks avx512_bf16: int8 screen and top-k kernel not" in reason
 
 
 def test_no_avx2_and_no_avx512_is_still_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,6 +241,46 @@ def test_bf16_speculation_on_the_avx2_gemv_is_plain_decoding(
     target = _avx2_target(llama_dir)
     one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
     assert called == {"kenspec_decoder_pass_avx2", "kenspec_gemv_bf16_avx2"}
+    assert torch.equal(one_pass, one_by_one)
+    assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name
+)
+def test_a_gguf_files_own_groups_on_avx2_are_served_and_speculation_is_plain_decoding(
+    avx2_only: list[dict[str, object]],
+    qtype: GGMLQuantizationType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--weights auto on an AVX2-only CPU serves a quantized GGUF file as the file keeps it,
+    through gemv_grouped_avx2.c inside layer_avx2.c's whole pass (the decoder) and on its own
+    (the file's Q8_0 output layer), the GEMV at every width by rule: a pass of 7 tokens gives
+    7 one-token passes' logits bit for bit, and greedy speculation is plain decoding."""
+    called: set[str] = set()
+    call = CpuKernels._call
+
+    def recorded(self: CpuKernels, name: str, *arguments: object) -> object:
+        called.add(name)
+        return call(self, name, *arguments)
+
+    tokenizer = tiny.build_byte_tokenizer()
+    model = tiny_llama(tokenizer, hidden=256, intermediate=512)  # (heads 64 wide)
+    path = write_quantized_llama_gguf(
+        tmp_path / "tiny.gguf", model, tokenizer, qtype, GGMLQuantizationType.Q8_0
+    )
+    target = TargetModel.load(
+        path, device="cpu", dtype="bfloat16", gguf_cache=tmp_path / "cache",
+        execution=ExecutionOptions(lean=LeanMode.AUTO),
+    )  # fmt: skip
+    assert target.weights == f"gguf {qtype.name} (14 layers), output Q8_0"
+    plan: ExecutionPlan = target.plan
+    assert plan.forward is ForwardKind.LEAN and plan.fused_layer
+    assert plan.decoder == RowPlan.every(Kernel.GEMV) and plan.row_invariant_below == sys.maxsize
+    monkeypatch.setattr(CpuKernels, "_call", recorded)
+    one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
+    assert called == {"kenspec_decoder_pass_avx2", "kenspec_gemv_grouped_avx2"}
     assert torch.equal(one_pass, one_by_one)
     assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
 
