@@ -152,7 +152,7 @@ for row in Path("/proc/cpuinfo").read_text().splitlines():
         flags = set(row.split(":", 1)[1].split())
         break
 avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
-avx2 = {"avx2", "fma"} <= flags
+avx2 = {"avx2", "fma", "f16c"} <= flags
 if not avx512 and not avx2:
     assert line["source"] == "none" and line["reason"].startswith("CPU lacks AVX-512"), line
     print("install_check: neither AVX-512 nor AVX2 on this CPU: no kernels to check")

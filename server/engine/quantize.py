@@ -241,8 +241,9 @@ class GroupedWeight:
     2i + 1) and each pair's TILE rows side by side. values: int8 [blocks, groups, group / 2,
     2 * TILE] (pair i of row o at 2o, 2o + 1), or for 4-bit values (0..15) uint8 [blocks, groups,
     group / 2, TILE] (row o's pair in byte o: low nibble k = 2i, high 2i + 1); scales and
-    offsets (None: none) float32 [blocks, groups, TILE]. `kind` names the file's types it came
-    from, e.g. "Q4_1" (for the log). `of` lays it out; `rows` gives it back row by row."""
+    offsets (None: none) float32 [blocks, groups, TILE], or float16 where asked for and every
+    one is a float16 exactly (`half`). `kind` names the file's types it came from, e.g. "Q4_1"
+    (for the log). `of` lays it out; `rows` gives it back row by row."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -261,8 +262,11 @@ class GroupedWeight:
         group: int,
         bits: int,
         kind: str = "",
+        half: bool = False,
     ) -> GroupedWeight:
-        """q [out, in] (int8; 0..15 where bits is 4), scales and offsets [out, in / group]."""
+        """q [out, in] (int8; 0..15 where bits is 4), scales and offsets [out, in / group];
+        with `half`, scales and offsets kept in float16 where each is one exactly (a simple
+        type's d and m: the file's own float16 numbers), else float32."""
         out, k = q.shape
         groups, pairs = k // group, group // 2
         blocks = -(-out // TILE)
@@ -278,18 +282,29 @@ class GroupedWeight:
         else:
             values = tiles.reshape(blocks, groups, pairs, 2 * TILE).to(torch.int8).contiguous()
 
+        factors = [t.float() for t in (scales, mins) if t is not None]
+        narrow = half and all(torch.equal(t.half().float(), t) for t in factors)
+        dtype = torch.float16 if narrow else torch.float32
+
         def per_tile(t: torch.Tensor) -> torch.Tensor:
-            return padded(t.float()).reshape(blocks, TILE, groups).permute(0, 2, 1).contiguous()
+            tiled = padded(t.float()).reshape(blocks, TILE, groups).permute(0, 2, 1)
+            return tiled.to(dtype).contiguous()
 
         return cls(values, per_tile(scales), None if mins is None else per_tile(mins), group,
                    bits, out, kind)  # fmt: skip
+
+    @property
+    def half(self) -> bool:
+        """Whether scales and offsets are kept in float16 (each one exactly)."""
+        return self.scales.dtype == torch.float16
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out, self.scales.shape[1] * self.group
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q [out, in] (int8), scales and offsets [out, in / group]: the weight row by row."""
+        """q [out, in] (int8), scales and offsets [out, in / group] (float32): the weight row
+        by row."""
         blocks, groups = self.scales.shape[:2]
         pairs = self.group // 2
         if self.bits == 4:
@@ -299,7 +314,7 @@ class GroupedWeight:
         q = tiles.permute(0, 3, 1, 2, 4).reshape(blocks * TILE, -1)[: self.out].to(torch.int8)
 
         def untiled(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(0, 2, 1).reshape(blocks * TILE, groups)[: self.out]
+            return t.permute(0, 2, 1).reshape(blocks * TILE, groups)[: self.out].float()
 
         return q, untiled(self.scales), None if self.mins is None else untiled(self.mins)
 
@@ -323,8 +338,9 @@ class GroupedWeight:
 
 
 def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
-    """Weights side by side (rows of the first, then the next...). Parts alike (bits, group)
-    whose rows fill whole tiles: their tiles side by side (offsets zero where a part has none);
+    """Weights side by side (rows of the first, then the next...). Parts alike (bits, group,
+    scales' width) whose rows fill whole tiles: their tiles side by side (offsets zero where a
+    part has none);
     else laid out anew from their rows (4-bit ones widened to int8, groups of 32 as two of 16
     where another part has 16: exact either way)."""
     if len(parts) == 1:
@@ -333,7 +349,8 @@ def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
     kinds = "+".join(sorted({part.kind for part in parts if part.kind}))
     offsets = any(part.mins is not None for part in parts)
     alike = all(p.bits == first.bits and p.group == first.group for p in parts)
-    if alike and all(part.out % TILE == 0 for part in parts):
+    half = all(part.half for part in parts)
+    if alike and all(part.out % TILE == 0 for part in parts) and len({p.half for p in parts}) == 1:
         mins = torch.cat([_offsets(part) for part in parts]) if offsets else None
         values = torch.cat([part.values for part in parts])
         scales = torch.cat([part.scales for part in parts])
@@ -351,7 +368,7 @@ def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
     mins = None
     if offsets:
         mins = side_by_side([torch.zeros_like(r[1]) if r[2] is None else r[2] for r in rows])
-    return GroupedWeight.of(q, scales, mins, group, first.bits if alike else 8, kinds)
+    return GroupedWeight.of(q, scales, mins, group, first.bits if alike else 8, kinds, half)
 
 
 def _offsets(part: GroupedWeight) -> torch.Tensor:

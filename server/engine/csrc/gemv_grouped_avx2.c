@@ -3,7 +3,9 @@
  * of 16 or 32 weights of a row: W[o, i] = q[o, i] * s[o, g] + m[o, g], g = i / group), bfloat16
  * x [rows, k] and y [rows, out]. Same arguments and the same tiles (engine.quantize.
  * GroupedWeight: 16 output rows a block; per block and group, pairs of weights k = 2i, 2i + 1,
- * each pair's 16 rows side by side), so one layout serves both files.
+ * each pair's 16 rows side by side), so one layout serves both files; and one more argument:
+ * the scales and offsets may be float16 where every one is a float16 exactly (the simple types'
+ * d and m are the file's own float16 numbers), a quarter fewer bytes to read for a 4-bit file.
  *
  * Eight float32 lanes, one output each: a tile is two halves of 8 rows. A pair's half widened
  * to float32 is two vectors, q at k = 2i and at 2i + 1 for 8 rows (int8: 16 bytes sign-extended
@@ -56,14 +58,21 @@ static inline __attribute__((always_inline)) void pair_half(const uint8_t *at, c
   }
 }
 
+/* 8 scales or offsets at p (float16 where half, else float32) as float32, exactly. */
+static inline __attribute__((always_inline)) __m256 factors(const void *p, long at,
+                                                            const int half) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+  return _mm256_loadu_ps((const float *)p + at);
+}
+
 /* Groups g0 .. g0 + gb of rows r0 .. r0 + rb of a half tile, added into sums[j] in group order
- * (compile-time rb, gb, bits4, offsets). Each group's sum is one chain of FMAs, pair after
+ * (compile-time rb, gb, bits4, offsets, half). Each group's sum is one chain of FMAs, pair after
  * pair, whatever rb and gb: gb groups are summed side by side only so that a pass of few rows
  * has gb * rb chains in flight (one chain waits out each FMA's latency). */
 static inline __attribute__((always_inline)) void groups(
-    const float *xf, const uint8_t *tile, const float *scales, const float *mins, const float *xg,
+    const float *xf, const uint8_t *tile, const void *scales, const void *mins, const float *xg,
     __m256 *sums, long k, long g0, long groups, int h, long r0, long group, const int rb,
-    const int gb, const int bits4, const int offsets) {
+    const int gb, const int bits4, const int offsets, const int half) {
   const long pairs = group / 2, pair_bytes = bits4 ? TILE : 2 * TILE;
   __m256 part[ROW_BLOCK]; /* rb * gb <= 8 */
   for (int a = 0; a < gb * rb; a++) part[a] = _mm256_setzero_ps();
@@ -83,65 +92,73 @@ static inline __attribute__((always_inline)) void groups(
     }
   for (int gg = 0; gg < gb; gg++) {
     const long at = g0 + gg;
-    const __m256 s = _mm256_loadu_ps(scales + at * TILE + h * HALF);
+    const __m256 s = factors(scales, at * TILE + h * HALF, half);
     for (int j = 0; j < rb; j++) sums[j] = _mm256_fmadd_ps(part[gg * rb + j], s, sums[j]);
     if (offsets) {
-      const __m256 m = _mm256_loadu_ps(mins + at * TILE + h * HALF);
+      const __m256 m = factors(mins, at * TILE + h * HALF, half);
       for (int j = 0; j < rb; j++)
         sums[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xg + (r0 + j) * groups + at), sums[j]);
     }
   }
 }
 
-/* y[r0 .. r0 + rb, 16 b + 8 h .. + 8] for compile-time rb, bits4, offsets; xf the pass's x in
+/* y[r0 .. r0 + rb, 16 b + 8 h .. + 8] for compile-time rb, bits4, offsets, half; xf the pass's x in
  * float32, xg its groups' sums (offsets only). Groups side by side: 4 for one row, 2 for up to
  * 4 rows, 1 beyond (rb * gb <= 8 chains, 2 weights and 2 x: within 16 registers). On an EPYC
  * core a one-row pass of SmolLM2's 4-bit layers took ~6 ms with one group at a time (each FMA
  * waiting for the last), ~4.8 with four side by side. */
 static inline __attribute__((always_inline)) void half_block(
-    const float *xf, const uint8_t *q, const float *scales, const float *mins, const float *xg,
+    const float *xf, const uint8_t *q, const void *scales, const void *mins, const float *xg,
     uint16_t *y, long k, long out, long b, int h, long r0, long group, const int rb,
-    const int bits4, const int offsets) {
+    const int bits4, const int offsets, const int half) {
   const long count = k / group, pair_bytes = bits4 ? TILE : 2 * TILE;
   const uint8_t *tile = q + b * count * (group / 2) * pair_bytes;
-  const float *s = scales + b * count * TILE, *m = offsets ? mins + b * count * TILE : NULL;
+  const long size = half ? 2 : 4, first_group = b * count * TILE; /* (in factors) */
+  const void *s = (const char *)scales + first_group * size;
+  const void *m = offsets ? (const char *)mins + first_group * size : NULL;
   const int gb = rb == 1 ? GROUPS_AT_ONCE : rb == 2 ? GROUPS_AT_ONCE / 2 : rb <= 4 ? 2 : 1;
   __m256 sums[ROW_BLOCK];
   for (int j = 0; j < rb; j++) sums[j] = _mm256_setzero_ps();
   long g0 = 0;
   for (; g0 + gb <= count; g0 += gb)
-    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, gb, bits4, offsets);
+    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, gb, bits4, offsets, half);
   for (; g0 < count; g0++)
-    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, 1, bits4, offsets);
+    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, 1, bits4, offsets, half);
   const long first = b * TILE + h * HALF;
   const long n = out - first < HALF ? out - first : HALF;
   for (int j = 0; j < rb; j++) store(y + (r0 + j) * out + first, sums[j], n);
 }
 
-#define HALF_BLOCK(rb, bits4, offsets) \
-  half_block(xf, q, scales, mins, xg, y, k, out, b, h, r0, group, rb, bits4, offsets)
-#define ROWS(bits4, offsets)                                                   \
+#define HALF_BLOCK(rb, bits4, offsets, half) \
+  half_block(xf, q, scales, mins, xg, y, k, out, b, h, r0, group, rb, bits4, offsets, half)
+#define ROWS(bits4, offsets, half)                                             \
   for (long b = first; b < last; b++)                                          \
     for (int h = 0; h < 2 && b * TILE + h * HALF < out; h++)                   \
       for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                          \
         switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {               \
-          case 1: HALF_BLOCK(1, bits4, offsets); break;                        \
-          case 2: HALF_BLOCK(2, bits4, offsets); break;                        \
-          case 3: HALF_BLOCK(3, bits4, offsets); break;                        \
-          case 4: HALF_BLOCK(4, bits4, offsets); break;                        \
-          case 5: HALF_BLOCK(5, bits4, offsets); break;                        \
-          case 6: HALF_BLOCK(6, bits4, offsets); break;                        \
-          case 7: HALF_BLOCK(7, bits4, offsets); break;                        \
-          default: HALF_BLOCK(ROW_BLOCK, bits4, offsets);                      \
+          case 1: HALF_BLOCK(1, bits4, offsets, half); break;                  \
+          case 2: HALF_BLOCK(2, bits4, offsets, half); break;                  \
+          case 3: HALF_BLOCK(3, bits4, offsets, half); break;                  \
+          case 4: HALF_BLOCK(4, bits4, offsets, half); break;                  \
+          case 5: HALF_BLOCK(5, bits4, offsets, half); break;                  \
+          case 6: HALF_BLOCK(6, bits4, offsets, half); break;                  \
+          case 7: HALF_BLOCK(7, bits4, offsets, half); break;                  \
+          default: HALF_BLOCK(ROW_BLOCK, bits4, offsets, half);                \
         }                                                                      \
       }
+#define ALL_ROWS(bits4, offsets) \
+  if (half) {                    \
+    ROWS(bits4, offsets, 1)      \
+  } else {                       \
+    ROWS(bits4, offsets, 0)      \
+  }
 
 /* kenspec_gemv_grouped's product (same arguments, tiles and results: 0, -1 for arguments it
- * does not take, -2 where memory ran out), in this file's one order. xg: each group's sum of a
- * row's x in float32, added in order. */
+ * does not take, -2 where memory ran out), in this file's one order; scales and mins float16
+ * where `half`, else float32. xg: each group's sum of a row's x in float32, added in order. */
 int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
-                              const float *scales, const float *mins, long group, uint16_t *y,
-                              long rows, long k, long out) {
+                              const void *scales, const void *mins, long group, uint16_t *y,
+                              long rows, long k, long out, int half) {
   if ((group != 16 && group != 32) || k % group || (bits != 4 && bits != 8)) return -1;
   const uint8_t *q = (const uint8_t *)weights;
   const long groups = k / group;
@@ -171,14 +188,14 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
     share(blocks, 1, &first, &last);
     if (bits == 4) {
       if (mins != NULL) {
-        ROWS(1, 1)
+        ALL_ROWS(1, 1)
       } else {
-        ROWS(1, 0)
+        ALL_ROWS(1, 0)
       }
     } else if (mins != NULL) {
-      ROWS(0, 1)
+      ALL_ROWS(0, 1)
     } else {
-      ROWS(0, 0)
+      ALL_ROWS(0, 0)
     }
   }
   free(xf);

@@ -33,10 +33,11 @@ typedef struct {
   const uint16_t *input_norm, *post_norm;
   uint16_t *keys, *values; /* [slots, kv_heads, capacity, dim] */
   /* a file's own groups (kenspec_pass.quant 2): each product's offsets (or NULL), its group
-   * and its bits (4 or 8) */
+   * and its bits (4 or 8); its scales and offsets float16 where half (AVX2's pass only) */
   const float *qkv_mins, *out_mins, *gate_up_mins, *down_mins;
   long qkv_group, out_group, gate_up_group, down_group;
   long qkv_bits, out_bits, gate_up_bits, down_bits;
+  long qkv_half, out_half, gate_up_half, down_half;
 } kenspec_layer;
 
 /* One decoder pass (kenspec_decoder_pass): `tokens` packed tokens through `count` layers.
@@ -85,10 +86,11 @@ int kenspec_gemv_amx(const uint16_t *x, const uint16_t *w, uint16_t *y, long row
 int kenspec_gemv_grouped(const uint16_t *x, const void *q, int bits, const float *scales,
                          const float *mins, long group, uint16_t *y, long rows, long k,
                          long out);
-/* gemv_grouped_avx2.c: kenspec_gemv_grouped's product, summed in its own one order */
-int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *q, int bits, const float *scales,
-                              const float *mins, long group, uint16_t *y, long rows, long k,
-                              long out);
+/* gemv_grouped_avx2.c: kenspec_gemv_grouped's product, summed in its own one order; scales and
+ * mins float16 where half (else float32) */
+int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *q, int bits, const void *scales,
+                              const void *mins, long group, uint16_t *y, long rows, long k,
+                              long out, int half);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

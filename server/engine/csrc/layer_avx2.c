@@ -287,11 +287,11 @@ static void add_bias(uint16_t *y, const uint16_t *bias, long rows, long n) {
 /* y = x @ W^T (+ bias) for one product, its weights as `quant` says (0 bf16, 2 a file's own
  * groups): step.c's linear with this instruction set's GEMVs. 0, or -1 where it failed. */
 static int linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
-                  long group, long bits, const void *bias, uint16_t *y, long rows, long k,
-                  long n, int quant) {
+                  long group, long bits, long half, const void *bias, uint16_t *y, long rows,
+                  long k, long n, int quant) {
   if (quant == 2) {
-    if (kenspec_gemv_grouped_avx2(x, w, (int)bits, (const float *)scales, mins, group, y, rows,
-                                  k, n))
+    if (kenspec_gemv_grouped_avx2(x, w, (int)bits, scales, mins, group, y, rows, k, n,
+                                  (int)half))
       return -1;
   } else {
     kenspec_gemv_bf16_avx2(x, (const uint16_t *)w, y, rows, k, n);
@@ -300,8 +300,9 @@ static int linear(const uint16_t *x, const void *w, const void *scales, const fl
   return 0;
 }
 
-/* A layer's product by name: its weights, scales, offsets, group and bits. */
-#define PRODUCT(L, name) L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits
+/* A layer's product by name: its weights, scales, offsets, group, bits and scales' width. */
+#define PRODUCT(L, name) \
+  L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits, L->name##_half
 
 /* step.c's kenspec_decoder_pass for bf16 weights or a file's own groups (kenspec_pass.quant 0
  * or 2; others: -2), with gemv_avx2.c's and gemv_grouped_avx2.c's products and this file's

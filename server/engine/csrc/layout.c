@@ -20,6 +20,8 @@ static const long layer_offsets[] = {
     AT(kenspec_layer, gate_up_group), AT(kenspec_layer, down_group),
     AT(kenspec_layer, qkv_bits),    AT(kenspec_layer, out_bits),
     AT(kenspec_layer, gate_up_bits), AT(kenspec_layer, down_bits),
+    AT(kenspec_layer, qkv_half),    AT(kenspec_layer, out_half),
+    AT(kenspec_layer, gate_up_half), AT(kenspec_layer, down_half),
 };
 
 static const long pass_offsets[] = {

@@ -58,7 +58,7 @@ class DecoderLayer(ctypes.Structure):
         )
     ] + [
         (f"{product}_{what}", _L)
-        for what in ("group", "bits")
+        for what in ("group", "bits", "half")
         for product in ("qkv", "out", "gate_up", "down")
     ]  # fmt: skip
 
@@ -86,7 +86,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_amx_init": (_I, [], Isa.AMX),
     "kenspec_gemv_int8_bf16": (_I, [_P] * 4 + [_L] * 3, Isa.BF16),
     "kenspec_gemv_grouped": (_I, _GROUPED, Isa.BF16),
-    "kenspec_gemv_grouped_avx2": (_I, _GROUPED, Isa.AVX2),
+    "kenspec_gemv_grouped_avx2": (_I, [*_GROUPED, _I], Isa.AVX2),
     "kenspec_exact_candidates": (_L, [_P] * 2 + [_L, _P, _L, _P], Isa.BF16),
     "kenspec_gemv_int8": (_I, [_P] * 4 + [_L] * 3 + [_I], Isa.AVX512),
     "kenspec_u8s8_prepare": (None, [_P] * 2 + [_L] * 2 + [_P] * 2, Isa.VNNI),
@@ -272,16 +272,20 @@ class CpuKernels:
         """x @ W^T for bf16 x [rows, in] and a GGUF file's own quantized weight W [out, in]
         (engine.quantize.GroupedWeight: q * s + m per group, the file's values exactly),
         summed in one order whatever the row count (csrc/gemv_grouped.c where AVX512-BF16
-        runs, else gemv_grouped_avx2.c: each its own order): bf16 [rows, out]."""
+        runs, else gemv_grouped_avx2.c: each its own order; AVX2's also reads float16 scales
+        and offsets): bf16 [rows, out]."""
         x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
         name = "kenspec_gemv_grouped" if self.bf16 else "kenspec_gemv_grouped_avx2"
-        failed = self._call(
-            name, x.data_ptr(), weight.values.data_ptr(), weight.bits,
-            weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
-            weight.group, out.data_ptr(), rows, k, weight.shape[0],
-        )  # fmt: skip
+        arguments = [
+            x.data_ptr(), weight.values.data_ptr(), weight.bits, weight.scales.data_ptr(),
+            None if weight.mins is None else weight.mins.data_ptr(), weight.group,
+            out.data_ptr(), rows, k, weight.shape[0],
+        ]  # fmt: skip
+        if self.bf16 and weight.half:
+            raise ValueError(f"{name} takes float32 scales, not float16")
+        failed = self._call(name, *arguments, *([] if self.bf16 else [int(weight.half)]))
         if failed == -2:
             raise MemoryError(f"{name}: no memory for the pass's rows and groups' sums")
         if failed:

@@ -32,7 +32,8 @@ FORMAT = 1  # build.json's layout
 
 class Isa(StrEnum):
     """The instruction sets a source of the library is compiled for (its name: the
-    /proc/cpuinfo flag it adds to AVX-512 F/BW/VL/DQ; AVX2's, the flag it needs with FMA)."""
+    /proc/cpuinfo flag it adds to AVX-512 F/BW/VL/DQ; AVX2's, the flag it needs with FMA and
+    F16C)."""
 
     AVX2 = "avx2"  # with FMA: bf16 and grouped GEMVs, layer kernels where AVX512-BF16 is not
     AVX512 = "avx512"  # F, BW, VL, DQ: int8 weights with float32 activations
@@ -44,7 +45,7 @@ class Isa(StrEnum):
 _BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # The /proc/cpuinfo flags a CPU needs to run each instruction set's sources.
 CPU_FLAGS = {
-    Isa.AVX2: frozenset({"avx2", "fma"}),
+    Isa.AVX2: frozenset({"avx2", "fma", "f16c"}),
     Isa.AVX512: _BASE,
     Isa.BF16: _BASE | {"avx512_bf16"},
     Isa.VNNI: _BASE | {"avx512_vnni"},
@@ -61,7 +62,7 @@ USES = {
 _AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 COMPILER_FLAGS: dict[Isa | None, tuple[str, ...]] = {
     None: ("-O3",),
-    Isa.AVX2: ("-O3", "-fopenmp", "-mavx2", "-mfma"),
+    Isa.AVX2: ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
     Isa.AVX512: _AVX512,
     Isa.BF16: (*_AVX512, "-mavx512bf16"),
     Isa.VNNI: (*_AVX512, "-mavx512vnni"),

@@ -265,6 +265,7 @@ class LeanDecoder:
                     setattr(described, f"{name}_mins", pointer(grouped.mins))
                     setattr(described, f"{name}_group", grouped.group)
                     setattr(described, f"{name}_bits", grouped.bits)
+                    setattr(described, f"{name}_half", int(grouped.half))
                 if name in ("qkv", "out"):
                     setattr(described, f"{name}_bias", pointer(product.bias))
                 else:

@@ -44,14 +44,17 @@ TYPES = sorted((t for t in READABLE if t not in (Q.F32, Q.F16, Q.BF16)), key=lam
 LEAN = ExecutionOptions(lean=LeanMode.AUTO)
 
 
-def _grouped(out: int, k: int, bits: int, group: int, offsets: bool, seed: int) -> GroupedWeight:
-    """A random weight of the kind a file holds: 4-bit values 0..15, or int8."""
+def _grouped(
+    out: int, k: int, bits: int, group: int, offsets: bool, seed: int, half: bool = False
+) -> GroupedWeight:
+    """A random weight of the kind a file holds: 4-bit values 0..15, or int8; scales and
+    offsets float16 numbers (a simple type's), kept in float16 where `half`."""
     generator = torch.Generator().manual_seed(seed)
     low, high = (0, 16) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (out, k), generator=generator).to(torch.int8)
     scales = (torch.rand(out, k // group, generator=generator) * 0.01).half().float()
     mins = (torch.randn(out, k // group, generator=generator) * 0.05).half().float()
-    return GroupedWeight.of(q, scales, mins if offsets else None, group, bits)
+    return GroupedWeight.of(q, scales, mins if offsets else None, group, bits, half=half)
 
 
 def test_tiles_give_back_the_rows_they_were_laid_out_from() -> None:
@@ -94,13 +97,20 @@ def grouped(request: pytest.FixtureRequest) -> CpuKernels:
 
 @pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("shape", [(64, 64), (96, 576), (33, 256), (7, 32)], ids=str)
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 def test_the_grouped_gemv_is_the_files_weights_product(
-    grouped: CpuKernels, bits: int, group: int, offsets: bool, shape: tuple[int, int]
+    grouped: CpuKernels, bits: int, group: int, offsets: bool, shape: tuple[int, int], half: bool
 ) -> None:
     """x @ (q * s + m)^T against float64: within the bf16 rounding of the output (the sums are
     float32; q and x products exact); rows from 1 to past a row block, outputs not filling a
-    tile (33: one row past two; 7: less than half of one)."""
-    weight = _grouped(*shape, bits, group, offsets, seed=1)
+    tile (33: one row past two; 7: less than half of one); scales and offsets kept in float32,
+    or float16 (AVX2's kernel reads them; AVX512-BF16's refuses them)."""
+    weight = _grouped(*shape, bits, group, offsets, seed=1, half=half)
+    assert weight.half is half
+    if half and grouped.bf16:
+        with pytest.raises(ValueError, match="takes float32 scales, not float16"):
+            grouped.gemv_grouped(torch.zeros(1, shape[1], dtype=torch.bfloat16), weight)
+        return
     for rows in (1, 5, 11):
         x = torch.randn(rows, shape[1]).bfloat16()
         expected = x.double() @ weight.dequantize(torch.float64).T
@@ -114,7 +124,8 @@ def test_the_grouped_gemv_is_the_files_weights_product(
 def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
     grouped: CpuKernels, bits: int, group: int, offsets: bool, threads: int
 ) -> None:
-    """What exactness rests on: each row of a pass of 1 to 17 rows has the bits it has alone."""
+    """What exactness rests on: each row of a pass of 1 to 17 rows has the bits it has alone
+    (AVX2's: with float16 scales, the same bits as with float32 ones)."""
     weight = _grouped(100, 576, bits, group, offsets, seed=2)
     x = torch.randn(17, 576).bfloat16()
     before = torch.get_num_threads()
@@ -123,6 +134,9 @@ def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
         alone = torch.cat([grouped.gemv_grouped(x[i : i + 1], weight) for i in range(17)])
         for rows in (2, 3, 4, 5, 8, 9, 16, 17):
             assert torch.equal(grouped.gemv_grouped(x[:rows], weight), alone[:rows]), rows
+        if not grouped.bf16:
+            narrow = _grouped(100, 576, bits, group, offsets, seed=2, half=True)
+            assert narrow.half and torch.equal(grouped.gemv_grouped(x, narrow), alone)
     finally:
         torch.set_num_threads(before)
 
@@ -131,6 +145,30 @@ def test_the_grouped_gemv_refuses_what_it_does_not_take(grouped: CpuKernels) -> 
     weight = _grouped(16, 64, 8, 32, True, seed=3)
     with pytest.raises(ValueError, match="8-bit groups of 32 over 48 inputs"):
         grouped.gemv_grouped(torch.zeros(1, 48, dtype=torch.bfloat16), weight)
+
+
+def test_scales_are_kept_in_float16_only_where_each_is_one_exactly() -> None:
+    """half: float16 storage where every scale and offset is a float16 (a simple type's d and
+    m), float32 where one is not (a K-quant's d * sc); rows() gives float32 either way; parts
+    joined keep float16 only where all are."""
+    narrow = _grouped(32, 64, 4, 32, True, seed=9, half=True)
+    assert narrow.half and narrow.mins is not None
+    assert narrow.scales.dtype == narrow.mins.dtype == torch.float16
+    assert torch.equal(narrow.dequantize(), _grouped(32, 64, 4, 32, True, seed=9).dequantize())
+    q, scales, mins = narrow.rows()
+    assert scales.dtype == torch.float32 and mins is not None and mins.dtype == torch.float32
+    scales[3, 1] = 1 + 2**-12  # not a float16
+    wide = GroupedWeight.of(q, scales, mins, 32, 4, half=True)
+    assert not wide.half and wide.scales.dtype == torch.float32
+    assert wide.rows()[1][3, 1] == 1 + 2**-12
+    for parts in ([narrow, wide], [wide, narrow]):
+        joined = join_grouped(parts)
+        assert not joined.half
+        assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    both = join_grouped([narrow, narrow])
+    assert both.half and torch.equal(both.dequantize()[32:], narrow.dequantize())
+    odd = _grouped(24, 64, 4, 32, True, seed=9, half=True)  # not whole tiles: laid out anew
+    assert join_grouped([odd, narrow]).half and not join_grouped([odd, wide]).half
 
 
 def test_layers_joined_side_by_side_keep_each_ones_weights() -> None:

@@ -127,7 +127,7 @@ def test_without_avx512_only_torchs_kernel_is_a_candidate(monkeypatch: pytest.Mo
     from kenspec.server.engine.forward import cpu_kernels
 
     load_kernels.cache_clear()
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
     try:
         avx2 = load_kernels()
     finally:

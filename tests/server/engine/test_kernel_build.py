@@ -135,7 +135,7 @@ def test_a_cpu_without_bf16_gets_the_rest_and_the_log_says_what_is_not_used(
     with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
         kernels.gemv(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
     # AVX-512 without BF16 (Skylake-SP, Cascade Lake): the bf16 GEMV is AVX2's
-    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma"})
+    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma", "f16c"})
     assert kernels is not None and kernels.isa == {Isa.AVX2, Isa.AVX512}
     assert kernels.gemv_bf16 and not kernels.bf16
     assert line["isa"] == ["avx2", "avx512"]
@@ -145,7 +145,7 @@ def test_a_cpu_without_bf16_gets_the_rest_and_the_log_says_what_is_not_used(
     if REAL_AVX2:
         x, weight = torch.randn(3, 40).bfloat16(), torch.randn(9, 40).bfloat16()
         assert torch.equal(kernels.gemv(x, weight), (x.double() @ weight.double().t()).bfloat16())
-    kernels, (line,) = loading(frozenset({"avx2", "fma"}))  # no AVX-512 at all
+    kernels, (line,) = loading(frozenset({"avx2", "fma", "f16c"}))  # no AVX-512 at all
     assert kernels is not None and kernels.isa == {Isa.AVX2} and line["isa"] == ["avx2"]
     kernels, (line,) = loading(frozenset({"avx", "sse4_2"}))  # nor AVX2
     assert kernels is None and line["source"] == "none"
@@ -241,12 +241,12 @@ def test_a_library_without_the_avx2_gemv_is_loaded_for_the_rest(
         (directory / "build.json").write_text(json.dumps(record))
     assert Isa.AVX2 not in kernel_build.read_record(directory).isa
     no_compiler(monkeypatch, tmp_path)
-    kernels, (line,) = loading(frozenset({"avx2", "fma"}))
+    kernels, (line,) = loading(frozenset({"avx2", "fma", "f16c"}))
     assert kernels is None and line["source"] == "none"
     built_without = "(gemv_avx2.c: cc: error" if how == "failed" else "(no source of it)"
     assert f"library built without avx2 {built_without}" in line["reason"]
     assert line["reason"].endswith("none of the library runs on this CPU")
-    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma"})
+    kernels, (line,) = loading(CPU_FLAGS[Isa.AVX512] | {"avx2", "fma", "f16c"})
     assert kernels is not None and kernels.isa == {Isa.AVX512} and not kernels.gemv_bf16
     assert "library built without avx2" in line["reason"]
     with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):

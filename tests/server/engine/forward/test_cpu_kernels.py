@@ -31,10 +31,11 @@ def test_every_source_is_compiled_once_into_one_library() -> None:
 
 def test_the_instruction_sets_follow_the_cpus_flags() -> None:
     base = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    assert supported_isa(frozenset({"avx2", "fma"})) == {Isa.AVX2}
+    assert supported_isa(frozenset({"avx2", "fma", "f16c"})) == {Isa.AVX2}
     assert supported_isa(frozenset({"avx", "avx2"})) == frozenset()  # (AVX2 needs FMA too)
+    assert supported_isa(frozenset({"avx2", "fma"})) == frozenset()  # (and F16C)
     assert supported_isa(frozenset(base)) == {Isa.AVX512}
-    every = base | {"avx2", "fma", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
+    every = base | {"avx2", "fma", "f16c", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
     assert supported_isa(frozenset(every)) == set(Isa)
     assert supported_isa(frozenset({"avx512_bf16"})) == frozenset()  # (needs the base too)
 

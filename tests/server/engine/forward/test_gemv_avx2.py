@@ -31,6 +31,7 @@ from kenspec.server.engine.forward.plan import (
     LeanMode,
     RowPlan,
 )
+from kenspec.server.engine.quantize import GroupedLinear
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.gguf_files import tiny_llama, write_llama_gguf, write_quantized_llama_gguf
@@ -38,7 +39,8 @@ from tests.server.engine.drafts import assert_speculation_is_plain_decoding, wid
 from tests.tiny_architectures import save_architecture
 
 pytestmark = pytest.mark.skipif(
-    not {"avx2", "fma"} <= cpu_kernels.cpu_flags(), reason="the CPU has no AVX2 and FMA"
+    not {"avx2", "fma", "f16c"} <= cpu_kernels.cpu_flags(),
+    reason="the CPU has no AVX2, FMA and F16C",
 )
 AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c"})  # e.g. an AMD Zen 2 or 3
 WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -256,8 +258,9 @@ def test_a_gguf_files_own_groups_on_avx2_are_served_and_speculation_is_plain_dec
 ) -> None:
     """--weights auto on an AVX2-only CPU serves a quantized GGUF file as the file keeps it,
     through gemv_grouped_avx2.c inside layer_avx2.c's whole pass (the decoder) and on its own
-    (the file's Q8_0 output layer), the GEMV at every width by rule: a pass of 7 tokens gives
-    7 one-token passes' logits bit for bit, and greedy speculation is plain decoding."""
+    (the file's Q8_0 output layer), the GEMV at every width by rule, its scales and offsets in
+    float16 (each the file's own float16 number): a pass of 7 tokens gives 7 one-token passes'
+    logits bit for bit, and greedy speculation is plain decoding."""
     called: set[str] = set()
     call = CpuKernels._call
 
@@ -275,6 +278,10 @@ def test_a_gguf_files_own_groups_on_avx2_are_served_and_speculation_is_plain_dec
         execution=ExecutionOptions(lean=LeanMode.AUTO),
     )  # fmt: skip
     assert target.weights == f"gguf {qtype.name} (14 layers), output Q8_0"
+    assert target.file_weights is not None and target.file_weights.output is not None
+    grouped = [m for m in target.model.modules() if isinstance(m, GroupedLinear)]
+    assert len(grouped) == 14 and target.file_weights.output.half
+    assert all(m.scales.dtype == torch.float16 for m in grouped)
     plan: ExecutionPlan = target.plan
     assert plan.forward is ForwardKind.LEAN and plan.fused_layer
     assert plan.decoder == RowPlan.every(Kernel.GEMV) and plan.row_invariant_below == sys.maxsize

@@ -137,7 +137,7 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
     # would execute an illegal instruction, whatever the faked flags say)
     runs_avx512 = cpu_kernels.Isa.AVX512 in cpu_kernels.supported_isa(cpu_kernels.cpu_flags())
     load_kernels.cache_clear()
-    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     try:
         kernels = load_kernels()
