@@ -20,7 +20,11 @@ Here every verify pass updates the bucket it falls in:
   (since its own last sample was off its estimate by more than UNSETTLED, or any bucket's by
   more than SHIFTED; until its own next sample agrees): the batch verifies only as many drafts
   or, in a one-row pass, pads it to that many tokens (padding is scored, never read). Its price
-  is a wider or narrower pass now and then.
+  is a wider or narrower pass now and then, and it is capped: explorations may add at most
+  EXPLORE_BUDGET of the time passes take (each charged its seconds past the cheapest pass of
+  its rows). Where wide passes cost several steps (a CPU bound by its multiply-adds) and the
+  machine's noise keeps unsettling buckets, uncapped exploration padded one pass in 16 to up
+  to 17 tokens at 4-6 steps each: speculation served slower than plain decoding.
 - The round's own work: every round's time outside its forward call (drafting, choosing, the
   walk with the rows of logits it reads, learning, delivery; round.RoundTimes) is averaged per
   row, apart for rows that verified drafts and rows that did not (`observe_round`: a batch's
@@ -53,6 +57,7 @@ STALE_PASSES = 512  # a bucket not seen for this many passes is measured again
 UNSETTLED = 1.25  # a bucket whose last sample was off by more than this is re-measured soon
 SHIFTED = 1.6  # a sample off by more than this has every bucket re-measured soon
 ROUND_DECAY = 0.05  # weight of a round in the average of rounds' own work (about 20 rounds)
+EXPLORE_BUDGET = 0.02  # share of the passes' time explorations may add
 
 
 class LiveCosts:
@@ -78,6 +83,10 @@ class LiveCosts:
         }
         self._unsettled: set[tuple[int, int]] = set()
         self._threshold: float | None = None
+        # exploration's budget: every observed pass's seconds, what explorations added
+        self._pass_seconds = 0.0
+        self._explored_seconds = 0.0
+        self._exploring = False  # the next observed pass is one explore() asked for
         # a round's own work per row, by whether it verified drafts (observe_round)
         self._round_work: dict[bool, float] = {False: 0.0, True: 0.0}
         self._rounds_seen: dict[bool, int] = {False: 0, True: 0}
@@ -96,9 +105,13 @@ class LiveCosts:
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A verify pass of `rows` rows and `tokens` tokens in all took `seconds`."""
         self.passes += 1
+        exploring, self._exploring = self._exploring, False
         bucket = self._bucket(rows, tokens)
         if bucket is None or not math.isfinite(seconds) or seconds <= 0:
             return
+        self._pass_seconds += seconds
+        if exploring:  # charged what it took past the cheapest pass of its rows
+            self._explored_seconds += max(0.0, seconds - self.table.cost(rows, rows))
         # The sample, moved to the bucket's shape by the table's own ratio between the two.
         sample = seconds * self.table.cost(*bucket) / self.table.cost(rows, tokens)
         recent = self._recent[bucket]
@@ -155,6 +168,7 @@ class LiveCosts:
             not self._explore
             or self.passes % EXPLORE_EVERY
             or rows not in self.table.tokens_by_rows
+            or self._explored_seconds > EXPLORE_BUDGET * self._pass_seconds
         ):
             return None
         age = {
@@ -170,6 +184,7 @@ class LiveCosts:
         if not due:
             return None
         self.explorations += 1
+        self._exploring = True
         return max(due, key=lambda bucket: (age[bucket], -bucket[1]))[1]
 
     def threshold(self) -> float:
@@ -205,6 +220,7 @@ class LiveCosts:
         return {
             "passes": self.passes,
             "explorations": self.explorations,
+            "explored_share": round(self._explored_seconds / max(self._pass_seconds, 1e-9), 4),
             "step_ms": round(step * 1000, 2) if step else None,
             "steps": one_row_steps(self.table.seconds),
             "round_work_ms": {k: round(v * 1000, 3) for k, v in self.round_work.items()},

@@ -111,6 +111,36 @@ def test_stale_shapes_are_measured_again_and_unsettled_ones_soon() -> None:
     assert [t for t in asked if t is not None] == [7]
 
 
+def test_exploration_adds_at_most_its_budget_where_wide_passes_are_dear() -> None:
+    """Wide passes at several steps (a CPU bound by its multiply-adds) on a VM whose speed
+    halves and comes back every 40 passes (so every bucket keeps being unsettled):
+    explorations still come, but the time they add past a step stays within EXPLORE_BUDGET of
+    all passes' time (give or take the last one); uncapped, it was several times that."""
+    dear = {(r, t): s * (1 + 0.35 * (t - r)) for (r, t), s in QUIET.items()}  # 17 tokens: 6.6
+    for budget, capped in ((live_costs.EXPLORE_BUDGET, True), (1.0, False)):
+        costs = LiveCosts(dear, k=6)
+        total = added = 0.0
+        step = dear[1, 1]
+        original = live_costs.EXPLORE_BUDGET
+        live_costs.EXPLORE_BUDGET = budget
+        try:
+            for i in range(2000):
+                phase = 2.0 if (i // 40) % 2 else 1.0
+                tokens = costs.explore(1)
+                seconds = dear[1, tokens or 1] * phase
+                costs.observe(1, tokens or 1, seconds)
+                total += seconds
+                added += seconds - step * phase if tokens else 0.0
+        finally:
+            live_costs.EXPLORE_BUDGET = original
+        assert costs.explorations > 5
+        if capped:
+            assert added <= live_costs.EXPLORE_BUDGET * total + 2 * dear[1, 17]
+            assert costs.summary()["explored_share"] <= live_costs.EXPLORE_BUDGET + 0.01
+        else:
+            assert added > 3 * live_costs.EXPLORE_BUDGET * total
+
+
 def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeypatch) -> None:
     """An always-right draft, passes timed by a fake timer: while wide passes cost about one
     step the batch verifies drafts; once they cost far more, it decodes one token a pass."""
