@@ -1,6 +1,6 @@
 /* Helpers shared by the AVX2 kernels (gemv_avx2.c, gemv_grouped_avx2.c, layer_avx2.c):
- * bfloat16 conversions in eight float32 lanes and a thread's share of a product's outputs;
- * simd.h's roles for sources compiled without AVX-512. Included, not compiled on its own (the
+ * scalar.h's, and bfloat16 conversions in eight float32 lanes: simd.h's roles for sources
+ * compiled without AVX-512. Included, not compiled on its own (the
  * library's cache key hashes it with the sources). */
 #ifndef KENSPEC_AVX2_H
 #define KENSPEC_AVX2_H
@@ -9,23 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Round to nearest even, as torch and cvtneps do; a NaN stays a (quiet) NaN. */
-static inline uint16_t round_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-/* This OpenMP thread's share [first, last) of `out` outputs, in whole blocks of `block`. */
-static inline void share(long out, long block, long *first, long *last) {
-  const long blocks = (out + block - 1) / block;
-  const long t = omp_get_thread_num(), n = omp_get_num_threads();
-  *first = blocks * t / n * block;
-  *last = blocks * (t + 1) / n * block;
-  if (*last > out) *last = out;
-}
+#include "scalar.h"
 
 /* 8 bf16 at p as float32 */
 static inline __m256 widen8(const uint16_t *p) {
@@ -42,7 +26,7 @@ static inline __m256 widen(const uint16_t *p, long n) {
 }
 
 /* Each lane rounded to bfloat16, to nearest even (a NaN stays a quiet NaN), in the high half of
- * its 32 bits: gemv_avx2.c's round_bf16, eight at a time. */
+ * its 32 bits: scalar.h's to_bf16, eight at a time. */
 static inline __m256i bf16_bits(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));

@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     chunk(xt[0], 16, wt[0], 16, acc, nb, rb, 0);
   }
   for (int j = 0; j < rb; j++)
-    for (int i = 0; i < nb; i++) y[(r0 + j) * out + o + i] = round_bf16(hsum8(acc[j * nb + i]));
+    for (int i = 0; i < nb; i++) y[(r0 + j) * out + o + i] = to_bf16(hsum8(acc[j * nb + i]));
 }
 
 #define ROWS(nb)                                                                 \
@@ -123,7 +123,7 @@ void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, l
 #pragma omp parallel
   {
     long first, last;
-    share(out, OUT_BLOCK, &first, &last);
+    thread_share(out, OUT_BLOCK, &first, &last);
     if (first < last) columns(x, w, y, rows, k, out, first, last);
   }
 }

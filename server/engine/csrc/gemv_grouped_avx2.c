@@ -185,7 +185,7 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
 #pragma omp parallel
   {
     long first, last;
-    share(blocks, 1, &first, &last);
+    thread_share(blocks, 1, &first, &last);
     if (bits == 4) {
       if (mins != NULL) {
         ALL_ROWS(1, 1)

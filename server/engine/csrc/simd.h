@@ -1,5 +1,5 @@
-/* Helpers shared by the kernels in this folder: bfloat16 conversions, a thread's share of a
- * product's outputs and the horizontal sum of 16 vectors at once. Included, not compiled on
+/* Helpers shared by the AVX-512 kernels in this folder: scalar.h's, and the horizontal sum of
+ * 16 vectors at once. Included, not compiled on
  * its own; engine/forward/cpu_kernels.py builds each source with this folder on the include
  * path and hashes this file into the library's cache key. */
 #ifndef KENSPEC_SIMD_H
@@ -9,29 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t value) {
-  uint32_t bits = (uint32_t)value << 16;
-  float out;
-  memcpy(&out, &bits, 4);
-  return out;
-}
-
-static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch does */
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-/* This OpenMP thread's share [first, last) of `out` outputs, in whole blocks of `block`. */
-static inline void thread_share(long out, long block, long *first, long *last) {
-  const long blocks = (out + block - 1) / block;
-  const long t = omp_get_thread_num(), n = omp_get_num_threads();
-  *first = blocks * t / n * block;
-  *last = blocks * (t + 1) / n * block;
-  if (*last > out) *last = out;
-}
+#include "scalar.h"
 
 /* name(a)[j] = the sum of a[j]'s 16 lanes, for j < 16: every sum by the same tree (lanes l and
  * l + 8, then + 4, + 2, + 1), so a key's score does not depend on where in a block it lies.

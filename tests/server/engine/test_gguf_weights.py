@@ -9,7 +9,6 @@ through the fast step, and what auto and gguf do with what they cannot serve."""
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, join_gr
 from kenspec.server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
 from tests.gguf_files import tiny_llama, write_quantized_llama_gguf
+from tests.kernels import one_isa
 from tests.server.engine.drafts import last_rows
 from tests.server.engine.quantized_models import (
     check_float32_decoding_is_generate,
@@ -88,11 +88,7 @@ KIND_IDS = [f"{bits}bit-g{group}-{'offsets' if o else 'scales'}" for bits, group
 def grouped(request: pytest.FixtureRequest) -> CpuKernels:
     """The library with one instruction set's grouped GEMV: gemv_grouped.c's (AVX512-BF16), or
     gemv_grouped_avx2.c's (the library as a CPU without AVX512-BF16 sees it)."""
-    if KERNELS is None or request.param not in KERNELS.isa:
-        pytest.skip(f"this CPU does not run {request.param}'s grouped GEMV")
-    if request.param is Isa.AVX2:
-        return replace(KERNELS, isa=frozenset({Isa.AVX2}))
-    return KERNELS
+    return one_isa(request.param)
 
 
 @pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)

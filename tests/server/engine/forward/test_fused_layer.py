@@ -7,7 +7,6 @@ runs; the served models take the ones the CPU's flags choose."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from kenspec.server.engine.recycled import RecycledPredictions
 from kenspec.server.engine.target import TargetModel
 from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
+from tests.kernels import one_isa
 from tests.server.engine.drafts import (
     assert_speculation_is_plain_decoding,
     last_rows,
@@ -51,11 +51,7 @@ needs_bf16 = pytest.mark.skipif(
 def layer(request: pytest.FixtureRequest) -> CpuKernels:
     """The library with one instruction set's layer kernels: layer.c's (AVX512-BF16), or
     layer_avx2.c's (the library as a CPU without AVX512-BF16 sees it)."""
-    if KERNELS is None or request.param not in KERNELS.isa:
-        pytest.skip(f"this CPU does not run {request.param}'s layer kernels")
-    if request.param is Isa.AVX2:
-        return replace(KERNELS, isa=frozenset({Isa.AVX2}))
-    return KERNELS
+    return one_isa(request.param)
 
 
 BF16 = torch.bfloat16

@@ -1,0 +1,34 @@
+/* Helpers without vector instructions, for every instruction set's sources: one bfloat16 to
+ * float32 and back (round to nearest even, as torch does) and a thread's share of a product's
+ * outputs. Included (by simd.h and avx2.h), not compiled on its own. */
+#ifndef KENSPEC_SCALAR_H
+#define KENSPEC_SCALAR_H
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t value) {
+  uint32_t bits = (uint32_t)value << 16;
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+static inline uint16_t to_bf16(float value) { /* round to nearest even, as torch does */
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+/* This OpenMP thread's share [first, last) of `out` outputs, in whole blocks of `block`. */
+static inline void thread_share(long out, long block, long *first, long *last) {
+  const long blocks = (out + block - 1) / block;
+  const long t = omp_get_thread_num(), n = omp_get_num_threads();
+  *first = blocks * t / n * block;
+  *last = blocks * (t + 1) / n * block;
+  if (*last > out) *last = out;
+}
+
+#endif
