@@ -76,8 +76,8 @@ def apply_file_weights(
     """Replace the model's decoder linear layers by the file's quantized tensors (computed by
     `kernels`' grouped GEMV where given), and read its output layer's; FileWeightsError where
     a tensor is missing, of a type not read, or does not match the loaded model. For AVX2's
-    grouped GEMV the scales and offsets are kept in float16 where each is one exactly (a
-    quarter fewer bytes a step for a 4-bit file); AVX512-BF16's reads float32."""
+    grouped GEMV the scales and offsets are kept in float16 where each is one exactly (Q4_1:
+    5 bits a weight to read instead of 6); AVX512-BF16's reads float32."""
     reader = GGUFReader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     field_value = reader.get_field("general.architecture")

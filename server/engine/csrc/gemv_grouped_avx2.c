@@ -5,7 +5,8 @@
  * GroupedWeight: 16 output rows a block; per block and group, pairs of weights k = 2i, 2i + 1,
  * each pair's 16 rows side by side), so one layout serves both files; and one more argument:
  * the scales and offsets may be float16 where every one is a float16 exactly (the simple types'
- * d and m are the file's own float16 numbers), a quarter fewer bytes to read for a 4-bit file.
+ * d and m are the file's own float16 numbers): Q4_1's groups of 32 then take 5 bits a weight
+ * to read (4, and a scale and an offset in 16 bits each), not 6.
  *
  * Eight float32 lanes, one output each: a tile is two halves of 8 rows. A pair's half widened
  * to float32 is two vectors, q at k = 2i and at 2i + 1 for 8 rows (int8: 16 bytes sign-extended
@@ -20,7 +21,7 @@
  * machine runs this file or gemv_grouped.c (dpbf16 sums pairs in its own way): the two may
  * differ in a last bit. Per 16 weights and pass row: two FMAs of 8 products (dpbf16 does 32
  * per instruction), so passes of several rows are bound by their FMAs, as gemv_avx2.c's are.
- * Threads split the blocks. Compiled with AVX2 and FMA into the kernel library
+ * Threads split the blocks. Compiled with AVX2, FMA and F16C into the kernel library
  * (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
@@ -66,13 +67,14 @@ static inline __attribute__((always_inline)) __m256 factors(const void *p, long 
 }
 
 /* Groups g0 .. g0 + gb of rows r0 .. r0 + rb of a half tile, added into sums[j] in group order
- * (compile-time rb, gb, bits4, offsets, half). Each group's sum is one chain of FMAs, pair after
+ * (compile-time rb, gb, bits4; offsets and half are read once a group, where a branch costs
+ * nothing, and compiling them in too made this file 13 s of the library's build). Each group's sum is one chain of FMAs, pair after
  * pair, whatever rb and gb: gb groups are summed side by side only so that a pass of few rows
  * has gb * rb chains in flight (one chain waits out each FMA's latency). */
 static inline __attribute__((always_inline)) void groups(
     const float *xf, const uint8_t *tile, const void *scales, const void *mins, const float *xg,
     __m256 *sums, long k, long g0, long groups, int h, long r0, long group, const int rb,
-    const int gb, const int bits4, const int offsets, const int half) {
+    const int gb, const int bits4, int offsets, int half) {
   const long pairs = group / 2, pair_bytes = bits4 ? TILE : 2 * TILE;
   __m256 part[ROW_BLOCK]; /* rb * gb <= 8 */
   for (int a = 0; a < gb * rb; a++) part[a] = _mm256_setzero_ps();
@@ -102,7 +104,7 @@ static inline __attribute__((always_inline)) void groups(
   }
 }
 
-/* y[r0 .. r0 + rb, 16 b + 8 h .. + 8] for compile-time rb, bits4, offsets, half; xf the pass's x in
+/* y[r0 .. r0 + rb, 16 b + 8 h .. + 8] for compile-time rb and bits4; xf the pass's x in
  * float32, xg its groups' sums (offsets only). Groups side by side: 4 for one row, 2 for up to
  * 4 rows, 1 beyond (rb * gb <= 8 chains, 2 weights and 2 x: within 16 registers). On an EPYC
  * core a one-row pass of SmolLM2's 4-bit layers took ~6 ms with one group at a time (each FMA
@@ -110,7 +112,7 @@ static inline __attribute__((always_inline)) void groups(
 static inline __attribute__((always_inline)) void half_block(
     const float *xf, const uint8_t *q, const void *scales, const void *mins, const float *xg,
     uint16_t *y, long k, long out, long b, int h, long r0, long group, const int rb,
-    const int bits4, const int offsets, const int half) {
+    const int bits4, int offsets, int half) {
   const long count = k / group, pair_bytes = bits4 ? TILE : 2 * TILE;
   const uint8_t *tile = q + b * count * (group / 2) * pair_bytes;
   const long size = half ? 2 : 4, first_group = b * count * TILE; /* (in factors) */
@@ -129,29 +131,23 @@ static inline __attribute__((always_inline)) void half_block(
   for (int j = 0; j < rb; j++) store(y + (r0 + j) * out + first, sums[j], n);
 }
 
-#define HALF_BLOCK(rb, bits4, offsets, half) \
+#define HALF_BLOCK(rb, bits4) \
   half_block(xf, q, scales, mins, xg, y, k, out, b, h, r0, group, rb, bits4, offsets, half)
-#define ROWS(bits4, offsets, half)                                             \
+#define ROWS(bits4)                                                            \
   for (long b = first; b < last; b++)                                          \
     for (int h = 0; h < 2 && b * TILE + h * HALF < out; h++)                   \
       for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                          \
         switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {               \
-          case 1: HALF_BLOCK(1, bits4, offsets, half); break;                  \
-          case 2: HALF_BLOCK(2, bits4, offsets, half); break;                  \
-          case 3: HALF_BLOCK(3, bits4, offsets, half); break;                  \
-          case 4: HALF_BLOCK(4, bits4, offsets, half); break;                  \
-          case 5: HALF_BLOCK(5, bits4, offsets, half); break;                  \
-          case 6: HALF_BLOCK(6, bits4, offsets, half); break;                  \
-          case 7: HALF_BLOCK(7, bits4, offsets, half); break;                  \
-          default: HALF_BLOCK(ROW_BLOCK, bits4, offsets, half);                \
+          case 1: HALF_BLOCK(1, bits4); break;                                 \
+          case 2: HALF_BLOCK(2, bits4); break;                                 \
+          case 3: HALF_BLOCK(3, bits4); break;                                 \
+          case 4: HALF_BLOCK(4, bits4); break;                                 \
+          case 5: HALF_BLOCK(5, bits4); break;                                 \
+          case 6: HALF_BLOCK(6, bits4); break;                                 \
+          case 7: HALF_BLOCK(7, bits4); break;                                 \
+          default: HALF_BLOCK(ROW_BLOCK, bits4);                               \
         }                                                                      \
       }
-#define ALL_ROWS(bits4, offsets) \
-  if (half) {                    \
-    ROWS(bits4, offsets, 1)      \
-  } else {                       \
-    ROWS(bits4, offsets, 0)      \
-  }
 
 /* kenspec_gemv_grouped's product (same arguments, tiles and results: 0, -1 for arguments it
  * does not take, -2 where memory ran out), in this file's one order; scales and mins float16
@@ -186,16 +182,11 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
   {
     long first, last;
     thread_share(blocks, 1, &first, &last);
+    const int offsets = mins != NULL;
     if (bits == 4) {
-      if (mins != NULL) {
-        ALL_ROWS(1, 1)
-      } else {
-        ALL_ROWS(1, 0)
-      }
-    } else if (mins != NULL) {
-      ALL_ROWS(0, 1)
+      ROWS(1)
     } else {
-      ALL_ROWS(0, 0)
+      ROWS(0)
     }
   }
   free(xf);
