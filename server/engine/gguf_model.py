@@ -33,7 +33,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 import transformers
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, dequantize
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -120,9 +120,9 @@ def inspect(path: Path) -> GgufFile:
     return info
 
 
-# GGUF metadata value types' sizes in bytes (gguf.GGUFValueType: 8 is a string, 9 an array)
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
+# GGUF metadata scalars' sizes in bytes, by value type, as the gguf package reads them
+_SCALAR_BYTES = {int(t): np.dtype(s).itemsize for t, s in GGUFReader.gguf_scalar_to_np.items()}
+_STRING, _ARRAY = int(GGUFValueType.STRING), int(GGUFValueType.ARRAY)
 
 
 def read_architecture(path: Path) -> str | None:
