@@ -83,7 +83,7 @@ def apply_file_weights(
     field_value = reader.get_field("general.architecture")
     architecture = str(field_value.contents()) if field_value is not None else ""
     names, processor = _names(model, architecture)
-    half = kernels is not None and kernels.grouped and not kernels.bf16
+    half = kernels is not None and kernels.grouped_half
     module_names = {module: name for name, module in model.named_modules()}
     found = FileWeights()
     for parent, name, linear in list(decoder_linears(model)):

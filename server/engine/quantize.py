@@ -282,7 +282,7 @@ class GroupedWeight:
         else:
             values = tiles.reshape(blocks, groups, pairs, 2 * TILE).to(torch.int8).contiguous()
 
-        factors = [t.float() for t in (scales, mins) if t is not None]
+        factors = (t.float() for t in (scales, mins) if t is not None)  # (read only if half)
         narrow = half and all(torch.equal(t.half().float(), t) for t in factors)
         dtype = torch.float16 if narrow else torch.float32
 
@@ -340,9 +340,9 @@ class GroupedWeight:
 def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
     """Weights side by side (rows of the first, then the next...). Parts alike (bits, group,
     scales' width) whose rows fill whole tiles: their tiles side by side (offsets zero where a
-    part has none);
-    else laid out anew from their rows (4-bit ones widened to int8, groups of 32 as two of 16
-    where another part has 16: exact either way)."""
+    part has none); else laid out anew from their rows (4-bit ones widened to int8, groups of
+    32 as two of 16 where another part has 16: exact either way; float16 scales only where
+    every part had them)."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]

@@ -168,6 +168,12 @@ class CpuKernels:
         bf16 GEMV does."""
         return self.gemv_bf16
 
+    @property
+    def grouped_half(self) -> bool:
+        """The grouped GEMV here reads float16 scales and offsets (AVX2's; AVX512-BF16's
+        reads float32 only)."""
+        return self.grouped and not self.bf16
+
     def _layer(self, name: str, *arguments: object) -> object:
         """A layer kernel by layer.c's name: AVX512-BF16's where it runs, else AVX2's."""
         return self._call(name if self.bf16 else f"{name}_avx2", *arguments)
@@ -283,7 +289,7 @@ class CpuKernels:
             None if weight.mins is None else weight.mins.data_ptr(), weight.group,
             out.data_ptr(), rows, k, weight.shape[0],
         ]  # fmt: skip
-        if self.bf16 and weight.half:
+        if weight.half and not self.grouped_half:
             raise ValueError(f"{name} takes float32 scales, not float16")
         failed = self._call(name, *arguments, *([] if self.bf16 else [int(weight.half)]))
         if failed == -2:
