@@ -68,6 +68,19 @@ def avx2_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, object
     load_kernels.cache_clear()
 
 
+def record_calls(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the library's functions called from now on (filled as they are)."""
+    called: set[str] = set()
+    call = CpuKernels._call
+
+    def recorded(self: CpuKernels, name: str, *arguments: object) -> object:
+        called.add(name)
+        return call(self, name, *arguments)
+
+    monkeypatch.setattr(CpuKernels, "_call", recorded)
+    return called
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """bfloat16 steps between a and b, element by element (on one line through zero)."""
 
@@ -232,14 +245,7 @@ def test_bf16_speculation_on_the_avx2_gemv_is_plain_decoding(
     """Through the AVX2 kernels (layer_avx2.c's whole pass, the output layer's rows by the
     AVX2 GEMV): a pass of 7 tokens gives the logits of 7 one-token passes bit for bit, and
     greedy speculation, whatever the draft proposes, is plain decoding token for token."""
-    called: set[str] = set()
-    call = CpuKernels._call
-
-    def recorded(self: CpuKernels, name: str, *arguments: object) -> object:
-        called.add(name)
-        return call(self, name, *arguments)
-
-    monkeypatch.setattr(CpuKernels, "_call", recorded)
+    called = record_calls(monkeypatch)
     target = _avx2_target(llama_dir)
     one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
     assert called == {"kenspec_decoder_pass_avx2", "kenspec_gemv_bf16_avx2"}
@@ -261,13 +267,6 @@ def test_a_gguf_files_own_groups_on_avx2_are_served_and_speculation_is_plain_dec
     (the file's Q8_0 output layer), the GEMV at every width by rule, its scales and offsets in
     float16 (each the file's own float16 number): a pass of 7 tokens gives 7 one-token passes'
     logits bit for bit, and greedy speculation is plain decoding."""
-    called: set[str] = set()
-    call = CpuKernels._call
-
-    def recorded(self: CpuKernels, name: str, *arguments: object) -> object:
-        called.add(name)
-        return call(self, name, *arguments)
-
     tokenizer = tiny.build_byte_tokenizer()
     model = tiny_llama(tokenizer, hidden=256, intermediate=512)  # (heads 64 wide)
     path = write_quantized_llama_gguf(
@@ -285,7 +284,7 @@ def test_a_gguf_files_own_groups_on_avx2_are_served_and_speculation_is_plain_dec
     plan: ExecutionPlan = target.plan
     assert plan.forward is ForwardKind.LEAN and plan.fused_layer
     assert plan.decoder == RowPlan.every(Kernel.GEMV) and plan.row_invariant_below == sys.maxsize
-    monkeypatch.setattr(CpuKernels, "_call", recorded)
+    called = record_calls(monkeypatch)
     one_pass, one_by_one = wide_pass_rows(target, "The quick brown fox jumps over the lazy dog")
     assert called == {"kenspec_decoder_pass_avx2", "kenspec_gemv_grouped_avx2"}
     assert torch.equal(one_pass, one_by_one)
