@@ -66,14 +66,15 @@ static inline __attribute__((always_inline)) __m256 factors(const void *p, long 
   return _mm256_loadu_ps((const float *)p + at);
 }
 
-/* Groups g0 .. g0 + gb of rows r0 .. r0 + rb of a half tile, added into sums[j] in group order
- * (compile-time rb, gb, bits4; offsets and half are read once a group, where a branch costs
- * nothing, and compiling them in too made this file 13 s of the library's build). Each group's sum is one chain of FMAs, pair after
- * pair, whatever rb and gb: gb groups are summed side by side only so that a pass of few rows
- * has gb * rb chains in flight (one chain waits out each FMA's latency). */
-static inline __attribute__((always_inline)) void groups(
+/* Groups g0 .. g0 + gb (of count) of rows r0 .. r0 + rb of a half tile, added into sums[j] in
+ * group order (compile-time rb, gb, bits4; offsets and half are read once a group, where a
+ * branch costs nothing, and compiling them in too made this file 13 s of the library's build).
+ * Each group's sum is one chain of FMAs, pair after pair, whatever rb and gb: gb groups are
+ * summed side by side only so that a pass of few rows has gb * rb chains in flight (one chain
+ * waits out each FMA's latency). */
+static inline __attribute__((always_inline)) void sum_groups(
     const float *xf, const uint8_t *tile, const void *scales, const void *mins, const float *xg,
-    __m256 *sums, long k, long g0, long groups, int h, long r0, long group, const int rb,
+    __m256 *sums, long k, long g0, long count, int h, long r0, long group, const int rb,
     const int gb, const int bits4, int offsets, int half) {
   const long pairs = group / 2, pair_bytes = bits4 ? TILE : 2 * TILE;
   __m256 part[ROW_BLOCK]; /* rb * gb <= 8 */
@@ -99,7 +100,7 @@ static inline __attribute__((always_inline)) void groups(
     if (offsets) {
       const __m256 m = factors(mins, at * TILE + h * HALF, half);
       for (int j = 0; j < rb; j++)
-        sums[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xg + (r0 + j) * groups + at), sums[j]);
+        sums[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xg + (r0 + j) * count + at), sums[j]);
     }
   }
 }
@@ -123,9 +124,9 @@ static inline __attribute__((always_inline)) void half_block(
   for (int j = 0; j < rb; j++) sums[j] = _mm256_setzero_ps();
   long g0 = 0;
   for (; g0 + gb <= count; g0 += gb)
-    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, gb, bits4, offsets, half);
+    sum_groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, gb, bits4, offsets, half);
   for (; g0 < count; g0++)
-    groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, 1, bits4, offsets, half);
+    sum_groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, 1, bits4, offsets, half);
   const long first = b * TILE + h * HALF;
   const long n = out - first < HALF ? out - first : HALF;
   for (int j = 0; j < rb; j++) store(y + (r0 + j) * out + first, sums[j], n);
