@@ -708,9 +708,10 @@ _HELP = {
     "calibration_cache": "folder that keeps start-up pass costs per model, dtype, device and "
     "CPU (the live ones at shutdown), so a restart does not measure again; 'none': always "
     "measure",
-    "breaker_window": "speculative rounds in a request's acceptance window",
-    "breaker_threshold": "acceptance below which a request falls back to plain decoding "
-    "(negative: calibrate the break-even rate from measured verify costs at start-up)",
+    "breaker_window": "speculative rounds in a request's breaker window",
+    "breaker_threshold": "negative (default): a request falls back to plain decoding once its "
+    "drafting rounds took longer, as measured, than plain decoding would have for the tokens "
+    "they gave; >= 0: once the acceptance they imply falls below this",
     "breaker_reset_timeout_s": "seconds before an open request breaker tries speculation again",
     "draft_fault_max": "consecutive draft faults that switch the draft off for every request",
     "draft_fault_reset_timeout_s": "seconds before a faulty draft is tried again",

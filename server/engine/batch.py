@@ -252,7 +252,9 @@ class Batch:
         for phase, seconds in times.phases().items():
             self.stats.add(phase, seconds)
         self._events.observe_round_work(times.overhead, times.drafted)
-        self._choice.observe_round(times.rows, times.drafted_rows, times.overhead)
+        self._choice.observe_round(
+            times.rows, times.drafted_rows, times.overhead, times.drafted_tokens
+        )
 
     def _count_pass(self, verify: VerifyPass) -> None:
         stats, width = self.stats, max(len(row.tokens) for row in verify.rows)

@@ -4,11 +4,15 @@ Two scopes, both built on pybreaker and driven from the engine's thread (pybreak
 call_async is Tornado-only):
 
 - AcceptanceBreaker, one per request: a sliding window over the request's last N speculative
-  rounds. When the acceptance they imply (the alpha at which the tokens the rounds were
-  expected to emit, each at its own draft length, equal those they did emit; see
-  implied_window_acceptance) falls below the threshold the breaker opens and the request
-  decodes autoregressively; after the reset timeout one trial speculative round runs
-  (half-open) and closes it again if that round's acceptance clears the threshold. Per
+  rounds. Paced (where pass costs are live, engine.live_costs), it judges the rounds by their
+  measured time: it opens when the window's rounds took longer than plain decoding would have
+  taken for the tokens they emitted (`charge`: each drafting round's seconds past a plain
+  round's, against the tokens it emitted past one, at a plain round's seconds a token).
+  Otherwise (a threshold the operator fixed), by acceptance: it opens when the acceptance the
+  rounds imply (the alpha at which the tokens they were expected to emit, each at its own draft
+  length, equal those they did emit; see implied_window_acceptance) falls below the
+  threshold. Open, the request decodes autoregressively; after the reset timeout one trial
+  speculative round runs (half-open) and closes it again if that round alone passes. Per
   request, because one prompt in a language the n-gram never saw must not switch speculation
   off for everyone else.
 - DraftFaultBreaker, one per process: the draft raising, or taking longer than its latency
@@ -24,12 +28,13 @@ clock says the timeout has passed. Only the hang timeout is real time: it abando
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pybreaker
 import structlog
@@ -166,7 +171,8 @@ class _ClockedBreaker(pybreaker.CircuitBreakerListener):
 
 
 class AcceptanceBreaker:
-    """Per-request breaker on the acceptance rate of the last `window_rounds` speculative rounds."""
+    """Per-request breaker on the last `window_rounds` speculative rounds: by their measured
+    time when `paced_rounds` (that many rounds judged), else by their acceptance."""
 
     def __init__(
         self,
@@ -177,10 +183,16 @@ class AcceptanceBreaker:
         request_id: str = "",
         on_transition: TransitionHook | None = None,
         clock: Clock = time.monotonic,
+        paced_rounds: int = 0,
     ) -> None:
         # A callable follows the live pass costs (engine.live_costs): read at every judgement.
         self._threshold = threshold if callable(threshold) else lambda: threshold
         self._window: deque[tuple[int, int]] = deque(maxlen=window_rounds)
+        # Paced: (seconds past a plain round, seconds the tokens past one would take plainly)
+        self._paced: deque[tuple[float, float]] | None = (
+            deque(maxlen=paced_rounds) if paced_rounds > 0 else None
+        )
+
         self._request_id = request_id
         self._clocked = _ClockedBreaker(
             fail_max=1,
@@ -189,6 +201,7 @@ class AcceptanceBreaker:
             listeners=[
                 _TransitionLog(self._describe, "request", on_transition),
                 _ClearOnClose(self._window),
+                *([_ClearOnClose(self._paced)] if self._paced is not None else []),
             ],
             clock=clock,
         )
@@ -220,18 +233,52 @@ class AcceptanceBreaker:
         """The acceptance implied by the window's tokens per round (what is judged)."""
         return implied_window_acceptance(self._window)
 
+    @property
+    def paced(self) -> bool:
+        """Whether rounds are judged by their measured time (`charge`), not their acceptance."""
+        return self._paced is not None
+
     def record(self, drafted: int, accepted: int) -> None:
-        """Judge a speculative round; a trial round is judged alone, others by the full window."""
+        """A speculative round's acceptance; judged (unless paced) a trial round alone, others
+        by the full window."""
         if drafted == 0:
             return
         trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
         self._window.append((drafted, accepted))
+        if self._paced is not None:
+            return
         too_low = False
         if trial or len(self._window) == self._window.maxlen:
             rate = implied_window_acceptance([(drafted, accepted)] if trial else self._window)
             too_low = rate < self.threshold
+        self._judge(too_low)
+
+    def charge(self, extra_seconds: float, saved_seconds: float) -> None:
+        """Judge a paced speculative round by its time: `extra_seconds` it took past a plain
+        round, against `saved_seconds`, what plain decoding would have taken for the tokens it
+        emitted past one. Too slow when the full window's extra exceeds what it saved (a trial
+        round: judged alone)."""
+        if self._paced is None or self._breaker.current_state == pybreaker.STATE_OPEN:
+            return
+        trial = self._breaker.current_state == pybreaker.STATE_HALF_OPEN
+        self._paced.append((extra_seconds, saved_seconds))
+        if not trial and len(self._paced) < (self._paced.maxlen or 0):
+            return
+        judged = [self._paced[-1]] if trial else self._paced
+        self._judge(sum(extra for extra, _ in judged) > sum(saved for _, saved in judged))
+
+    @property
+    def window_pace(self) -> float | None:
+        """The paced window's seconds saved per second spent past plain rounds (> 1: paying)."""
+        if not self._paced:
+            return None
+        extra = sum(extra for extra, _ in self._paced)
+        saved = sum(saved for _, saved in self._paced)
+        return saved / extra if extra > 0 else math.inf
+
+    def _judge(self, failed: bool) -> None:
         with contextlib.suppress(AcceptanceTooLow, pybreaker.CircuitBreakerError):
-            self._breaker.call(_judge, too_low)
+            self._breaker.call(_judge, failed)
 
     def _describe(self) -> dict[str, object]:
         return {
@@ -239,13 +286,14 @@ class AcceptanceBreaker:
             "window_acceptance": round(self.window_acceptance, 3),
             "window_effective_acceptance": round(self.window_effective_acceptance, 3),
             "threshold": round(self.threshold, 3),
+            **({"window_pace": round(pace, 3)} if (pace := self.window_pace) is not None else {}),
         }
 
 
 class _ClearOnClose(pybreaker.CircuitBreakerListener):
     """A breaker that closes after a good trial starts a fresh window: old rounds are stale."""
 
-    def __init__(self, window: deque[tuple[int, int]]) -> None:
+    def __init__(self, window: deque[Any]) -> None:
         self._window = window
 
     def state_change(self, cb: pybreaker.CircuitBreaker, old_state, new_state) -> None:  # type: ignore[no-untyped-def]

@@ -169,6 +169,8 @@ def choose_drafts(
     base_tokens: int | None = None,
     *,
     tokens: int | None = None,
+    row_work: float = 0.0,
+    token_work: float = 0.0,
 ) -> list[int]:
     """How many of its proposed drafts each row verifies, to maximise the pass's expected
     tokens per second.
@@ -185,7 +187,11 @@ def choose_drafts(
     Example (cost 1.0 for 1 token, 2.0 for 7): one row, k=6, a=0.8 -> 6 drafts (3.6 tokens
     per 2.0 s beats 1 per 1.0 s); eight rows where only one speculates well -> that row's
     drafts, the others' none. tokens: the pass's size asked for (live costs measuring a
-    stale shape): the best drafts up to that many tokens, whatever they are worth.
+    stale shape): the best drafts up to that many tokens, whatever they are worth. row_work:
+    the seconds a row's round takes past a plain row's once it verifies any draft (walking
+    and learning its tree), charged with its first draft; token_work: the seconds of a round's
+    own work each token it emits costs (a row of logits read, the token delivered), charged
+    for the tokens the drafts are expected to add.
     """
     rows = len(gains)
     if (costs is None and tokens is None) or not any(gains):
@@ -205,9 +211,12 @@ def choose_drafts(
     else:
         assert costs is not None
         best, best_rate, expected = 0, rows / costs.cost(rows, base), float(rows)
-        for taken, (gain, _, _) in enumerate(ranked, start=1):
+        drafting: set[int] = set()
+        for taken, (gain, _, row) in enumerate(ranked, start=1):
             expected += gain
-            rate = expected / costs.cost(rows, base + taken)
+            drafting.add(row)
+            work = row_work * len(drafting) + token_work * (expected - rows)
+            rate = expected / (costs.cost(rows, base + taken) + work)
             if rate > best_rate:
                 best, best_rate = taken, rate
     counts = [0] * rows

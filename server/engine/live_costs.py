@@ -28,7 +28,10 @@ Here every verify pass updates the bucket it falls in:
 - The round's own work: every round's time outside its forward call (drafting, choosing, the
   walk with the rows of logits it reads, learning, delivery; round.RoundTimes) is averaged per
   row, apart for rows that verified drafts and rows that did not (`observe_round`: a batch's
-  plain rows are charged the plain average, its drafting rows the rest). A pass is priced with
+  plain rows are charged the plain average, its drafting rows the rest, less a plain row's work
+  for each token past one they emitted: reading a row of logits is a token's work, not
+  drafting's; averaged raw, long accepted runs priced drafting at 12 ms a round on a 13 ms
+  step). A pass is priced with
   the plain rows' work added (what every round pays besides its pass), and the breaker's
   threshold with each kind's own (drafting rows' once one was seen, the plain rows' before):
   speculation must pay for its drafting too, as measured, not only for its wider pass.
@@ -136,10 +139,14 @@ class LiveCosts:
         if bucket[0] == 1:
             self._threshold = None  # one row's costs set the breaker's threshold
 
-    def observe_round(self, rows: int, drafted_rows: int, seconds: float) -> None:
+    def observe_round(
+        self, rows: int, drafted_rows: int, seconds: float, drafted_tokens: int | None = None
+    ) -> None:
         """A round of `rows` rows, `drafted_rows` of which verified drafts, spent `seconds`
         outside its pass: its plain rows are charged the plain rows' average, its drafting
-        rows share the rest."""
+        rows share the rest. `drafted_tokens`, the tokens the drafting rows emitted: a token
+        past one a row costs the walk what a plain row's round does (its row of logits read,
+        delivered), so that much is taken off, leaving what drafting itself costs a row."""
         if not 0 <= drafted_rows <= rows or rows <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         drafted = drafted_rows > 0
@@ -149,11 +156,42 @@ class LiveCosts:
             if drafted
             else seconds / rows
         )
+        if drafted and drafted_tokens is not None:
+            per_row = max(plain, per_row - max(0.0, drafted_tokens / drafted_rows - 1) * plain)
         seen = self._rounds_seen[drafted]
         weight = max(ROUND_DECAY, 1.0 / (seen + 1))  # the first rounds' plain mean, then decayed
         self._round_work[drafted] += weight * (per_row - self._round_work[drafted])
         self._rounds_seen[drafted] = seen + 1
         self._threshold = None
+
+    @property
+    def drafting_work(self) -> float:
+        """Seconds a drafting row's round takes past a plain row's (0 before both were seen)."""
+        if not (self._rounds_seen[True] and self._rounds_seen[False]):
+            return 0.0
+        return max(0.0, self._round_work[True] - self._round_work[False])
+
+    @property
+    def token_work(self) -> float:
+        """Seconds of a round's own work a token costs: a plain row's (its row of logits read,
+        the token delivered)."""
+        return self._round_work[False]
+
+    @property
+    def paces(self) -> bool:
+        """Whether requests' breakers judge their rounds by time (`pace`): unless the operator
+        fixed an acceptance threshold."""
+        return self._fixed_threshold is None
+
+    def pace(self, rows: int, drafted_rows: int, seconds: float) -> tuple[float, float] | None:
+        """A round of `rows` rows, `drafted_rows` of which verified drafts, that took `seconds`
+        in all (its pass and its own work): the seconds each drafting row added past a plain
+        round of as many rows, and what a token costs in such a plain round (its seconds a
+        row). None when it cannot be judged: no drafting row, or not a finite time."""
+        if not 0 < drafted_rows <= rows or not math.isfinite(seconds):
+            return None
+        plain = self.cost(rows, rows)
+        return (seconds - plain) / drafted_rows, plain / rows
 
     @property
     def round_work(self) -> dict[str, float]:

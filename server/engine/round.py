@@ -23,7 +23,7 @@ from typing import Protocol
 
 import structlog
 
-from kenspec.server.engine.draft_choice import DraftChoice
+from kenspec.server.engine.draft_choice import DraftChoice, GainCalibration
 from kenspec.server.engine.generation import Round
 from kenspec.server.engine.intake import Entry
 from kenspec.server.engine.params import InvalidParameter
@@ -69,6 +69,7 @@ class RoundTimes:
     forward: float
     walk: float
     deliver: float
+    drafted_tokens: int = 0  # the tokens the drafting rows emitted
 
     @property
     def drafted(self) -> bool:
@@ -110,7 +111,7 @@ def run_round(
         for entry, proposal in zip(entries, proposals, strict=True)
     ]
     # 2. Choose what to verify by measured cost: the drafts worth their share of the pass.
-    chosen = choice.choose(offered, [proposal.gains for proposal in proposals])
+    chosen = choice.choose(offered, proposals)
     # 3. Cut: each row keeps the drafts chosen, its proposal and its pass row alike.
     kept = [p.cut(count) for p, count in zip(proposals, chosen.counts, strict=True)]
     kept_rows = [row.prefix(count) for row, count in zip(offered, chosen.counts, strict=True)]
@@ -127,13 +128,14 @@ def run_round(
     # 6-7. Walk each tree, record and commit what it accepted; deliver; finished rows leave.
     finished: Finished = []
     walk = deliver = 0.0
+    paced: list[tuple[Entry, int]] = []  # rows that verified drafts, with the tokens emitted
     rounds = zip(entries, kept, kept_rows, results, strict=True)
     for index, (entry, proposal, row, logits) in enumerate(rounds):
         if isinstance(logits, Exception):
             finished.append((entry, logits))
             continue
         try:
-            round_ = _walk_and_commit(rows, index, entry, proposal, row, logits)
+            round_ = _walk_and_commit(rows, index, entry, proposal, row, logits, choice.calibration)
         except InvalidParameter as error:  # the request's own grammar led nowhere: its 400
             log.info("request_refused_mid_answer", field=error.field, reason=error.message)
             finished.append((entry, error))
@@ -143,6 +145,8 @@ def run_round(
             finished.append((entry, error))
             continue
         walk += clock.lap()
+        if row.drafts:
+            paced.append((entry, len(round_.token_ids)))
         entry.deliver(round_)
         if round_.finish_reason is not None:
             finished.append((entry, None))
@@ -150,7 +154,18 @@ def run_round(
     rows.finish(finished)
     deliver += clock.lap()
     drafted = sum(1 for row in kept_rows if row.drafts)
-    return RoundTimes(len(entries), drafted, propose, choose, forward, walk, deliver)
+    emitted = sum(tokens for _, tokens in paced)
+    times = RoundTimes(len(entries), drafted, propose, choose, forward, walk, deliver, emitted)
+    # 8. Speculation's pace: each drafting row's breaker weighs the time its drafts added
+    # against the tokens they gave. Not a pass with prompt tokens, nor one laid out to measure
+    # a stale width: neither is the drafts' doing.
+    if paced and not verify.prefills and chosen.explore is None:
+        price = choice.pace(times.rows, drafted, forward + times.overhead)
+        if price is not None:
+            extra, per_token = price
+            for entry, tokens in paced:
+                entry.generation.speculator.charge(extra, (tokens - 1) * per_token)
+    return times
 
 
 class _Clock:
@@ -182,9 +197,16 @@ def _propose(rows: BatchRows) -> dict[int, Proposal]:
 
 
 def _walk_and_commit(
-    rows: BatchRows, index: int, entry: Entry, proposal: Proposal, row: PassRow, logits: Logits
+    rows: BatchRows,
+    index: int,
+    entry: Entry,
+    proposal: Proposal,
+    row: PassRow,
+    logits: Logits,
+    calibration: GainCalibration,
 ) -> Round:
-    """Walk `row`'s drafts (`proposal`, as the batch cut it) on `logits`, learn and emit."""
+    """Walk `row`'s drafts (`proposal`, as the batch cut it) on `logits`, learn (the request's
+    speculator, the choice's `calibration` of gains) and emit."""
     generation = entry.generation
     # Walk the tree (the accept rule above): what the target emits, and the accepted nodes.
     choice = generation.token_choice(logits)
@@ -193,6 +215,7 @@ def _walk_and_commit(
         generation.recycled.record([row.pending, *row.drafts], logits.computed(row.scored))
     # Breakers and adaptive k learn what was accepted, per draft source.
     generation.speculator.record(proposal, len(emitted) - 1, path)
+    calibration.learn(proposal, path)
     # The stream: its prompt tail is cached now, its output grows, stops are checked.
     round_ = generation.accept(proposal, row, emitted, path, choice.logprobs)
     # A learned draft head drafts the next round from the hidden state of the row that chose

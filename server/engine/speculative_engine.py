@@ -126,6 +126,12 @@ class SpeculativeEngine:
         live = self.batch.costs
         return live.threshold() if isinstance(live, LiveCosts) else self.breaker_settings.threshold
 
+    def _paced(self) -> bool:
+        """Whether requests' breakers judge rounds by their measured time (live costs, no
+        fixed threshold) rather than by acceptance."""
+        live = self.batch.costs
+        return isinstance(live, LiveCosts) and live.paces
+
     @property
     def draft_breaker_state(self) -> BreakerState:
         """The process-wide draft-fault breaker's state."""
@@ -179,6 +185,9 @@ class SpeculativeEngine:
             request_id=request_id,
             on_transition=self._events.observe_transition,
             clock=self._clock,
+            # Where pass costs are live, rounds are judged by time: a round's time is the
+            # whole evidence, a tree's included, so the window is not widened for trees.
+            paced_rounds=settings.window_rounds if self._paced() else 0,
         )
         speculator = Speculator(
             session,

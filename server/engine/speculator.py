@@ -40,6 +40,11 @@ from kenspec.server.engine.token_tree import build_tree
 log = structlog.get_logger("kenspec.speculator")
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
+# A request whose drafts the batch cut REST_AFTER rounds in a row drafts only every REST_EVERY-th
+# round until drafts are kept again: drafting costs about a tenth of a step (KenLM, the suffix
+# index, the tree), spent for nothing while the choice finds no draft worth its pass.
+REST_AFTER = 2
+REST_EVERY = 4
 PROBE_AFTER_MAX = 256
 PRIOR_TRIES = 2.0  # weight of the shared prior in a request's estimate, in draft tokens tried
 _OWN_DECAY = 0.8  # a request's own counts: the last few rounds of a source dominate
@@ -184,6 +189,8 @@ class Speculator:
         self._request_id = request_id
         self.k = params.k
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
+        self._rest = 0  # rounds since a starved request last drafted
+        self._resting = False  # this round's learned drafts were skipped (REST_EVERY)
         self._probe_every = PROBE_AFTER
         self._probing = False
         self._shared = shared if shared is not None else AcceptanceStats()
@@ -251,6 +258,11 @@ class Speculator:
             return NO_DRAFTS, UNNAMED
         if self._acceptance is not None and not self._acceptance.allows_speculation():
             return NO_DRAFTS, UNNAMED
+        if self._starved >= REST_AFTER and not self._probe_due:
+            self._rest += 1
+            if self._rest % REST_EVERY:
+                self._resting = True
+                return NO_DRAFTS, UNNAMED
         self._give_ahead(self._session, forced)
         draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
@@ -311,7 +323,11 @@ class Speculator:
         drafted, forced = len(proposal.tree), proposal.forced
         if drafted and proposal.probe:
             self._probing = True
-        self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
+        resting, self._resting = self._resting, False
+        if not resting:  # a round that rested keeps the request starved
+            self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
+        if not self._starved:
+            self._rest = 0
         if forced:  # forced nodes are the grammar's: learn the nodes after them only
             if accepted < forced:
                 return  # the learned nodes were not reached
@@ -337,6 +353,13 @@ class Speculator:
         if self._params.adaptive:
             grown = self.k + 2 if full else self.k - 1
             self.k = max(1, min(self._params.k, grown))
+
+    def charge(self, extra_seconds: float, saved_seconds: float) -> None:
+        """A round that verified drafts took `extra_seconds` past a plain round and emitted
+        tokens that plain decoding would have taken `saved_seconds` more to: the request's
+        paced breaker judges speculation by it (breaker.AcceptanceBreaker.charge)."""
+        if self._acceptance is not None:
+            self._acceptance.charge(extra_seconds, saved_seconds)
 
     def _learn_tree(
         self, tree: DraftTree, accepted: int, path: Sequence[int]

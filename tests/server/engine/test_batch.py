@@ -8,9 +8,12 @@ from kenspec.api.outputs import Mode
 from kenspec.server.engine.batch import Batch
 from kenspec.server.engine.context_draft import ContextDraft
 from kenspec.server.engine.costs import PassCosts, chain_gains, choose_drafts
+from kenspec.server.engine.draft_choice import GainCalibration
+from kenspec.server.engine.draft_tree import DraftTree, Source
 from kenspec.server.engine.generation import Generation
 from kenspec.server.engine.intake import BatchSettings
 from kenspec.server.engine.params import SamplingParams
+from kenspec.server.engine.speculator import Proposal
 from tests.server.engine.drafts import Collector, OracleDraft, fail_passes_fed, generate, start
 
 MAX_NEW = 20
@@ -176,6 +179,56 @@ def test_choose_drafts(proposed, acceptance, costs, drafts) -> None:
 
 def gains(proposed: list[int], acceptance: list[float]) -> list[list[float]]:
     return [chain_gains(k, a) for k, a in zip(proposed, acceptance, strict=True)]
+
+
+def test_a_rows_drafting_work_is_charged_with_its_first_draft() -> None:
+    """A row that verifies drafts spends more of the round than a plain row (its tree walked,
+    learned, its extra rows of logits read): 0.6 of a step makes a 0.6-acceptance chain,
+    worth it on its pass alone, not worth drafting at all; rows that draft well still do."""
+    assert choose_drafts(gains([6], [0.6]), COSTS)[0] > 0
+    assert choose_drafts(gains([6], [0.6]), COSTS, row_work=0.6) == [0]
+    assert choose_drafts(gains([6, 6], [0.95, 0.95]), COSTS, row_work=0.2) == [6, 6]
+
+
+def test_the_work_of_the_tokens_drafts_add_is_charged_for_them() -> None:
+    """Each token a round emits costs its own work (a row of logits read, delivered): at half
+    a step a token, a draft that pays on its pass alone no longer does, and fewer of a good
+    chain's are worth it."""
+    assert choose_drafts(gains([6], [0.3]), COSTS) == [1]
+    assert choose_drafts(gains([6], [0.3]), COSTS, token_work=0.5) == [0]
+    full = choose_drafts(gains([6], [0.8]), COSTS)[0]
+    assert 0 < choose_drafts(gains([6], [0.8]), COSTS, token_work=0.5)[0] < full
+
+
+def test_gains_are_scaled_by_what_verification_accepted_of_them() -> None:
+    """The choice's calibration: learned gains times accepted per predicted (decayed) in their
+    bin of predicted probability, 1 before any draft was verified, kept non-increasing;
+    forced tokens and probes as they are; a round whose walk stopped among its forced tokens
+    says nothing of its learned ones."""
+    calibration = GainCalibration()
+    chain = Proposal.of(DraftTree.chain([5, 6], [0.8, 0.4], Source("kenlm")))
+    assert calibration.ratios == [1.0] * 5 and calibration.gains(chain) == [0.8, 0.4]
+    for _ in range(100):
+        for accepted in (0, 0, 1, 1, 2):  # node 0 accepted 3 in 5, node 1 once
+            calibration.learn(chain, list(range(accepted)))
+    assert calibration.ratio(0.8) == pytest.approx(0.75, abs=0.03)
+    assert calibration.ratio(0.4) == pytest.approx(0.5, abs=0.03)
+    assert calibration.gains(chain) == pytest.approx([0.6, 0.2], abs=0.03)
+    with_forced = Proposal.of(DraftTree.chain([7, 5, 6], [1.0, 0.8, 0.4], Source("kenlm")), 1)
+    assert calibration.gains(with_forced) == pytest.approx([1.0, 0.6, 0.2], abs=0.03)
+    probe = Proposal.of(chain.tree, probe=True)
+    assert calibration.gains(probe) == [1.0, 1.0]
+    before = calibration.ratios
+    calibration.learn(with_forced, [])  # the forced token was refused: learned ones unreached
+    assert calibration.ratios == before
+    for _ in range(400):
+        calibration.learn(probe, [0, 1])  # a probe's predictions (0.8, 0.4) are learned from
+    assert calibration.ratio(0.8) > 1.2 and calibration.ratio(0.4) > 2
+    for _ in range(400):  # guesses at 0.7 never right, at 0.5 always: no row's order turned
+        calibration.observe(0.7, False)
+        calibration.observe(0.5, True)
+    guesses = calibration.gains(Proposal.of(DraftTree.chain([5, 6], [0.7, 0.5], Source("k"))))
+    assert guesses[0] < 0.01 and guesses[1] <= guesses[0]
 
 
 def test_a_tree_keeps_its_best_nodes_and_a_wide_one_beats_a_poor_chain() -> None:

@@ -303,6 +303,53 @@ def test_window_is_judged_by_the_acceptance_its_tokens_per_round_imply(clock) ->
     assert breaker.reset_timeout_s == 60.0  # as configured, whatever pybreaker is given
 
 
+def test_a_paced_window_is_judged_by_the_time_its_rounds_saved(clock) -> None:
+    """Paced, a round is charged the seconds it took past a plain round against what its
+    tokens past one would have taken plainly; the full window opens the breaker when it spent
+    more than it saved, whatever its acceptance said."""
+    breaker = AcceptanceBreaker(
+        threshold=0.99, window_rounds=3, reset_timeout_s=60, clock=clock, paced_rounds=3
+    )
+    assert breaker.paced and breaker.window_pace is None
+    for _ in range(6):
+        breaker.record(6, 0)  # no acceptance at all: not what a paced breaker judges
+    assert breaker.state is BreakerState.CLOSED
+    breaker.charge(0.030, 0.0)  # a round that emitted one token, 30 ms past a plain one
+    breaker.charge(0.010, 0.0)
+    assert breaker.state is BreakerState.CLOSED  # judged once the window is full
+    breaker.charge(0.010, 0.050)  # 50 ms spent, 50 saved: not slower
+    assert breaker.state is BreakerState.CLOSED and breaker.window_pace == pytest.approx(1.0)
+    breaker.charge(0.020, 0.015)  # the first round leaves: 40 spent, 65 saved
+    assert breaker.state is BreakerState.CLOSED
+    breaker.charge(0.040, 0.0)  # 70 spent, 65 saved
+    assert breaker.state is BreakerState.OPEN and breaker.window_pace == pytest.approx(65 / 70)
+    breaker.charge(-1.0, 9.0)  # open: rounds are not charged (and none should come)
+    clock.advance(60)
+    assert breaker.allows_speculation() and breaker.state is BreakerState.HALF_OPEN
+    breaker.charge(0.030, 0.010)  # the trial round alone: slower, open again
+    assert breaker.state is BreakerState.OPEN
+    clock.advance(60)
+    assert breaker.allows_speculation()
+    breaker.charge(0.010, 0.030)  # a trial that saved more than it spent closes it
+    assert breaker.state is BreakerState.CLOSED
+    breaker.charge(0.015, 0.0)  # a fresh window: the trial and these, 25 spent, 30 saved
+    breaker.charge(0.0, 0.0)
+    assert breaker.state is BreakerState.CLOSED
+    breaker.charge(0.020, 0.0)  # the window's first round (the trial) leaves: 35 against 0
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_an_unpaced_breaker_ignores_time_and_judges_acceptance(clock) -> None:
+    breaker = AcceptanceBreaker(threshold=0.5, window_rounds=2, reset_timeout_s=60, clock=clock)
+    assert not breaker.paced
+    for _ in range(4):
+        breaker.charge(1.0, 0.0)
+    assert breaker.state is BreakerState.CLOSED and breaker.window_pace is None
+    breaker.record(4, 0)
+    breaker.record(4, 0)
+    assert breaker.state is BreakerState.OPEN
+
+
 def test_all_or_nothing_spans_are_not_judged_by_their_raw_rate(clock) -> None:
     """Context drafts are accepted as whole spans or not at all: half the rounds accepting all 6
     tokens is 4 tokens per round, far above break-even, though accepted/drafted is only 0.5."""
@@ -554,11 +601,16 @@ def test_starved_speculator_reprobes_and_backs_off_while_probes_fail() -> None:
     assert low < 0.1 and not proposal.probe
 
     def starve(rounds: int, estimate: float) -> None:
-        """`rounds` rounds whose drafts a batch dropped entirely, none a probe."""
-        for _ in range(rounds):
+        """`rounds` rounds whose drafts a batch dropped entirely, none a probe (and the rounds
+        a starved request rests between them, drafting nothing)."""
+        drafted = 0
+        while drafted < rounds:
             proposal = speculator.propose(6)
-            assert speculator.acceptance_estimate(proposal) == estimate
-            assert not proposal.probe and proposal.gains == [estimate**j for j in range(1, 7)]
+            assert not proposal.probe
+            if proposal.tree:
+                drafted += 1
+                assert speculator.acceptance_estimate(proposal) == estimate
+                assert proposal.gains == [estimate**j for j in range(1, 7)]
             speculator.record(proposal.cut(0), 0)
 
     starve(PROBE_AFTER, low)

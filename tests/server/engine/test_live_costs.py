@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kenspec.api.outputs import BreakerState
 from kenspec.server.engine import live_costs
 from kenspec.server.engine.calibration import Calibration
 from kenspec.server.engine.costs import lowest_break_even
@@ -141,13 +142,19 @@ def test_exploration_adds_at_most_its_budget_where_wide_passes_are_dear() -> Non
             assert added > 3 * live_costs.EXPLORE_BUDGET * total
 
 
-def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeypatch) -> None:
+@pytest.mark.parametrize("paced", [False, True])
+def test_costs_that_change_mid_run_change_the_batchs_choice(
+    tiny_target, monkeypatch, paced: bool
+) -> None:
     """An always-right draft, passes timed by a fake timer: while wide passes cost about one
-    step the batch verifies drafts; once they cost far more, it decodes one token a pass."""
+    step the batch verifies drafts; once they cost far more, it decodes one token a pass. Paced
+    (the default), the request's breaker sees the first slow round and opens; with a fixed
+    acceptance threshold (the breaker judges acceptance only: the oracle's is 1), the draft
+    choice itself learns the new prices and stops choosing drafts."""
     prompt = tiny_target.encode_prompt("The quick brown fox")
     expected = reference_greedy(tiny_target, prompt, 300)
     clock = {"now": 0.0, "per_token": 0.0}
-    live = LiveCosts(QUIET, k=6, explore=False)
+    live = LiveCosts(QUIET, k=6, explore=False, fixed_threshold=None if paced else 0.0)
     engine, generation = start(
         tiny_target,
         OracleDraft(expected),
@@ -165,9 +172,10 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeyp
         return forward(self, cache, verify)
 
     monkeypatch.setattr(TargetModel, "forward", timed_forward)
-    widths, tokens = [], []
+    widths, tokens, states = [], [], []
     for round_ in Solo(engine, generation):
         widths.append(round_.drafted)
+        states.append(round_.breaker_state)
         tokens += round_.token_ids
         if len(tokens) >= 24 and clock["per_token"] == 0:
             switched = len(widths)
@@ -176,7 +184,14 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(tiny_target, monkeyp
     before, after = widths[:switched], widths[switched:]
     assert min(before[1:]) >= 5  # drafts nearly free: the oracle's are verified
     assert after[-50:] == [0] * 50  # wide passes priced at today's cost: none
-    assert live.threshold() > 0.9
+    if paced:  # slow rounds opened the breaker within its window (its reset timeout is real
+        # seconds: no trial round follows)
+        assert sum(1 for width in after if width) <= 8
+        assert states[-1] is BreakerState.OPEN
+    else:  # the breaker never opened: the choice priced the wide passes
+        assert BreakerState.OPEN not in states
+        one_row = {t: s for (r, t), s in live.table.seconds.items() if r == 1 and t <= 7}
+        assert lowest_break_even(one_row) > 0.9
 
 
 def test_rounds_own_work_prices_passes_and_raises_the_threshold() -> None:
@@ -200,6 +215,22 @@ def test_rounds_own_work_prices_passes_and_raises_the_threshold() -> None:
     expected = lowest_break_even({t: s + (0.010 if t > 1 else 0.001) for t, s in one_row.items()})
     assert costs.threshold() == pytest.approx(expected) and expected > forward_only + 0.1
     assert costs.summary()["round_work_ms"] == {"plain": 1.0, "draft": 10.0}
+    assert costs.drafting_work == pytest.approx(0.009)
+
+
+def test_a_drafting_rows_work_is_counted_without_its_tokens_rows_of_logits() -> None:
+    """A drafting row that emitted 5 tokens read 4 rows of logits more than a plain row: at
+    a plain row's 1 ms each, that is the tokens' work, not drafting's (long accepted runs
+    would otherwise price every draft as dear as they are)."""
+    costs = LiveCosts(QUIET, k=6, explore=False)
+    for _ in range(60):
+        costs.observe_round(1, 0, 0.001)
+        costs.observe_round(1, 1, 0.010, drafted_tokens=5)  # 10 ms, 4 of them the 4 tokens'
+        costs.observe_round(2, 2, 0.008, drafted_tokens=2)  # 4 ms a row, 1 token each
+    assert costs.round_work == pytest.approx({"plain": 0.001, "draft": 0.005}, rel=0.05)
+    assert costs.drafting_work == pytest.approx(0.004, rel=0.1)
+    costs.observe_round(1, 1, 0.0, drafted_tokens=9)  # never below a plain row's work
+    assert costs.round_work["draft"] >= costs.round_work["plain"]
 
 
 class _FirstRight(StaticDouble):

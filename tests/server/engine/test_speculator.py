@@ -14,6 +14,8 @@ from kenspec.server.engine.speculator import (
     BUSHY_TREE_NODES,
     FORCED,
     PROBE_AFTER,
+    REST_AFTER,
+    REST_EVERY,
     AcceptanceStats,
     Proposal,
     Speculator,
@@ -189,14 +191,37 @@ def test_record_learns_from_the_proposal_it_is_handed_whatever_was_proposed_sinc
     assert shared.counts((B, False)) == (0.0, 1.0) and shared.counts((A, False)) == (3.0, 3.0)
 
 
+def test_a_starved_request_drafts_one_round_in_rest_every_until_a_draft_is_kept() -> None:
+    """Drafts the batch cuts REST_AFTER rounds in a row: the request then drafts only every
+    REST_EVERY-th round (its rests keep it starved); once a draft is kept, every round again."""
+    speculator = Speculator(Switching(), SpeculationParams(num_draft_tokens=4))
+    proposals = []
+    for _ in range(REST_AFTER + 2 * REST_EVERY):
+        proposals.append(proposal := speculator.propose(limit=10))
+        speculator.record(proposal.cut(0), 0)
+    drafted = [bool(proposal.tree) for proposal in proposals]
+    rests = [False] * (REST_EVERY - 1) + [True]
+    assert drafted == [True] * REST_AFTER + rests + rests
+    speculator.record(speculator.propose(limit=10), 0)  # a rest round
+    speculator.record(speculator.propose(limit=10), 0)
+    speculator.record(speculator.propose(limit=10), 0)
+    kept = speculator.propose(limit=10)
+    assert kept.tree
+    speculator.record(kept.cut(2), 1)  # kept by the batch: no longer starved
+    assert all(speculator.propose(limit=10).tree for _ in range(REST_EVERY))
+
+
 def test_proposing_leaves_nothing_a_round_must_call_in_order() -> None:
     """Proposals of the same state are equal whatever came between; a starved round counts
     when recorded, with the cut its proposal carries."""
     speculator = Speculator(Switching(), SpeculationParams(num_draft_tokens=4))
     first = speculator.propose(limit=10)
     assert speculator.propose(limit=10) == first and first.gains == speculator.propose(10).gains
-    for _ in range(PROBE_AFTER):
-        speculator.record(speculator.propose(limit=10).cut(0), 0)  # every draft cut
-    probe = speculator.propose(limit=10)
+    drafted = 0
+    while not (probe := speculator.propose(limit=10)).probe:
+        drafted += bool(probe.tree)
+        speculator.record(probe.cut(0), 0)  # every draft cut
+        assert drafted <= PROBE_AFTER
+    assert drafted == PROBE_AFTER  # starved rounds count the drafts cut, not the rests
     assert probe.probe and probe.gains == [1.0] * 4
     assert not first.probe and first.gains != probe.gains  # an earlier value is unchanged
