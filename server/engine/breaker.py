@@ -192,7 +192,6 @@ class AcceptanceBreaker:
         self._paced: deque[tuple[float, float]] | None = (
             deque(maxlen=paced_rounds) if paced_rounds > 0 else None
         )
-
         self._request_id = request_id
         self._clocked = _ClockedBreaker(
             fail_max=1,
