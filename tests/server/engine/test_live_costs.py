@@ -12,8 +12,17 @@ from kenspec.server.engine.costs import lowest_break_even
 from kenspec.server.engine.draft import Chain
 from kenspec.server.engine.generation import Generation
 from kenspec.server.engine.live_costs import LiveCosts
+from kenspec.server.engine.params import SamplingParams, SpeculationParams, StoppingParams
 from kenspec.server.engine.target import TargetModel
-from tests.server.engine.drafts import OracleDraft, Solo, StaticDouble, reference_greedy, start
+from tests.server.engine.drafts import (
+    Collector,
+    FixedDraft,
+    OracleDraft,
+    Solo,
+    StaticDouble,
+    reference_greedy,
+    start,
+)
 
 # One row's passes of 1..7 tokens and of 12 and 17; two rows' of 2..14.
 QUIET = {(1, t): 0.020 * (1 + 0.02 * (t - 1)) for t in (*range(1, 8), 12, 17)}
@@ -307,3 +316,45 @@ def test_start_up_costs_are_ratios_within_a_round_not_medians_across_rounds() ->
     seconds = robust_seconds(lucky, 1)
     assert seconds[1] / seconds[0] == pytest.approx(1.1)
     assert robust_seconds({1: [10.0, 20.0], 7: [11.0, 22.0]}, 1) == [15.0, 16.5]
+
+
+def test_paced_breakers_judge_each_row_of_a_batch_by_its_own_tokens(
+    tiny_target, monkeypatch
+) -> None:
+    """Two requests in one batch, passes timed by a fake timer (wide ones dear: 5 ms a token
+    past the first): a draft that is always right pays for its share of the wider passes and
+    keeps speculating; one never right spends the same share for nothing, and its breaker alone
+    opens. Both answers are plain greedy decoding."""
+    prompt = tiny_target.encode_prompt("The quick brown fox")
+    expected = reference_greedy(tiny_target, prompt, 60)
+    wrong = next(t for t in range(3, tiny_target.vocab_size) if t not in expected)
+    clock = {"now": 0.0}
+    live = LiveCosts(QUIET, k=4, explore=False)
+    engine, good = start(
+        tiny_target, OracleDraft(expected), prompt, max_new_tokens=60, k=4, costs=live,
+        timer=lambda: clock["now"],
+    )  # fmt: skip
+    bad = engine.start(
+        prompt,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=60),
+        speculation=SpeculationParams(num_draft_tokens=4, adaptive=False),
+    )
+    bad.speculator._session = FixedDraft([wrong] * 8)
+    forward = TargetModel.forward
+
+    def timed_forward(self, cache, verify):  # type: ignore[no-untyped-def]
+        clock["now"] += 0.020 + 0.005 * (max(verify.tokens, verify.width) - 1)
+        return forward(self, cache, verify)
+
+    monkeypatch.setattr(TargetModel, "forward", timed_forward)
+    good_rounds, bad_rounds = Collector(), Collector()
+    engine.batch.add(good, good_rounds)
+    engine.batch.add(bad, bad_rounds)
+    engine.batch.run_until_idle()
+    assert good_rounds.error is None and bad_rounds.error is None
+    assert good.output_ids == bad.output_ids == expected
+    assert all(r.breaker_state is not BreakerState.OPEN for r in good_rounds.rounds)
+    assert sum(r.accepted for r in good_rounds.rounds) > 30  # it kept speculating
+    assert bad_rounds.rounds[-1].breaker_state is BreakerState.OPEN
+    assert sum(1 for r in bad_rounds.rounds if r.drafted) <= 12  # a window, and a few
