@@ -78,6 +78,7 @@ def tiny_server(tiny_model_dir, tiny_draft_path) -> Iterator[Callable[..., Serve
     def start(*extra: str) -> ServerProcess:
         flags = ["--model", str(tiny_model_dir), "--draft", str(tiny_draft_path)]
         flags += ["--device", "cpu", "--dtype", "float32", "--breaker-threshold", "0"]
+        flags += ["--no-live-costs"]  # drafts priced by the start-up table: verified
         process = ServerProcess([*flags, "--threads", "1", *extra], timeout=120)
         started.append(process)
         return process

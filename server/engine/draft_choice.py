@@ -120,9 +120,13 @@ class DraftChoice:
         self.calibration = GainCalibration()
 
     def choose(self, rows: Sequence[PassRow], proposals: Sequence[Proposal]) -> Chosen:
-        """How many of its drafts each row keeps, by what each is expected to add (its gain,
-        as calibrated by what verification accepted)."""
-        gains = [self.calibration.gains(proposal) for proposal in proposals]
+        """How many of its drafts each row keeps, by what each is expected to add: its gain,
+        calibrated by what verification accepted where costs are live (with the start-up table
+        alone, as drafting estimated it)."""
+        if self.live is not None:
+            gains = [self.calibration.gains(proposal) for proposal in proposals]
+        else:
+            gains = [proposal.gains for proposal in proposals]
         block = self._target.tree_key_block
         if block:  # batch invariance: keys summed in order (attention.invariant_attention)
             gains = [

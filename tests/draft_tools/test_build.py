@@ -124,7 +124,7 @@ def test_the_server_serves_the_built_draft(built, tiny_target) -> None:
     _, out, stdout, _ = built
     command = next(line for line in stdout.splitlines() if "kenspec serve" in line)
     args = shlex.split(command)[2:]  # after `kenspec serve`
-    flags = ["--device", "cpu", "--dtype", "float32", "--breaker-threshold", "0"]
+    flags = ["--device", "cpu", "--dtype", "float32", "--breaker-threshold", "0", "--no-live-costs"]
     flags += ["--threads", "1", "--no-draft-context"]  # only the n-gram drafts
     server = ServerProcess([*args, *flags], timeout=120)
     try:

@@ -65,6 +65,7 @@ def base_settings(tiny_model_dir: Path, tiny_draft_path: Path) -> Settings:
         metrics_port=-1,
         port=-1,
         breaker_threshold=0.0,
+        live_costs=False,  # drafts priced by the start-up table alone: verified here
         min_draft_prob=0.0,
         max_new_tokens_limit=400,
         default_max_new_tokens=32,

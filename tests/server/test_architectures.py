@@ -95,6 +95,7 @@ def served(request, tokenizer, tmp_path_factory) -> Iterator[Served]:
         grpc_port=0,
         metrics_port=-1,
         breaker_threshold=0.0,
+        live_costs=False,  # drafts priced by the start-up table alone: verified here
         min_draft_prob=0.0,
         attention="grouped",
         calibration_cache="none",
