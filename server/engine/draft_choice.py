@@ -175,9 +175,7 @@ class DraftChoice:
     def pace(self, rows: int, drafted_rows: int, seconds: float) -> tuple[float, float] | None:
         """For requests' paced breakers (LiveCosts.pace): each drafting row's seconds past a
         plain round, and a plain token's seconds; None without live costs that pace."""
-        if self.live is None or not self.live.paces:
-            return None
-        return self.live.pace(rows, drafted_rows, seconds)
+        return None if self.live is None else self.live.pace(rows, drafted_rows, seconds)
 
     def timed(self, verify: VerifyPass) -> bool:
         """Whether the pass's time teaches live costs: a whole pass without prompt tokens."""

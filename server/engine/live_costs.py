@@ -187,8 +187,9 @@ class LiveCosts:
         """A round of `rows` rows, `drafted_rows` of which verified drafts, that took `seconds`
         in all (its pass and its own work): the seconds each drafting row added past a plain
         round of as many rows, and what a token costs in such a plain round (its seconds a
-        row). None when it cannot be judged: no drafting row, or not a finite time."""
-        if not 0 < drafted_rows <= rows or not math.isfinite(seconds):
+        row). None when rounds are not judged by time (`paces`) or this one cannot be: no
+        drafting row, or not a finite time."""
+        if not self.paces or not 0 < drafted_rows <= rows or not math.isfinite(seconds):
             return None
         plain = self.cost(rows, rows)
         return (seconds - plain) / drafted_rows, plain / rows

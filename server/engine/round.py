@@ -128,7 +128,7 @@ def run_round(
     # 6-7. Walk each tree, record and commit what it accepted; deliver; finished rows leave.
     finished: Finished = []
     walk = deliver = 0.0
-    paced: list[tuple[Entry, int]] = []  # rows that verified drafts, with the tokens emitted
+    drafting: list[tuple[Entry, int]] = []  # rows that verified drafts, with their tokens
     rounds = zip(entries, kept, kept_rows, results, strict=True)
     for index, (entry, proposal, row, logits) in enumerate(rounds):
         if isinstance(logits, Exception):
@@ -146,7 +146,7 @@ def run_round(
             continue
         walk += clock.lap()
         if row.drafts:
-            paced.append((entry, len(round_.token_ids)))
+            drafting.append((entry, len(round_.token_ids)))
         entry.deliver(round_)
         if round_.finish_reason is not None:
             finished.append((entry, None))
@@ -154,16 +154,16 @@ def run_round(
     rows.finish(finished)
     deliver += clock.lap()
     drafted = sum(1 for row in kept_rows if row.drafts)
-    emitted = sum(tokens for _, tokens in paced)
+    emitted = sum(tokens for _, tokens in drafting)
     times = RoundTimes(len(entries), drafted, propose, choose, forward, walk, deliver, emitted)
     # 8. Speculation's pace: each drafting row's breaker weighs the time its drafts added
     # against the tokens they gave. Not a pass with prompt tokens, nor one laid out to measure
     # a stale width: neither is the drafts' doing.
-    if paced and not verify.prefills and chosen.explore is None:
+    if drafting and not verify.prefills and chosen.explore is None:
         price = choice.pace(times.rows, drafted, forward + times.overhead)
         if price is not None:
             extra, per_token = price
-            for entry, tokens in paced:
+            for entry, tokens in drafting:
                 entry.generation.speculator.charge(extra, (tokens - 1) * per_token)
     return times
 

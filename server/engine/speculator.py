@@ -69,7 +69,8 @@ class Proposal:
     `tree` is what the pass verifies: the `forced` grammar tokens first (a chain), then the
     learned tree below them, drafted by `learned` (a chain's `Source`, or TREE). A `probe`
     (a starved request re-measuring a stale estimate) counts each learned draft a gain of 1.0.
-    `proposed` is how many nodes drafting proposed, before the batch cut any.
+    `rested`: a starved request drafted nothing this round (REST_EVERY). `proposed` is how
+    many nodes drafting proposed, before the batch cut any.
     """
 
     tree: DraftTree = NO_DRAFTS
@@ -77,6 +78,7 @@ class Proposal:
     learned: Source = UNNAMED
     probe: bool = False
     proposed: int = 0
+    rested: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.forced <= len(self.tree) <= self.proposed:
@@ -87,10 +89,15 @@ class Proposal:
 
     @classmethod
     def of(
-        cls, tree: DraftTree, forced: int = 0, learned: Source = UNNAMED, probe: bool = False
+        cls,
+        tree: DraftTree,
+        forced: int = 0,
+        learned: Source = UNNAMED,
+        probe: bool = False,
+        rested: bool = False,
     ) -> Proposal:
         """A round's proposal of `tree`, before any cut."""
-        return cls(tree, forced, learned, probe, len(tree))
+        return cls(tree, forced, learned, probe, len(tree), rested)
 
     @property
     def learned_tree(self) -> DraftTree:
@@ -189,8 +196,7 @@ class Speculator:
         self._request_id = request_id
         self.k = params.k
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
-        self._rest = 0  # rounds since a starved request last drafted
-        self._resting = False  # this round's learned drafts were skipped (REST_EVERY)
+        self._rested = 0  # rounds in a row a starved request rested (REST_EVERY)
         self._probe_every = PROBE_AFTER
         self._probing = False
         self._shared = shared if shared is not None else AcceptanceStats()
@@ -236,6 +242,12 @@ class Speculator:
     def _probe_due(self) -> bool:
         return self._starved > 0 and self._starved % self._probe_every == 0
 
+    @property
+    def _rests(self) -> bool:
+        """Whether a starved request drafts nothing this round: REST_EVERY - 1 rounds in a row,
+        then one that drafts (a probe always drafts)."""
+        return self._starved >= REST_AFTER and not self._probe_due and self._rested < REST_EVERY - 1
+
     def propose(self, limit: int, constraint: DraftConstraint | None = None) -> Proposal:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
         tokens left); none when speculation is off; no learned nodes when not paying. With a
@@ -244,25 +256,27 @@ class Speculator:
             return Proposal()
         cap = self._params.num_draft_tokens
         forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
-        learned, source = self._learned(limit - len(forced), cap - len(forced), forced)
+        drafted = self._learned(limit - len(forced), cap - len(forced), forced)
+        learned, source = drafted or (NO_DRAFTS, UNNAMED)
+        probe, rested = self._probe_due, drafted is None
         if constraint is None:
-            return Proposal.of(learned, 0, source, self._probe_due)
+            return Proposal.of(learned, 0, source, probe, rested)
         chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
         tree = constraint.prune(learned.after(chain))
-        return Proposal.of(tree, _leading_forced(tree), source, self._probe_due)
+        return Proposal.of(tree, _leading_forced(tree), source, probe, rested)
 
-    def _learned(self, limit: int, cap: int, forced: tuple[int, ...]) -> tuple[DraftTree, Source]:
+    def _learned(
+        self, limit: int, cap: int, forced: tuple[int, ...]
+    ) -> tuple[DraftTree, Source] | None:
         """The session's draft after `forced` (given to it first) and its source: up to `cap`
-        nodes, none deeper than `limit`; none without a session or while the breaker says no."""
+        nodes, none deeper than `limit`; none without a session or while the breaker says no;
+        None when a starved request rests."""
         if self._session is None or limit <= 0 or cap <= 0:
             return NO_DRAFTS, UNNAMED
         if self._acceptance is not None and not self._acceptance.allows_speculation():
             return NO_DRAFTS, UNNAMED
-        if self._starved >= REST_AFTER and not self._probe_due:
-            self._rest += 1
-            if self._rest % REST_EVERY:
-                self._resting = True
-                return NO_DRAFTS, UNNAMED
+        if self._rests:
+            return None
         self._give_ahead(self._session, forced)
         draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
@@ -323,11 +337,11 @@ class Speculator:
         drafted, forced = len(proposal.tree), proposal.forced
         if drafted and proposal.probe:
             self._probing = True
-        resting, self._resting = self._resting, False
-        if not resting:  # a round that rested keeps the request starved
+        if proposal.rested:  # a round that rested keeps the request starved
+            self._rested += 1
+        else:
+            self._rested = 0
             self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
-        if not self._starved:
-            self._rest = 0
         if forced:  # forced nodes are the grammar's: learn the nodes after them only
             if accepted < forced:
                 return  # the learned nodes were not reached
