@@ -28,7 +28,7 @@ def test_replay_drafts_a_shared_answer_on_another_engine(tiny_model_dir, tmp_pat
     argv = ["--workload", "repeat", "--limit", "2", "--max-new-tokens", "8", "--replicas", "2"]
     argv += ["--prompts-dir", str(prompts), "--model", str(tiny_model_dir), "--draft", "none"]
     argv += ["--configs", "one,none,answers", "--out", str(out), "--", "--device", "cpu"]
-    argv += ["--dtype", "float32", "--threads", "1", "--breaker-threshold", "0"]
+    argv += ["--dtype", "float32", "--threads", "1", "--breaker-threshold", "0", "--no-live-costs"]
     argv += ["--tree-budget", "1", "--prefix-cache-mb", "16"]
     assert replica_state.main(argv) == 0
     one, none, answers = (json.loads(line) for line in out.read_text().splitlines())

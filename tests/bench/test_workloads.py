@@ -40,6 +40,7 @@ def test_repeat_workload_through_a_server(tmp_path, tiny_model_dir) -> None:
     server = ["--model", str(tiny_model_dir), "--draft", "none", "--device", "cpu"]
     server += ["--dtype", "float32", "--max-batch-size", "2", "--breaker-threshold", "0"]
     server += ["--threads", "1"]  # as tiny_server: a busy neighbour cannot stall a thread pool
+    server += ["--no-live-costs"]  # as tiny_server: drafts priced by the start-up table
     argv = ["--workload", "repeat", "--prompts", str(prompts), "--max-new-tokens", "16"]
     rounds = {}
     for label, extra in (("learning", []), ("off", ["--no-suffix-index"])):
