@@ -711,7 +711,8 @@ _HELP = {
     "breaker_window": "speculative rounds in a request's breaker window",
     "breaker_threshold": "negative (default): a request falls back to plain decoding once its "
     "drafting rounds took longer, as measured, than plain decoding would have for the tokens "
-    "they gave; >= 0: once the acceptance they imply falls below this",
+    "they gave; >= 0: once the acceptance they imply falls below this. While open it still "
+    "verifies copies (the continuation of an exact match of 4 or more tokens)",
     "breaker_reset_timeout_s": "seconds before an open request breaker tries speculation again",
     "draft_fault_max": "consecutive draft faults that switch the draft off for every request",
     "draft_fault_reset_timeout_s": "seconds before a faulty draft is tried again",

@@ -179,6 +179,13 @@ class ContextSession(DraftSession, Branching):
         first, *others = (chain for _, chain in chains)
         return (first, *(chain for chain in others if len(chain)))
 
+    def copies(self, k: int, min_match: int) -> Candidates:
+        """The matched chains (own context, suffix index) of matches at least `min_match`
+        tokens long, the longest first (a tie: the request's own)."""
+        chains = [pair for pair in self._matched_chains(k) if pair[0] >= min_match]
+        chains.sort(key=lambda pair: -pair[0])
+        return tuple(chain for _, chain in chains)
+
     def _matched_chains(self, k: int) -> list[tuple[int, Chain]]:
         """(match length, chain) of the request's own context and of the suffix index."""
         chains: list[tuple[int, Chain]] = []

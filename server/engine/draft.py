@@ -85,6 +85,11 @@ class DraftSession(Protocol):
         """How a token tree may branch below its nodes; None: the chains alone."""
         return None
 
+    def copies(self, k: int, min_match: int) -> Candidates:
+        """The chains that continue an exact match of at least `min_match` tokens (the
+        request's own context, past answers), longest match first; none by default."""
+        return ()
+
     @property
     def wants_features(self) -> bool:
         """Whether it drafts from the target's hidden states (`observe`); False: never."""

@@ -90,9 +90,10 @@ class GainCalibration:
     def learn(self, proposal: Proposal, path: Sequence[int]) -> None:
         """A row's round verified `proposal` (as cut) and accepted the nodes `path`: each
         learned node counts, accepted or not (a node below a refused one was predicted with
-        its parent's chance in its path probability), if the walk passed every forced token."""
+        its parent's chance in its path probability), if the walk passed every forced token.
+        Not a copy's (drafted while its request's breaker was open: chosen for being sure)."""
         forced = proposal.forced
-        if len(path) < forced:
+        if len(path) < forced or proposal.copied:
             return
         accepted = set(path)
         for node in range(forced, len(proposal.tree)):

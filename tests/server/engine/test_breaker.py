@@ -187,6 +187,79 @@ def test_half_open_trial_after_reset_timeout_returns_to_speculation(tiny_target,
     assert generation.output_ids == reference
 
 
+class CopyingSession(_SwitchingSession):
+    """SwitchingDraft's session that also copies: `copies` offers the reference's next tokens
+    as an exact match of `matched` tokens at the output positions in `at`."""
+
+    def __init__(self, draft: SwitchingDraft, at: set[int], matched: int) -> None:
+        super().__init__(draft)
+        self.at, self.matched, self.asked = at, matched, []
+
+    def copies(self, k: int, min_match: int) -> Candidates:
+        self.asked.append(min_match)
+        if self.position not in self.at or self.matched < min_match:
+            return ()
+        tokens = tuple(self.draft.reference[self.position : self.position + k])
+        return (Chain(tokens, (1.0,) * len(tokens), Source("context", self.matched)),)
+
+
+@pytest.mark.parametrize("matched", [4, 3])
+def test_an_open_breaker_verifies_only_copies_of_long_exact_matches(
+    tiny_target, case, clock, matched
+) -> None:
+    """Once the breaker opens, a round drafts only where the session copies an exact match of
+    COPY_MATCH (4) tokens or more; such rounds do not close it, and the output stays greedy
+    decoding's."""
+    ids, reference, wrong = case
+    draft = SwitchingDraft(reference, wrong, bad_tokens=MAX_NEW)  # always wrong
+    session = CopyingSession(draft, at=set(range(12, MAX_NEW, 8)), matched=matched)
+    draft.start = lambda prompt_ids: session
+    generation = generate(
+        tiny_target, draft, ids, max_new_tokens=MAX_NEW, breaker=settings(), clock=clock
+    )
+    rounds = list(generation)
+    assert generation.output_ids == reference
+    assert rounds[3].breaker_state is BreakerState.OPEN
+    opened = rounds[4:]
+    assert all(r.breaker_state is BreakerState.OPEN for r in opened)
+    copied = [r for r in opened if r.mode is Mode.SPECULATIVE]
+    if matched < 4:  # too short to copy: plain decoding, as before
+        assert copied == []
+    else:
+        assert len(copied) >= 2 and all(r.accepted == r.drafted > 0 for r in copied)
+    assert set(session.asked) == {4}  # asked only while open, for COPY_MATCH
+
+
+def test_a_copy_teaches_only_its_own_requests_rate(clock) -> None:
+    """Copies are drafted because the breaker is open and they look sure: a biased sample, so
+    the shared rates, k, the breaker and the choice's calibration of gains do not learn them."""
+    from kenspec.server.engine.draft_choice import GainCalibration
+    from kenspec.server.engine.speculator import AcceptanceStats
+
+    class Copier(FixedDraft):
+        def copies(self, k: int, min_match: int) -> Candidates:
+            return (Chain((5,) * k, (1.0,) * k, Source("context", 8)),)
+
+    breaker = AcceptanceBreaker(threshold=0.5, window_rounds=1, reset_timeout_s=60, clock=clock)
+    shared, calibration = AcceptanceStats(), GainCalibration()
+    params = SpeculationParams(num_draft_tokens=4, adaptive=True)
+    speculator = Speculator(Copier([6] * 4), params, acceptance=breaker, shared=shared)
+    speculator.record(speculator.propose(4), 0)  # nothing accepted: the breaker opens
+    assert breaker.state is BreakerState.OPEN
+    k, ratios = speculator.k, calibration.ratios
+    copy = speculator.propose(4)
+    assert copy.copied and copy.tree.tokens == (5,) * k and copy.source == "context:8"
+    key = (Source("context", 8), False)
+    for _ in range(5):
+        speculator.record(copy, 0)
+        calibration.learn(copy, [])
+    assert speculator.acceptance_estimate(copy) < shared.rate(key) == AcceptanceStats().rate(key)
+    assert (speculator.k, calibration.ratios, breaker.state) == (k, ratios, BreakerState.OPEN)
+    clock.advance(60)
+    trial = speculator.propose(4)  # half-open: a trial drafts as ever, not a copy
+    assert not trial.copied and trial.tree.tokens == (6,) * k
+
+
 def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
     tiny_target, case, clock
 ) -> None:

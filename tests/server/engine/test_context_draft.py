@@ -69,6 +69,17 @@ def test_proposals_say_where_they_came_from_by_match_length() -> None:
     )
 
 
+def test_copies_are_the_matched_chains_at_least_as_long_as_asked() -> None:
+    """An open breaker's drafts: exact matches only, never the static draft's guesses."""
+    draft = ContextDraft(FixedDraft([7, 7, 7], source="static"), min_match=1, max_match=8)
+    session = draft.start([4, 1, 2, 3, 9, 8, 4, 1, 2, 3])  # [4, 1, 2, 3] matched: 9, 8 follow
+    (copy,) = session.copies(2, 4)
+    assert copy.tokens[:2] == (9, 8) and copy.source == Source("context", 4)
+    assert session.copies(2, 5) == ()  # the match is 4 tokens long
+    assert draft.start([1, 2, 3]).copies(2, 1) == ()  # no match: no copy, not the n-gram
+    assert FixedDraft([7]).start([1]).copies(2, 1) == ()  # a session without matches
+
+
 def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
     """k tokens after a short match; as many as the match is long after a longer one, up to
     long_draft_tokens; the static draft does not stretch."""
