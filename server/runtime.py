@@ -161,10 +161,10 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
 
 def _recycled_predictions(target: TargetModel) -> RecycledPredictions:
     """The table of the target's recent predictions; on a CPU with kenspec's kernels, each
-    row's top tokens in one read of it (csrc/layer.c) instead of torch's top-k and logsumexp
-    (~100 us a row: every row a pass computed is recorded)."""
+    row's top tokens in one read of it (csrc/layer.c, layer_avx2.c) instead of torch's top-k
+    and logsumexp (~100 us a row: every row a pass computed is recorded)."""
     kernels = load_kernels() if target.device.type == "cpu" else None
-    top_probs = kernels.top_probs if kernels is not None and kernels.bf16 else None
+    top_probs = kernels.top_probs if kernels is not None and kernels.layer_kernels else None
     return RecycledPredictions(target.vocab_size, top_probs=top_probs)
 
 

@@ -130,6 +130,8 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
                            const int64_t *cache_rows, long capacity, const void *mask,
                            int mask_bf16, const int64_t *mask_rows, long kv_length, float scale);
 void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n);
+void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long width, int32_t *ids,
+                            float *probs);
 int kenspec_decoder_pass_avx2(const kenspec_pass *pass);
 /* layout.c: which = 0 (kenspec_layer) or 1 (kenspec_pass); writes each member's offset, in
  * declaration order, into offsets (at most room of them); returns the struct's size. */

@@ -345,3 +345,55 @@ int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
   free(delta);
   return failed ? -1 : 0;
 }
+
+/* layer.c's kenspec_top_probs in eight lanes (the recycled predictions' rows, engine.recycled):
+ * per float32 row of `vocab` logits, the `width` (<= 16) largest, best first (the earlier of
+ * equal logits first), and their softmax probabilities, in one read for the top (a lane enters
+ * the running list only above its last entry) and one for the sum of exp(logit - max). exp8's
+ * polynomial, not libm's: probabilities within float32 error of torch's. A row of fewer than
+ * `width` finite logits leaves id -1 and probability 0 in the places it cannot fill. */
+static inline __m256 logits8(const float *p, long n) { /* lanes past n: -inf */
+  if (n >= 8) return _mm256_loadu_ps(p);
+  const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(p, in), _mm256_castsi256_ps(in));
+}
+
+void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long width, int32_t *ids,
+                            float *probs) {
+#pragma omp parallel for schedule(static) if (rows > 1) /* rows are independent */
+  for (long r = 0; r < rows; r++) {
+    const float *x = logits + r * vocab;
+    float best[16];
+    int32_t at[16];
+    long kept = 0;
+    float threshold = -INFINITY;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (long i = 0; i < vocab; i += 8) {
+      const __m256 v = logits8(x + i, vocab - i);
+      top = _mm256_max_ps(top, v);
+      unsigned above = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(threshold), _CMP_GT_OQ));
+      for (; above; above &= above - 1) {
+        const long index = i + __builtin_ctz(above);
+        const float value = x[index];
+        if (kept == width && !(value > best[width - 1])) continue; /* (threshold moved) */
+        long j = kept < width ? kept++ : width - 1;
+        for (; j > 0 && best[j - 1] < value; j--) {
+          best[j] = best[j - 1];
+          at[j] = at[j - 1];
+        }
+        best[j] = value;
+        at[j] = (int32_t)index;
+        if (kept == width) threshold = best[width - 1];
+      }
+    }
+    const float most = max8(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (long i = 0; i < vocab; i += 8) /* exp8 gives 0 for -inf (the lanes past vocab) */
+      sum = _mm256_add_ps(sum, exp8(_mm256_sub_ps(logits8(x + i, vocab - i), _mm256_set1_ps(most))));
+    const float log_total = most + logf(sum8(sum));
+    for (long j = 0; j < width; j++) {
+      ids[r * width + j] = j < kept ? at[j] : -1;
+      probs[r * width + j] = j < kept ? expf(best[j] - log_total) : 0.0f;
+    }
+  }
+}

@@ -102,6 +102,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_rotary_cache_avx2": (None, [_P] * 3 + [_L] * 4 + [_P] * 4 + [_L], Isa.AVX2),
     "kenspec_attention_avx2": (_I, _ATTENTION, Isa.AVX2),
     "kenspec_silu_mul_avx2": (None, [_P] * 2 + [_L] * 2, Isa.AVX2),
+    "kenspec_top_probs_avx2": (None, [_P] + [_L] * 3 + [_P] * 2, Isa.AVX2),
     "kenspec_decoder_pass_avx2": (_I, [ctypes.POINTER(PassArgs)], Isa.AVX2),
     "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
 }
@@ -374,14 +375,15 @@ class CpuKernels:
     def top_probs(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids [rows, width] (int32) of each float32 logits row's `width` largest logits,
         best first, and their probabilities [rows, width] (as torch.topk of the row's
-        softmax, in one read of the row after its maximum's)."""
+        softmax, in one read of the row after its maximum's): layer.c's, else
+        layer_avx2.c's."""
         if logits.dtype != torch.float32 or not 1 <= width <= 16:
             raise ValueError(f"top_probs takes float32 logits and width 1..16, not {width}")
         logits = logits.contiguous()
         rows, vocab = logits.shape
         ids = torch.empty(rows, width, dtype=torch.int32)
         probs = torch.empty(rows, width, dtype=torch.float32)
-        self._call(
+        self._layer(
             "kenspec_top_probs", logits.data_ptr(), rows, vocab, width, ids.data_ptr(),
             probs.data_ptr(),
         )  # fmt: skip
@@ -560,7 +562,7 @@ def _report(
 
 
 # What a CPU without AVX512-BF16 loses where AVX2's bf16 GEMV runs (for the log).
-_WITHOUT_BF16 = "int8 screen and top-k kernel"
+_WITHOUT_BF16 = "int8 screen"
 
 
 def declare(library: ctypes.CDLL, built: frozenset[Isa] = frozenset(Isa)) -> None:

@@ -42,9 +42,6 @@ EVERY_GEMV = RowPlan.every(Kernel.GEMV)
 pytestmark = pytest.mark.skipif(
     LAYER is None or GEMV is None, reason="the CPU has no AVX512-BF16 or AVX2 (or no compiler)"
 )
-needs_bf16 = pytest.mark.skipif(
-    LAYER is None or not LAYER.bf16, reason="top_probs is AVX512-BF16's (layer.c)"
-)
 
 
 @pytest.fixture(params=[Isa.BF16, Isa.AVX2])
@@ -375,19 +372,17 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
         assert torch.equal(a, b)
 
 
-@needs_bf16
 @pytest.mark.parametrize("vocab", [5, 49, 1000])
-def test_top_probs_are_torchs_top_k_of_the_softmax(vocab: int) -> None:
-    """layer.c's kenspec_top_probs (the recycled predictions' rows): the ids torch.topk
-    picks, best first and the earlier among equal logits, with softmax probabilities, for
-    vocabularies that are not a multiple of its 16 lanes; a row of fewer finite logits than
-    asked leaves -1 and 0 where it cannot fill."""
-    assert LAYER is not None
+def test_top_probs_are_torchs_top_k_of_the_softmax(layer: CpuKernels, vocab: int) -> None:
+    """kenspec_top_probs (layer.c's, layer_avx2.c's; the recycled predictions' rows): the ids
+    torch.topk picks, best first and the earlier among equal logits, with softmax
+    probabilities, for vocabularies that are not a multiple of its 16 or 8 lanes; a row of
+    fewer finite logits than asked leaves -1 and 0 where it cannot fill."""
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(4, vocab, generator=generator) * 4
     logits[1, vocab // 2] = logits[1, vocab - 1] = 50.0  # a tie at the top: the earlier first
     width = min(8, vocab)
-    ids, probs = LAYER.top_probs(logits, width)
+    ids, probs = layer.top_probs(logits, width)
     top = torch.topk(logits, width, dim=-1)
     assert torch.equal(logits.gather(-1, ids.long()), top.values)  # the same logits, in order
     assert torch.equal(ids[[0, 2, 3]].long(), top.indices[[0, 2, 3]])  # (torch orders ties
@@ -396,20 +391,20 @@ def test_top_probs_are_torchs_top_k_of_the_softmax(vocab: int) -> None:
     torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
     sparse = torch.full((1, vocab), float("-inf"))
     sparse[0, vocab - 2] = 1.0
-    ids, probs = LAYER.top_probs(sparse, width)
+    ids, probs = layer.top_probs(sparse, width)
     assert ids[0].tolist() == [vocab - 2] + [-1] * (width - 1)
     assert probs[0].tolist() == [1.0] + [0.0] * (width - 1)
 
 
-@needs_bf16
-def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel() -> None:
+def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel(
+    layer: CpuKernels,
+) -> None:
     """RecycledPredictions with top_probs (as the server builds it on these CPUs) keeps what
     it keeps with torch's top-k: the same next tokens, probabilities within float error."""
-    assert LAYER is not None
     generator = torch.Generator().manual_seed(0)
     rows = [(i, torch.randn(300, generator=generator) * 3) for i in range(5)]
     tokens = [11, 12, 13, 11, 14]  # a token seen twice keeps its later row
-    plain, kernel = RecycledPredictions(300), RecycledPredictions(300, top_probs=LAYER.top_probs)
+    plain, kernel = RecycledPredictions(300), RecycledPredictions(300, top_probs=layer.top_probs)
     plain.record(tokens, rows)
     kernel.record(tokens, rows)
     for token in (11, 12, 13, 14, 15):

@@ -185,7 +185,9 @@ def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
     expected = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     with pytest.raises(KernelUnavailable, match="avx512_bf16, which this CPU lacks"):
-        faked.top_probs(torch.zeros(1, 20), 4)
+        faked.widened(x, torch.zeros(4, 77, dtype=torch.int8), torch.ones(4).bfloat16())
+    ids, _ = faked.top_probs(torch.arange(20.0).unsqueeze(0), 4)  # layer_avx2.c's
+    assert ids[0].tolist() == [19, 18, 17, 16]
     with pytest.raises(KernelUnavailable, match="avx512, which this CPU lacks"):
         faked.gemv_int8(x, torch.zeros(4, 77, dtype=torch.int8), torch.ones(4).bfloat16())
     (line,) = avx2_only
@@ -193,7 +195,7 @@ def test_an_avx2_only_cpu_gets_the_avx2_gemv_and_nothing_else(
     reason = str(line["reason"])
     assert "AVX2 bf16 and grouped GEMV and layer kernels; CPU lacks amx_bf16: AMX" in reason
     assert "CPU lacks avx512: int8 GEMV not used" in reason
-    assert "CPU lacks avx512_bf16: int8 screen and top-k kernel not" in reason
+    assert "CPU lacks avx512_bf16: int8 screen not" in reason
 
 
 def test_no_avx2_and_no_avx512_is_still_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,7 +130,7 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without avx512_bf16 the library holds the int8 GEMV (AVX-512 F/BW/VL/DQ) and AVX2's
-    bf16 GEMV and layer kernels: AVX512-BF16's kernels (top_probs here) refuse with a reason
+    bf16 GEMV and layer kernels: AVX512-BF16's kernels (widened here) refuse with a reason
     instead of an illegal instruction, `gemv` runs AVX2's, and the int8 GEMV of bf16
     activations takes its float32 sums (none widened to bf16)."""
     # (the int8 GEMV runs below only where this CPU really has AVX-512: an AVX2-only one
@@ -146,7 +146,7 @@ def test_kernels_the_cpu_cannot_run_raise_instead_of_running(
         assert kernels.int8 and not kernels.bf16 and not kernels.vnni and kernels.gemv_bf16
         x = torch.randn(2, 64).bfloat16()
         with pytest.raises(cpu_kernels.KernelUnavailable, match="avx512_bf16"):
-            kernels.top_probs(torch.randn(2, 64), 4)
+            kernels.widened(x, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4).bfloat16())
         assert kernels.layer_kernels  # (AVX2's)
         weight = torch.randn(8, 64).bfloat16()
         assert torch.equal(kernels.gemv(x, weight), kernels.gemv_avx2(x, weight))
