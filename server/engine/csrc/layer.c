@@ -307,16 +307,7 @@ void kenspec_top_probs(const float *logits, long rows, long vocab, long width, i
       for (__mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(threshold), _CMP_GT_OQ); above;
            above &= (__mmask16)(above - 1)) {
         const long index = i + __builtin_ctz(above);
-        const float value = x[index];
-        if (kept == width && !(value > best[width - 1])) continue; /* (threshold moved) */
-        long j = kept < width ? kept++ : width - 1;
-        for (; j > 0 && best[j - 1] < value; j--) {
-          best[j] = best[j - 1];
-          at[j] = at[j - 1];
-        }
-        best[j] = value;
-        at[j] = (int32_t)index;
-        if (kept == width) threshold = best[width - 1];
+        keep_top(best, at, &kept, &threshold, width, x[index], index);
       }
     }
     const float most = _mm512_reduce_max_ps(top);

@@ -374,16 +374,7 @@ void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long wid
       unsigned above = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(threshold), _CMP_GT_OQ));
       for (; above; above &= above - 1) {
         const long index = i + __builtin_ctz(above);
-        const float value = x[index];
-        if (kept == width && !(value > best[width - 1])) continue; /* (threshold moved) */
-        long j = kept < width ? kept++ : width - 1;
-        for (; j > 0 && best[j - 1] < value; j--) {
-          best[j] = best[j - 1];
-          at[j] = at[j - 1];
-        }
-        best[j] = value;
-        at[j] = (int32_t)index;
-        if (kept == width) threshold = best[width - 1];
+        keep_top(best, at, &kept, &threshold, width, x[index], index);
       }
     }
     const float most = max8(top);

@@ -31,4 +31,20 @@ static inline void thread_share(long out, long block, long *first, long *last) {
   if (*last > out) *last = out;
 }
 
+/* top_probs' running list of a row's `width` largest logits: `value` (at `index`) into best[]
+ * and at[], best first, the earlier of equal values first; once full, *threshold is its last
+ * (a value must beat it to enter: the vector loops test lanes against it). */
+static inline void keep_top(float *best, int32_t *at, long *kept, float *threshold, long width,
+                            float value, long index) {
+  if (*kept == width && !(value > best[width - 1])) return; /* (threshold moved) */
+  long j = *kept < width ? (*kept)++ : width - 1;
+  for (; j > 0 && best[j - 1] < value; j--) {
+    best[j] = best[j - 1];
+    at[j] = at[j - 1];
+  }
+  best[j] = value;
+  at[j] = (int32_t)index;
+  if (*kept == width) *threshold = best[width - 1];
+}
+
 #endif
