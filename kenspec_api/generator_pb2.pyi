@@ -321,7 +321,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BreakerSettings(_message.Message):
-    __slots__ = ("window_rounds", "threshold", "threshold_calibrated", "reset_timeout_s", "fault_max", "draft_latency_budget_ms", "fault_breaker_state")
+    __slots__ = ("window_rounds", "threshold", "threshold_calibrated", "reset_timeout_s", "fault_max", "draft_latency_budget_ms", "fault_breaker_state", "judged_by_time")
     WINDOW_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_CALIBRATED_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,7 @@ class BreakerSettings(_message.Message):
     FAULT_MAX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LATENCY_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     FAULT_BREAKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_BY_TIME_FIELD_NUMBER: _ClassVar[int]
     window_rounds: int
     threshold: float
     threshold_calibrated: bool
@@ -336,7 +337,8 @@ class BreakerSettings(_message.Message):
     fault_max: int
     draft_latency_budget_ms: float
     fault_breaker_state: BreakerState
-    def __init__(self, window_rounds: _Optional[int] = ..., threshold: _Optional[float] = ..., threshold_calibrated: _Optional[bool] = ..., reset_timeout_s: _Optional[float] = ..., fault_max: _Optional[int] = ..., draft_latency_budget_ms: _Optional[float] = ..., fault_breaker_state: _Optional[_Union[BreakerState, str]] = ...) -> None: ...
+    judged_by_time: bool
+    def __init__(self, window_rounds: _Optional[int] = ..., threshold: _Optional[float] = ..., threshold_calibrated: _Optional[bool] = ..., reset_timeout_s: _Optional[float] = ..., fault_max: _Optional[int] = ..., draft_latency_budget_ms: _Optional[float] = ..., fault_breaker_state: _Optional[_Union[BreakerState, str]] = ..., judged_by_time: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "draft", "draft_order", "vocab_size", "max_context_tokens", "device", "dtype", "num_draft_tokens", "adaptive_draft", "min_draft_prob", "draft_context", "breaker", "max_new_tokens_limit", "default_max_new_tokens", "max_prompt_tokens", "version", "weights", "execution_plan")

@@ -152,6 +152,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         info.breaker.fault_breaker_state = to_proto(runtime.engine.draft_breaker_state)
         if info.breaker.threshold_calibrated:  # it follows the live pass costs
             info.breaker.threshold = runtime.engine.breaker_threshold()
+        info.breaker.judged_by_time = runtime.engine.paced_breakers
         return info
 
     async def _ready(self, context: grpc.aio.ServicerContext, request: object) -> Runtime:

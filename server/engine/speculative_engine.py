@@ -126,7 +126,8 @@ class SpeculativeEngine:
         live = self.batch.costs
         return live.threshold() if isinstance(live, LiveCosts) else self.breaker_settings.threshold
 
-    def _paced(self) -> bool:
+    @property
+    def paced_breakers(self) -> bool:
         """Whether requests' breakers judge rounds by their measured time (live costs, no
         fixed threshold) rather than by acceptance."""
         live = self.batch.costs
@@ -187,7 +188,7 @@ class SpeculativeEngine:
             clock=self._clock,
             # Where pass costs are live, rounds are judged by time: a round's time is the
             # whole evidence, a tree's included, so the window is not widened for trees.
-            paced_rounds=settings.window_rounds if self._paced() else 0,
+            paced_rounds=settings.window_rounds if self.paced_breakers else 0,
         )
         speculator = Speculator(
             session,

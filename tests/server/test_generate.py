@@ -208,6 +208,7 @@ async def test_tokenize_and_model_info(start_server, tiny_target) -> None:
     assert info.execution_plan.startswith("eager; head lazy;")  # (the served float32 plan)
     assert info.max_context_tokens == 512 and info.max_new_tokens_limit == 400
     assert info.breaker.window_rounds == 8
+    assert not info.breaker.judged_by_time  # (these servers: --breaker-threshold 0)
     assert info.breaker.fault_breaker_state == pb.BREAKER_STATE_CLOSED
 
 

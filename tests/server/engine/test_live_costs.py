@@ -181,6 +181,7 @@ def test_costs_that_change_mid_run_change_the_batchs_choice(
         return forward(self, cache, verify)
 
     monkeypatch.setattr(TargetModel, "forward", timed_forward)
+    assert engine.paced_breakers is paced  # (what GetModelInfo reports as judged_by_time)
     widths, tokens, states = [], [], []
     for round_ in Solo(engine, generation):
         widths.append(round_.drafted)
