@@ -287,9 +287,8 @@ class Speculator:
         if not copying and self._rests:
             return None
         self._give_ahead(self._session, forced)
-        if copying:
-            return self._copy(self._session, min(self.k, limit), limit, cap)
-        draft = partial(self._draft, self._session, min(self.k, limit), limit, cap)
+        how = self._copy if copying else self._draft
+        draft = partial(how, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
         else:
@@ -322,18 +321,8 @@ class Speculator:
         self, session: DraftSession, k: int, limit: int, cap: int
     ) -> tuple[DraftTree, Source]:
         """An open breaker's draft: of the chains continuing an exact match of COPY_MATCH
-        tokens or more, the one with the most expected accepted tokens; else none. Looked up
-        on the engine thread (a few dictionary lookups: the draft thread's hand-off cost more,
-        ~0.3 ms, on every round of an open breaker); none while the draft-fault breaker is
-        open, and a lookup that raises is a round without drafts."""
-        if self._faults is not None and self._faults.state is BreakerState.OPEN:
-            return NO_DRAFTS, UNNAMED
-        try:
-            copies = session.copies(k, COPY_MATCH)
-        except Exception:
-            log.exception("draft_copy_failed", request_id=self._request_id)
-            return NO_DRAFTS, UNNAMED
-        best = max(copies, key=self._expected_accepted, default=None)
+        tokens or more, the one with the most expected accepted tokens; else none."""
+        best = max(session.copies(k, COPY_MATCH), key=self._expected_accepted, default=None)
         if best is None:
             return NO_DRAFTS, UNNAMED
         gains = chain_gains(len(best), self._rate(best.source))

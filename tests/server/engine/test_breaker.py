@@ -260,24 +260,6 @@ def test_a_copy_teaches_only_its_own_requests_rate(clock) -> None:
     assert not trial.copied and trial.tree.tokens == (6,) * k
 
 
-def test_a_copy_that_raises_is_a_round_without_drafts(clock) -> None:
-    """Copies are looked up on the engine thread (no draft-thread hand-off): one that raises
-    leaves the round without drafts, never the request with an error."""
-
-    class Broken(FixedDraft):
-        def copies(self, k: int, min_match: int) -> Candidates:
-            raise RuntimeError("index corrupted")
-
-    breaker = AcceptanceBreaker(threshold=0.5, window_rounds=1, reset_timeout_s=60, clock=clock)
-    faults = DraftFaultBreaker(fault_max=2, reset_timeout_s=60, latency_budget_s=1.0, clock=clock)
-    params = SpeculationParams(num_draft_tokens=4)
-    speculator = Speculator(Broken([6] * 4), params, acceptance=breaker, faults=faults)
-    speculator.record(speculator.propose(4), 0)
-    assert breaker.state is BreakerState.OPEN
-    copy = speculator.propose(4)
-    assert copy.copied and len(copy.tree) == 0
-
-
 def test_draft_faults_fall_back_silently_and_open_the_process_breaker(
     tiny_target, case, clock
 ) -> None:
