@@ -322,11 +322,8 @@ class Speculator:
     ) -> tuple[DraftTree, Source]:
         """An open breaker's draft: of the chains continuing an exact match of COPY_MATCH
         tokens or more, the one with the most expected accepted tokens; else none."""
-        best = max(session.copies(k, COPY_MATCH), key=self._expected_accepted, default=None)
-        if best is None:
-            return NO_DRAFTS, UNNAMED
-        gains = chain_gains(len(best), self._rate(best.source))
-        return DraftTree.chain(best.tokens, gains, best.source).within(cap, limit), best.source
+        tree, source = self._best_chain(session.copies(k, COPY_MATCH))
+        return tree.within(cap, limit), source
 
     def _as_tree(
         self, session: DraftSession, candidates: Candidates, budget: int, limit: int
@@ -346,6 +343,11 @@ class Speculator:
                 expand=branching.expand if branching is not None else None,
             )
             return tree, TREE
+        return self._best_chain(candidates)
+
+    def _best_chain(self, candidates: Candidates) -> tuple[DraftTree, Source]:
+        """The chain with the most expected accepted tokens, with its expected acceptance
+        alpha^j as path probabilities (this request's rate for its source); none of none."""
         best = max(candidates, key=self._expected_accepted, default=Chain())
         gains = chain_gains(len(best), self._rate(best.source))
         return DraftTree.chain(best.tokens, gains, best.source), best.source
