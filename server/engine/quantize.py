@@ -37,7 +37,11 @@ if TYPE_CHECKING:  # (the kernels' module reads GroupedWeight: no import at run 
     from kenspec.server.engine.forward.cpu_kernels import CpuKernels
 
 TORCH_INT8_K = 32  # torch's int8 kernel takes rows of a multiple of this many weights
-DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3 keeps q/k/v as one layer, qkv_proj, and gate/up as one, gate_up_proj)
+DECODER_LINEARS = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+    "down_proj",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

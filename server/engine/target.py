@@ -29,7 +29,7 @@ from kenspec.server.engine.architecture import (
 from kenspec.server.engine.attention import PACKED_ATTENTION
 from kenspec.server.engine.forward.choose import build_forward
 from kenspec.server.engine.forward.cpu_kernels import load_kernels
-from kenspec.server.engine.forward.lean import FAMILIES, Unsupported, check
+from kenspec.server.engine.forward.lean import FAMILIES, GGUF_FAMILIES, Unsupported, check
 from kenspec.server.engine.forward.passes import Forward
 from kenspec.server.engine.forward.plan import ExecutionOptions, ExecutionPlan, LeanMode
 from kenspec.server.engine.gguf_model import (
@@ -385,22 +385,19 @@ def _avx2_step(
     kernels = load_kernels()
     if kernels is None or not kernels.layer_kernels:
         return False
-    return _lean_model_type(path, gguf_file) in FAMILIES
-
-
-def _lean_model_type(path: Path, gguf_file: Path | None) -> str | None:
-    """The model's type as its config.json (or its GGUF file's header) names it; None where it
-    cannot be read (the load then says why) or where the config declares a sliding window,
-    which the lean forward does not serve (forward.lean.check)."""
     if gguf_file is not None:
-        return read_architecture(gguf_file)
+        return read_architecture(gguf_file) in GGUF_FAMILIES
+    return _model_type(path) in FAMILIES
+
+
+def _model_type(path: Path) -> str | None:
+    """The model's type as its config.json names it; None where it cannot be read (the load
+    then says why)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict):
-        return None
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
         return None
     model_type = config.get("model_type")
     return model_type if isinstance(model_type, str) else None

@@ -1,4 +1,4 @@
-"""The target's decoder without transformers' layers: a lean loop for the Llama family.
+"""The target's decoder without transformers' layers: a lean loop for Llama-style decoders.
 
 A bfloat16 decoding step of a small model through transformers' eager layers spends about
 half its time outside the weight products: ~500 small tensor operations and the Python around
@@ -14,8 +14,15 @@ and where every product of a pass takes the GEMV, csrc/step.c runs all layers in
 CPUs with AVX2 but not AVX512-BF16, csrc/layer_avx2.c does both for bf16 weights and a GGUF
 file's own groups.
 
-It serves only what it reproduces (`check`): Llama, Mistral and Qwen2 models without sliding
-windows, on a CPU, in bfloat16 (or with int8/int4 weights, whose activations may be float32).
+It serves only what it reproduces (`check`), on a CPU, in bfloat16 (or with int8/int4 weights,
+whose activations may be float32): Llama, Mistral and Qwen2; Qwen3 (RMSNorm over each head's
+queries and keys before rotary); Phi-3 (q/k/v and gate/up already one layer each, rotary over
+part of a head); Gemma 2 and 3 (norms of (1 + weight) around attention and the MLP as well as
+before them, GELU, their own attention scale, soft-capped scores, and Gemma 3's rotary base per
+layer type) - with their sliding windows, which packed attention applies per layer. The layer
+kernels (`fused`) take the decoders whose norms are Llama's RMSNorm and whose rotary spans the
+head: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Qwen3's head norms then run between the kernels,
+and a model with head norms or windows takes the layer calls, not the whole pass in one).
 float32 weights keep the eager forward, so float32 output stays identical to transformers'
 `generate`. In bfloat16 a product summed by another kernel differs in its last bits, as any
 two GEMM kernels do; passes narrower than the plan's `row_invariant_below` compute each row as
@@ -25,11 +32,12 @@ a one-token pass does, so there speculation's greedy output is plain decoding's,
 from __future__ import annotations
 
 import ctypes
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from kenspec.server.engine.architecture import attention_shape
 from kenspec.server.engine.attention import packed_attention
@@ -40,8 +48,14 @@ from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.packing import Packing
 from kenspec.server.engine.quantize import GroupedLinear, Int4Linear, Int8Linear
 
-FAMILIES = frozenset({"llama", "mistral", "qwen2"})
-_FUSED_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"})
+# GGUF files name some families otherwise (general.architecture)
+GGUF_FAMILIES = FAMILIES | {"gemma3"}
+# transformers' RMSNorms that compute Llama's (x * rsqrt(mean(x^2) + eps) * weight), as
+# csrc/layer.c's add_rmsnorm does; Gemma's multiply by (1 + weight) in float32
+_FUSED_NORMS = frozenset(
+    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
+)
 _LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear, GroupedLinear})
 
 
@@ -57,14 +71,27 @@ class Unsupported(ValueError):
 @dataclass(eq=False)
 class _Layer:
     attention: nn.Module  # the model's own, for packed_attention's arguments
-    input_norm: nn.Module
-    post_norm: nn.Module
+    input_norm: nn.Module  # before attention
+    mlp_norm: nn.Module  # before the MLP (Llama's post_attention_layernorm)
     qkv: Product
     out: Product
     gate_up: Product
     down: Product
     heads: tuple[int, int, int]  # query heads, key/value heads, head dim
     act: nn.Module
+    scaling: float  # of the attention scores
+    window: int | None = None  # sliding window (packed attention masks the keys before it)
+    softcap: float | None = None  # of the attention scores (Gemma 2)
+    head_norms: tuple[nn.Module, nn.Module] | None = None  # queries', keys' (Qwen3, Gemma 3)
+    # Gemma's norms of the attention's and the MLP's outputs, before each residual add
+    out_norms: tuple[nn.Module, nn.Module] | None = None
+    rotary_type: str | None = None  # the layer type Gemma 3's rotary takes (its base)
+
+    @property
+    def plain(self) -> bool:
+        """Whether csrc/step.c's whole pass computes this layer: no head norms, window or
+        soft-capping."""
+        return self.head_norms is None and self.window is None and self.softcap is None
 
 
 class LeanWeights:
@@ -74,28 +101,36 @@ class LeanWeights:
     def __init__(self, model: PreTrainedModel) -> None:
         check(model)
         inner = model.base_model
-        self.embed: nn.Module = inner.get_submodule("embed_tokens")
+        self.embed: nn.Module = inner.get_submodule("embed_tokens")  # (Gemma's: scaled)
         self.rotary: nn.Module = inner.get_submodule("rotary_emb")
         self.norm: nn.Module = inner.get_submodule("norm")
         shape = attention_shape(model)
         decoder = inner.get_submodule("layers")
         assert isinstance(decoder, nn.ModuleList)
-        self.layers = [_layer(layer, shape) for layer in decoder]
+        typed = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.layers = [_layer(model.config, layer, shape, typed) for layer in decoder]
         self.products = [p for la in self.layers for p in (la.qkv, la.out, la.gate_up, la.down)]
-        self.scaling = shape[2] ** -0.5  # transformers' Llama attention scale
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.mlp_norm)]
         # The fused loop's norm weights in the order it applies them, the final norm's last
         self.norm_weights = [_weight(norm) for norm in (*norms, self.norm)]
         self.eps = float(getattr(self.norm, "variance_epsilon", 0.0))
         self.quantized = quantized_kind(self.products)
 
+    @property
+    def plain(self) -> bool:
+        """Whether csrc/step.c's whole pass computes every layer (see _Layer.plain)."""
+        return all(layer.plain for layer in self.layers)
+
     def fusable(self, model: PreTrainedModel) -> bool:
         """Whether csrc/layer.c computes what this model's modules do: bfloat16 activations
-        and weights, transformers' Llama RMSNorm (one epsilon), SiLU, a head dim it takes."""
-        norms = [self.norm] + [n for la in self.layers for n in (la.input_norm, la.post_norm)]
+        and weights, transformers' Llama RMSNorm (one epsilon), SiLU, a head dim it takes,
+        rotary over whole heads, no norms after attention or the MLP, no soft-capping."""
+        norms = [self.norm] + [n for la in self.layers for n in (la.input_norm, la.mlp_norm)]
         eps = {getattr(norm, "variance_epsilon", None) for norm in norms}
         return (
             model.dtype == torch.bfloat16
+            and all(la.out_norms is None and la.softcap is None for la in self.layers)
+            and _rotary_dim(model) == self.layers[0].heads[2]
             and all(type(norm).__name__ in _FUSED_NORMS for norm in norms)
             and all(
                 _weight(n).dtype == torch.bfloat16 and _weight(n).is_contiguous() for n in norms
@@ -107,19 +142,79 @@ class LeanWeights:
         )
 
 
-def _layer(layer: nn.Module, heads: tuple[int, int, int]) -> _Layer:
+def _layer(
+    config: PretrainedConfig, layer: nn.Module, heads: tuple[int, int, int], typed: bool
+) -> _Layer:
     attn, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # norms around attention and the MLP
+    if hasattr(attn, "sliding_window"):  # Qwen2, Qwen3, Gemma: per layer type
+        window = getattr(attn, "sliding_window", None)
+    else:  # Mistral, Phi-3: every layer, the config's
+        window = getattr(config, "sliding_window", None)
+    head_norms = None
+    if hasattr(attn, "q_norm"):
+        head_norms = (attn.get_submodule("q_norm"), attn.get_submodule("k_norm"))
+    if not (scaling := _number(attn, "scaling")):
+        raise Unsupported(f"{type(attn).__name__} keeps no attention scale (scaling)")
+    out_norms = None
+    if gemma:
+        out_norms = tuple(
+            layer.get_submodule(n)
+            for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+        )
     return _Layer(
         input_norm=layer.get_submodule("input_layernorm"),
-        post_norm=layer.get_submodule("post_attention_layernorm"),
-        qkv=Product.of([_linear(attn, n) for n in ("q_proj", "k_proj", "v_proj")]),
+        mlp_norm=layer.get_submodule(
+            "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+        ),
+        qkv=Product.of([_linear(attn, n) for n in _projections(attn, _QKV)]),
         out=Product.of([_linear(attn, "o_proj")]),
-        gate_up=Product.of([_linear(mlp, "gate_proj"), _linear(mlp, "up_proj")]),
+        gate_up=Product.of([_linear(mlp, n) for n in _projections(mlp, _GATE_UP)]),
         down=Product.of([_linear(mlp, "down_proj")]),
         heads=heads,
-        act=mlp.get_submodule("act_fn"),
+        act=_activation(mlp),
         attention=attn,
+        scaling=scaling,
+        window=int(window) if window else None,
+        softcap=_number(attn, "attn_logit_softcapping") or None,
+        head_norms=head_norms,
+        out_norms=out_norms,  # type: ignore[arg-type]  # (two names, two modules)
+        rotary_type=getattr(attn, "layer_type", None) if typed else None,
     )
+
+
+# The projections a layer computes as one product: q/k/v (Phi-3: already one layer) and the
+# MLP's gate and up (gate first: the loop splits the product's output in two halves)
+_QKV = (("qkv_proj",), ("q_proj", "k_proj", "v_proj"))
+_GATE_UP = (("gate_up_proj",), ("gate_proj", "up_proj"))
+
+
+def _projections(module: nn.Module, spellings: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """The names under which `module` holds the product's layers (the first spelling it has
+    all of; check() refuses a layer with none)."""
+    for names in spellings:
+        if all(hasattr(module, name) for name in names):
+            return names
+    raise Unsupported(f"{type(module).__name__} has none of {spellings}")
+
+
+def _number(module: nn.Module, name: str) -> float:
+    """A module's numeric attribute (0.0 where it has none or it is None)."""
+    value = getattr(module, name, None)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _activation(mlp: nn.Module) -> nn.Module:
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # (Phi-3's)
+    if not isinstance(act, nn.Module):
+        raise Unsupported(f"{type(mlp).__name__} has no activation module")
+    return act
+
+
+def _rotary_dim(model: PreTrainedModel) -> int:
+    """How many of a head's dimensions rotary turns (Phi-3, Phi-4: part of the head)."""
+    shape = attention_shape(model)
+    return int(shape[2] * float(getattr(model.config, "partial_rotary_factor", 1.0) or 1.0))
 
 
 class LeanDecoder:
@@ -153,28 +248,35 @@ class LeanDecoder:
             return self._fused_pass(self.fused, input_ids, position_ids, cache, packing)
         w = self.weights
         hidden = w.embed(input_ids)  # [1, tokens, hidden]
-        cos, sin = w.rotary(hidden, position_ids)  # [1, tokens, dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, dim]: over every head
+        rotary = _rotary(w, hidden, position_ids)
         tokens = hidden.shape[1]
         for index, layer in enumerate(w.layers):
             x = layer.input_norm(hidden)[0]
             heads, kv_heads, dim = layer.heads
             qkv = self.run(layer.qkv, x)
-            # Rotary on the queries and keys at once, as transformers' apply_rotary_pos_emb
-            # computes each (the same elementwise operations on the same values).
             qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
-            qk = qk * cos + _rotate_half(qk) * sin
+            if layer.head_norms is not None:
+                q_norm, k_norm = layer.head_norms
+                qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
+            qk = _rotate(qk, *rotary[layer.rotary_type])
             q = qk[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, dim]
             k = qk[:, heads:].transpose(0, 1)[None]
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).transpose(0, 1)[None]
             keys, values = cache.update(k, v, index)
             attended, _ = packed_attention(
-                layer.attention, q, keys, values, packing.mask, w.scaling, packing=packing
-            )
-            hidden = hidden + self.run(layer.out, attended.reshape(tokens, heads * dim))[None]
-            x = layer.post_norm(hidden)[0]
+                layer.attention, q, keys, values, packing.mask, layer.scaling, packing=packing,
+                sliding_window=layer.window, softcap=layer.softcap,
+            )  # fmt: skip
+            attention_out = self.run(layer.out, attended.reshape(tokens, heads * dim))[None]
+            if layer.out_norms is not None:
+                attention_out = layer.out_norms[0](attention_out)
+            hidden = hidden + attention_out
+            x = layer.mlp_norm(hidden)[0]
             gate, up = self.run(layer.gate_up, x).chunk(2, dim=-1)
-            hidden = hidden + self.run(layer.down, layer.act(gate) * up)[None]
+            mlp_out = self.run(layer.down, layer.act(gate) * up)[None]
+            if layer.out_norms is not None:
+                mlp_out = layer.out_norms[1](mlp_out)
+            hidden = hidden + mlp_out
         out: torch.Tensor = w.norm(hidden)[0]
         return out
 
@@ -200,7 +302,7 @@ class LeanDecoder:
         mask = packing.mask
         narrow = mask.is_contiguous()
         mask_rows = packing.tokens.contiguous()
-        if narrow and self._layers is not None and self._all_gemv(tokens):
+        if narrow and self._layers is not None and self._all_gemv(tokens) and w.plain:
             self._whole_pass(fused, hidden, normed, cos, sin, cache, mask, mask_rows)
             return normed
         eps, weights = w.eps, w.norm_weights
@@ -208,20 +310,27 @@ class LeanDecoder:
         for index, layer in enumerate(w.layers):
             heads, kv_heads, dim = layer.heads
             qkv = self.run(layer.qkv, normed)
+            if layer.head_norms is not None:  # (in place, before rotary: Qwen3)
+                q_norm, k_norm = layer.head_norms
+                qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+                qk[:, :heads] = q_norm(qk[:, :heads])
+                qk[:, heads:] = k_norm(qk[:, heads:])
             like = qkv.new_empty(1, kv_heads, 1, dim)
             keys, values, rows, positions = cache.layer_for_kernel(index, like)
             fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
             if narrow:
                 attended = hidden.new_empty(tokens, heads * dim)
+                layer_mask = packing.windowed_mask(layer.window) if layer.window else mask
                 fused.attention(
-                    qkv, attended, layer.heads, keys, values, rows, mask, mask_rows, w.scaling
-                )
+                    qkv, attended, layer.heads, keys, values, rows, layer_mask, mask_rows,
+                    layer.scaling,
+                )  # fmt: skip
             else:
                 q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
                 bound_keys, bound_values = cache.bound_rows(index)
                 out, _ = packed_attention(
-                    layer.attention, q, bound_keys, bound_values, mask, w.scaling,
-                    packing=packing,
+                    layer.attention, q, bound_keys, bound_values, mask, layer.scaling,
+                    packing=packing, sliding_window=layer.window,
                 )  # fmt: skip
                 attended = out.reshape(tokens, heads * dim)
             fused.add_rmsnorm(
@@ -271,7 +380,7 @@ class LeanDecoder:
                 else:
                     assert product.bias is None  # check(): no biased MLP
             described.input_norm = w.norm_weights[2 * index].data_ptr()
-            described.post_norm = w.norm_weights[2 * index + 1].data_ptr()
+            described.post_norm = w.norm_weights[2 * index + 1].data_ptr()  # (the MLP's)
         return layers
 
     def _whole_pass(
@@ -304,7 +413,7 @@ class LeanDecoder:
             eps=w.eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache_rows=rows.data_ptr(),
             positions=positions.data_ptr(), capacity=keys.shape[2], mask=mask.data_ptr(),
             mask_bf16=int(mask.dtype == torch.bfloat16), mask_rows=mask_rows.data_ptr(),
-            kv_length=mask.shape[-1], scale=w.scaling,
+            kv_length=mask.shape[-1], scale=w.layers[0].scaling,
             bf16_product=fused.amx_product if self.plan.kernel(tokens) is Kernel.AMX else None,
         )  # fmt: skip
         fused.decoder_pass(arguments)
@@ -322,6 +431,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotary(
+    weights: LeanWeights, hidden: torch.Tensor, position_ids: torch.Tensor
+) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """cos and sin [tokens, 1, rotary dim] (over every head) by the layers' rotary_type: one
+    pair for most models, one per layer type for Gemma 3 (local and global bases)."""
+    pairs = {}
+    for kind in {layer.rotary_type for layer in weights.layers}:
+        args = (hidden, position_ids) if kind is None else (hidden, position_ids, kind)
+        cos, sin = weights.rotary(*args)  # [1, tokens, rotary dim]
+        pairs[kind] = (cos[0, :, None], sin[0, :, None])
+    return pairs
+
+
+def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on queries and keys [tokens, heads, dim] at once, as transformers'
+    apply_rotary_pos_emb computes each (the same elementwise operations on the same values);
+    where cos is narrower than a head (Phi-3's partial rotary), on its first dimensions only."""
+    turned = cos.shape[-1]
+    if turned == qk.shape[-1]:
+        return qk * cos + _rotate_half(qk) * sin
+    part = qk[..., :turned]
+    return torch.cat((part * cos + _rotate_half(part) * sin, qk[..., turned:]), dim=-1)
+
+
 def _linear(module: nn.Module, name: str) -> Linear:
     layer = module.get_submodule(name)
     assert isinstance(layer, (nn.Linear, Int8Linear, Int4Linear, GroupedLinear))  # check()
@@ -335,25 +468,24 @@ def check(model: PreTrainedModel) -> None:
         raise Unsupported(
             f"model type {config.model_type!r} (the lean forward serves {sorted(FAMILIES)})"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise Unsupported("sliding-window attention")
     if getattr(config, "mlp_bias", False):
         raise Unsupported("biased MLP layers")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("bidirectional attention")
     inner = model.base_model
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb"):
         raise Unsupported("no decoder layers or rotary embedding where Llama keeps them")
     kinds = set()
     for layer in layers:
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            kinds.add(type(getattr(attn, name, None)))
-            if kinds - _LINEARS:
-                raise Unsupported(f"{name} is not a plain linear layer")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            kinds.add(type(getattr(layer.mlp, name, None)))
-            if kinds - _LINEARS:
-                raise Unsupported(f"mlp.{name} is not a plain linear layer")
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, names in ((attn, (*_projections(attn, _QKV), "o_proj")),
+                              (mlp, (*_projections(mlp, _GATE_UP), "down_proj"))):  # fmt: skip
+            for name in names:
+                kinds.add(type(getattr(module, name, None)))
+                if kinds - _LINEARS:
+                    raise Unsupported(f"{name} is not a plain linear layer")
+        _activation(mlp)
     if len(kinds) > 1:
         raise Unsupported(
             "the linear layers are not all of one kind (bf16, int8, int4 or the file's own)"

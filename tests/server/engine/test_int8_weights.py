@@ -231,12 +231,28 @@ def test_float32_int8_decoding_is_transformers_generate_of_the_quantized_model(
     check_float32_decoding_is_generate(target)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3", "gemma3_text"])
+def test_float32_int8_decoding_of_the_other_families_is_transformers_generate(
+    kernel: str, model_type: str, tokenizer, tmp_path: Path
+) -> None:
+    """The same for the families whose layers differ from Llama's (Qwen3's head norms,
+    Phi-3's q/k/v and gate/up kept as one layer each, Gemma 3's norms and windows): every
+    decoder layer int8 (Phi-3's joined ones too), through the lean forward."""
+    directory = save_architecture(tmp_path / model_type, tokenizer, model_type)
+    target = _served(directory, "float32", kernel)
+    assert target.plan.forward is ForwardKind.LEAN
+    layer = target.model.base_model.layers[0]
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and isinstance(layer.mlp.down_proj, Int8Linear)
+    check_float32_decoding_is_generate(target)
+
+
 @pytest.mark.parametrize(
     ("model_type", "dtype", "reason"),
     [
         ("llama", "float16", "bfloat16 or float32"),
-        ("gemma2", "float32", "does not serve this model: model type 'gemma2'"),
-        ("mistral", "float32", "sliding-window"),
+        ("gpt2", "float32", "does not serve this model: model type 'gpt2'"),
+        ("phi", "float32", "does not serve this model: model type 'phi'"),
     ],
 )
 def test_int8_is_refused_at_load_where_the_lean_forward_cannot_serve_it(

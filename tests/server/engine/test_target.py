@@ -65,7 +65,7 @@ def test_a_cpu_with_native_bf16_reads_no_model_for_the_avx2_rule(
         raise AssertionError("the model was read")
 
     monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(target_module, "_lean_model_type", unread)
+    monkeypatch.setattr(target_module, "_model_type", unread)
     lean = ExecutionOptions(lean=LeanMode.AUTO)
     assert not target_module._avx2_step(tiny_model_dir, None, torch.device("cpu"), lean)
     monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)

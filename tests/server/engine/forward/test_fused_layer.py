@@ -257,7 +257,13 @@ def _served(
     return target
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+# The families the layer kernels take (the others' norms are not Llama's RMSNorm): Qwen2's
+# biases, Qwen3's head norms, Phi-3's fused projections, Mistral's window on every layer and
+# Qwen2's on some (windows of 16 positions, shorter than the prompt)
+FUSED_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mistral", "qwen2-windowed"]
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
 def test_fused_pass_logits_match_transformers_layers(
     model_type: str, tokenizer, tmp_path: Path
 ) -> None:
@@ -265,7 +271,9 @@ def test_fused_pass_logits_match_transformers_layers(
     attention for every width) through the fused step gives transformers' bf16 logits up to
     bf16 rounding, and the same argmax wherever transformers' top two are further apart than
     that rounding (a nearer tie may go either way: two kernels sum in two orders)."""
-    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS)
+    directory = save_architecture(
+        tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS, head_dim=32
+    )
     stock, fast = _served(directory, None), _served(directory, EVERY_GEMV)
     ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
     compared = 0
@@ -279,13 +287,17 @@ def test_fused_pass_logits_match_transformers_layers(
     assert compared >= 24  # most of the 48 rows are compared
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
 def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
-    tokenizer, tmp_path: Path
+    model_type: str, tokenizer, tmp_path: Path
 ) -> None:
     """With the GEMV for every product (a row's sums independent of the pass) and the fused
     attention, bf16 greedy speculation is plain decoding token for token, whatever the
-    draft proposes: always right, never right, or token trees partly right."""
-    directory = save_architecture(tmp_path / "llama", tokenizer, "llama", **WIDE_HEADS)
+    draft proposes: always right, never right, or token trees partly right (Qwen3: head
+    norms between the kernels; Mistral: a window)."""
+    directory = save_architecture(
+        tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS, head_dim=32
+    )
     target = _served(directory, EVERY_GEMV)
     assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")
 

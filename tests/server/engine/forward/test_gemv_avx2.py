@@ -301,7 +301,7 @@ def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
 ) -> None:
     """--dtype auto on a CPU without native bf16: bfloat16 where the AVX2 kernels run the
     lean forward's step (a Llama), float32 where they would not (the lean forward off, no
-    kernels asked for, a model family or a sliding window it does not serve)."""
+    kernels asked for, a model family it does not serve); a sliding window is served."""
     monkeypatch.setattr(target_module, "cpu_has_native_bf16", lambda: False)
     lean = ExecutionOptions(lean=LeanMode.AUTO)
 
@@ -315,7 +315,8 @@ def test_auto_dtype_is_bf16_where_the_avx2_kernels_compute_the_step(
     other = save_architecture(tmp_path / "gpt2", tokenizer, "gpt2")
     assert dtype(other, lean) is torch.float32
     windowed = save_architecture(tmp_path / "mistral", tokenizer, "mistral", sliding_window=8)
-    assert dtype(windowed, lean) is torch.float32  # (the lean forward serves no window)
+    served = TargetModel.load(windowed, device="cpu", execution=lean)
+    assert served.dtype is torch.bfloat16 and served.plan.forward is ForwardKind.LEAN
     gguf = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama(tokenizer), tokenizer)
     loaded = TargetModel.load(gguf, device="cpu", execution=lean, gguf_cache=tmp_path / "cache")
     assert loaded.dtype is torch.bfloat16  # (a GGUF file: its header's architecture)
