@@ -182,22 +182,23 @@ class ContextSession(DraftSession, Branching):
     def copies(self, k: int, min_match: int) -> Candidates:
         """The matched chains (own context, suffix index) of matches at least `min_match`
         tokens long, the longest first (a tie: the request's own)."""
-        chains = [pair for pair in self._matched_chains(k) if pair[0] >= min_match]
+        chains = self._matched_chains(k, min_match)
         chains.sort(key=lambda pair: -pair[0])
         return tuple(chain for _, chain in chains)
 
-    def _matched_chains(self, k: int) -> list[tuple[int, Chain]]:
-        """(match length, chain) of the request's own context and of the suffix index."""
+    def _matched_chains(self, k: int, min_match: int = 1) -> list[tuple[int, Chain]]:
+        """(match length, chain) of the request's own context and of the suffix index, of
+        matches at least `min_match` tokens long (a shorter one's chain is not built)."""
         chains: list[tuple[int, Chain]] = []
         longest = max(k, self._long)
         tokens, matched = self._index.continuation(longest)
-        if matched:
+        if matched >= max(1, min_match):
             reach = self._reach(k, matched)
             chains.append(
                 (matched, self._chain(tokens[:reach], reach, _source("context", matched)))
             )
         if self._suffix is not None:
-            found, length = self._suffix.propose(self._index.tokens, longest)
+            found, length = self._suffix.propose(self._index.tokens, longest, min_match)
             if found:
                 reach = self._reach(k, length)
                 chains.append(

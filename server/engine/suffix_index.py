@@ -162,18 +162,22 @@ class SuffixIndex:
         for answer in answers:
             self.add(answer)
 
-    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+    def propose(self, context: Sequence[int], k: int, min_match: int = 0) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest earlier exact match of the context's last
-        tokens (majority vote among equally long matches), and that match length (0: none)."""
-        return propose_across((self,), context, k)
+        tokens (majority vote among equally long matches), and that match length (0: none,
+        or none of at least `min_match` tokens)."""
+        return propose_across((self,), context, k, min_match)
 
-    def _longest(self, tail: array[int]) -> tuple[int, list[tuple[array[int], int]]]:
-        """The longest match length and its candidates (segment tokens, continuation start);
-        the caller holds the lock."""
+    def _longest(
+        self, tail: array[int], keys: tuple[int, ...] = KEY_LENGTHS
+    ) -> tuple[int, list[tuple[array[int], int]]]:
+        """The longest match length and its candidates (segment tokens, continuation start)
+        among the positions that followed the tail's last `keys`-grams; the caller holds the
+        lock."""
         best, found = 0, []
         for segment in self._segments:
             positions: set[int] = set()
-            for length in KEY_LENGTHS:
+            for length in keys:
                 if len(tail) >= length:
                     positions.update(segment.buckets.get(hash(tuple(tail[-length:])), ()))
             for position in sorted(positions):  # oldest first: the vote's ties go to the newest
@@ -260,25 +264,33 @@ def _corpus_line(line: str, vocab_size: int | None) -> list[int]:
 
 
 def propose_across(
-    indices: Sequence[SuffixIndex], context: Sequence[int], k: int
+    indices: Sequence[SuffixIndex], context: Sequence[int], k: int, min_match: int = 0
 ) -> tuple[list[int], int]:
     """SuffixIndex.propose over several indices as if they were one, the earlier ones older
     (a tenant's view: the seeded corpus, then its own answers): the longest match in any of
     them, the vote among every equally long one. Options (max_match, min_probability) are
-    the first index's."""
-    if not indices or k <= 0 or len(context) < min(KEY_LENGTHS):
+    the first index's.
+
+    A match of at least `min_match` tokens ends with the context's last n-gram for every key
+    length n up to min_match, so only the longest such key is searched (an open breaker's
+    copies ask for 4: the 4-gram's few positions, not the common bigram's many)."""
+    if not indices or k <= 0 or len(context) < max(min(KEY_LENGTHS), min_match):
         return [], 0
+    within = [length for length in KEY_LENGTHS if length <= min_match]
+    keys = (max(within),) if within else KEY_LENGTHS
     first = indices[0]
     tail = array("i", context[-first.max_match :])
     with contextlib.ExitStack() as locks:  # in the given order; an add takes one lock only
         best, found = 0, []
         for index in indices:
             locks.enter_context(index._lock)
-            matched, candidates = index._longest(tail)
+            matched, candidates = index._longest(tail, keys)
             if matched > best:
                 best, found = matched, candidates
             elif matched == best and matched:
                 found += candidates
+        if best < min_match:
+            return [], 0
         return _vote(found, k, first.min_probability), best
 
 

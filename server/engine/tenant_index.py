@@ -129,11 +129,12 @@ class TenantView:
         self._indexes = indexes
         self.tenant = tenant
 
-    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+    def propose(self, context: Sequence[int], k: int, min_match: int = 0) -> tuple[list[int], int]:
         """As SuffixIndex.propose, over the corpus then the tenant's answers (newer)."""
         own = self._indexes.learned(self.tenant)  # looked up each round: learns as it serves
         seeded = self._indexes.seeded
-        return propose_across((seeded,) if own is None else (seeded, own), context, k)
+        indices = (seeded,) if own is None else (seeded, own)
+        return propose_across(indices, context, k, min_match)
 
 
 def _segment_tokens(share: int) -> int:

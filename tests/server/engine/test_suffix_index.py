@@ -37,6 +37,39 @@ def test_the_longest_match_wins_over_a_more_recent_shorter_one() -> None:
     assert index.propose([0, 0, 4, 5], 2) == ([8, 8], 2)  # only 2 tokens match either: newest
 
 
+def test_a_minimum_match_searches_only_the_long_keys_and_drops_shorter_matches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """propose(min_match=4), an open breaker's copies: the same chain as without it where the
+    longest match is 4+ tokens, none where it is shorter; and only the 4-gram's positions are
+    searched, not the bigram's (each indexed position is checked once at most)."""
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6, 7])
+    index.add([9, 4, 5, 8, 8])
+    for tail in ([0, 1, 2, 3, 4, 5], [0, 0, 4, 5], [9, 3, 4, 5]):
+        full = index.propose(tail, 2)
+        expected = full if full[1] >= 4 else ([], 0)
+        assert index.propose(tail, 2, min_match=4) == expected
+    assert index.propose([2, 3, 4, 5], 2, min_match=4) == ([6, 7], 4)
+    assert index.propose([0, 2, 3, 4, 5], 2, min_match=5) == ([], 0)  # 4 tokens match: short
+    teams = TenantSuffixIndex(index).view("a")  # (the tenants' view: the same rule)
+    assert teams.propose([0, 0, 4, 5], 2, min_match=4) == ([], 0)
+    assert teams.propose([0, 1, 2, 3, 4, 5], 2, min_match=4) == ([6, 7], 5)
+    checked: list[int] = []
+    segment = type(index._segments[0])
+    match_length = segment.match_length
+    monkeypatch.setattr(
+        segment,
+        "match_length",
+        lambda self, at, *a: checked.append(at) or match_length(self, at, *a),
+    )
+    index.propose([0, 0, 4, 5], 2)
+    assert len(checked) == 2  # (4 5 -> 6 and 4 5 -> 8: the bigram's positions)
+    checked.clear()
+    index.propose([0, 0, 4, 5], 2, min_match=4)
+    assert checked == []  # no 4-gram ends 0 0 4 5
+
+
 def test_equally_long_matches_vote_for_the_most_frequent_continuation() -> None:
     index = SuffixIndex()
     for answer in ([5, 6, 7, 1, 1], [5, 6, 7, 1, 2], [5, 6, 7, 2, 3]):
