@@ -152,9 +152,12 @@ def save_architecture(
     model_type: str,
     *,
     seed: int = 0,
+    random_norms: bool = False,
     **overrides: object,
 ) -> Path:
-    """A random tiny model of `model_type` (a key of ARCHITECTURES) saved with its tokenizer."""
+    """A random tiny model of `model_type` (a key of ARCHITECTURES) saved with its tokenizer;
+    with `random_norms`, each RMSNorm's weight random too, so that norms differ from layer to
+    layer and a norm applied with another's weight shows."""
     config_name, model_name, fields = ARCHITECTURES[model_type]
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
@@ -164,4 +167,12 @@ def save_architecture(
         **{**fields(), **overrides},
     )
     torch.manual_seed(seed)
-    return tiny.save_model(getattr(transformers, model_name)(config), tokenizer, directory)
+    model = getattr(transformers, model_name)(config)
+    if random_norms:  # (Gemma's start at 0 and Llama's at 1: every norm alike)
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module).__name__.endswith("RMSNorm"):
+                    module.weight.normal_(0.0, 0.3).add_(
+                        1.0 if hasattr(module, "variance_epsilon") else 0.0
+                    )
+    return tiny.save_model(model, tokenizer, directory)

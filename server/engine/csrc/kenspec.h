@@ -12,6 +12,7 @@
  *   step.c       + AVX512-BF16        a whole decoder pass in one call
  *   gemv_u8s8.c  + AVX512-VNNI        the screened output layer's int8 x int8 product
  *   layout.c     any x86-64           the structs' sizes and offsets, checked by ctypes at load
+ *   norms.c      any x86-64           Gemma's RMSNorm: its residual step and head norms
  */
 #ifndef KENSPEC_H
 #define KENSPEC_H
@@ -136,5 +137,12 @@ int kenspec_decoder_pass_avx2(const kenspec_pass *pass);
 /* layout.c: which = 0 (kenspec_layer) or 1 (kenspec_pass); writes each member's offset, in
  * declaration order, into offsets (at most room of them); returns the struct's size. */
 long kenspec_layout(int which, long *offsets, long room);
+
+/* norms.c: Gemma 3's norms for the lean forward (bfloat16 rows, float32 arithmetic). */
+void kenspec_gemma_head_norms(uint16_t *qkv, long tokens, long heads, long kv_heads, long dim,
+                              const uint16_t *q_weight, const uint16_t *k_weight, float eps);
+void kenspec_gemma_add_norm(uint16_t *hidden, uint16_t *delta, const uint16_t *delta_weight,
+                            const uint16_t *weight, uint16_t *normed, long rows, long n,
+                            float eps);
 
 #endif

@@ -105,6 +105,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_top_probs_avx2": (None, [_P] + [_L] * 3 + [_P] * 2, Isa.AVX2),
     "kenspec_decoder_pass_avx2": (_I, [ctypes.POINTER(PassArgs)], Isa.AVX2),
     "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
+    "kenspec_gemma_head_norms": (None, [_P] + [_L] * 4 + [_P] * 2 + [_F], None),
+    "kenspec_gemma_add_norm": (None, [_P] * 5 + [_L] * 2 + [_F], None),
 }
 
 
@@ -326,6 +328,39 @@ class CpuKernels:
         rows, n = hidden.shape
         self._layer(
             "kenspec_add_rmsnorm", hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+            weight.data_ptr(), normed.data_ptr(), rows, n, eps,
+        )  # fmt: skip
+
+    def gemma_head_norms(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """Gemma 3's q_norm and k_norm on qkv's query and key heads, in place (norms.c)."""
+        self._call(
+            "kenspec_gemma_head_norms", qkv.data_ptr(), qkv.shape[0], *heads,
+            q_weight.data_ptr(), k_weight.data_ptr(), eps,
+        )  # fmt: skip
+
+    def gemma_add_norm(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        delta_weight: torch.Tensor | None,
+        weight: torch.Tensor,
+        normed: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """Gemma's residual step: hidden += norm(delta) in place (None: nothing to add; delta
+        is overwritten), then normed = norm(hidden) (norms.c)."""
+        rows, n = hidden.shape
+        self._call(
+            "kenspec_gemma_add_norm", hidden.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            None if delta_weight is None else delta_weight.data_ptr(),
             weight.data_ptr(), normed.data_ptr(), rows, n, eps,
         )  # fmt: skip
 

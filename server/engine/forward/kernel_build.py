@@ -82,6 +82,7 @@ UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("gemv_u8s8.c", Isa.VNNI),
     ("gemv_amx.c", Isa.AMX),
     ("layout.c", None),
+    ("norms.c", None),
 )
 
 

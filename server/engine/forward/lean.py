@@ -56,6 +56,8 @@ GGUF_FAMILIES = FAMILIES | {"gemma3"}
 _FUSED_NORMS = frozenset(
     {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
 )
+# ... and Gemma's: float32 throughout, times (1 + weight), as csrc/norms.c computes
+_GEMMA_NORMS = frozenset({"Gemma3RMSNorm"})
 _LINEARS = frozenset({nn.Linear, Int8Linear, Int4Linear, GroupedLinear})
 
 
@@ -113,8 +115,10 @@ class LeanWeights:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.mlp_norm)]
         # The fused loop's norm weights in the order it applies them, the final norm's last
         self.norm_weights = [_weight(norm) for norm in (*norms, self.norm)]
-        self.eps = float(getattr(self.norm, "variance_epsilon", 0.0))
+        self.eps = float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 0.0)))
         self.quantized = quantized_kind(self.products)
+        # Gemma's layers: norms of the attention's and the MLP's outputs too
+        self.gemma = any(layer.out_norms is not None for layer in self.layers)
 
     @property
     def plain(self) -> bool:
@@ -122,9 +126,35 @@ class LeanWeights:
         return all(layer.plain for layer in self.layers)
 
     def fusable(self, model: PreTrainedModel) -> bool:
-        """Whether csrc/layer.c computes what this model's modules do: bfloat16 activations
-        and weights, transformers' Llama RMSNorm (one epsilon), SiLU, a head dim it takes,
-        rotary over whole heads, no norms after attention or the MLP, no soft-capping."""
+        """Whether the layer kernels compute what this model's modules do: Llama's layers
+        (`_llama_fusable`) or Gemma 3's (`_gemma_fusable`)."""
+        return self._gemma_fusable(model) if self.gemma else self._llama_fusable(model)
+
+    def _gemma_fusable(self, model: PreTrainedModel) -> bool:
+        """Gemma 3's: bfloat16, transformers' Gemma3RMSNorm everywhere (one epsilon; csrc/
+        norms.c), head norms, no soft-capped scores, rotary over whole heads, heads the
+        attention kernel takes; the MLP's activation stays the model's own module."""
+        norms = [self.norm]
+        for la in self.layers:
+            if la.out_norms is None or la.head_norms is None or la.softcap is not None:
+                return False
+            norms += [la.input_norm, la.mlp_norm, *la.out_norms, *la.head_norms]
+        return (
+            model.dtype == torch.bfloat16
+            and all(type(norm).__name__ in _GEMMA_NORMS for norm in norms)
+            and all(
+                _weight(n).dtype == torch.bfloat16 and _weight(n).is_contiguous() for n in norms
+            )
+            and len({getattr(norm, "eps", None) for norm in norms}) == 1
+            and _rotary_dim(model) == self.layers[0].heads[2]
+            and all(la.heads[2] % 32 == 0 and la.heads[2] <= 256 for la in self.layers)
+            and all(la.heads[0] % la.heads[1] == 0 for la in self.layers)
+        )
+
+    def _llama_fusable(self, model: PreTrainedModel) -> bool:
+        """csrc/layer.c's layers: bfloat16 activations and weights, transformers' Llama
+        RMSNorm (one epsilon), SiLU, a head dim it takes, rotary over whole heads, no norms
+        after attention or the MLP, no soft-capping."""
         norms = [self.norm] + [n for la in self.layers for n in (la.input_norm, la.mlp_norm)]
         eps = {getattr(norm, "variance_epsilon", None) for norm in norms}
         return (
@@ -229,7 +259,14 @@ class LeanDecoder:
         # (the plan takes the layer kernels only where they run: AVX512-BF16)
         self.fused = kernels if plan.fused_layer else None
         # csrc/step.c's description of every layer (its cache pointers set per pass)
-        self._layers = self._describe_layers() if self.fused is not None else None
+        fused_llama = self.fused is not None and not weights.gemma
+        self._layers = self._describe_layers() if fused_llama else None
+        # Gemma's norm weights by layer: input, post-attention, pre-MLP, post-MLP, q, k
+        self._gemma_norms = [
+            tuple(_weight(n) for n in (la.input_norm, *la.out_norms[:1], la.mlp_norm,
+                                       *la.out_norms[1:], *(la.head_norms or ())))
+            for la in weights.layers if la.out_norms is not None
+        ]  # fmt: skip
         lay_out(weights.products, self.plan)
 
     def run(self, product: Product, x: torch.Tensor) -> torch.Tensor:
@@ -244,6 +281,8 @@ class LeanDecoder:
     ) -> torch.Tensor:
         """The final hidden states [tokens, hidden] of a packed pass (as the base model's
         last_hidden_state[0]); writes the pass's keys and values into the bound cache rows."""
+        if self.fused is not None and self.weights.gemma:
+            return self._gemma_pass(self.fused, input_ids, position_ids, cache, packing)
         if self.fused is not None:
             return self._fused_pass(self.fused, input_ids, position_ids, cache, packing)
         w = self.weights
@@ -342,6 +381,64 @@ class LeanDecoder:
             fused.add_rmsnorm(
                 hidden, self.run(layer.down, act), weights[2 * index + 2], normed, eps
             )
+        return normed
+
+    def _gemma_pass(
+        self,
+        fused: CpuKernels,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: SlotCache,
+        packing: Packing,
+    ) -> torch.Tensor:
+        """`__call__` for Gemma 3 with the work between the products in C: its norms and
+        residual adds (csrc/norms.c: after attention the post-attention norm, the add and the
+        pre-MLP norm in one call, after the MLP the post-MLP norm, the add and the next layer's
+        input norm), head norms, rotary with the cache write and attention (layer.c's or
+        layer_avx2.c's, a windowed layer's mask from the packing); GELU stays the model's."""
+        w = self.weights
+        hidden = w.embed(input_ids)[0].contiguous()  # [tokens, hidden] (scaled), in place
+        rotary = {
+            kind: (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+            for kind, (cos, sin) in _rotary(w, hidden[None], position_ids).items()
+        }
+        tokens = hidden.shape[0]
+        normed = torch.empty_like(hidden)
+        mask = packing.mask
+        narrow = mask.is_contiguous()
+        mask_rows = packing.tokens.contiguous()
+        eps, norms = w.eps, self._gemma_norms
+        fused.gemma_add_norm(hidden, None, None, norms[0][0], normed, eps)
+        for index, layer in enumerate(w.layers):
+            _, post_attention, pre_mlp, post_mlp, q_weight, k_weight = norms[index]
+            heads, kv_heads, dim = layer.heads
+            qkv = self.run(layer.qkv, normed)
+            fused.gemma_head_norms(qkv, layer.heads, q_weight, k_weight, eps)
+            cos, sin = rotary[layer.rotary_type]
+            like = qkv.new_empty(1, kv_heads, 1, dim)
+            keys, values, rows, positions = cache.layer_for_kernel(index, like)
+            fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
+            if narrow:
+                attended = hidden.new_empty(tokens, heads * dim)
+                layer_mask = packing.windowed_mask(layer.window) if layer.window else mask
+                fused.attention(
+                    qkv, attended, layer.heads, keys, values, rows, layer_mask, mask_rows,
+                    layer.scaling,
+                )  # fmt: skip
+            else:
+                q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
+                bound_keys, bound_values = cache.bound_rows(index)
+                out, _ = packed_attention(
+                    layer.attention, q, bound_keys, bound_values, mask, layer.scaling,
+                    packing=packing, sliding_window=layer.window,
+                )  # fmt: skip
+                attended = out.reshape(tokens, heads * dim)
+            delta = self.run(layer.out, attended).contiguous()
+            fused.gemma_add_norm(hidden, delta, post_attention, pre_mlp, normed, eps)
+            gate, up = self.run(layer.gate_up, normed).chunk(2, dim=-1)
+            delta = self.run(layer.down, layer.act(gate) * up).contiguous()
+            following = norms[index + 1][0] if index + 1 < len(norms) else w.norm_weights[-1]
+            fused.gemma_add_norm(hidden, delta, post_mlp, following, normed, eps)
         return normed
 
     def _all_gemv(self, tokens: int) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kenspec.server.engine.forward.cpu_kernels import CpuKernels, Isa, load_kernels
@@ -81,6 +82,56 @@ def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int, layer: CpuKe
     before = hidden.clone()
     layer.add_rmsnorm(hidden, None, norm.weight.detach(), normed, 1e-5)
     assert torch.equal(hidden, before)
+
+
+@pytest.mark.parametrize("n", [640, 256, 40])
+def test_gemma_add_norm_is_gemmas_sandwich_of_norm_add_norm(n: int) -> None:
+    """norms.c (any CPU): hidden + post_norm(delta), then the next norm of the sum, each as
+    transformers' Gemma3RMSNorm computes it (float32, times 1 + weight)."""
+    assert LAYER is not None
+    torch.manual_seed(3)
+    post, following = (Gemma3RMSNorm(n, eps=1e-6) for _ in range(2))
+    with torch.no_grad():
+        for norm in (post, following):
+            norm.weight.normal_(0.0, 0.5)
+    post, following = post.to(BF16), following.to(BF16)
+    hidden, delta = torch.randn(5, n).to(BF16), (torch.randn(5, n) * 3).to(BF16)
+    with torch.inference_mode():
+        summed = hidden + post(delta)
+        expected = following(summed)
+    normed = torch.empty_like(hidden)
+    weights = post.weight.detach(), following.weight.detach()
+    LAYER.gemma_add_norm(hidden, delta.clone(), *weights, normed, 1e-6)
+    # The mean of squares is summed in another order: at most one bf16 step apart.
+    assert int(_ulps(hidden, summed).max()) <= 1 and (hidden == summed).float().mean() > 0.99
+    assert int(_ulps(normed, expected).max()) <= 1 and (normed == expected).float().mean() > 0.99
+    before = hidden.clone()
+    LAYER.gemma_add_norm(hidden, None, None, weights[1], normed, 1e-6)
+    assert torch.equal(hidden, before)
+    assert int(_ulps(normed, following(before).detach()).max()) <= 1
+
+
+def test_gemma_head_norms_are_q_norm_and_k_norm_in_place() -> None:
+    assert LAYER is not None
+    torch.manual_seed(4)
+    heads, kv_heads, dim, tokens = 4, 1, 256, 3
+    q_norm, k_norm = (Gemma3RMSNorm(dim, eps=1e-6) for _ in range(2))
+    with torch.no_grad():
+        q_norm.weight.normal_(0.0, 0.5)
+        k_norm.weight.normal_(0.0, 0.5)
+    q_norm, k_norm = q_norm.to(BF16), k_norm.to(BF16)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(BF16)
+    split = qkv.view(tokens, heads + 2 * kv_heads, dim)
+    with torch.inference_mode():
+        expected = torch.cat(
+            (q_norm(split[:, :heads]), k_norm(split[:, heads : heads + kv_heads]),
+             split[:, heads + kv_heads :]), dim=1,
+        ).view(tokens, -1)  # fmt: skip
+    LAYER.gemma_head_norms(
+        qkv, (heads, kv_heads, dim), q_norm.weight.detach(), k_norm.weight.detach(), 1e-6
+    )
+    assert int(_ulps(qkv, expected).max()) <= 1 and (qkv == expected).float().mean() > 0.99
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], expected[:, (heads + kv_heads) * dim :])
 
 
 def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values(
@@ -257,10 +308,10 @@ def _served(
     return target
 
 
-# The families the layer kernels take (the others' norms are not Llama's RMSNorm): Qwen2's
-# biases, Qwen3's head norms, Phi-3's fused projections, Mistral's window on every layer and
-# Qwen2's on some (windows of 16 positions, shorter than the prompt)
-FUSED_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mistral", "qwen2-windowed"]
+# The families the layer kernels take: Qwen2's biases, Qwen3's head norms, Phi-3's fused
+# projections, Mistral's window on every layer and Qwen2's on some (windows of 16 positions,
+# shorter than the prompt), Gemma 3's norms (csrc/norms.c), head norms and windowed layers
+FUSED_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mistral", "qwen2-windowed", "gemma3_text"]
 
 
 @pytest.mark.parametrize("model_type", FUSED_FAMILIES)
@@ -272,7 +323,7 @@ def test_fused_pass_logits_match_transformers_layers(
     bf16 rounding, and the same argmax wherever transformers' top two are further apart than
     that rounding (a nearer tie may go either way: two kernels sum in two orders)."""
     directory = save_architecture(
-        tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS, head_dim=32
+        tmp_path / model_type, tokenizer, model_type, random_norms=True, **WIDE_HEADS, head_dim=32
     )
     stock, fast = _served(directory, None), _served(directory, EVERY_GEMV)
     ids = stock.encode_prompt("The quick brown fox jumps over the lazy dog, twice: " * 3)
@@ -287,16 +338,16 @@ def test_fused_pass_logits_match_transformers_layers(
     assert compared >= 24  # most of the 48 rows are compared
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_bf16_speculation_through_row_independent_kernels_is_plain_decoding(
     model_type: str, tokenizer, tmp_path: Path
 ) -> None:
     """With the GEMV for every product (a row's sums independent of the pass) and the fused
     attention, bf16 greedy speculation is plain decoding token for token, whatever the
     draft proposes: always right, never right, or token trees partly right (Qwen3: head
-    norms between the kernels; Mistral: a window)."""
+    norms between the kernels; Mistral: a window; Gemma 3: norms.c's norms)."""
     directory = save_architecture(
-        tmp_path / model_type, tokenizer, model_type, **WIDE_HEADS, head_dim=32
+        tmp_path / model_type, tokenizer, model_type, random_norms=True, **WIDE_HEADS, head_dim=32
     )
     target = _served(directory, EVERY_GEMV)
     assert_speculation_is_plain_decoding(target, PROMPTS, tmp_path / "never.arpa")

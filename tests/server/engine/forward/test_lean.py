@@ -250,7 +250,9 @@ def test_float32_greedy_of_each_family_is_transformers_generate(
 ) -> None:
     """Through the lean loop, each family's float32 greedy output with speculation (a partly
     matching draft, token trees) is transformers' own, token for token, past its windows."""
-    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **overrides)
+    directory = save_architecture(
+        tmp_path / model_type, tokenizer, model_type, random_norms=True, **overrides
+    )
     shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     served = _served(directory, "float32", RowPlan())
     arpa_rows, references = [], []
@@ -279,7 +281,9 @@ def test_a_pass_of_each_family_gives_its_own_forwards_logits(
     """A float32 prefill and passes of 1 and 7 tokens through the lean loop give the logits of
     transformers' own forward on the whole sequence (the lean loop replaces every layer; a
     feature it missed shows as a difference far past float32 summation order)."""
-    directory = save_architecture(tmp_path / model_type, tokenizer, model_type, **overrides)
+    directory = save_architecture(
+        tmp_path / model_type, tokenizer, model_type, random_norms=True, **overrides
+    )
     shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     served = _served(directory, "float32", RowPlan())
     ids = served.encode_prompt("The quick brown fox jumps over the lazy dog")
