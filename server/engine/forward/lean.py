@@ -354,24 +354,7 @@ class LeanDecoder:
                 qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
                 qk[:, :heads] = q_norm(qk[:, :heads])
                 qk[:, heads:] = k_norm(qk[:, heads:])
-            like = qkv.new_empty(1, kv_heads, 1, dim)
-            keys, values, rows, positions = cache.layer_for_kernel(index, like)
-            fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
-            if narrow:
-                attended = hidden.new_empty(tokens, heads * dim)
-                layer_mask = packing.windowed_mask(layer.window) if layer.window else mask
-                fused.attention(
-                    qkv, attended, layer.heads, keys, values, rows, layer_mask, mask_rows,
-                    layer.scaling,
-                )  # fmt: skip
-            else:
-                q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
-                bound_keys, bound_values = cache.bound_rows(index)
-                out, _ = packed_attention(
-                    layer.attention, q, bound_keys, bound_values, mask, layer.scaling,
-                    packing=packing, sliding_window=layer.window,
-                )  # fmt: skip
-                attended = out.reshape(tokens, heads * dim)
+            attended = self._attend(fused, index, layer, qkv, cos, sin, cache, packing)
             fused.add_rmsnorm(
                 hidden, self.run(layer.out, attended), weights[2 * index + 1], normed, eps
             )
@@ -402,37 +385,15 @@ class LeanDecoder:
             kind: (cos[:, 0].contiguous(), sin[:, 0].contiguous())
             for kind, (cos, sin) in _rotary(w, hidden[None], position_ids).items()
         }
-        tokens = hidden.shape[0]
         normed = torch.empty_like(hidden)
-        mask = packing.mask
-        narrow = mask.is_contiguous()
-        mask_rows = packing.tokens.contiguous()
         eps, norms = w.eps, self._gemma_norms
         fused.gemma_add_norm(hidden, None, None, norms[0][0], normed, eps)
         for index, layer in enumerate(w.layers):
             _, post_attention, pre_mlp, post_mlp, q_weight, k_weight = norms[index]
-            heads, kv_heads, dim = layer.heads
             qkv = self.run(layer.qkv, normed)
             fused.gemma_head_norms(qkv, layer.heads, q_weight, k_weight, eps)
             cos, sin = rotary[layer.rotary_type]
-            like = qkv.new_empty(1, kv_heads, 1, dim)
-            keys, values, rows, positions = cache.layer_for_kernel(index, like)
-            fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
-            if narrow:
-                attended = hidden.new_empty(tokens, heads * dim)
-                layer_mask = packing.windowed_mask(layer.window) if layer.window else mask
-                fused.attention(
-                    qkv, attended, layer.heads, keys, values, rows, layer_mask, mask_rows,
-                    layer.scaling,
-                )  # fmt: skip
-            else:
-                q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
-                bound_keys, bound_values = cache.bound_rows(index)
-                out, _ = packed_attention(
-                    layer.attention, q, bound_keys, bound_values, mask, layer.scaling,
-                    packing=packing, sliding_window=layer.window,
-                )  # fmt: skip
-                attended = out.reshape(tokens, heads * dim)
+            attended = self._attend(fused, index, layer, qkv, cos, sin, cache, packing)
             delta = self.run(layer.out, attended).contiguous()
             fused.gemma_add_norm(hidden, delta, post_attention, pre_mlp, normed, eps)
             gate, up = self.run(layer.gate_up, normed).chunk(2, dim=-1)
@@ -440,6 +401,42 @@ class LeanDecoder:
             following = norms[index + 1][0] if index + 1 < len(norms) else w.norm_weights[-1]
             fused.gemma_add_norm(hidden, delta, post_mlp, following, normed, eps)
         return normed
+
+    def _attend(
+        self,
+        fused: CpuKernels,
+        index: int,
+        layer: _Layer,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: SlotCache,
+        packing: Packing,
+    ) -> torch.Tensor:
+        """A fused layer's attention [tokens, heads * dim]: rotary on qkv's queries and keys
+        with the cache write, then each query over its row's cache (layer.c's attention; a
+        windowed layer reads the windowed mask), or packed attention where the mask is not laid
+        out for the kernel."""
+        heads, kv_heads, dim = layer.heads
+        tokens, mask = qkv.shape[0], packing.mask
+        like = qkv.new_empty(1, kv_heads, 1, dim)
+        keys, values, rows, positions = cache.layer_for_kernel(index, like)
+        fused.rotary_cache(qkv, cos, sin, layer.heads, keys, values, rows, positions)
+        if mask.is_contiguous():
+            attended = qkv.new_empty(tokens, heads * dim)
+            layer_mask = packing.windowed_mask(layer.window) if layer.window else mask
+            fused.attention(
+                qkv, attended, layer.heads, keys, values, rows, layer_mask,
+                packing.tokens.contiguous(), layer.scaling,
+            )  # fmt: skip
+            return attended
+        q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]
+        bound_keys, bound_values = cache.bound_rows(index)
+        out, _ = packed_attention(
+            layer.attention, q, bound_keys, bound_values, mask, layer.scaling,
+            packing=packing, sliding_window=layer.window,
+        )  # fmt: skip
+        return out.reshape(tokens, heads * dim)
 
     def _all_gemv(self, tokens: int) -> bool:
         """Whether every decoder product of a `tokens`-row pass takes a GEMV that
