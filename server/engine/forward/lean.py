@@ -20,9 +20,11 @@ queries and keys before rotary); Phi-3 (q/k/v and gate/up already one layer each
 part of a head); Gemma 2 and 3 (norms of (1 + weight) around attention and the MLP as well as
 before them, GELU, their own attention scale, soft-capped scores, and Gemma 3's rotary base per
 layer type) - with their sliding windows, which packed attention applies per layer. The layer
-kernels (`fused`) take the decoders whose norms are Llama's RMSNorm and whose rotary spans the
-head: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Qwen3's head norms then run between the kernels,
-and a model with head norms or windows takes the layer calls, not the whole pass in one).
+kernels (`fused`) take the decoders whose rotary spans the head and whose norms are Llama's
+RMSNorm - Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Qwen3's head norms then run between the
+kernels, and a model with head norms or windows takes the layer calls, not the whole pass in
+one) - or Gemma 3's, which csrc/norms.c computes (`_gemma_pass`); Gemma 2's soft-capped scores
+keep its layers in Python.
 float32 weights keep the eager forward, so float32 output stays identical to transformers'
 `generate`. In bfloat16 a product summed by another kernel differs in its last bits, as any
 two GEMM kernels do; passes narrower than the plan's `row_invariant_below` compute each row as
