@@ -636,7 +636,8 @@ _HELP = {
     "when that is cheaper (small-GEMM kernels are not monotonic on some CPUs)",
     "skinny_gemm": "on CPU in float32, time at start-up at which small row counts (2-5 tokens "
     "in a pass) the linear layers run faster as W @ x^T than as x @ W^T, and use it there",
-    "fast_step": "on CPU in bfloat16, run Llama, Mistral and Qwen2 models through kenspec's "
+    "fast_step": "on CPU in bfloat16 (or a GGUF file's own weights), run Llama, Mistral, "
+    "Qwen2, Qwen3, Phi-3 and Gemma 2/3 models through kenspec's "
     "lean decoder loop (fused products, each product's kernel timed at start-up by row "
     "count: kenspec's bf16 GEMV (AVX512-BF16, or AVX2), oneDNN with packed weights, or "
     "torch's); --no-fast-step keeps transformers' forward",

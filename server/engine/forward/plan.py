@@ -33,7 +33,7 @@ class ForwardKind(StrEnum):
     """Which code runs the decoder."""
 
     EAGER = "eager"  # transformers' modules (any architecture kenspec serves)
-    LEAN = "lean"  # kenspec's loop over the Llama family's layers (forward.lean)
+    LEAN = "lean"  # kenspec's loop over Llama-style decoders' layers (forward.lean)
 
 
 class LeanMode(StrEnum):
