@@ -68,9 +68,9 @@ def packed_attention(
         )
     rows, width = packing.slots.shape
     laid_out = query[0][:, packing.slots].transpose(0, 1)  # [rows, heads, width, dim]
-    window = _number(kwargs.get("sliding_window"))
+    window = attention_number(kwargs.get("sliding_window"))
     mask = packing.windowed_mask(int(window)) if window else packing.mask
-    softcap = _number(kwargs.get("softcap"))
+    softcap = attention_number(kwargs.get("softcap"))
     kernels = packing.kernels
     if kernels.invariant:
         out = invariant_attention(laid_out, key, value, mask, packing, scaling, softcap)
@@ -97,7 +97,7 @@ def packed_attention(
 _UNSUPPORTED_ARGUMENTS = ("s_aux", "sinks", "attention_chunk_size", "chunk_size")
 
 
-def _number(argument: object) -> float | None:
+def attention_number(argument: object) -> float | None:
     """A layer's numeric attention argument (sliding_window, softcap) as a float, or None."""
     if argument is None:
         return None

@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from kenspec.server.engine.architecture import attention_shape
-from kenspec.server.engine.attention import packed_attention
+from kenspec.server.engine.attention import attention_number, packed_attention
 from kenspec.server.engine.forward.cpu_kernels import CpuKernels, DecoderLayer, PassArgs
 from kenspec.server.engine.forward.plan import ExecutionPlan, Kernel, RowPlan
 from kenspec.server.engine.forward.products import Linear, Product, lay_out, quantized_kind
@@ -117,7 +117,7 @@ class LeanWeights:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.mlp_norm)]
         # The fused loop's norm weights in the order it applies them, the final norm's last
         self.norm_weights = [_weight(norm) for norm in (*norms, self.norm)]
-        self.eps = float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 0.0)))
+        self.eps = _epsilon(self.norm) or 0.0
         self.quantized = quantized_kind(self.products)
         # Gemma's layers: norms of the attention's and the MLP's outputs too
         self.gemma = any(layer.out_norms is not None for layer in self.layers)
@@ -128,49 +128,35 @@ class LeanWeights:
         return all(layer.plain for layer in self.layers)
 
     def fusable(self, model: PreTrainedModel) -> bool:
-        """Whether the layer kernels compute what this model's modules do: Llama's layers
-        (`_llama_fusable`) or Gemma 3's (`_gemma_fusable`)."""
-        return self._gemma_fusable(model) if self.gemma else self._llama_fusable(model)
-
-    def _gemma_fusable(self, model: PreTrainedModel) -> bool:
-        """Gemma 3's: bfloat16, transformers' Gemma3RMSNorm everywhere (one epsilon; csrc/
-        norms.c), head norms, no soft-capped scores, rotary over whole heads, heads the
-        attention kernel takes; the MLP's activation stays the model's own module."""
-        norms = [self.norm]
-        for la in self.layers:
-            if la.out_norms is None or la.head_norms is None or la.softcap is not None:
+        """Whether the layer kernels compute what this model's modules do: bfloat16
+        activations and weights, one epsilon, rotary over whole heads, heads the attention
+        kernel takes, no soft-capped scores; and the norms of one kind the kernels compute:
+        Llama's RMSNorm with SiLU (csrc/layer.c; Qwen3's head norms run as the model's
+        modules), or Gemma 3's everywhere, its head norms too (csrc/norms.c; its GELU stays
+        the model's module)."""
+        layers = self.layers
+        if self.gemma:
+            if any(la.out_norms is None or la.head_norms is None for la in layers):
                 return False
-            norms += [la.input_norm, la.mlp_norm, *la.out_norms, *la.head_norms]
+            around = [n for la in layers for n in (*(la.out_norms or ()), *(la.head_norms or ()))]
+            kinds, activation = _GEMMA_NORMS, True
+        else:
+            around = []
+            kinds = _FUSED_NORMS
+            activation = getattr(model.config, "hidden_act", None) == "silu"
+        norms = [self.norm, *(n for la in layers for n in (la.input_norm, la.mlp_norm)), *around]
         return (
             model.dtype == torch.bfloat16
-            and all(type(norm).__name__ in _GEMMA_NORMS for norm in norms)
+            and activation
+            and all(la.softcap is None for la in layers)
+            and _rotary_dim(model) == layers[0].heads[2]
+            and all(type(norm).__name__ in kinds for norm in norms)
             and all(
                 _weight(n).dtype == torch.bfloat16 and _weight(n).is_contiguous() for n in norms
             )
-            and len({getattr(norm, "eps", None) for norm in norms}) == 1
-            and _rotary_dim(model) == self.layers[0].heads[2]
-            and all(la.heads[2] % 32 == 0 and la.heads[2] <= 256 for la in self.layers)
-            and all(la.heads[0] % la.heads[1] == 0 for la in self.layers)
-        )
-
-    def _llama_fusable(self, model: PreTrainedModel) -> bool:
-        """csrc/layer.c's layers: bfloat16 activations and weights, transformers' Llama
-        RMSNorm (one epsilon), SiLU, a head dim it takes, rotary over whole heads, no norms
-        after attention or the MLP, no soft-capping."""
-        norms = [self.norm] + [n for la in self.layers for n in (la.input_norm, la.mlp_norm)]
-        eps = {getattr(norm, "variance_epsilon", None) for norm in norms}
-        return (
-            model.dtype == torch.bfloat16
-            and all(la.out_norms is None and la.softcap is None for la in self.layers)
-            and _rotary_dim(model) == self.layers[0].heads[2]
-            and all(type(norm).__name__ in _FUSED_NORMS for norm in norms)
-            and all(
-                _weight(n).dtype == torch.bfloat16 and _weight(n).is_contiguous() for n in norms
-            )
-            and len(eps) == 1
-            and getattr(model.config, "hidden_act", None) == "silu"
-            and all(la.heads[2] % 32 == 0 and la.heads[2] <= 256 for la in self.layers)
-            and all(la.heads[0] % la.heads[1] == 0 for la in self.layers)
+            and len({_epsilon(norm) for norm in norms}) == 1
+            and all(la.heads[2] % 32 == 0 and la.heads[2] <= 256 for la in layers)
+            and all(la.heads[0] % la.heads[1] == 0 for la in layers)
         )
 
 
@@ -186,7 +172,7 @@ def _layer(
     head_norms = None
     if hasattr(attn, "q_norm"):
         head_norms = (attn.get_submodule("q_norm"), attn.get_submodule("k_norm"))
-    if not (scaling := _number(attn, "scaling")):
+    if (scaling := attention_number(getattr(attn, "scaling", None))) is None:
         raise Unsupported(f"{type(attn).__name__} keeps no attention scale (scaling)")
     out_norms = None
     if gemma:
@@ -208,7 +194,7 @@ def _layer(
         attention=attn,
         scaling=scaling,
         window=int(window) if window else None,
-        softcap=_number(attn, "attn_logit_softcapping") or None,
+        softcap=attention_number(getattr(attn, "attn_logit_softcapping", None)) or None,
         head_norms=head_norms,
         out_norms=out_norms,  # type: ignore[arg-type]  # (two names, two modules)
         rotary_type=getattr(attn, "layer_type", None) if typed else None,
@@ -230,10 +216,10 @@ def _projections(module: nn.Module, spellings: tuple[tuple[str, ...], ...]) -> t
     raise Unsupported(f"{type(module).__name__} has none of {spellings}")
 
 
-def _number(module: nn.Module, name: str) -> float:
-    """A module's numeric attribute (0.0 where it has none or it is None)."""
-    value = getattr(module, name, None)
-    return float(value) if isinstance(value, (int, float)) else 0.0
+def _epsilon(norm: nn.Module) -> float | None:
+    """An RMSNorm's epsilon: Llama's kind keeps it as variance_epsilon, Gemma's as eps."""
+    value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if value is None else float(value)
 
 
 def _activation(mlp: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@ from kenspec.server.engine.kenlm_draft import KenLMDraft
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import generate, last_rows
-from tests.tiny_architectures import save_architecture
+from tests.tiny_architectures import WINDOW, save_architecture
 
 KERNELS = load_kernels()
 GEMV = KERNELS.gemv if KERNELS is not None and KERNELS.gemv_bf16 else None  # either ISA's
@@ -204,25 +204,34 @@ def test_float32_greedy_with_speculation_is_transformers_generate(
     """Through the lean loop (fused products, its own kernels), speculation with a partly
     matching draft gives transformers' own greedy output, token for token (float32)."""
     directory = save_architecture(tmp_path / model_type, tokenizer, model_type)
+    _assert_speculation_is_generate(directory, plan, 20, tokenizer, tmp_path)
+
+
+def _assert_speculation_is_generate(
+    directory: Path, plan: RowPlan, new: int, tokenizer, tmp_path: Path
+) -> None:
+    """The float32 model at `directory` through the lean loop with `plan`: greedy output with
+    speculation (a draft trained on the first half of each reference, token trees) equals
+    transformers' `generate` on the model as shipped, `new` tokens for each of PROMPTS."""
     shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     served = _served(directory, "float32", plan)
-    references = {}
+    references = []
     for prompt in PROMPTS:
         ids = served.encode_prompt(prompt)
         output = shipped.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=20,
+            do_sample=False, max_new_tokens=new,
         )  # fmt: skip
-        references[prompt] = (ids, output[0, len(ids) :].tolist())
+        references.append((ids, output[0, len(ids) :].tolist()))
     arpa = tiny.train_arpa(
         tmp_path / "draft.arpa",
-        [continuation[:10] for _, continuation in references.values()],
+        [continuation[: new // 2] for _, continuation in references],
         range(len(tokenizer)),
         order=3,
     )
     draft = KenLMDraft.load(arpa, vocab_size=served.vocab_size)
-    for ids, expected in references.values():
-        generation = generate(served, draft, ids, max_new_tokens=20, k=4, tree_budget=8)
+    for ids, expected in references:
+        generation = generate(served, draft, ids, max_new_tokens=new, k=4, tree_budget=8)
         for _ in generation:
             pass
         assert generation.output_ids == expected
@@ -253,25 +262,8 @@ def test_float32_greedy_of_each_family_is_transformers_generate(
     directory = save_architecture(
         tmp_path / model_type, tokenizer, model_type, random_norms=True, **overrides
     )
-    shipped = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    served = _served(directory, "float32", RowPlan())
-    arpa_rows, references = [], []
-    for prompt in PROMPTS:
-        ids = served.encode_prompt(prompt)
-        output = shipped.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=24,
-        )  # fmt: skip
-        references.append((ids, output[0, len(ids) :].tolist()))
-        arpa_rows.append(references[-1][1][:12])
-    assert len(references[0][0]) + 24 > 16  # past the architectures' windows
-    arpa = tiny.train_arpa(tmp_path / "draft.arpa", arpa_rows, range(len(tokenizer)), order=3)
-    draft = KenLMDraft.load(arpa, vocab_size=served.vocab_size)
-    for ids, expected in references:
-        generation = generate(served, draft, ids, max_new_tokens=24, k=4, tree_budget=8)
-        for _ in generation:
-            pass
-        assert generation.output_ids == expected
+    assert len(tokenizer(PROMPTS[0])["input_ids"]) + 24 > WINDOW  # past the windows
+    _assert_speculation_is_generate(directory, RowPlan(), 24, tokenizer, tmp_path)
 
 
 @FAMILIES
