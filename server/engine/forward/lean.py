@@ -216,6 +216,15 @@ def _projections(module: nn.Module, spellings: tuple[tuple[str, ...], ...]) -> t
     raise Unsupported(f"{type(module).__name__} has none of {spellings}")
 
 
+def _gemma_weights(layer: _Layer) -> tuple[torch.Tensor, ...]:
+    """A Gemma 3 layer's norm weights in the order _gemma_pass applies them: input,
+    post-attention, pre-MLP, post-MLP, queries', keys' (fusable() checked each is there)."""
+    assert layer.out_norms is not None and layer.head_norms is not None
+    after_attention, after_mlp = layer.out_norms
+    norms = (layer.input_norm, after_attention, layer.mlp_norm, after_mlp, *layer.head_norms)
+    return tuple(_weight(norm) for norm in norms)
+
+
 def _epsilon(norm: nn.Module) -> float | None:
     """An RMSNorm's epsilon: Llama's kind keeps it as variance_epsilon, Gemma's as eps."""
     value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -249,12 +258,9 @@ class LeanDecoder:
         # csrc/step.c's description of every layer (its cache pointers set per pass)
         fused_llama = self.fused is not None and not weights.gemma
         self._layers = self._describe_layers() if fused_llama else None
-        # Gemma's norm weights by layer: input, post-attention, pre-MLP, post-MLP, q, k
-        self._gemma_norms = [
-            tuple(_weight(n) for n in (la.input_norm, *la.out_norms[:1], la.mlp_norm,
-                                       *la.out_norms[1:], *(la.head_norms or ())))
-            for la in weights.layers if la.out_norms is not None
-        ]  # fmt: skip
+        # _gemma_pass's norm weights by layer (see _gemma_weights)
+        gemma_pass = self.fused is not None and weights.gemma
+        self._gemma_norms = [_gemma_weights(la) for la in weights.layers] if gemma_pass else []
         lay_out(weights.products, self.plan)
 
     def run(self, product: Product, x: torch.Tensor) -> torch.Tensor:
