@@ -4,8 +4,9 @@
  *
  * transformers' Gemma3RMSNorm: out = bf16(float(x) * rsqrt(mean(float(x)^2) + eps) *
  * (1 + float(weight))), every step in float32 (where Llama's rounds to bfloat16 before its
- * weight). Here the same steps in the same order; only the mean's sum runs in another order
- * than torch's, so an output may differ from transformers' in its last bit.
+ * weight). Here the same steps in the same order; the mean's sum runs in another order than
+ * torch's and the reciprocal square root is 1 / sqrtf (as layer.c's RMSNorm), so an output may
+ * differ from transformers' in its last bit.
  */
 #include <math.h>
 #include <stdint.h>
