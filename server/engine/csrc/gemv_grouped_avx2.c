@@ -8,21 +8,25 @@
  * d and m are the file's own float16 numbers): Q4_1's groups of 32 then take 5 bits a weight
  * to read (4, and a scale and an offset in 16 bits each), not 6.
  *
- * Eight float32 lanes, one output each: a tile is two halves of 8 rows. A pair's half widened
- * to float32 is two vectors, q at k = 2i and at 2i + 1 for 8 rows (int8: 16 bytes sign-extended
- * to words, each row's two words split by shifts; 4-bit: 8 bytes, low and high nibble), every
- * q exact. Per pass row, each vector times that row's x (broadcast, float32) is added by FMA
- * into the row's group sum: the product of an integer up to 128 and a bfloat16 is exact in
- * float32, only the sums round. After a group's pairs, sum += group sum * s by FMA, then the
- * offsets' share sum += m * (the group's sum of x) by FMA; one rounding to bfloat16 at the end.
+ * In integers, as llama.cpp's AVX2 dot products are, but with 16-bit activations, not 8: each
+ * row's x is written per group as p * t, p int16 and t = a power of two chosen so that the
+ * group's largest |x| takes 15 bits. A bfloat16 has 8 significant bits, so every x within 2^-8
+ * of its group's largest is exactly p * t; smaller ones are rounded to a multiple of t (an error
+ * under 2^-16 of the largest, beside bfloat16's own 2^-9 of each). Then a group's products are
+ * int16 pairs (vpmaddwd: 16 products an instruction, twice a float32 FMA's 8, and no widening
+ * of q to float) summed exactly in int32, whatever the order; per group and output, in order of
+ * groups: sum += float(group sum) * (s * t) by FMA (s * t exact: t is a power of two), then the
+ * offsets' share sum += m * (the group's sum of x, float32, in order) by FMA; one rounding to
+ * bfloat16 at the end. A row whose x holds an infinity or a NaN gives NaN outputs.
  *
  * So each output is summed in one order whatever the row count, the block or the thread: a
  * row's bits do not depend on its pass, and a verify pass gives plain decoding's tokens. A
- * machine runs this file or gemv_grouped.c (dpbf16 sums pairs in its own way): the two may
- * differ in a last bit. Per 16 weights and pass row: two FMAs of 8 products (dpbf16 does 32
- * per instruction), so passes of several rows are bound by their FMAs, as gemv_avx2.c's are.
- * Threads split the blocks. Compiled with AVX2, FMA and F16C into the kernel library
- * (engine.forward.cpu_kernels).
+ * machine runs this file or gemv_grouped.c (dpbf16 sums pairs in float32): the two may differ
+ * in the last bits. Per 16 output rows and pair of weights: the pair unpacked to int16 once per
+ * block of pass rows (4-bit: 6 instructions; int8: 2), then per pass row one broadcast, two
+ * vpmaddwd and two adds with a one-cycle latency (the float32 kernel before this one took four
+ * FMAs, each chain waiting out FMA latency, and four conversions). Threads split the blocks.
+ * Compiled with AVX2, FMA and F16C into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -35,27 +39,26 @@
 
 #define TILE 16     /* output rows a block, as gemv_grouped.c's */
 #define HALF 8      /* rows a vector holds */
-#define ROW_BLOCK 8 /* pass rows a half tile is widened for: 8 sums, 2 weights, 2 x in 16 */
-#define GROUPS_AT_ONCE 4 /* groups summed side by side for a one-row pass */
+#define ROW_BLOCK 4 /* pass rows a pair is unpacked for: 8 sums, 2 weights and x in 16 */
 #ifndef PREFETCH
 #define PREFETCH 2048 /* bytes ahead of the tile being read, into L2 */
 #endif
 
-/* One pair's half (8 rows, `h` 0 or 1) of a tile as float32: q at k = 2i in *even, 2i + 1 in
- * *odd. int8 pairs: 32 bytes, row o's two at 2o, 2o + 1; 4-bit: 16 bytes, row o's in byte o. */
-static inline __attribute__((always_inline)) void pair_half(const uint8_t *at, const int h,
-                                                            const int bits4, __m256 *even,
-                                                            __m256 *odd) {
+/* One pair of a tile as int16 pairs: rows 0-7 in *low, 8-15 in *high, row o's q at k = 2i in
+ * the low word of its 32-bit lane, 2i + 1 in the high one. int8 pairs: 32 bytes, row o's two
+ * at 2o, 2o + 1; 4-bit: 16 bytes, row o's in byte o (low nibble k = 2i). */
+static inline __attribute__((always_inline)) void pair(const uint8_t *at, const int bits4,
+                                                       __m256i *low, __m256i *high) {
   if (bits4) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(at + h * HALF)));
-    *even = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    *odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)at);
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i even = _mm_and_si128(bytes, nibble);
+    const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    *low = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(even, odd));
+    *high = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(even, odd));
   } else {
-    /* row o's pair as the two words of lane o: k = 2i in the low one */
-    const __m128i sixteen = _mm_loadu_si128((const __m128i *)(at + h * 2 * HALF));
-    const __m256i words = _mm256_cvtepi8_epi16(sixteen);
-    *even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16));
-    *odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16));
+    *low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+    *high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
   }
 }
 
@@ -66,122 +69,142 @@ static inline __attribute__((always_inline)) __m256 factors(const void *p, long 
   return _mm256_loadu_ps((const float *)p + at);
 }
 
-/* Groups g0 .. g0 + gb (of count) of rows r0 .. r0 + rb of a half tile, added into sums[j] in
- * group order (compile-time rb, gb, bits4; offsets and half are read once a group, where a
- * branch costs nothing, and compiling them in too made this file 13 s of the library's build).
- * Each group's sum is one chain of FMAs, pair after pair, whatever rb and gb: gb groups are
- * summed side by side only so that a pass of few rows has gb * rb chains in flight (one chain
- * waits out each FMA's latency). */
-static inline __attribute__((always_inline)) void sum_groups(
-    const float *xf, const uint8_t *tile, const void *scales, const void *mins, const float *xg,
-    __m256 *sums, long k, long g0, long count, int h, long r0, long group, const int rb,
-    const int gb, const int bits4, int offsets, int half) {
-  const long pairs = group / 2, pair_bytes = bits4 ? TILE : 2 * TILE;
-  __m256 part[ROW_BLOCK]; /* rb * gb <= 8 */
-  for (int a = 0; a < gb * rb; a++) part[a] = _mm256_setzero_ps();
-  const float *xs = xf + r0 * k + g0 * group;
-  for (long i = 0; i < pairs; i++)
-    for (int gg = 0; gg < gb; gg++) {
-      const uint8_t *at = tile + ((g0 + gg) * pairs + i) * pair_bytes;
-      if (h == 0 && (i * pair_bytes) % 64 == 0) /* each 64-byte line once */
-        _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
-      __m256 even, odd;
-      pair_half(at, h, bits4, &even, &odd);
-      for (int j = 0; j < rb; j++) {
-        const float *xp = xs + j * k + gg * group + 2 * i;
-        part[gg * rb + j] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xp), part[gg * rb + j]);
-        part[gg * rb + j] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xp + 1), part[gg * rb + j]);
-      }
-    }
-  for (int gg = 0; gg < gb; gg++) {
-    const long at = g0 + gg;
-    const __m256 s = factors(scales, at * TILE + h * HALF, half);
-    for (int j = 0; j < rb; j++) sums[j] = _mm256_fmadd_ps(part[gg * rb + j], s, sums[j]);
-    if (offsets) {
-      const __m256 m = factors(mins, at * TILE + h * HALF, half);
-      for (int j = 0; j < rb; j++)
-        sums[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xg + (r0 + j) * count + at), sums[j]);
-    }
+/* A pass's x as the products read it: per row and group, p (int16, k a row), t (a power of two;
+ * NaN where the group holds an infinity or a NaN, so that each of the row's outputs is NaN) and
+ * the group's sum of x (float32, in order). */
+typedef struct {
+  int16_t *p;
+  float *t, *xg;
+} activations;
+
+/* x's row r, group g (n = 8 or 16 x's, `count` groups a row) into a's. */
+static void quantize_group(const uint16_t *x, long n, activations *a, long r, long g,
+                           long count) {
+  __m256 v[4];
+  __m256i largest = _mm256_setzero_si256(); /* |x|'s bits: integers order as the floats do */
+  for (long c = 0; c < n / HALF; c++) {
+    v[c] = widen8(x + c * HALF);
+    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v[c]), _mm256_set1_epi32(0x7fffffff));
+    largest = _mm256_max_epi32(largest, bits); /* an infinity or a NaN above every finite */
+  }
+  float sum = 0.0f, lanes[8];
+  for (long c = 0; c < n / HALF; c++) {
+    _mm256_storeu_ps(lanes, v[c]);
+    for (int i = 0; i < HALF; i++) sum += lanes[i];
+  }
+  a->xg[r * count + g] = sum;
+  int32_t each[8], top = 0;
+  _mm256_storeu_si256((__m256i *)each, largest);
+  for (int i = 0; i < HALF; i++) top = each[i] > top ? each[i] : top;
+  long exponent = (long)(top >> 23); /* biased: |x| < 2^(exponent - 126) */
+  const int finite = exponent < 255;
+  if (exponent < 14) exponent = 14; /* t >= 2^-127 (a float32, subnormal at 14) */
+  if (exponent > 254) exponent = 254;
+  /* p = x * 2^(141 - exponent): |p| <= 2^15 (1 - 2^-8), an integer where |x| >= 2^-8 of the
+   * largest; t = 2^(exponent - 141) */
+  const uint32_t up = (uint32_t)(268 - exponent) << 23;
+  const uint32_t down = exponent > 14 ? (uint32_t)(exponent - 14) << 23 : 1u << 22;
+  float scale, t;
+  memcpy(&scale, &up, 4);
+  memcpy(&t, &down, 4);
+  a->t[r * count + g] = finite ? t : __builtin_nanf("");
+  int16_t *p = a->p + r * count * n + g * n;
+  for (long c = 0; c < n / HALF; c++) {
+    const __m256i whole = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(scale)));
+    const __m128i packed =
+        _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
+    _mm_storeu_si128((__m128i *)(p + c * HALF), packed);
   }
 }
 
-/* y[r0 .. r0 + rb, 16 b + 8 h .. + 8] for compile-time rb and bits4; xf the pass's x in
- * float32, xg its groups' sums (offsets only). Groups side by side: 4 for one row, 2 for up to
- * 4 rows, 1 beyond (rb * gb <= 8 chains, 2 weights and 2 x: within 16 registers). On an EPYC
- * core a one-row pass of SmolLM2's 4-bit layers took ~6 ms with one group at a time (each FMA
- * waiting for the last), ~4.8 with four side by side. */
-static inline __attribute__((always_inline)) void half_block(
-    const float *xf, const uint8_t *q, const void *scales, const void *mins, const float *xg,
-    uint16_t *y, long k, long out, long b, int h, long r0, long group, const int rb,
-    const int bits4, int offsets, int half) {
-  const long count = k / group, pair_bytes = bits4 ? TILE : 2 * TILE;
-  const uint8_t *tile = q + b * count * (group / 2) * pair_bytes;
-  const long size = half ? 2 : 4, first_group = b * count * TILE; /* (in factors) */
-  const void *s = (const char *)scales + first_group * size;
-  const void *m = offsets ? (const char *)mins + first_group * size : NULL;
-  const int gb = rb == 1 ? GROUPS_AT_ONCE : rb == 2 ? GROUPS_AT_ONCE / 2 : rb <= 4 ? 2 : 1;
-  __m256 sums[ROW_BLOCK];
-  for (int j = 0; j < rb; j++) sums[j] = _mm256_setzero_ps();
-  long g0 = 0;
-  for (; g0 + gb <= count; g0 += gb)
-    sum_groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, gb, bits4, offsets, half);
-  for (; g0 < count; g0++)
-    sum_groups(xf, tile, s, m, xg, sums, k, g0, count, h, r0, group, rb, 1, bits4, offsets, half);
-  const long first = b * TILE + h * HALF;
-  const long n = out - first < HALF ? out - first : HALF;
-  for (int j = 0; j < rb; j++) store(y + (r0 + j) * out + first, sums[j], n);
+/* Rows r0 .. r0 + rb of block b (both halves): y[r0 + j, 16 b .. + 16], for compile-time rb
+ * and bits4. */
+static inline __attribute__((always_inline)) void block(
+    const activations *a, const uint8_t *q, const void *scales, const void *mins, uint16_t *y,
+    long k, long out, long b, long r0, long group, const int rb, const int bits4, int offsets,
+    int half) {
+  const long count = k / group, pairs = group / 2, pair_bytes = bits4 ? TILE : 2 * TILE;
+  const uint8_t *tile = q + b * count * pairs * pair_bytes;
+  const long first_factor = b * count * TILE;
+  __m256 sums[2 * ROW_BLOCK];
+  for (int j = 0; j < 2 * rb; j++) sums[j] = _mm256_setzero_ps();
+  for (long g = 0; g < count; g++) {
+    __m256i acc[2 * ROW_BLOCK];
+    for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_setzero_si256();
+    const uint8_t *at = tile + g * pairs * pair_bytes;
+    for (long i = 0; i < pairs; i++, at += pair_bytes) {
+      if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
+        _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
+      __m256i low, high;
+      pair(at, bits4, &low, &high);
+      for (int j = 0; j < rb; j++) {
+        int32_t two;
+        memcpy(&two, a->p + (r0 + j) * k + g * group + 2 * i, 4);
+        const __m256i xs = _mm256_set1_epi32(two);
+        acc[2 * j] = _mm256_add_epi32(acc[2 * j], _mm256_madd_epi16(low, xs));
+        acc[2 * j + 1] = _mm256_add_epi32(acc[2 * j + 1], _mm256_madd_epi16(high, xs));
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const long at_factor = first_factor + g * TILE + h * HALF;
+      const __m256 s = factors(scales, at_factor, half);
+      const __m256 m = offsets ? factors(mins, at_factor, half) : _mm256_setzero_ps();
+      for (int j = 0; j < rb; j++) {
+        const long rg = (r0 + j) * count + g;
+        const __m256 st = _mm256_mul_ps(s, _mm256_set1_ps(a->t[rg]));
+        sums[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[2 * j + h]), st, sums[2 * j + h]);
+        if (offsets)
+          sums[2 * j + h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xg[rg]), sums[2 * j + h]);
+      }
+    }
+  }
+  for (int j = 0; j < rb; j++)
+    for (int h = 0; h < 2; h++) {
+      const long first = b * TILE + h * HALF;
+      if (first >= out) break;
+      const long n = out - first < HALF ? out - first : HALF;
+      store(y + (r0 + j) * out + first, sums[2 * j + h], n);
+    }
 }
 
-#define HALF_BLOCK(rb, bits4) \
-  half_block(xf, q, scales, mins, xg, y, k, out, b, h, r0, group, rb, bits4, offsets, half)
-#define ROWS(bits4)                                                            \
-  for (long b = first; b < last; b++)                                          \
-    for (int h = 0; h < 2 && b * TILE + h * HALF < out; h++)                   \
-      for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                          \
-        switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {               \
-          case 1: HALF_BLOCK(1, bits4); break;                                 \
-          case 2: HALF_BLOCK(2, bits4); break;                                 \
-          case 3: HALF_BLOCK(3, bits4); break;                                 \
-          case 4: HALF_BLOCK(4, bits4); break;                                 \
-          case 5: HALF_BLOCK(5, bits4); break;                                 \
-          case 6: HALF_BLOCK(6, bits4); break;                                 \
-          case 7: HALF_BLOCK(7, bits4); break;                                 \
-          default: HALF_BLOCK(ROW_BLOCK, bits4);                               \
-        }                                                                      \
-      }
+#define BLOCK(rb, bits4) block(&a, q, scales, mins, y, k, out, b, r0, group, rb, bits4, offsets, half)
+#define ROWS(bits4)                                                 \
+  for (long b = first; b < last; b++)                               \
+    for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                 \
+      switch (rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK) {      \
+        case 1: BLOCK(1, bits4); break;                             \
+        case 2: BLOCK(2, bits4); break;                             \
+        case 3: BLOCK(3, bits4); break;                             \
+        default: BLOCK(ROW_BLOCK, bits4);                           \
+      }                                                             \
+    }
 
 /* kenspec_gemv_grouped's product (same arguments, tiles and results: 0, -1 for arguments it
  * does not take, -2 where memory ran out), in this file's one order; scales and mins float16
- * where `half`, else float32. xg: each group's sum of a row's x in float32, added in order. */
+ * where `half`, else float32. */
 int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
                               const void *scales, const void *mins, long group, uint16_t *y,
                               long rows, long k, long out, int half) {
   if ((group != 16 && group != 32) || k % group || (bits != 4 && bits != 8)) return -1;
   const uint8_t *q = (const uint8_t *)weights;
-  const long groups = k / group;
-  float *xf = malloc(sizeof(float) * (size_t)(rows * k));
-  float *xg = mins != NULL ? malloc(sizeof(float) * (size_t)(rows * groups)) : NULL;
-  if (xf == NULL || (mins != NULL && xg == NULL)) {
-    free(xf);
-    free(xg);
+  const long count = k / group;
+  activations a;
+  a.p = malloc(sizeof(int16_t) * (size_t)(rows * k));
+  a.t = malloc(sizeof(float) * (size_t)(rows * count));
+  a.xg = malloc(sizeof(float) * (size_t)(rows * count));
+  if (a.p == NULL || a.t == NULL || a.xg == NULL) {
+    free(a.p);
+    free(a.t);
+    free(a.xg);
     return -2;
   }
-  for (long e = 0; e + HALF <= rows * k; e += HALF) _mm256_storeu_ps(xf + e, widen8(x + e));
-  for (long e = rows * k / HALF * HALF; e < rows * k; e++) {
-    const uint32_t bits32 = (uint32_t)x[e] << 16;
-    memcpy(xf + e, &bits32, 4);
-  }
-  if (xg != NULL)
-    for (long r = 0; r < rows; r++)
-      for (long g = 0; g < groups; g++) {
-        float sum = 0.0f;
-        for (long i = 0; i < group; i++) sum += xf[r * k + g * group + i];
-        xg[r * groups + g] = sum;
-      }
   const long blocks = (out + TILE - 1) / TILE;
 #pragma omp parallel
   {
-    long first, last;
+#pragma omp for schedule(static)
+    for (long rg = 0; rg < rows * count; rg++)
+      quantize_group(x + rg * group, group, &a, rg / count, rg % count, count);
+    long first, last; /* (after the loop's barrier: every row's x is written) */
     thread_share(blocks, 1, &first, &last);
     const int offsets = mins != NULL;
     if (bits == 4) {
@@ -190,7 +213,8 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
       ROWS(0)
     }
   }
-  free(xf);
-  free(xg);
+  free(a.p);
+  free(a.t);
+  free(a.xg);
   return 0;
 }

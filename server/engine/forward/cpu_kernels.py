@@ -281,8 +281,9 @@ class CpuKernels:
         """x @ W^T for bf16 x [rows, in] and a GGUF file's own quantized weight W [out, in]
         (engine.quantize.GroupedWeight: q * s + m per group, the file's values exactly),
         summed in one order whatever the row count (csrc/gemv_grouped.c where AVX512-BF16
-        runs, else gemv_grouped_avx2.c: each its own order; AVX2's also reads float16 scales
-        and offsets): bf16 [rows, out]."""
+        runs, else gemv_grouped_avx2.c: each its own order; AVX2's sums in integers with x
+        as int16 per group, a row holding inf or NaN giving NaN, and also reads float16
+        scales and offsets): bf16 [rows, out]."""
         x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)

@@ -98,9 +98,10 @@ def test_the_grouped_gemv_is_the_files_weights_product(
     grouped: CpuKernels, bits: int, group: int, offsets: bool, shape: tuple[int, int], half: bool
 ) -> None:
     """x @ (q * s + m)^T against float64: within the bf16 rounding of the output (the sums are
-    float32; q and x products exact); rows from 1 to past a row block, outputs not filling a
-    tile (33: one row past two; 7: less than half of one); scales and offsets kept in float32,
-    or float16 (AVX2's kernel reads them; AVX512-BF16's refuses them)."""
+    float32; q and x products exact, AVX2's x rounded below 2^-8 of its group's largest);
+    rows from 1 to past a row block, outputs not filling a tile (33: one row past two; 7: less
+    than half of one); scales and offsets kept in float32, or float16 (AVX2's kernel reads
+    them; AVX512-BF16's refuses them)."""
     weight = _grouped(*shape, bits, group, offsets, seed=1, half=half)
     assert weight.half is half
     if half and grouped.bf16:
@@ -135,6 +136,53 @@ def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
             assert narrow.half and torch.equal(grouped.gemv_grouped(x, narrow), alone)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("bits", "group", "offsets"), KINDS, ids=KIND_IDS)
+def test_avx2s_integer_products_scale_with_x_and_keep_a_groups_small_values(
+    bits: int, group: int, offsets: bool
+) -> None:
+    """gemv_grouped_avx2.c writes each group of a row's x as int16 times a power of two chosen
+    from the group's largest |x|: so x times 2^j gives y times 2^j bit for bit (a scale that
+    was not a power of two, or one not taken per group, would round differently), and a
+    group's values far below its largest (here 2^-12 of it) still count (within 2^-16 of
+    the largest each) instead of being lost."""
+    avx2 = one_isa(Isa.AVX2)
+    weight = _grouped(48, 256, bits, group, offsets, seed=5)
+    x = torch.randn(5, 256).bfloat16()
+    y = avx2.gemv_grouped(x, weight)
+    for j in (-20, -3, 1, 9):
+        assert torch.equal(avx2.gemv_grouped(x * 2.0**j, weight), y * 2.0**j), j
+    # each group: one value 1.0, the others tiny; and a second x with the tiny ones zeroed
+    tiny = torch.full((1, 256), 2.0**-12) * torch.randn(1, 256).sign()
+    tiny[0, ::group] = 1.0
+    zeroed = torch.where(tiny.abs() == 1.0, tiny, torch.zeros(()))
+    w = weight.dequantize(torch.float64)
+    for values in (tiny, zeroed):
+        expected = values.double() @ w.T
+        got = avx2.gemv_grouped(values.bfloat16(), weight).double()
+        assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6).all()
+    # the tiny values' share is there (w's rows sum to well over bf16's step of it)
+    shares = (tiny - zeroed).double() @ w.T
+    differs = avx2.gemv_grouped(tiny.bfloat16(), weight) != avx2.gemv_grouped(
+        zeroed.bfloat16(), weight
+    )
+    assert differs[shares.abs() > 2**-7 * (zeroed.double() @ w.T).abs()].all()
+
+
+def test_avx2s_rows_with_an_infinity_or_nan_give_nan_and_leave_the_others_alone() -> None:
+    """A row of x holding inf or NaN has no int16 form: its outputs are all NaN; the pass's
+    other rows keep the bits they have alone."""
+    avx2 = one_isa(Isa.AVX2)
+    for bits, group, offsets in KINDS:
+        weight = _grouped(40, 128, bits, group, offsets, seed=6)
+        x = torch.randn(3, 128).bfloat16()
+        alone = avx2.gemv_grouped(x[2:], weight)
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            x[1, 70] = bad
+            y = avx2.gemv_grouped(x, weight)
+            assert y[1].isnan().all()
+            assert not y[0].isnan().any() and torch.equal(y[2:], alone)
 
 
 def test_the_grouped_gemv_refuses_what_it_does_not_take(grouped: CpuKernels) -> None:
