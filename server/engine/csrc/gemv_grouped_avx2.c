@@ -25,7 +25,9 @@
  * in the last bits. Per 16 output rows and pair of weights: the pair unpacked to int16 once per
  * block of pass rows (4-bit: 6 instructions; int8: 2), then per pass row one broadcast, two
  * vpmaddwd and two adds with a one-cycle latency (the float32 kernel before this one took four
- * FMAs, each chain waiting out FMA latency, and four conversions). Threads split the blocks.
+ * FMAs, each chain waiting out FMA latency, and four conversions); a one-row pass over 4-bit
+ * groups, bound by the unpacking, takes two pairs at a time (one_row_4bit: the same integer
+ * sums). Threads split the blocks.
  * Compiled with AVX2, FMA and F16C into the kernel library (engine.forward.cpu_kernels).
  */
 #include <immintrin.h>
@@ -117,6 +119,36 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long r, lo
   }
 }
 
+/* One pass row's sums of a group of 4-bit pairs (pairs even), rows 0-7 in *low and 8-15 in
+ * *high: as block()'s loop gives them (integers: the same sums), with two pairs at a time
+ * unpacked together, each 128-bit lane one pair and its own x (8.5 instructions a pair where
+ * block()'s loop takes 12: a one-row pass is bound by them). */
+static inline __attribute__((always_inline)) void one_row_4bit(const uint8_t *at,
+                                                               const int16_t *x, long pairs,
+                                                               __m256i *low, __m256i *high) {
+  const __m256i nibble = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256i rows0 = zero, rows4 = zero, rows8 = zero, rows12 = zero; /* 4 rows a lane */
+  for (long i = 0; i < pairs; i += 2, at += 2 * TILE) {
+    if ((i * TILE) % 64 == 0) _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)at);
+    const __m256i even = _mm256_and_si256(bytes, nibble);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    const __m256i first = _mm256_unpacklo_epi8(even, odd), second = _mm256_unpackhi_epi8(even, odd);
+    int64_t four;
+    memcpy(&four, x + 2 * i, 8); /* x pairs i and i + 1: lane 0 takes i, lane 1 takes i + 1 */
+    const __m256i xs = _mm256_permutevar8x32_epi32(_mm256_set1_epi64x(four), spread);
+    rows0 = _mm256_add_epi32(rows0, _mm256_madd_epi16(_mm256_unpacklo_epi8(first, zero), xs));
+    rows4 = _mm256_add_epi32(rows4, _mm256_madd_epi16(_mm256_unpackhi_epi8(first, zero), xs));
+    rows8 = _mm256_add_epi32(rows8, _mm256_madd_epi16(_mm256_unpacklo_epi8(second, zero), xs));
+    rows12 = _mm256_add_epi32(rows12, _mm256_madd_epi16(_mm256_unpackhi_epi8(second, zero), xs));
+  }
+#define FOLD(v) _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))
+  *low = _mm256_set_m128i(FOLD(rows4), FOLD(rows0));
+  *high = _mm256_set_m128i(FOLD(rows12), FOLD(rows8));
+#undef FOLD
+}
+
 /* Rows r0 .. r0 + rb of block b (both halves): y[r0 + j, 16 b .. + 16], for compile-time rb
  * and bits4. */
 static inline __attribute__((always_inline)) void block(
@@ -132,7 +164,11 @@ static inline __attribute__((always_inline)) void block(
     __m256i acc[2 * ROW_BLOCK];
     for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_setzero_si256();
     const uint8_t *at = tile + g * pairs * pair_bytes;
-    for (long i = 0; i < pairs; i++, at += pair_bytes) {
+    if (rb == 1 && bits4) {
+      one_row_4bit(at, a->p + r0 * k + g * group, pairs, &acc[0], &acc[1]);
+      at += pairs * pair_bytes; /* (the loop below has nothing left) */
+    }
+    for (long i = rb == 1 && bits4 ? pairs : 0; i < pairs; i++, at += pair_bytes) {
       if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
         _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
       __m256i low, high;
