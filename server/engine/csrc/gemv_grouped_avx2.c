@@ -79,9 +79,9 @@ typedef struct {
   float *t, *xg;
 } activations;
 
-/* x's row r, group g (n = 8 or 16 x's, `count` groups a row) into a's. */
-static void quantize_group(const uint16_t *x, long n, activations *a, long r, long g,
-                           long count) {
+/* Group rg of the pass's x (n = 16 or 32 x's at x; groups in order, a row's one after
+ * another) into a's entry rg. */
+static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
   __m256 v[4];
   __m256i largest = _mm256_setzero_si256(); /* |x|'s bits: integers order as the floats do */
   for (long c = 0; c < n / HALF; c++) {
@@ -94,7 +94,7 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long r, lo
     _mm256_storeu_ps(lanes, v[c]);
     for (int i = 0; i < HALF; i++) sum += lanes[i];
   }
-  a->xg[r * count + g] = sum;
+  a->xg[rg] = sum;
   int32_t each[8], top = 0;
   _mm256_storeu_si256((__m256i *)each, largest);
   for (int i = 0; i < HALF; i++) top = each[i] > top ? each[i] : top;
@@ -109,8 +109,8 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long r, lo
   float scale, t;
   memcpy(&scale, &up, 4);
   memcpy(&t, &down, 4);
-  a->t[r * count + g] = finite ? t : __builtin_nanf("");
-  int16_t *p = a->p + r * count * n + g * n;
+  a->t[rg] = finite ? t : __builtin_nanf("");
+  int16_t *p = a->p + rg * n;
   for (long c = 0; c < n / HALF; c++) {
     const __m256i whole = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(scale)));
     const __m128i packed =
@@ -164,23 +164,22 @@ static inline __attribute__((always_inline)) void block(
     __m256i acc[2 * ROW_BLOCK];
     for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_setzero_si256();
     const uint8_t *at = tile + g * pairs * pair_bytes;
-    if (rb == 1 && bits4) {
+    if (rb == 1 && bits4)
       one_row_4bit(at, a->p + r0 * k + g * group, pairs, &acc[0], &acc[1]);
-      at += pairs * pair_bytes; /* (the loop below has nothing left) */
-    }
-    for (long i = rb == 1 && bits4 ? pairs : 0; i < pairs; i++, at += pair_bytes) {
-      if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
-        _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
-      __m256i low, high;
-      pair(at, bits4, &low, &high);
-      for (int j = 0; j < rb; j++) {
-        int32_t two;
-        memcpy(&two, a->p + (r0 + j) * k + g * group + 2 * i, 4);
-        const __m256i xs = _mm256_set1_epi32(two);
-        acc[2 * j] = _mm256_add_epi32(acc[2 * j], _mm256_madd_epi16(low, xs));
-        acc[2 * j + 1] = _mm256_add_epi32(acc[2 * j + 1], _mm256_madd_epi16(high, xs));
+    else
+      for (long i = 0; i < pairs; i++, at += pair_bytes) {
+        if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
+          _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
+        __m256i low, high;
+        pair(at, bits4, &low, &high);
+        for (int j = 0; j < rb; j++) {
+          int32_t two;
+          memcpy(&two, a->p + (r0 + j) * k + g * group + 2 * i, 4);
+          const __m256i xs = _mm256_set1_epi32(two);
+          acc[2 * j] = _mm256_add_epi32(acc[2 * j], _mm256_madd_epi16(low, xs));
+          acc[2 * j + 1] = _mm256_add_epi32(acc[2 * j + 1], _mm256_madd_epi16(high, xs));
+        }
       }
-    }
     for (int h = 0; h < 2; h++) {
       const long at_factor = first_factor + g * TILE + h * HALF;
       const __m256 s = factors(scales, at_factor, half);
@@ -238,8 +237,7 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (long rg = 0; rg < rows * count; rg++)
-      quantize_group(x + rg * group, group, &a, rg / count, rg % count, count);
+    for (long rg = 0; rg < rows * count; rg++) quantize_group(x + rg * group, group, &a, rg);
     long first, last; /* (after the loop's barrier: every row's x is written) */
     thread_share(blocks, 1, &first, &last);
     const int offsets = mins != NULL;
