@@ -63,6 +63,12 @@ class ContextIndex:
                 self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
+    def may_match(self, min_match: int) -> bool:
+        """Whether `continuation` may give a match of at least `min_match` tokens: the current
+        suffix's n-gram of that length (within the indexed lengths) occurred before."""
+        n = min(max(min_match, self.min_match), self.max_match)
+        return len(self.tokens) >= max(n, min_match) and tuple(self.tokens[-n:]) in self._next
+
     def continuation(self, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest earlier match of the current suffix, and
         the match length (0 when nothing of at least min_match tokens matched)."""
@@ -185,6 +191,17 @@ class ContextSession(DraftSession, Branching):
         chains = self._matched_chains(k, min_match)
         chains.sort(key=lambda pair: -pair[0])
         return tuple(chain for _, chain in chains)
+
+    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+        """Whether `copies(k, min_match)` may find a chain: the context's last `min_match`
+        tokens occurred before, in the request's own context or (`past_answers`) the index of
+        past answers (a dictionary lookup each: microseconds, where building the copy costs
+        ~0.3 ms)."""
+        if self._index.may_match(min_match):
+            return True
+        if not past_answers or self._suffix is None:
+            return False
+        return self._suffix.may_match(self._index.tokens, min_match)
 
     def _matched_chains(self, k: int, min_match: int = 1) -> list[tuple[int, Chain]]:
         """(match length, chain) of the request's own context and of the suffix index, of

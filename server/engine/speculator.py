@@ -41,15 +41,23 @@ log = structlog.get_logger("kenspec.speculator")
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 # A request whose drafts the batch cut REST_AFTER rounds in a row drafts only every REST_EVERY-th
-# round until drafts are kept again: drafting costs about a tenth of a step (KenLM, the suffix
-# index, the tree), spent for nothing while the choice finds no draft worth its pass.
+# round until drafts are kept again, and each time the round after a rest is cut again, every
+# twice as many rounds (up to REST_EVERY_MAX): drafting costs a tenth of a step or more (KenLM,
+# the suffix index, the tree), spent for nothing while the choice finds no draft worth its
+# pass. A resting round still drafts a copy where one may follow (COPY_MATCH, below).
 REST_AFTER = 2
 REST_EVERY = 4
-# While a request's acceptance breaker is open it still drafts the one chain that continues an
-# exact match of COPY_MATCH tokens or more (its own context, past answers): replayed on the
-# default model's greedy answers, such chains' tokens were accepted 94-95% of the time on every
-# prompt set (context_draft._source), so they pay where the drafts as a whole did not, as when
-# a rewrite copies its source again after a stretch of its own words. Not judged by the breaker.
+REST_EVERY_MAX = 16
+# While a request's acceptance breaker is open, and while it rests, it still drafts the one chain
+# that continues an exact match of COPY_MATCH tokens or more (its own context, past answers):
+# replayed on the default model's greedy answers, such chains' tokens were accepted 94-95% of
+# the time on every prompt set (context_draft._source), so they pay where the drafts as a whole
+# did not, as when a rewrite copies its source again after a stretch of its own words. Not
+# judged by the breaker. The session first says whether one may follow (`may_copy`: the last
+# COPY_MATCH tokens occurred before, a dictionary lookup); only then is it built, on the draft
+# thread. A resting request looks in its own context only: on chat the last 4 tokens were
+# somewhere in the default draft's 300k-token corpus of past answers in a third of the
+# rounds, and building those copies (0.4 ms each) cost more than the rests saved.
 COPY_MATCH = 4
 PROBE_AFTER_MAX = 256
 PRIOR_TRIES = 2.0  # weight of the shared prior in a request's estimate, in draft tokens tried
@@ -75,9 +83,10 @@ class Proposal:
     `tree` is what the pass verifies: the `forced` grammar tokens first (a chain), then the
     learned tree below them, drafted by `learned` (a chain's `Source`, or TREE). A `probe`
     (a starved request re-measuring a stale estimate) counts each learned draft a gain of 1.0.
-    `rested`: a starved request drafted nothing this round (REST_EVERY). `copied`: drafted
-    while the request's breaker was open (a copy, COPY_MATCH). `proposed` is how many nodes
-    drafting proposed, before the batch cut any.
+    `rested`: a starved request did not draft this round (REST_EVERY), but for a copy.
+    `copied`: the drafts are a copy (COPY_MATCH), drafted while the request's breaker was open
+    or while it rested. `proposed` is how many nodes drafting proposed, before the batch cut
+    any.
     """
 
     tree: DraftTree = NO_DRAFTS
@@ -206,6 +215,7 @@ class Speculator:
         self.k = params.k
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
         self._rested = 0  # rounds in a row a starved request rested (REST_EVERY)
+        self._rest_every = REST_EVERY  # a starved request drafts one round in this many
         self._probe_every = PROBE_AFTER
         self._probing = False
         self._shared = shared if shared is not None else AcceptanceStats()
@@ -253,41 +263,45 @@ class Speculator:
 
     @property
     def _rests(self) -> bool:
-        """Whether a starved request drafts nothing this round: REST_EVERY - 1 rounds in a row,
-        then one that drafts (a probe always drafts)."""
-        return self._starved >= REST_AFTER and not self._probe_due and self._rested < REST_EVERY - 1
+        """Whether a starved request drafts nothing this round (but for a copy): rest_every - 1
+        rounds in a row, then one that drafts (a probe always drafts)."""
+        starved = self._starved >= REST_AFTER and not self._probe_due
+        return starved and self._rested < self._rest_every - 1
 
     def propose(self, limit: int, constraint: DraftConstraint | None = None) -> Proposal:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
-        tokens left); none when speculation is off; while the acceptance breaker is open, only
-        a copy of an exact match (COPY_MATCH). With a constraint, its forced tokens first (see
-        the module doc)."""
+        tokens left); none when speculation is off; while the acceptance breaker is open or a
+        starved request rests, only a copy of an exact match (COPY_MATCH). With a constraint,
+        its forced tokens first (see the module doc)."""
         if not self._params.enabled or limit <= 0:
             return Proposal()
         cap = self._params.num_draft_tokens
         forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
         copying = self._acceptance is not None and not self._acceptance.allows_speculation()
-        drafted = self._learned(limit - len(forced), cap - len(forced), forced, copying)
-        learned, source = drafted or (NO_DRAFTS, UNNAMED)
-        probe, rested = self._probe_due and not copying, drafted is None
+        room = self._session is not None and len(forced) < min(cap, limit)  # for learned drafts
+        rested = room and not copying and self._rests
+        left = limit - len(forced), cap - len(forced)
+        learned, source = self._learned(*left, forced, copying, rested)
+        probe, copied = self._probe_due and not copying, copying or rested
         if constraint is None:
-            return Proposal.of(learned, 0, source, probe, rested, copying)
+            return Proposal.of(learned, 0, source, probe, rested, copied)
         chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
         tree = constraint.prune(learned.after(chain))
-        return Proposal.of(tree, _leading_forced(tree), source, probe, rested, copying)
+        return Proposal.of(tree, _leading_forced(tree), source, probe, rested, copied)
 
     def _learned(
-        self, limit: int, cap: int, forced: tuple[int, ...], copying: bool
-    ) -> tuple[DraftTree, Source] | None:
+        self, limit: int, cap: int, forced: tuple[int, ...], copying: bool, resting: bool
+    ) -> tuple[DraftTree, Source]:
         """The session's draft after `forced` (given to it first) and its source: up to `cap`
-        nodes, none deeper than `limit`; none without a session; only a copy (`_copy`) while
-        `copying` (the breaker says no); None when a starved request rests."""
+        nodes, none deeper than `limit`; none without a session; while `copying` (the breaker
+        says no) or `resting` only a copy (`_copy`), and none where the session says no copy
+        may follow (the draft thread is not even asked; resting: in the own context)."""
         if self._session is None or limit <= 0 or cap <= 0:
             return NO_DRAFTS, UNNAMED
-        if not copying and self._rests:
-            return None
+        if (copying or resting) and not _may_copy(self._session, past_answers=not resting):
+            return NO_DRAFTS, UNNAMED
         self._give_ahead(self._session, forced)
-        how = self._copy if copying else self._draft
+        how = self._copy if copying or resting else self._draft
         draft = partial(how, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
@@ -364,8 +378,13 @@ class Speculator:
         if proposal.rested:  # a round that rested keeps the request starved
             self._rested += 1
         elif not proposal.copied:
+            cut = bool(proposal.proposed) and not drafted
+            if cut and self._starved >= REST_AFTER:  # cut again after its rests: rest longer
+                self._rest_every = min(2 * self._rest_every, REST_EVERY_MAX)
+            elif not cut:
+                self._rest_every = REST_EVERY
             self._rested = 0
-            self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
+            self._starved = self._starved + 1 if cut else 0
         if forced:  # forced nodes are the grammar's: learn the nodes after them only
             if accepted < forced:
                 return  # the learned nodes were not reached
@@ -454,6 +473,13 @@ class Speculator:
             self._ahead = []
         if self._session is not None:
             self._session.extend(token_ids)
+
+
+def _may_copy(session: DraftSession, past_answers: bool) -> bool:
+    """Whether the session may have a copy (COPY_MATCH) now; a session class that does not
+    subclass DraftSession and does not say is asked for one."""
+    may_copy = getattr(session, "may_copy", None)
+    return True if may_copy is None else bool(may_copy(COPY_MATCH, past_answers))
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:

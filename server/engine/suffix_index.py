@@ -168,6 +168,14 @@ class SuffixIndex:
         or none of at least `min_match` tokens)."""
         return propose_across((self,), context, k, min_match)
 
+    def may_match(self, context: Sequence[int], min_match: int) -> bool:
+        """Whether `propose(context, k, min_match)` may find a match (see `may_match`)."""
+        return may_match((self,), context, min_match)
+
+    def _holds(self, key: int) -> bool:
+        """Whether any segment indexed a continuation after a key of this hash (lock held)."""
+        return any(key in segment.buckets for segment in self._segments)
+
     def _longest(
         self, tail: array[int], keys: tuple[int, ...] = KEY_LENGTHS
     ) -> tuple[int, list[tuple[array[int], int]]]:
@@ -292,6 +300,23 @@ def propose_across(
         if best < min_match:
             return [], 0
         return _vote(found, k, first.min_probability), best
+
+
+def may_match(indices: Sequence[SuffixIndex], context: Sequence[int], min_match: int) -> bool:
+    """Whether `propose_across(indices, context, k, min_match)` may find a match: whether the
+    key it would search (the context's last 4-gram for a match of 4 or more) was indexed in
+    any segment: one dictionary lookup a segment, no positions compared. False means it would
+    find none; True that it may (an answer's end leaves no continuation)."""
+    within = [length for length in KEY_LENGTHS if length <= min_match]
+    length = max(within) if within else min(KEY_LENGTHS)
+    if not indices or len(context) < max(length, min_match):
+        return False
+    key = hash(tuple(context[-length:]))
+    for index in indices:
+        with index._lock:
+            if index._holds(key):
+                return True
+    return False
 
 
 def _vote(candidates: list[tuple[array[int], int]], k: int, min_probability: float) -> list[int]:

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kenspec.server.engine.suffix_index import SuffixIndex, propose_across
+from kenspec.server.engine.suffix_index import SuffixIndex, may_match, propose_across
 
 SHARED_TENANT = "shared"  # every caller, when the server has no tokens or the scope is shared
 MAX_TENANTS = 16  # tenants whose learned answers are kept (--suffix-index-tenants)
@@ -135,6 +135,12 @@ class TenantView:
         seeded = self._indexes.seeded
         indices = (seeded,) if own is None else (seeded, own)
         return propose_across(indices, context, k, min_match)
+
+    def may_match(self, context: Sequence[int], min_match: int) -> bool:
+        """As SuffixIndex.may_match, over the corpus and the tenant's answers."""
+        own = self._indexes.learned(self.tenant)
+        seeded = self._indexes.seeded
+        return may_match((seeded,) if own is None else (seeded, own), context, min_match)
 
 
 def _segment_tokens(share: int) -> int:

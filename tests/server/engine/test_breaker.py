@@ -189,14 +189,19 @@ def test_half_open_trial_after_reset_timeout_returns_to_speculation(tiny_target,
 
 class CopyingSession(_SwitchingSession):
     """SwitchingDraft's session that also copies: `copies` offers the reference's next tokens
-    as an exact match of `matched` tokens at the output positions in `at`."""
+    as an exact match of `matched` tokens at the output positions in `at`, and `may_copy` says
+    so there (`checked`: where it was asked, `asked`: where copies were built, and for what)."""
 
     def __init__(self, draft: SwitchingDraft, at: set[int], matched: int) -> None:
         super().__init__(draft)
-        self.at, self.matched, self.asked = at, matched, []
+        self.at, self.matched, self.asked, self.checked = at, matched, [], []
+
+    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+        self.checked.append(self.position)
+        return self.position in self.at and self.matched >= min_match
 
     def copies(self, k: int, min_match: int) -> Candidates:
-        self.asked.append(min_match)
+        self.asked.append((self.position, min_match))
         if self.position not in self.at or self.matched < min_match:
             return ()
         tokens = tuple(self.draft.reference[self.position : self.position + k])
@@ -227,7 +232,11 @@ def test_an_open_breaker_verifies_only_copies_of_long_exact_matches(
         assert copied == []
     else:
         assert len(copied) >= 2 and all(r.accepted == r.drafted > 0 for r in copied)
-    assert set(session.asked) == {4}  # asked only while open, for COPY_MATCH
+    # built only while open, for COPY_MATCH, and only where one may follow: every other
+    # round of an open breaker asks the session's cheap check alone, not the draft thread
+    assert all(at in session.at and min_match == 4 for at, min_match in session.asked)
+    assert len(session.asked) == (len(copied) if matched >= 4 else 0)
+    assert len(session.checked) >= len(opened) - 1
 
 
 def test_a_copy_teaches_only_its_own_requests_rate(clock) -> None:
@@ -237,6 +246,9 @@ def test_a_copy_teaches_only_its_own_requests_rate(clock) -> None:
     from kenspec.server.engine.speculator import AcceptanceStats
 
     class Copier(FixedDraft):
+        def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+            return True
+
         def copies(self, k: int, min_match: int) -> Candidates:
             return (Chain((5,) * k, (1.0,) * k, Source("context", 8)),)
 

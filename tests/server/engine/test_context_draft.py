@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
 
 from kenspec.server.engine.context_draft import ContextDraft, ContextIndex
 from kenspec.server.engine.draft_tree import Source
+from kenspec.server.engine.suffix_index import SuffixIndex
+from kenspec.server.engine.tenant_index import TenantSuffixIndex
 from tests.server.engine.drafts import FixedDraft
 
 
@@ -78,6 +81,37 @@ def test_copies_are_the_matched_chains_at_least_as_long_as_asked() -> None:
     assert session.copies(2, 5) == ()  # the match is 4 tokens long
     assert draft.start([1, 2, 3]).copies(2, 1) == ()  # no match: no copy, not the n-gram
     assert FixedDraft([7]).start([1]).copies(2, 1) == ()  # a session without matches
+
+
+def test_may_copy_is_true_wherever_a_copy_is_found_and_false_where_none_may_be() -> None:
+    """The cheap check before a copy is built (every round of an open breaker or a rest): never
+    False where `copies` finds one (own context or past answers, through a tenant's view too),
+    and False at most positions of a stream whose 4-grams are new."""
+    rng = random.Random(7)
+    answers = [[rng.randrange(6) for _ in range(40)] for _ in range(30)]
+    indexes = TenantSuffixIndex(SuffixIndex())
+    for answer in answers[:20]:
+        indexes.seeded.add(answer)
+    for answer in answers[20:25]:
+        indexes.add("a", answer)
+    draft = ContextDraft(FixedDraft([7, 7]), min_match=1, max_match=8)
+    seen = collections.Counter()
+    for stream in (*answers[25:], [rng.randrange(6, 60) for _ in range(60)]):
+        session = draft.start(stream[:2], suffix=indexes.view("a"))
+        for token in stream[2:]:
+            found, may = bool(session.copies(4, 4)), session.may_copy(4)
+            assert may or not found
+            seen[found, may] += 1
+            session.extend([token])
+    assert seen[True, True] > 20 and seen[False, False] > 50
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6])
+    session = draft.start([9, 2, 3, 4, 5], suffix=index)  # the 4-gram is the index's alone
+    assert session.may_copy(4) and session.copies(4, 4)
+    assert not session.may_copy(4, past_answers=False)
+    assert draft.start([2, 3, 4, 5, 0, 2, 3, 4, 5], suffix=index).may_copy(4, past_answers=False)
+    assert index.may_match([0, 2, 3, 4, 5], 4) and not index.may_match([0, 9, 3, 4, 5], 4)
+    assert not index.may_match([3, 4, 5], 4)  # shorter than the match asked for
 
 
 def test_a_longer_match_drafts_further_up_to_the_long_draft_cap() -> None:
