@@ -408,17 +408,32 @@ class CpuKernels:
         """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
         self._layer("kenspec_silu_mul", gate_up.data_ptr(), out.data_ptr(), *out.shape)
 
-    def top_probs(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_probs(
+        self,
+        logits: torch.Tensor,
+        width: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids [rows, width] (int32) of each float32 logits row's `width` largest logits,
         best first, and their probabilities [rows, width] (as torch.topk of the row's
         softmax, in one read of the row after its maximum's): layer.c's, else
-        layer_avx2.c's."""
+        layer_avx2.c's. `out`: contiguous int32 and float32 tensors of rows * width elements
+        to write them to (a table's rows: no copies), returned."""
         if logits.dtype != torch.float32 or not 1 <= width <= 16:
             raise ValueError(f"top_probs takes float32 logits and width 1..16, not {width}")
         logits = logits.contiguous()
         rows, vocab = logits.shape
-        ids = torch.empty(rows, width, dtype=torch.int32)
-        probs = torch.empty(rows, width, dtype=torch.float32)
+        if out is None:
+            ids = torch.empty(rows, width, dtype=torch.int32)
+            probs = torch.empty(rows, width, dtype=torch.float32)
+        else:
+            ids, probs = out
+            wanted = ((torch.int32, rows * width), (torch.float32, rows * width))
+            if any(
+                (tensor.dtype, tensor.numel()) != shape or not tensor.is_contiguous()
+                for tensor, shape in zip(out, wanted, strict=True)
+            ):
+                raise ValueError(f"top_probs writes contiguous int32 and float32 [{rows}, {width}]")
         self._layer(
             "kenspec_top_probs", logits.data_ptr(), rows, vocab, width, ids.data_ptr(),
             probs.data_ptr(),

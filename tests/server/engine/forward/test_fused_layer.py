@@ -463,7 +463,9 @@ def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel(
     layer: CpuKernels,
 ) -> None:
     """RecycledPredictions with top_probs (as the server builds it on these CPUs) keeps what
-    it keeps with torch's top-k: the same next tokens, probabilities within float error."""
+    it keeps with torch's top-k: the same next tokens, probabilities within float error; and
+    rows recorded one at a time (a plain round's, written straight into the table) the same
+    bits as all at once."""
     generator = torch.Generator().manual_seed(0)
     rows = [(i, torch.randn(300, generator=generator) * 3) for i in range(5)]
     tokens = [11, 12, 13, 11, 14]  # a token seen twice keeps its later row
@@ -475,3 +477,14 @@ def test_the_recycled_table_keeps_the_same_predictions_through_the_kernel(
         assert [t for t, _ in kept] == [t for t, _ in expected]
         assert [p for _, p in kept] == pytest.approx([p for _, p in expected], rel=1e-5)
     assert kernel.chain(11, 3)[0] == plain.chain(11, 3)[0]
+    one = RecycledPredictions(300, top_probs=layer.top_probs)
+    for token, (_, row) in zip(tokens, rows, strict=True):
+        one.record([token], [(0, row)])
+    for token in (11, 12, 13, 14, 15):
+        assert one.next_tokens(token) == kernel.next_tokens(token)
+        assert one.chain(token, 3) == kernel.chain(token, 3)
+    ids, probs = torch.zeros(8, dtype=torch.int32), torch.zeros(8)
+    assert layer.top_probs(rows[1][1].view(1, -1), 8, (ids, probs))[0] is ids  # token 12's
+    assert ids.tolist() == [t for t, _ in plain.next_tokens(12)]
+    with pytest.raises(ValueError, match="contiguous int32 and float32"):
+        layer.top_probs(rows[1][1].view(1, -1), 8, (probs, ids))
