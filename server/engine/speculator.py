@@ -41,13 +41,12 @@ log = structlog.get_logger("kenspec.speculator")
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 # A request whose drafts the batch cut REST_AFTER rounds in a row drafts only every REST_EVERY-th
-# round until drafts are kept again, and each time the round after a rest is cut again, every
-# twice as many rounds (up to REST_EVERY_MAX): drafting costs a tenth of a step or more (KenLM,
-# the suffix index, the tree), spent for nothing while the choice finds no draft worth its
-# pass. A resting round still drafts a copy where one may follow (COPY_MATCH, below).
+# round until drafts are kept again: drafting costs a tenth of a step or more (KenLM, the suffix
+# index, the tree), spent for nothing while the choice finds no draft worth its pass. A resting
+# round still drafts a copy where one may follow (COPY_MATCH, below). Rests that doubled each
+# time the round after them was cut again (up to 16) measured no better (docs/design.md).
 REST_AFTER = 2
 REST_EVERY = 4
-REST_EVERY_MAX = 16
 # While a request's acceptance breaker is open, and while it rests, it still drafts the one chain
 # that continues an exact match of COPY_MATCH tokens or more (its own context, past answers):
 # replayed on the default model's greedy answers, such chains' tokens were accepted 94-95% of
@@ -215,7 +214,6 @@ class Speculator:
         self.k = params.k
         self._starved = 0  # consecutive rounds whose drafts a batch cut entirely
         self._rested = 0  # rounds in a row a starved request rested (REST_EVERY)
-        self._rest_every = REST_EVERY  # a starved request drafts one round in this many
         self._probe_every = PROBE_AFTER
         self._probing = False
         self._shared = shared if shared is not None else AcceptanceStats()
@@ -263,10 +261,9 @@ class Speculator:
 
     @property
     def _rests(self) -> bool:
-        """Whether a starved request drafts nothing this round (but for a copy): rest_every - 1
+        """Whether a starved request drafts nothing this round (but for a copy): REST_EVERY - 1
         rounds in a row, then one that drafts (a probe always drafts)."""
-        starved = self._starved >= REST_AFTER and not self._probe_due
-        return starved and self._rested < self._rest_every - 1
+        return self._starved >= REST_AFTER and not self._probe_due and self._rested < REST_EVERY - 1
 
     def propose(self, limit: int, constraint: DraftConstraint | None = None) -> Proposal:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
@@ -378,13 +375,8 @@ class Speculator:
         if proposal.rested:  # a round that rested keeps the request starved
             self._rested += 1
         elif not proposal.copied:
-            cut = bool(proposal.proposed) and not drafted
-            if cut and self._starved >= REST_AFTER:  # cut again after its rests: rest longer
-                self._rest_every = min(2 * self._rest_every, REST_EVERY_MAX)
-            elif not cut:
-                self._rest_every = REST_EVERY
             self._rested = 0
-            self._starved = self._starved + 1 if cut else 0
+            self._starved = self._starved + 1 if proposal.proposed and not drafted else 0
         if forced:  # forced nodes are the grammar's: learn the nodes after them only
             if accepted < forced:
                 return  # the learned nodes were not reached

@@ -16,7 +16,6 @@ from kenspec.server.engine.speculator import (
     PROBE_AFTER,
     REST_AFTER,
     REST_EVERY,
-    REST_EVERY_MAX,
     AcceptanceStats,
     Proposal,
     Speculator,
@@ -201,29 +200,20 @@ def _rounds(speculator: Speculator, count: int, kept: int = 0) -> list[Proposal]
     return proposals
 
 
-def test_a_starved_request_rests_longer_each_time_and_drafts_again_once_one_is_kept() -> None:
-    """Drafts the batch cuts REST_AFTER rounds in a row: the request then drafts only one round
-    in REST_EVERY (its rests keep it starved), one in twice as many each time that round is cut
-    again, up to REST_EVERY_MAX; once a draft is kept, every round again."""
+def test_a_starved_request_drafts_one_round_in_rest_every_until_a_draft_is_kept() -> None:
+    """Drafts the batch cuts REST_AFTER rounds in a row: the request then drafts only every
+    REST_EVERY-th round (its rests keep it starved); once a draft is kept, every round again."""
     speculator = Speculator(Switching(), SpeculationParams(num_draft_tokens=4))
-    schedule, every = [True] * REST_AFTER, REST_EVERY
-    while every <= REST_EVERY_MAX:
-        schedule += [False] * (every - 1) + [True]
-        every *= 2
-    schedule += [False] * (REST_EVERY_MAX - 1) + [True]  # it stays at the most
-    proposals = _rounds(speculator, len(schedule))
-    assert [bool(proposal.tree) for proposal in proposals] == schedule
-    assert [p.rested for p in proposals] == [not drafted for drafted in schedule]
-    rests = _rounds(speculator, REST_EVERY_MAX - 1)
-    assert not any(p.tree for p in rests) and all(p.rested for p in rests)
+    proposals = _rounds(speculator, REST_AFTER + 2 * REST_EVERY)
+    drafted = [bool(proposal.tree) for proposal in proposals]
+    rests = [False] * (REST_EVERY - 1) + [True]
+    assert drafted == [True] * REST_AFTER + rests + rests
+    assert [p.rested for p in proposals] == [not d for d in drafted]
+    _rounds(speculator, REST_EVERY - 1)  # rest rounds
     kept = speculator.propose(limit=10)
-    assert kept.tree and not kept.rested
+    assert kept.tree
     speculator.record(kept.cut(2), 1)  # kept by the batch: no longer starved
     assert all(p.tree for p in _rounds(speculator, REST_EVERY, kept=2))
-    # starved again: the rests start over from REST_EVERY
-    again = _rounds(speculator, REST_AFTER + REST_EVERY)
-    restarted = [True] * REST_AFTER + [False] * (REST_EVERY - 1) + [True]
-    assert [bool(p.tree) for p in again] == restarted
 
 
 class Copying(Switching):
