@@ -192,16 +192,13 @@ class ContextSession(DraftSession, Branching):
         chains.sort(key=lambda pair: -pair[0])
         return tuple(chain for _, chain in chains)
 
-    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+    def may_copy(self, min_match: int) -> bool:
         """Whether `copies(k, min_match)` may find a chain: the context's last `min_match`
-        tokens occurred before, in the request's own context or (`past_answers`) the index of
-        past answers (a dictionary lookup each: microseconds, where building the copy costs
-        ~0.3 ms)."""
+        tokens occurred before, in the request's own context or the index of past answers (a
+        dictionary lookup each: microseconds, where building the copy costs ~0.3 ms)."""
         if self._index.may_match(min_match):
             return True
-        if not past_answers or self._suffix is None:
-            return False
-        return self._suffix.may_match(self._index.tokens, min_match)
+        return self._suffix is not None and self._suffix.may_match(self._index.tokens, min_match)
 
     def _matched_chains(self, k: int, min_match: int = 1) -> list[tuple[int, Chain]]:
         """(match length, chain) of the request's own context and of the suffix index, of

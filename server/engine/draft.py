@@ -90,10 +90,9 @@ class DraftSession(Protocol):
         request's own context, past answers), longest match first; none by default."""
         return ()
 
-    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
-        """Whether `copies(k, min_match)` may find a chain now, in the request's own context
-        or (`past_answers`) an index of past answers: a check cheap enough for every round (a
-        session that copies says when it may; False: it would find none there)."""
+    def may_copy(self, min_match: int) -> bool:
+        """Whether `copies(k, min_match)` may find a chain now: a check cheap enough for every
+        round (a session that copies says when it may; False: it would find none)."""
         return False
 
     @property

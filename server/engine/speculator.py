@@ -41,22 +41,18 @@ log = structlog.get_logger("kenspec.speculator")
 
 PROBE_AFTER = 16  # starved rounds before the first re-probe; doubles after each failed probe
 # A request whose drafts the batch cut REST_AFTER rounds in a row drafts only every REST_EVERY-th
-# round until drafts are kept again: drafting costs a tenth of a step or more (KenLM, the suffix
-# index, the tree), spent for nothing while the choice finds no draft worth its pass. A resting
-# round still drafts a copy where one may follow (COPY_MATCH, below). Rests that doubled each
-# time the round after them was cut again (up to 16) measured no better (docs/design.md).
+# round until drafts are kept again: drafting costs about a tenth of a step (KenLM, the suffix
+# index, the tree), spent for nothing while the choice finds no draft worth its pass.
 REST_AFTER = 2
 REST_EVERY = 4
-# While a request's acceptance breaker is open, and while it rests, it still drafts the one chain
-# that continues an exact match of COPY_MATCH tokens or more (its own context, past answers):
-# replayed on the default model's greedy answers, such chains' tokens were accepted 94-95% of
-# the time on every prompt set (context_draft._source), so they pay where the drafts as a whole
-# did not, as when a rewrite copies its source again after a stretch of its own words. Not
-# judged by the breaker. The session first says whether one may follow (`may_copy`: the last
-# COPY_MATCH tokens occurred before, a dictionary lookup); only then is it built, on the draft
-# thread. A resting request looks in its own context only: on chat the last 4 tokens were
-# somewhere in the default draft's 300k-token corpus of past answers in a third of the
-# rounds, and building those copies (0.4 ms each) cost more than the rests saved.
+# While a request's acceptance breaker is open it still drafts the one chain that continues an
+# exact match of COPY_MATCH tokens or more (its own context, past answers): replayed on the
+# default model's greedy answers, such chains' tokens were accepted 94-95% of the time on every
+# prompt set (context_draft._source), so they pay where the drafts as a whole did not, as when
+# a rewrite copies its source again after a stretch of its own words. Not judged by the breaker.
+# The session first says whether one may follow (`may_copy`: the last COPY_MATCH tokens
+# occurred before, a dictionary lookup on this thread); only then is it built, on the draft
+# thread.
 COPY_MATCH = 4
 PROBE_AFTER_MAX = 256
 PRIOR_TRIES = 2.0  # weight of the shared prior in a request's estimate, in draft tokens tried
@@ -82,10 +78,9 @@ class Proposal:
     `tree` is what the pass verifies: the `forced` grammar tokens first (a chain), then the
     learned tree below them, drafted by `learned` (a chain's `Source`, or TREE). A `probe`
     (a starved request re-measuring a stale estimate) counts each learned draft a gain of 1.0.
-    `rested`: a starved request did not draft this round (REST_EVERY), but for a copy.
-    `copied`: the drafts are a copy (COPY_MATCH), drafted while the request's breaker was open
-    or while it rested. `proposed` is how many nodes drafting proposed, before the batch cut
-    any.
+    `rested`: a starved request drafted nothing this round (REST_EVERY). `copied`: drafted
+    while the request's breaker was open (a copy, COPY_MATCH). `proposed` is how many nodes
+    drafting proposed, before the batch cut any.
     """
 
     tree: DraftTree = NO_DRAFTS
@@ -261,44 +256,44 @@ class Speculator:
 
     @property
     def _rests(self) -> bool:
-        """Whether a starved request drafts nothing this round (but for a copy): REST_EVERY - 1
-        rounds in a row, then one that drafts (a probe always drafts)."""
+        """Whether a starved request drafts nothing this round: REST_EVERY - 1 rounds in a row,
+        then one that drafts (a probe always drafts)."""
         return self._starved >= REST_AFTER and not self._probe_due and self._rested < REST_EVERY - 1
 
     def propose(self, limit: int, constraint: DraftConstraint | None = None) -> Proposal:
         """This round's draft: at most num_draft_tokens nodes, none deeper than `limit` (the
-        tokens left); none when speculation is off; while the acceptance breaker is open or a
-        starved request rests, only a copy of an exact match (COPY_MATCH). With a constraint,
-        its forced tokens first (see the module doc)."""
+        tokens left); none when speculation is off; while the acceptance breaker is open, only
+        a copy of an exact match (COPY_MATCH). With a constraint, its forced tokens first (see
+        the module doc)."""
         if not self._params.enabled or limit <= 0:
             return Proposal()
         cap = self._params.num_draft_tokens
         forced = constraint.forced()[: min(cap, limit)] if constraint is not None else ()
         copying = self._acceptance is not None and not self._acceptance.allows_speculation()
-        room = self._session is not None and len(forced) < min(cap, limit)  # for learned drafts
-        rested = room and not copying and self._rests
-        left = limit - len(forced), cap - len(forced)
-        learned, source = self._learned(*left, forced, copying, rested)
-        probe, copied = self._probe_due and not copying, copying or rested
+        drafted = self._learned(limit - len(forced), cap - len(forced), forced, copying)
+        learned, source = drafted or (NO_DRAFTS, UNNAMED)
+        probe, rested = self._probe_due and not copying, drafted is None
         if constraint is None:
-            return Proposal.of(learned, 0, source, probe, rested, copied)
+            return Proposal.of(learned, 0, source, probe, rested, copying)
         chain = DraftTree.chain(forced, [1.0] * len(forced), FORCED)
         tree = constraint.prune(learned.after(chain))
-        return Proposal.of(tree, _leading_forced(tree), source, probe, rested, copied)
+        return Proposal.of(tree, _leading_forced(tree), source, probe, rested, copying)
 
     def _learned(
-        self, limit: int, cap: int, forced: tuple[int, ...], copying: bool, resting: bool
-    ) -> tuple[DraftTree, Source]:
+        self, limit: int, cap: int, forced: tuple[int, ...], copying: bool
+    ) -> tuple[DraftTree, Source] | None:
         """The session's draft after `forced` (given to it first) and its source: up to `cap`
-        nodes, none deeper than `limit`; none without a session; while `copying` (the breaker
-        says no) or `resting` only a copy (`_copy`), and none where the session says no copy
-        may follow (the draft thread is not even asked; resting: in the own context)."""
+        nodes, none deeper than `limit`; none without a session; only a copy (`_copy`) while
+        `copying` (the breaker says no), and none where the session says none may follow; None
+        when a starved request rests."""
         if self._session is None or limit <= 0 or cap <= 0:
             return NO_DRAFTS, UNNAMED
-        if (copying or resting) and not _may_copy(self._session, past_answers=not resting):
-            return NO_DRAFTS, UNNAMED
+        if not copying and self._rests:
+            return None
+        if copying and not _may_copy(self._session):
+            return NO_DRAFTS, UNNAMED  # the draft thread is not even asked
         self._give_ahead(self._session, forced)
-        how = self._copy if copying or resting else self._draft
+        how = self._copy if copying else self._draft
         draft = partial(how, self._session, min(self.k, limit), limit, cap)
         if self._faults is None:
             drafted: tuple[DraftTree, Source] | None = draft()
@@ -467,11 +462,11 @@ class Speculator:
             self._session.extend(token_ids)
 
 
-def _may_copy(session: DraftSession, past_answers: bool) -> bool:
+def _may_copy(session: DraftSession) -> bool:
     """Whether the session may have a copy (COPY_MATCH) now; a session class that does not
     subclass DraftSession and does not say is asked for one."""
     may_copy = getattr(session, "may_copy", None)
-    return True if may_copy is None else bool(may_copy(COPY_MATCH, past_answers))
+    return True if may_copy is None else bool(may_copy(COPY_MATCH))
 
 
 def _common(first: Sequence[int], second: Sequence[int]) -> int:

@@ -196,7 +196,7 @@ class CopyingSession(_SwitchingSession):
         super().__init__(draft)
         self.at, self.matched, self.asked, self.checked = at, matched, [], []
 
-    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+    def may_copy(self, min_match: int) -> bool:
         self.checked.append(self.position)
         return self.position in self.at and self.matched >= min_match
 
@@ -246,7 +246,7 @@ def test_a_copy_teaches_only_its_own_requests_rate(clock) -> None:
     from kenspec.server.engine.speculator import AcceptanceStats
 
     class Copier(FixedDraft):
-        def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
+        def may_copy(self, min_match: int) -> bool:
             return True
 
         def copies(self, k: int, min_match: int) -> Candidates:

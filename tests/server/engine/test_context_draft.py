@@ -108,8 +108,8 @@ def test_may_copy_is_true_wherever_a_copy_is_found_and_false_where_none_may_be()
     index.add([1, 2, 3, 4, 5, 6])
     session = draft.start([9, 2, 3, 4, 5], suffix=index)  # the 4-gram is the index's alone
     assert session.may_copy(4) and session.copies(4, 4)
-    assert not session.may_copy(4, past_answers=False)
-    assert draft.start([2, 3, 4, 5, 0, 2, 3, 4, 5], suffix=index).may_copy(4, past_answers=False)
+    assert draft.start([2, 3, 4, 5, 0, 2, 3, 4, 5]).may_copy(4)  # its own context's
+    assert not draft.start([2, 3, 4, 5, 0, 3, 4, 5]).may_copy(4)
     assert index.may_match([0, 2, 3, 4, 5], 4) and not index.may_match([0, 9, 3, 4, 5], 4)
     assert not index.may_match([3, 4, 5], 4)  # shorter than the match asked for
 

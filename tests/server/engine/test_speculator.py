@@ -191,67 +191,24 @@ def test_record_learns_from_the_proposal_it_is_handed_whatever_was_proposed_sinc
     assert shared.counts((B, False)) == (0.0, 1.0) and shared.counts((A, False)) == (3.0, 3.0)
 
 
-def _rounds(speculator: Speculator, count: int, kept: int = 0) -> list[Proposal]:
-    """`count` rounds whose drafts a batch cut to `kept` (accepting none)."""
-    proposals = []
-    for _ in range(count):
-        proposals.append(proposal := speculator.propose(limit=10))
-        speculator.record(proposal.cut(kept), 0)
-    return proposals
-
-
 def test_a_starved_request_drafts_one_round_in_rest_every_until_a_draft_is_kept() -> None:
     """Drafts the batch cuts REST_AFTER rounds in a row: the request then drafts only every
     REST_EVERY-th round (its rests keep it starved); once a draft is kept, every round again."""
     speculator = Speculator(Switching(), SpeculationParams(num_draft_tokens=4))
-    proposals = _rounds(speculator, REST_AFTER + 2 * REST_EVERY)
+    proposals = []
+    for _ in range(REST_AFTER + 2 * REST_EVERY):
+        proposals.append(proposal := speculator.propose(limit=10))
+        speculator.record(proposal.cut(0), 0)
     drafted = [bool(proposal.tree) for proposal in proposals]
     rests = [False] * (REST_EVERY - 1) + [True]
     assert drafted == [True] * REST_AFTER + rests + rests
-    assert [p.rested for p in proposals] == [not d for d in drafted]
-    _rounds(speculator, REST_EVERY - 1)  # rest rounds
+    speculator.record(speculator.propose(limit=10), 0)  # a rest round
+    speculator.record(speculator.propose(limit=10), 0)
+    speculator.record(speculator.propose(limit=10), 0)
     kept = speculator.propose(limit=10)
     assert kept.tree
     speculator.record(kept.cut(2), 1)  # kept by the batch: no longer starved
-    assert all(p.tree for p in _rounds(speculator, REST_EVERY, kept=2))
-
-
-class Copying(Switching):
-    """Switching, which also copies (source "context:4") where `may` says so; counts the calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.may, self.asked, self.checked = False, 0, []
-
-    def may_copy(self, min_match: int, past_answers: bool = True) -> bool:
-        self.checked.append((min_match, past_answers))
-        return self.may
-
-    def copies(self, k: int, min_match: int) -> Candidates:
-        self.asked += 1
-        return (Chain((9,) * k, (1.0,) * k, Source("context", 4)),)
-
-
-def test_a_resting_request_still_drafts_a_copy_where_one_may_follow() -> None:
-    """While it rests, a request asks for a copy (COPY_MATCH) only where the session says one
-    may follow in its own context; a copy round counts as a rest and teaches only the
-    request's own rate."""
-    session = Copying()
-    shared = AcceptanceStats()
-    speculator = Speculator(session, SpeculationParams(num_draft_tokens=4), shared=shared)
-    _rounds(speculator, REST_AFTER)  # starved: it rests from now on
-    resting = _rounds(speculator, 2)
-    assert [(p.tree, p.rested, p.copied) for p in resting] == [(DraftTree(), True, True)] * 2
-    assert session.asked == 0 and session.checked == [(4, False)] * 2  # none may: not built
-    session.may = True
-    copy = speculator.propose(limit=10)
-    assert copy.rested and copy.copied and copy.source == "context:4"
-    assert copy.tree.tokens == (9,) * speculator.k and session.asked == 1
-    before = shared.counts((Source("context", 4), False))
-    speculator.record(copy, len(copy.tree))  # all accepted
-    assert shared.counts((Source("context", 4), False)) == before  # its own rate alone
-    drafted = speculator.propose(limit=10)  # the rests' count went on: its drafting round
-    assert drafted.tree.tokens == (1,) * 4 and not drafted.rested and not drafted.copied
+    assert all(speculator.propose(limit=10).tree for _ in range(REST_EVERY))
 
 
 def test_proposing_leaves_nothing_a_round_must_call_in_order() -> None:
