@@ -169,7 +169,8 @@ class SuffixIndex:
         return propose_across((self,), context, k, min_match)
 
     def may_match(self, context: Sequence[int], min_match: int) -> bool:
-        """Whether `propose(context, k, min_match)` may find a match (see `may_match`)."""
+        """Whether `propose(context, k, min_match)` may find a match (the module's
+        `may_match`)."""
         return may_match((self,), context, min_match)
 
     def _holds(self, key: int) -> bool:

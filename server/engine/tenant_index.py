@@ -131,16 +131,17 @@ class TenantView:
 
     def propose(self, context: Sequence[int], k: int, min_match: int = 0) -> tuple[list[int], int]:
         """As SuffixIndex.propose, over the corpus then the tenant's answers (newer)."""
-        own = self._indexes.learned(self.tenant)  # looked up each round: learns as it serves
-        seeded = self._indexes.seeded
-        indices = (seeded,) if own is None else (seeded, own)
-        return propose_across(indices, context, k, min_match)
+        return propose_across(self._indices(), context, k, min_match)
 
     def may_match(self, context: Sequence[int], min_match: int) -> bool:
         """As SuffixIndex.may_match, over the corpus and the tenant's answers."""
+        return may_match(self._indices(), context, min_match)
+
+    def _indices(self) -> tuple[SuffixIndex, ...]:
+        """The corpus, then the tenant's answers if it has any (looked up at each call: the
+        view learns as it serves)."""
         own = self._indexes.learned(self.tenant)
-        seeded = self._indexes.seeded
-        return may_match((seeded,) if own is None else (seeded, own), context, min_match)
+        return (self._indexes.seeded,) if own is None else (self._indexes.seeded, own)
 
 
 def _segment_tokens(share: int) -> int:
