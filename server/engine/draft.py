@@ -87,7 +87,8 @@ class DraftSession(Protocol):
 
     def copies(self, k: int, min_match: int) -> Candidates:
         """The chains that continue an exact match of at least `min_match` tokens (the
-        request's own context, past answers), longest match first; none by default."""
+        request's own context, past answers), longest match first; none by default (a session
+        that offers copies says when it may, `may_copy`: by default it may not)."""
         return ()
 
     def may_copy(self, min_match: int) -> bool:

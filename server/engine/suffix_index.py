@@ -280,13 +280,11 @@ def propose_across(
     them, the vote among every equally long one. Options (max_match, min_probability) are
     the first index's.
 
-    A match of at least `min_match` tokens ends with the context's last n-gram for every key
-    length n up to min_match, so only the longest such key is searched (an open breaker's
-    copies ask for 4: the 4-gram's few positions, not the common bigram's many)."""
-    if not indices or k <= 0 or len(context) < max(min(KEY_LENGTHS), min_match):
+    Only `_search_keys(min_match)` are searched (an open breaker's copies ask for 4: the
+    4-gram's few positions, not the common bigram's many)."""
+    if not indices or k <= 0 or not _long_enough(context, min_match):
         return [], 0
-    within = [length for length in KEY_LENGTHS if length <= min_match]
-    keys = (max(within),) if within else KEY_LENGTHS
+    keys = _search_keys(min_match)
     first = indices[0]
     tail = array("i", context[-first.max_match :])
     with contextlib.ExitStack() as locks:  # in the given order; an add takes one lock only
@@ -307,17 +305,30 @@ def may_match(indices: Sequence[SuffixIndex], context: Sequence[int], min_match:
     """Whether `propose_across(indices, context, k, min_match)` may find a match: whether the
     key it would search (the context's last 4-gram for a match of 4 or more) was indexed in
     any segment: one dictionary lookup a segment, no positions compared. False means it would
-    find none; True that it may (an answer's end leaves no continuation)."""
-    within = [length for length in KEY_LENGTHS if length <= min_match]
-    length = max(within) if within else min(KEY_LENGTHS)
-    if not indices or len(context) < max(length, min_match):
+    find none; True that it may (an answer's end leaves no continuation). Of several keys
+    searched, the shortest: a position indexed under the longer is under it too."""
+    if not indices or not _long_enough(context, min_match):
         return False
+    length = min(_search_keys(min_match))
     key = hash(tuple(context[-length:]))
     for index in indices:
         with index._lock:
             if index._holds(key):
                 return True
     return False
+
+
+def _search_keys(min_match: int) -> tuple[int, ...]:
+    """The key lengths a search for a match of at least `min_match` tokens reads: such a match
+    ends with the context's last n-gram for every key length n up to min_match, so the longest
+    of those alone; every key length when none is that short."""
+    within = [length for length in KEY_LENGTHS if length <= min_match]
+    return (max(within),) if within else KEY_LENGTHS
+
+
+def _long_enough(context: Sequence[int], min_match: int) -> bool:
+    """Whether the context holds the shortest key and the match asked for."""
+    return len(context) >= max(min(KEY_LENGTHS), min_match)
 
 
 def _vote(candidates: list[tuple[array[int], int]], k: int, min_probability: float) -> list[int]:

@@ -84,7 +84,7 @@ def test_copies_are_the_matched_chains_at_least_as_long_as_asked() -> None:
 
 
 def test_may_copy_is_true_wherever_a_copy_is_found_and_false_where_none_may_be() -> None:
-    """The cheap check before a copy is built (every round of an open breaker or a rest): never
+    """The cheap check before a copy is built (every round of an open breaker): never
     False where `copies` finds one (own context or past answers, through a tenant's view too),
     and False at most positions of a stream whose 4-grams are new."""
     rng = random.Random(7)
