@@ -25,6 +25,7 @@ z = -0.3 + 0.8 = 0.5, q = round((W - z) / s) + 8 = [0, 3, 5, 15] (exact here).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -388,6 +389,25 @@ def grouped_linear(
     if kernels is not None and kernels.grouped and x.dtype == torch.bfloat16:
         return kernels.gemv_grouped(x, weight)
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
+
+
+@contextmanager
+def exact_grouped_products(model: nn.Module) -> Iterator[None]:
+    """Within: the model's GroupedLinear layers multiply by the file's weights dequantized in
+    float32 (grouped_linear without kernels), as they would without the grouped GEMV. For the
+    load-time check of packed passes, which compares two ways of running attention: the AVX2
+    GEMV's 8-bit activations round each group's x to 1/127 of its largest, so the two ways' last
+    bits would differ by far more than attention's own rounding (the products have tests of
+    their own)."""
+    layers = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    kept = [layer.kernels for layer in layers]
+    for layer in layers:
+        layer.kernels = None
+    try:
+        yield
+    finally:
+        for layer, kernels in zip(layers, kept, strict=True):
+            layer.kernels = kernels
 
 
 class GroupedLinear(nn.Module):

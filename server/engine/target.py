@@ -44,7 +44,7 @@ from kenspec.server.engine.kernels import Kernels
 from kenspec.server.engine.kv_cache import SlotCache
 from kenspec.server.engine.params import Weights
 from kenspec.server.engine.pass_logits import Logits
-from kenspec.server.engine.quantize import int4_refusal, quantize_model
+from kenspec.server.engine.quantize import exact_grouped_products, int4_refusal, quantize_model
 from kenspec.server.engine.verify_pass import VerifyPass
 
 # A pass may run past the last valid position by its padding (at most one verify width).
@@ -170,7 +170,8 @@ class TargetModel:
                 kept, file_weights = Weights.BF16, None  # a float file: nothing to keep
         try:
             refuse_unsupported(model)
-            windows = check_packed_passes(model, PACKED_ATTENTION, Kernels())
+            with exact_grouped_products(model):
+                windows = check_packed_passes(model, PACKED_ATTENTION, Kernels())
         except UnsupportedArchitecture as error:
             raise TargetLoadError(f"{name}: {error}") from None
         if kept in (Weights.INT8, Weights.INT4):

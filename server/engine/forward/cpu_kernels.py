@@ -282,8 +282,9 @@ class CpuKernels:
         (engine.quantize.GroupedWeight: q * s + m per group, the file's values exactly),
         summed in one order whatever the row count (csrc/gemv_grouped.c where AVX512-BF16
         runs, else gemv_grouped_avx2.c: each its own order; AVX2's sums in integers with x
-        as int16 per group, a row holding inf or NaN giving NaN, and also reads float16
-        scales and offsets): bf16 [rows, out]."""
+        per group as int16 for int8 weights and as int8 for 4-bit ones (llama.cpp's 8-bit
+        activations), a row holding inf or NaN giving NaN, and also reads float16 scales and
+        offsets): bf16 [rows, out]."""
         x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)

@@ -79,6 +79,16 @@ def test_tiles_give_back_the_rows_they_were_laid_out_from() -> None:
     assert wide.values[0, 0, 0, :2].tolist() == [5, 9] and wide.values[0, 0, 0, 6] == 7
 
 
+def _as_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as gemv_grouped_avx2.c reads it for 4-bit weights: per group of a row, p * d with
+    d = max |x| / 127 and p = x / d rounded to nearest even, both in float32 (float64)."""
+    rows, k = x.shape
+    groups = x.float().reshape(rows, k // group, group)
+    d = groups.abs().amax(dim=-1, keepdim=True) / 127
+    p = torch.where(d > 0, torch.round(groups / d), torch.zeros(()))
+    return (p.double() * d.double()).reshape(rows, k)
+
+
 KINDS = [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False)]
 KINDS.append((8, 16, True))
 KIND_IDS = [f"{bits}bit-g{group}-{'offsets' if o else 'scales'}" for bits, group, o in KINDS]
@@ -98,10 +108,10 @@ def test_the_grouped_gemv_is_the_files_weights_product(
     grouped: CpuKernels, bits: int, group: int, offsets: bool, shape: tuple[int, int], half: bool
 ) -> None:
     """x @ (q * s + m)^T against float64: within the bf16 rounding of the output (the sums are
-    float32; q and x products exact, AVX2's x rounded below 2^-8 of its group's largest);
-    rows from 1 to past a row block, outputs not filling a tile (33: one row past two; 7: less
-    than half of one); scales and offsets kept in float32, or float16 (AVX2's kernel reads
-    them; AVX512-BF16's refuses them)."""
+    float32; q and x products exact, AVX2's x rounded below 2^-8 of its group's largest, or
+    for 4-bit weights to 8 bits a group, _as_8_bits); rows from 1 to past a row block, outputs
+    not filling a tile (33: one row past two; 7: less than half of one); scales and offsets
+    kept in float32, or float16 (AVX2's kernel reads them; AVX512-BF16's refuses them)."""
     weight = _grouped(*shape, bits, group, offsets, seed=1, half=half)
     assert weight.half is half
     if half and grouped.bf16:
@@ -110,7 +120,8 @@ def test_the_grouped_gemv_is_the_files_weights_product(
         return
     for rows in (1, 5, 11):
         x = torch.randn(rows, shape[1]).bfloat16()
-        expected = x.double() @ weight.dequantize(torch.float64).T
+        read = x.double() if grouped.bf16 or bits == 8 else _as_8_bits(x, group)
+        expected = read @ weight.dequantize(torch.float64).T
         got = grouped.gemv_grouped(x, weight).double()
         assert got.shape == expected.shape
         assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * shape[1]).all()
@@ -142,11 +153,13 @@ def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
 def test_avx2s_integer_products_scale_with_x_and_keep_a_groups_small_values(
     bits: int, group: int, offsets: bool
 ) -> None:
-    """gemv_grouped_avx2.c writes each group of a row's x as int16 times a power of two chosen
-    from the group's largest |x|: so x times 2^j gives y times 2^j bit for bit (a scale that
-    was not a power of two, or one not taken per group, would round differently), and a
-    group's values far below its largest (here 2^-12 of it) still count (within 2^-16 of
-    the largest each) instead of being lost."""
+    """gemv_grouped_avx2.c writes each group of a row's x as integers times a scale taken
+    from the group's largest |x| (int16 times a power of two for int8 weights; for 4-bit ones
+    int8 times largest / 127, as llama.cpp's 8-bit activations): so x times 2^j gives y times
+    2^j bit for bit (a scale not taken per group would round differently). With int8 weights
+    a group's values far below its largest (here 2^-12 of it) still count (within 2^-16 of
+    the largest each); with 4-bit ones, values under half of 1/127 of it round to zero, and
+    the output is what x so rounded gives."""
     avx2 = one_isa(Isa.AVX2)
     weight = _grouped(48, 256, bits, group, offsets, seed=5)
     x = torch.randn(5, 256).bfloat16()
@@ -159,19 +172,23 @@ def test_avx2s_integer_products_scale_with_x_and_keep_a_groups_small_values(
     zeroed = torch.where(tiny.abs() == 1.0, tiny, torch.zeros(()))
     w = weight.dequantize(torch.float64)
     for values in (tiny, zeroed):
-        expected = values.double() @ w.T
+        read = values.double() if bits == 8 else _as_8_bits(values, group)
+        expected = read @ w.T
         got = avx2.gemv_grouped(values.bfloat16(), weight).double()
         assert ((got - expected).abs() <= 2**-8 * expected.abs() + 1e-6).all()
+    with_tiny = avx2.gemv_grouped(tiny.bfloat16(), weight)
+    without = avx2.gemv_grouped(zeroed.bfloat16(), weight)
+    if bits == 4:  # 2^-12 of the largest rounds to 0 in 8 bits: the same x, the same bits
+        assert torch.equal(with_tiny, without)
+        return
     # the tiny values' share is there (w's rows sum to well over bf16's step of it)
     shares = (tiny - zeroed).double() @ w.T
-    differs = avx2.gemv_grouped(tiny.bfloat16(), weight) != avx2.gemv_grouped(
-        zeroed.bfloat16(), weight
-    )
+    differs = with_tiny != without
     assert differs[shares.abs() > 2**-7 * (zeroed.double() @ w.T).abs()].all()
 
 
 def test_avx2s_rows_with_an_infinity_or_nan_give_nan_and_leave_the_others_alone() -> None:
-    """A row of x holding inf or NaN has no int16 form: its outputs are all NaN; the pass's
+    """A row of x holding inf or NaN has no integer form: its outputs are all NaN; the pass's
     other rows keep the bits they have alone."""
     avx2 = one_isa(Isa.AVX2)
     for bits, group, offsets in KINDS:
