@@ -1,36 +1,71 @@
-"""The decoder's grouped products alone, two or three builds of the kernel library in one
-process, interleaved: 30 SmolLM2-sized layers' worth of distinct 4-bit weights (qkv 960 x 576,
-out 576 x 576, gate_up 3072 x 576, down 576 x 1536, Q4_1-like: groups of 32, float16 scales
-and offsets), rows 1, 2, 4, 8, medians of 12. The hashes are the kernel cache's builds
-(~/.cache/kenspec/kernels/<hash>/libkenspec.so): b4f1... is f275890's, 3cfc... the first
-8-bit try, 44de... the same with x spread ahead of the loop. Run from the repository root.
+"""The decoder's grouped products alone, several builds of the kernel library in one process,
+interleaved: 30 SmolLM2-sized layers' worth of distinct 4-bit weights (qkv 960 x 576, out
+576 x 576, gate_up 3072 x 576, down 576 x 1536; Q4_1-like: groups of 32, float16 scales and
+offsets), passes of 1, 2, 4 and 8 rows, medians of 12 (ms for the 120 products). A build is
+NAME=LIBRARY[:quads] (the 4-bit values laid out in quads of k for it, else in pairs); a
+library is a kernel cache's build (~/.cache/kenspec/kernels/<hash>/libkenspec.so) or
+gemv_grouped_avx2.c compiled alone (cc -O3 -fopenmp -mavx2 -mfma -mf16c -shared -fPIC).
+
+    .venv/bin/python bench/results/gguf-avx2-q8-activations/kernel_ab.py \
+        pairs=/tmp/libp.so quads=/tmp/libq.so:quads
 """
-import ctypes, time, torch, statistics, sys
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import time
+
+import torch
+
 from kenspec.server.engine.quantize import GroupedWeight
-torch.set_num_threads(2)
-libs = {n: ctypes.CDLL(f"/root/.cache/kenspec/kernels/{h}/libkenspec.so") for n,h in [("old","b4f19683907deb4d"),("new","3cfc46b85106382c"),("wide","44debc47ddeb3dd0")]}
-P,L,I=ctypes.c_void_p,ctypes.c_long,ctypes.c_int
-for l in libs.values():
-    f=l.kenspec_gemv_grouped_avx2; f.restype=I; f.argtypes=[P,P,I,P,P,L,P,L,L,L,I]
-def W(out, kin):
-    q = torch.randint(0, 16, (out, kin), dtype=torch.int8)
-    s = (torch.rand(out, kin//32)*0.01).half().float(); m = ((torch.rand(out, kin//32)-0.5)*0.1).half().float()
-    return GroupedWeight.of(q, s, m, 32, 4, half=True)
-# 30 layers' worth of distinct weights so they stream from memory
-ws = [W(o,i) for _ in range(30) for (o,i) in [(960,576),(576,576),(3072,576),(576,1536)]]
-res={}
-for rows in (1,2,4,8):
-    xs={i: torch.randn(rows, i).bfloat16() for i in (576,1536)}
-    ys={o: torch.empty(rows,o,dtype=torch.bfloat16) for o in (960,576,3072)}
-    t={n:[] for n in libs}
-    for rep in range(12):
-        for n,l in libs.items():
-            f=l.kenspec_gemv_grouped_avx2
-            t0=time.perf_counter()
-            for w in ws:
-                o,i=w.shape
-                f(xs[i].data_ptr(), w.values.data_ptr(), 4, w.scales.data_ptr(), w.mins.data_ptr(), 32, ys[o].data_ptr(), rows, i, o, 1)
-            t[n].append(time.perf_counter()-t0)
-    res[rows]={n:statistics.median(v)*1e3 for n,v in t.items()}
-    print(rows, {n:f"{v:.2f}ms" for n,v in res[rows].items()}, f"new/old {res[rows]['new']/res[rows]['old']:.2f}")
-for n in libs: print(n, " ".join(f"{r}:{res[r][n]/res[1][n]:.2f}" for r in res))
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+P, L, INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+def product(path: str) -> ctypes._CFuncPtr:
+    function = ctypes.CDLL(path).kenspec_gemv_grouped_avx2
+    function.restype = INT
+    function.argtypes = [P, P, INT, P, P, L, P, L, L, L, INT]
+    return function
+
+
+def weight(out: int, k: int, quads: bool, seed: int) -> GroupedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, k), generator=generator).to(torch.int8)
+    scales = (torch.rand(out, k // 32, generator=generator) * 0.01).half().float()
+    mins = ((torch.rand(out, k // 32, generator=generator) - 0.5) * 0.1).half().float()
+    return GroupedWeight.of(q, scales, mins, 32, 4, half=True, quads=quads)
+
+
+def main(builds: list[str]) -> None:
+    torch.set_num_threads(2)
+    runs = {}
+    for build in builds:
+        name, _, rest = build.partition("=")
+        path, _, layout = rest.partition(":")
+        weights = [weight(o, k, layout == "quads", n) for n, (o, k) in enumerate(SHAPES * 30)]
+        runs[name] = (product(path), weights)
+    for rows in (1, 2, 4, 8):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+        ys = {o: torch.empty(rows, o, dtype=torch.bfloat16) for o in (960, 576, 3072)}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(12):
+            for name, (function, weights) in runs.items():
+                started = time.perf_counter()
+                for w in weights:
+                    out, k = w.shape
+                    assert w.mins is not None
+                    function(
+                        xs[k].data_ptr(), w.values.data_ptr(), 4, w.scales.data_ptr(),
+                        w.mins.data_ptr(), 32, ys[out].data_ptr(), rows, k, out, 1,
+                    )  # fmt: skip
+                times[name].append(time.perf_counter() - started)
+        medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(rows, "  ".join(f"{name} {ms:.2f}" for name, ms in medians.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
