@@ -84,6 +84,7 @@ def apply_file_weights(
     architecture = str(field_value.contents()) if field_value is not None else ""
     names, processor = _names(model, architecture)
     half = kernels is not None and kernels.grouped_half
+    quads = kernels is not None and kernels.grouped_quads
     module_names = {module: name for name, module in model.named_modules()}
     found = FileWeights()
     for parent, name, linear in list(decoder_linears(model)):
@@ -97,7 +98,7 @@ def apply_file_weights(
         found.layers[qtype.name] += 1
         if qtype in FLOAT_TYPES:
             continue
-        weight = _grouped(tensor, qtype, processor, linear.weight.detach(), hf_name, half)
+        weight = _grouped(tensor, qtype, processor, linear.weight.detach(), hf_name, half, quads)
         setattr(parent, name, GroupedLinear(weight, linear.bias, kernels))
     head = model.get_output_embeddings()
     source = "model.embed_tokens.weight" if tied_head(model) else f"{module_names[head]}.weight"
@@ -109,7 +110,7 @@ def apply_file_weights(
         found.output_type = qtype.name
         weight = head.weight
         if qtype not in FLOAT_TYPES and isinstance(weight, torch.Tensor):
-            found.output = _grouped(tensor, qtype, processor, weight.detach(), source, half)
+            found.output = _grouped(tensor, qtype, processor, weight.detach(), source, half, quads)
     return found
 
 
@@ -146,10 +147,11 @@ def _grouped(
     loaded: torch.Tensor,
     hf_name: str,
     half: bool = False,
+    quads: bool = False,
 ) -> GroupedWeight:
     """The file's tensor as a GroupedWeight in the loaded model's row order, checked against
     `loaded` (the model's dequantized weight) on a few rows; scales in float16 where `half`
-    and exact (GroupedWeight.of)."""
+    and exact, 4-bit values in quads where `quads` (GroupedWeight.of)."""
     if qtype not in READABLE:
         raise FileWeightsError(
             f"{hf_name} is {qtype.name}, which kenspec does not serve as the file keeps it; "
@@ -163,7 +165,7 @@ def _grouped(
     mins = None if blocks.mins is None else torch.from_numpy(blocks.mins)[order]
     _check_rows(q, scales, mins, blocks.group, loaded, hf_name)
     bits = 4 if qtype in FOUR_BIT else 8
-    return GroupedWeight.of(q, scales, mins, blocks.group, bits, qtype.name, half)
+    return GroupedWeight.of(q, scales, mins, blocks.group, bits, qtype.name, half, quads)
 
 
 def _check_rows(

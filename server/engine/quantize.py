@@ -245,10 +245,13 @@ class GroupedWeight:
     padded with zeros), each block's groups in order, each group's weights in pairs (k = 2i,
     2i + 1) and each pair's TILE rows side by side. values: int8 [blocks, groups, group / 2,
     2 * TILE] (pair i of row o at 2o, 2o + 1), or for 4-bit values (0..15) uint8 [blocks, groups,
-    group / 2, TILE] (row o's pair in byte o: low nibble k = 2i, high 2i + 1); scales and
-    offsets (None: none) float32 [blocks, groups, TILE], or float16 where asked for and every
-    one is a float16 exactly (`half`). `kind` names the file's types it came from, e.g. "Q4_1"
-    (for the log). `of` lays it out; `rows` gives it back row by row."""
+    group / 2, TILE] (row o's pair in byte o: low nibble k = 2i, high 2i + 1); or, 4-bit in
+    `quads` (the AVX2 kernel's layout: CpuKernels.grouped_quads), uint8 [blocks, groups,
+    group / 4, 2 * TILE], quad j's byte 4r + c holding row r's weight k = 4j + c in its low
+    nibble and row r + 8's in its high one. scales and offsets (None: none) float32 [blocks,
+    groups, TILE], or float16 where asked for and every one is a float16 exactly (`half`).
+    `kind` names the file's types it came from, e.g. "Q4_1" (for the log). `of` lays it out;
+    `rows` gives it back row by row."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -257,6 +260,7 @@ class GroupedWeight:
     bits: int  # 4 or 8: how values are kept
     out: int  # rows of the weight (the tiles may hold a few more, zeros)
     kind: str = ""
+    quads: bool = False  # 4-bit values in quads of k (see above); never for int8
 
     @classmethod
     def of(
@@ -268,10 +272,12 @@ class GroupedWeight:
         bits: int,
         kind: str = "",
         half: bool = False,
+        quads: bool = False,
     ) -> GroupedWeight:
         """q [out, in] (int8; 0..15 where bits is 4), scales and offsets [out, in / group];
         with `half`, scales and offsets kept in float16 where each is one exactly (a simple
-        type's d and m: the file's own float16 numbers), else float32."""
+        type's d and m: the file's own float16 numbers), else float32; with `quads`, 4-bit
+        values laid out in quads of k (int8 ones in pairs either way)."""
         out, k = q.shape
         groups, pairs = k // group, group // 2
         blocks = -(-out // TILE)
@@ -280,8 +286,15 @@ class GroupedWeight:
             extra = blocks * TILE - out
             return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
+        quads = quads and bits == 4
         tiles = padded(q).reshape(blocks, TILE, groups, pairs, 2).permute(0, 2, 3, 1, 4)
-        if bits == 4:
+        if quads:  # [block, group, quad, row of 8, k of 4, half]
+            shape = (blocks, 2, TILE // 2, groups, group // 4, 4)
+            nibbles = padded(q).to(torch.uint8).reshape(shape).permute(0, 3, 4, 2, 5, 1)
+            values = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(
+                blocks, groups, group // 4, 2 * TILE
+            )
+        elif bits == 4:
             nibbles = tiles.to(torch.uint8)
             values = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous()
         else:
@@ -295,8 +308,8 @@ class GroupedWeight:
             tiled = padded(t.float()).reshape(blocks, TILE, groups).permute(0, 2, 1)
             return tiled.to(dtype).contiguous()
 
-        return cls(values, per_tile(scales), None if mins is None else per_tile(mins), group,
-                   bits, out, kind)  # fmt: skip
+        return cls(values.contiguous(), per_tile(scales), None if mins is None else
+                   per_tile(mins), group, bits, out, kind, quads)  # fmt: skip
 
     @property
     def half(self) -> bool:
@@ -312,16 +325,26 @@ class GroupedWeight:
         by row."""
         blocks, groups = self.scales.shape[:2]
         pairs = self.group // 2
+        if self.quads:
+            halves = torch.stack([self.values & 15, self.values >> 4], dim=-1)
+            rows = halves.reshape(blocks, groups, self.group // 4, TILE // 2, 4, 2)
+            q = rows.permute(0, 5, 3, 1, 2, 4).reshape(blocks * TILE, -1)[: self.out]
+            return q.to(torch.int8), *self._factors()
         if self.bits == 4:
             tiles = torch.stack([self.values & 15, self.values >> 4], dim=-1)
         else:
             tiles = self.values.reshape(blocks, groups, pairs, TILE, 2)
         q = tiles.permute(0, 3, 1, 2, 4).reshape(blocks * TILE, -1)[: self.out].to(torch.int8)
+        return q, *self._factors()
+
+    def _factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scales and offsets [out, in / group] (float32), row by row."""
+        blocks, groups = self.scales.shape[:2]
 
         def untiled(t: torch.Tensor) -> torch.Tensor:
             return t.permute(0, 2, 1).reshape(blocks * TILE, groups)[: self.out].float()
 
-        return q, untiled(self.scales), None if self.mins is None else untiled(self.mins)
+        return untiled(self.scales), None if self.mins is None else untiled(self.mins)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * s + m [out, in] in float32 (as the file's dequantization computes each weight),
@@ -339,7 +362,7 @@ class GroupedWeight:
         mins = None if self.mins is None else self.mins[tiles]
         out = rows.stop - rows.start
         return GroupedWeight(self.values[tiles], self.scales[tiles], mins, self.group,
-                             self.bits, out, self.kind)  # fmt: skip
+                             self.bits, out, self.kind, self.quads)  # fmt: skip
 
 
 def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
@@ -353,14 +376,14 @@ def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
     first = parts[0]
     kinds = "+".join(sorted({part.kind for part in parts if part.kind}))
     offsets = any(part.mins is not None for part in parts)
-    alike = all(p.bits == first.bits and p.group == first.group for p in parts)
+    alike = all((p.bits, p.group, p.quads) == (first.bits, first.group, first.quads) for p in parts)
     half = all(part.half for part in parts)
     if alike and all(part.out % TILE == 0 for part in parts) and len({p.half for p in parts}) == 1:
         mins = torch.cat([_offsets(part) for part in parts]) if offsets else None
         values = torch.cat([part.values for part in parts])
         scales = torch.cat([part.scales for part in parts])
         out = sum(part.out for part in parts)
-        return GroupedWeight(values, scales, mins, first.group, first.bits, out, kinds)
+        return GroupedWeight(values, scales, mins, first.group, first.bits, out, kinds, first.quads)
     group = min(part.group for part in parts)
     rows = [part.rows() for part in parts]
     repeat = [part.group // group for part in parts]  # a group of 32 as two of 16
@@ -373,7 +396,8 @@ def join_grouped(parts: Sequence[GroupedWeight]) -> GroupedWeight:
     mins = None
     if offsets:
         mins = side_by_side([torch.zeros_like(r[1]) if r[2] is None else r[2] for r in rows])
-    return GroupedWeight.of(q, scales, mins, group, first.bits if alike else 8, kinds, half)
+    bits = first.bits if alike else 8
+    return GroupedWeight.of(q, scales, mins, group, bits, kinds, half, first.quads)
 
 
 def _offsets(part: GroupedWeight) -> torch.Tensor:
@@ -423,6 +447,7 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group, self.bits, self.kind = weight.group, weight.bits, weight.kind
+        self.quads = weight.quads
         self.register_buffer("values", weight.values)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
@@ -433,7 +458,7 @@ class GroupedLinear(nn.Module):
     def weight_groups(self) -> GroupedWeight:
         return GroupedWeight(
             self.values, self.scales, self.mins, self.group, self.bits, self.out_features,
-            self.kind,
+            self.kind, self.quads,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

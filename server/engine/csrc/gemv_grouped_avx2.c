@@ -1,9 +1,11 @@
 /* gemv_grouped.c's product for CPUs with AVX2 and FMA but no AVX512-BF16: y = x @ W^T for
  * weights kept as a GGUF file keeps them (q [out, k] with a float32 scale, and offset, per group
  * of 16 or 32 weights of a row: W[o, i] = q[o, i] * s[o, g] + m[o, g], g = i / group), bfloat16
- * x [rows, k] and y [rows, out]. Same arguments and the same tiles (engine.quantize.
- * GroupedWeight: 16 output rows a block; per block and group, pairs of weights k = 2i, 2i + 1,
- * each pair's 16 rows side by side), so one layout serves both files; and one more argument:
+ * x [rows, k] and y [rows, out]. Same arguments and tiles (engine.quantize.GroupedWeight: 16
+ * output rows a block; per block and group, pairs of weights k = 2i, 2i + 1, each pair's 16
+ * rows side by side), except that 4-bit weights come in quads (GroupedWeight.quads: per block
+ * and group, quads of weights k = 4j .. 4j + 3, 32 bytes, byte 4r + c holding row r's weight
+ * k = 4j + c in its low nibble and row r + 8's in its high one); and one more argument:
  * the scales and offsets may be float16 where every one is a float16 exactly (the simple types'
  * d and m are the file's own float16 numbers): Q4_1's groups of 32 then take 5 bits a weight
  * to read (4, and a scale and an offset in 16 bits each), not 6.
@@ -23,7 +25,8 @@
  * and group p = x / d rounded to nearest (int8 in [-127, 127]), d = the group's largest |x| /
  * 127 (float32). Weights 0..15 as unsigned bytes times p as signed ones (vpmaddubsw: 32
  * products an instruction, twice vpmaddwd's) summed exactly in int16 within a group (at most
- * 8 * 2 * 15 * 127 < 2^15 a lane), then int32; per group and output, in order of groups:
+ * 8 * 2 * 15 * 127 < 2^15 a lane), then int32 (quads: a row's 4 weights side by side, so no
+ * shuffle of x and one vpmaddwd to widen); per group and output, in order of groups:
  * sum += float(group sum) * (s * d), then sum += m * (d * sum of p): the output is exactly
  * x-as-read times the file's weights, up to float32 sums. The rounding of x costs about what
  * llama.cpp's does: on SmolLM2-135M's Q4_1 file, greedy top-1 agreement with the float32
@@ -167,41 +170,36 @@ static void quantize_group8(const uint16_t *x, long n, activations8 *a, long rg)
   a->xg[rg] = d * (float)total;
 }
 
-/* Rows r0 .. r0 + rb of block b of a 4-bit weight with 8-bit x (vpmaddubsw: 32 products an
- * instruction, each lane two of one output row, summed in int16: a group's 8 steps of two
- * pairs add at most 8 * 2 * 15 * 127 < 2^15). Two pairs a step: the 32 bytes of pairs i, i + 1
- * unpacked once per block of pass rows; per pass row one broadcast, one shuffle, two
- * vpmaddubsw and two 16-bit adds. */
+/* Rows r0 .. r0 + rb of block b of a 4-bit weight in quads with 8-bit x (vpmaddubsw: 32
+ * products an instruction, each 16-bit lane two of one output row, summed in int16: a group's
+ * 8 quads add at most 8 * 2 * 15 * 127 < 2^15 a lane). A quad's 32 bytes unpacked once per
+ * block of pass rows (a mask, a shift, a mask: rows 0-7 and 8-15, each row's 4 weights in its
+ * 32-bit lane, as the row's 4 x's are in a broadcast); per pass row one broadcast, two
+ * vpmaddubsw and two 16-bit adds; per group vpmaddwd by ones sums a row's two lanes in int32. */
 static inline __attribute__((always_inline)) void block8(
     const activations8 *a, const uint8_t *q, const void *scales, const void *mins, uint16_t *y,
     long k, long out, long b, long r0, long group, const int rb, int offsets, int half) {
-  const long count = k / group, pairs = group / 2;
-  const uint8_t *tile = q + b * count * pairs * TILE;
+  const long count = k / group, group_bytes = group * TILE / 2; /* 4 bits a weight */
+  const uint8_t *tile = q + b * count * group_bytes;
   const long first_factor = b * count * TILE;
   const __m256i nibble = _mm256_set1_epi8(15);
-  /* lane 0: x pair 2i's two bytes, lane 1: pair 2i + 1's, each 8 times */
-  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2,
-                                          3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   __m256 sums[2 * ROW_BLOCK];
   for (int j = 0; j < 2 * rb; j++) sums[j] = _mm256_setzero_ps();
   for (long g = 0; g < count; g++) {
     __m256i acc[2 * ROW_BLOCK];
     for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_setzero_si256();
-    const uint8_t *at = tile + g * pairs * TILE;
-    for (long i = 0; i < pairs; i += 2, at += 2 * TILE) {
-      if ((i * TILE) % 64 == 0) _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
+    const uint8_t *at = tile + g * group_bytes;
+    for (long i = 0; i < group; i += 4, at += 2 * TILE) { /* quad i / 4: k = i .. i + 3 */
+      if (i % 8 == 0) _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
       const __m256i bytes = _mm256_loadu_si256((const __m256i *)at);
-      const __m256i even = _mm256_and_si256(bytes, nibble);
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-      /* lane 0: pair i of rows 0-7 (first) or 8-15 (second), byte pairs; lane 1: pair i + 1 */
-      const __m256i first = _mm256_unpacklo_epi8(even, odd);
-      const __m256i second = _mm256_unpackhi_epi8(even, odd);
+      const __m256i low = _mm256_and_si256(bytes, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
       for (int j = 0; j < rb; j++) {
         int32_t four;
-        memcpy(&four, a->p + (r0 + j) * k + g * group + 2 * i, 4);
-        const __m256i xs = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
-        acc[2 * j] = _mm256_add_epi16(acc[2 * j], _mm256_maddubs_epi16(first, xs));
-        acc[2 * j + 1] = _mm256_add_epi16(acc[2 * j + 1], _mm256_maddubs_epi16(second, xs));
+        memcpy(&four, a->p + (r0 + j) * k + g * group + i, 4);
+        const __m256i xs = _mm256_set1_epi32(four);
+        acc[2 * j] = _mm256_add_epi16(acc[2 * j], _mm256_maddubs_epi16(low, xs));
+        acc[2 * j + 1] = _mm256_add_epi16(acc[2 * j + 1], _mm256_maddubs_epi16(high, xs));
       }
     }
     for (int h = 0; h < 2; h++) {
@@ -210,9 +208,7 @@ static inline __attribute__((always_inline)) void block8(
       const __m256 m = offsets ? factors(mins, at_factor, half) : _mm256_setzero_ps();
       for (int j = 0; j < rb; j++) {
         const long rg = (r0 + j) * count + g;
-        const __m256i v = acc[2 * j + h]; /* lanes: the even pairs' and the odd pairs' sums */
-        const __m256i whole = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)),
-                                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+        const __m256i whole = _mm256_madd_epi16(acc[2 * j + h], _mm256_set1_epi16(1));
         const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a->d[rg]));
         sums[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), sd, sums[2 * j + h]);
         if (offsets)

@@ -177,6 +177,13 @@ class CpuKernels:
         reads float32 only)."""
         return self.grouped and not self.bf16
 
+    @property
+    def grouped_quads(self) -> bool:
+        """The grouped GEMV here reads 4-bit weights laid out in quads of k (GroupedWeight.
+        quads: AVX2's, each row's 4 weights beside its 4 8-bit x's); AVX512-BF16's reads
+        pairs."""
+        return self.grouped and not self.bf16
+
     def _layer(self, name: str, *arguments: object) -> object:
         """A layer kernel by layer.c's name: AVX512-BF16's where it runs, else AVX2's."""
         return self._call(name if self.bf16 else f"{name}_avx2", *arguments)
@@ -296,6 +303,9 @@ class CpuKernels:
         ]  # fmt: skip
         if weight.half and not self.grouped_half:
             raise ValueError(f"{name} takes float32 scales, not float16")
+        if weight.bits == 4 and weight.quads != self.grouped_quads:
+            layout = "quads" if self.grouped_quads else "pairs"
+            raise ValueError(f"{name} takes 4-bit weights laid out in {layout} of k")
         failed = self._call(name, *arguments, *([] if self.bf16 else [int(weight.half)]))
         if failed == -2:
             raise MemoryError(f"{name}: no memory for the pass's rows and groups' sums")

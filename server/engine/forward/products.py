@@ -157,7 +157,7 @@ class Product:
         joined = join_grouped([layer.weight_groups for layer in layers])
         side_by_side = all(
             layer.out_features % TILE == 0
-            and (layer.bits, layer.group) == (joined.bits, joined.group)
+            and (layer.bits, layer.group, layer.quads) == (joined.bits, joined.group, joined.quads)
             for layer in layers
         )  # else laid out anew: the layers keep their own
         if len(layers) > 1 and side_by_side:

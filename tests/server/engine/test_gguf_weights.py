@@ -45,31 +45,47 @@ LEAN = ExecutionOptions(lean=LeanMode.AUTO)
 
 
 def _grouped(
-    out: int, k: int, bits: int, group: int, offsets: bool, seed: int, half: bool = False
+    out: int,
+    k: int,
+    bits: int,
+    group: int,
+    offsets: bool,
+    seed: int,
+    half: bool = False,
+    quads: bool = False,
 ) -> GroupedWeight:
     """A random weight of the kind a file holds: 4-bit values 0..15, or int8; scales and
-    offsets float16 numbers (a simple type's), kept in float16 where `half`."""
+    offsets float16 numbers (a simple type's), kept in float16 where `half`; 4-bit values in
+    quads where `quads` (the AVX2 kernel's layout)."""
     generator = torch.Generator().manual_seed(seed)
     low, high = (0, 16) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (out, k), generator=generator).to(torch.int8)
     scales = (torch.rand(out, k // group, generator=generator) * 0.01).half().float()
     mins = (torch.randn(out, k // group, generator=generator) * 0.05).half().float()
-    return GroupedWeight.of(q, scales, mins if offsets else None, group, bits, half=half)
+    return GroupedWeight.of(
+        q, scales, mins if offsets else None, group, bits, half=half, quads=quads
+    )
 
 
 def test_tiles_give_back_the_rows_they_were_laid_out_from() -> None:
     """Tiles of 16 rows (the last padded), pairs of weights side by side: rows() is the
     layout's inverse, for 4-bit and int8 values, groups of 16 and 32, rows not filling a tile."""
-    for bits, group in ((4, 32), (4, 16), (8, 32), (8, 16)):
-        weight = _grouped(37, 64, bits, group, True, seed=8)
+    for bits, group, quads in ((4, 32, False), (4, 16, False), (8, 32, False), (8, 16, False),
+                               (4, 32, True), (4, 16, True), (8, 32, True)):  # fmt: skip
+        weight = _grouped(37, 64, bits, group, True, seed=8, quads=quads)
+        assert weight.quads is (quads and bits == 4)  # int8 values: pairs either way
         blocks = -(-37 // 16)
         assert weight.scales.shape == (blocks, 64 // group, 16)
         pairs = group // 2
-        assert weight.values.shape == (blocks, 64 // group, pairs, 16 if bits == 4 else 32)
+        if weight.quads:
+            assert weight.values.shape == (blocks, 64 // group, group // 4, 32)
+        else:
+            assert weight.values.shape == (blocks, 64 // group, pairs, 16 if bits == 4 else 32)
         q, scales, mins = weight.rows()
-        again = GroupedWeight.of(q, scales, mins, group, bits)
+        again = GroupedWeight.of(q, scales, mins, group, bits, quads=quads)
         assert torch.equal(again.values, weight.values) and torch.equal(again.scales, weight.scales)
         assert q.shape == (37, 64) and scales.shape == (37, 64 // group)
+        assert torch.equal(q, _grouped(37, 64, bits, group, True, seed=8).rows()[0])
     # row 0's first pair (k = 0, 1) in byte 0 of its group's first pair: k = 0 low, k = 1 high
     q = torch.zeros(16, 32, dtype=torch.int8)
     q[0, 0], q[0, 1], q[3, 0] = 5, 9, 7
@@ -77,6 +93,11 @@ def test_tiles_give_back_the_rows_they_were_laid_out_from() -> None:
     assert tiled.values[0, 0, 0, 0] == 5 | 9 << 4 and tiled.values[0, 0, 0, 3] == 7
     wide = GroupedWeight.of(q, torch.ones(16, 1), None, 32, 8)
     assert wide.values[0, 0, 0, :2].tolist() == [5, 9] and wide.values[0, 0, 0, 6] == 7
+    # in quads: row r's k = 4j + c in byte 4r + c of quad j, row r + 8's in its high nibble
+    q[9, 2], q[1, 5] = 11, 3
+    quad = GroupedWeight.of(q, torch.ones(16, 1), None, 32, 4, quads=True)
+    assert quad.values[0, 0, 0, :2].tolist() == [5, 9] and quad.values[0, 0, 0, 12] == 7
+    assert quad.values[0, 0, 0, 6] == 11 << 4 and quad.values[0, 0, 1, 5] == 3
 
 
 def _as_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -112,7 +133,7 @@ def test_the_grouped_gemv_is_the_files_weights_product(
     for 4-bit weights to 8 bits a group, _as_8_bits); rows from 1 to past a row block, outputs
     not filling a tile (33: one row past two; 7: less than half of one); scales and offsets
     kept in float32, or float16 (AVX2's kernel reads them; AVX512-BF16's refuses them)."""
-    weight = _grouped(*shape, bits, group, offsets, seed=1, half=half)
+    weight = _grouped(*shape, bits, group, offsets, seed=1, half=half, quads=grouped.grouped_quads)
     assert weight.half is half
     if half and grouped.bf16:
         with pytest.raises(ValueError, match="takes float32 scales, not float16"):
@@ -134,7 +155,7 @@ def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
 ) -> None:
     """What exactness rests on: each row of a pass of 1 to 17 rows has the bits it has alone
     (AVX2's: with float16 scales, the same bits as with float32 ones)."""
-    weight = _grouped(100, 576, bits, group, offsets, seed=2)
+    weight = _grouped(100, 576, bits, group, offsets, seed=2, quads=grouped.grouped_quads)
     x = torch.randn(17, 576).bfloat16()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -143,7 +164,7 @@ def test_the_grouped_gemv_rows_bits_do_not_depend_on_the_row_count(
         for rows in (2, 3, 4, 5, 8, 9, 16, 17):
             assert torch.equal(grouped.gemv_grouped(x[:rows], weight), alone[:rows]), rows
         if not grouped.bf16:
-            narrow = _grouped(100, 576, bits, group, offsets, seed=2, half=True)
+            narrow = _grouped(100, 576, bits, group, offsets, seed=2, half=True, quads=True)
             assert narrow.half and torch.equal(grouped.gemv_grouped(x, narrow), alone)
     finally:
         torch.set_num_threads(before)
@@ -161,7 +182,7 @@ def test_avx2s_integer_products_scale_with_x_and_keep_a_groups_small_values(
     the largest each); with 4-bit ones, values under half of 1/127 of it round to zero, and
     the output is what x so rounded gives."""
     avx2 = one_isa(Isa.AVX2)
-    weight = _grouped(48, 256, bits, group, offsets, seed=5)
+    weight = _grouped(48, 256, bits, group, offsets, seed=5, quads=True)
     x = torch.randn(5, 256).bfloat16()
     y = avx2.gemv_grouped(x, weight)
     for j in (-20, -3, 1, 9):
@@ -192,7 +213,7 @@ def test_avx2s_rows_with_an_infinity_or_nan_give_nan_and_leave_the_others_alone(
     other rows keep the bits they have alone."""
     avx2 = one_isa(Isa.AVX2)
     for bits, group, offsets in KINDS:
-        weight = _grouped(40, 128, bits, group, offsets, seed=6)
+        weight = _grouped(40, 128, bits, group, offsets, seed=6, quads=True)
         x = torch.randn(3, 128).bfloat16()
         alone = avx2.gemv_grouped(x[2:], weight)
         for bad in (float("inf"), float("-inf"), float("nan")):
@@ -206,6 +227,10 @@ def test_the_grouped_gemv_refuses_what_it_does_not_take(grouped: CpuKernels) -> 
     weight = _grouped(16, 64, 8, 32, True, seed=3)
     with pytest.raises(ValueError, match="8-bit groups of 32 over 48 inputs"):
         grouped.gemv_grouped(torch.zeros(1, 48, dtype=torch.bfloat16), weight)
+    other = _grouped(16, 64, 4, 32, True, seed=3, quads=not grouped.grouped_quads)
+    layout = "quads" if grouped.grouped_quads else "pairs"
+    with pytest.raises(ValueError, match=f"takes 4-bit weights laid out in {layout} of k"):
+        grouped.gemv_grouped(torch.zeros(1, 64, dtype=torch.bfloat16), other)
 
 
 def test_scales_are_kept_in_float16_only_where_each_is_one_exactly() -> None:
@@ -246,6 +271,11 @@ def test_layers_joined_side_by_side_keep_each_ones_weights() -> None:
     assert torch.equal(joined.dequantize(), expected)
     same = join_grouped(parts[:1] * 2)
     assert same.bits == 4 and same.group == 32  # alike parts are kept as they are
+    quads = [_grouped(n, 256, 4, 32, True, seed=4, quads=True) for n in (32, 24)]
+    for together in (quads[:1] * 2, quads, [quads[0], parts[0]], [quads[0], *parts[1:]]):
+        joined = join_grouped(together)  # tiles side by side; laid out anew; widened
+        assert joined.quads is (joined.bits == 4 and together[-1].quads)
+        assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in together]))
 
 
 def test_the_fallback_product_is_the_dequantized_product_in_float32() -> None:
