@@ -71,11 +71,12 @@ static inline __attribute__((always_inline)) __m256 factors(const void *p, long 
   return _mm256_loadu_ps((const float *)p + at);
 }
 
-/* A pass's x as the products read it: per row and group, p (int16, k a row), t (a power of two;
- * NaN where the group holds an infinity or a NaN, so that each of the row's outputs is NaN) and
- * the group's sum of x (float32, in order). */
+/* A pass's x as the products read it, per row and group: x ~= p * t, p (k a row) int16 for
+ * int8 weights (t a power of two: quantize_group) or int8 for 4-bit ones (t = the group's
+ * largest |x| / 127: quantize_group8); t NaN where the group holds an infinity or a NaN, so
+ * that each of the row's outputs is NaN; and the x the offsets' share reads (xg). */
 typedef struct {
-  int16_t *p;
+  void *p;
   float *t, *xg;
 } activations;
 
@@ -110,7 +111,7 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
   memcpy(&scale, &up, 4);
   memcpy(&t, &down, 4);
   a->t[rg] = finite ? t : __builtin_nanf("");
-  int16_t *p = a->p + rg * n;
+  int16_t *p = (int16_t *)a->p + rg * n;
   for (long c = 0; c < n / HALF; c++) {
     const __m256i whole = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(scale)));
     const __m128i packed =
@@ -119,17 +120,43 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
   }
 }
 
-/* A pass's x for 4-bit groups: per row and group, p (int8 in [-127, 127], k a row) and d =
- * the group's largest |x| / 127 (0 where the group is all zeros; NaN where it holds an
- * infinity or a NaN), x ~= p * d as llama.cpp's 8-bit activations are; and the group's sum of
- * x (float32, in order). */
-typedef struct {
-  int8_t *p;
-  float *d, *xg;
-} activations8;
+/* One group's share of rows r0 .. r0 + rb (rg: row r0's entry of the group in a; the rows'
+ * entries count apart) in sums, rows 0-7 and 8-15 of the block's outputs a row: sums +=
+ * float(whole) * (s * t), then sums += m * xg, each by FMA (the one order of a row's sums);
+ * whole: the group's int32 sums, as sums is laid out; s and m from at_factor on. */
+static inline __attribute__((always_inline)) void add_group(
+    const activations *a, const __m256i *whole, const void *scales, const void *mins,
+    long at_factor, long rg, long count, const int rb, int offsets, int half, __m256 *sums) {
+  for (int h = 0; h < 2; h++) {
+    const __m256 s = factors(scales, at_factor + h * HALF, half);
+    const __m256 m = offsets ? factors(mins, at_factor + h * HALF, half) : _mm256_setzero_ps();
+    for (int j = 0; j < rb; j++) {
+      const __m256 st = _mm256_mul_ps(s, _mm256_set1_ps(a->t[rg + j * count]));
+      sums[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole[2 * j + h]), st, sums[2 * j + h]);
+      if (offsets)
+        sums[2 * j + h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xg[rg + j * count]), sums[2 * j + h]);
+    }
+  }
+}
 
-/* Group rg of the pass's x (n = 16 or 32 x's at x) into a's entry rg: p = round(x / d). */
-static void quantize_group8(const uint16_t *x, long n, activations8 *a, long rg) {
+/* y[r0 + j, 16 b .. + 16] = sums (as add_group lays them out), rounded to bfloat16; a last
+ * block's outputs past `out` left alone. */
+static inline __attribute__((always_inline)) void store_rows(uint16_t *y, const __m256 *sums,
+                                                             long out, long b, long r0,
+                                                             const int rb) {
+  for (int j = 0; j < rb; j++)
+    for (int h = 0; h < 2; h++) {
+      const long first = b * TILE + h * HALF;
+      if (first >= out) break;
+      const long n = out - first < HALF ? out - first : HALF;
+      store(y + (r0 + j) * out + first, sums[2 * j + h], n);
+    }
+}
+
+/* Group rg of the pass's x (n = 16 or 32 x's at x) into a's entry rg for 4-bit weights, as
+ * llama.cpp's 8-bit activations are: p = round(x / d) in [-127, 127] (int8), t = d = the
+ * group's largest |x| / 127 (0 where the group is all zeros), xg = d * sum p. */
+static void quantize_group8(const uint16_t *x, long n, activations *a, long rg) {
   __m256 v[4];
   __m256i largest = _mm256_setzero_si256();
   for (long c = 0; c < n / HALF; c++) {
@@ -143,13 +170,13 @@ static void quantize_group8(const uint16_t *x, long n, activations8 *a, long rg)
   float amax;
   memcpy(&amax, &top, 4);
   const float d = amax / 127.0f;
-  int8_t *p = a->p + rg * n;
+  int8_t *p = (int8_t *)a->p + rg * n;
   if (!(amax <= 3.402823466e38f)) { /* an infinity or a NaN: every output of the row NaN */
-    a->d[rg] = a->xg[rg] = __builtin_nanf("");
+    a->t[rg] = a->xg[rg] = __builtin_nanf("");
     memset(p, 0, (size_t)n);
     return;
   }
-  a->d[rg] = d;
+  a->t[rg] = d;
   if (d == 0.0f) { /* all zeros (or below the float32's least step times 63.5) */
     a->xg[rg] = 0.0f;
     memset(p, 0, (size_t)n);
@@ -177,7 +204,7 @@ static void quantize_group8(const uint16_t *x, long n, activations8 *a, long rg)
  * 32-bit lane, as the row's 4 x's are in a broadcast); per pass row one broadcast, two
  * vpmaddubsw and two 16-bit adds; per group vpmaddwd by ones sums a row's two lanes in int32. */
 static inline __attribute__((always_inline)) void block8(
-    const activations8 *a, const uint8_t *q, const void *scales, const void *mins, uint16_t *y,
+    const activations *a, const uint8_t *q, const void *scales, const void *mins, uint16_t *y,
     long k, long out, long b, long r0, long group, const int rb, int offsets, int half) {
   const long count = k / group, group_bytes = group * TILE / 2; /* 4 bits a weight */
   const uint8_t *tile = q + b * count * group_bytes;
@@ -196,33 +223,17 @@ static inline __attribute__((always_inline)) void block8(
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
       for (int j = 0; j < rb; j++) {
         int32_t four;
-        memcpy(&four, a->p + (r0 + j) * k + g * group + i, 4);
+        memcpy(&four, (const int8_t *)a->p + (r0 + j) * k + g * group + i, 4);
         const __m256i xs = _mm256_set1_epi32(four);
         acc[2 * j] = _mm256_add_epi16(acc[2 * j], _mm256_maddubs_epi16(low, xs));
         acc[2 * j + 1] = _mm256_add_epi16(acc[2 * j + 1], _mm256_maddubs_epi16(high, xs));
       }
     }
-    for (int h = 0; h < 2; h++) {
-      const long at_factor = first_factor + g * TILE + h * HALF;
-      const __m256 s = factors(scales, at_factor, half);
-      const __m256 m = offsets ? factors(mins, at_factor, half) : _mm256_setzero_ps();
-      for (int j = 0; j < rb; j++) {
-        const long rg = (r0 + j) * count + g;
-        const __m256i whole = _mm256_madd_epi16(acc[2 * j + h], _mm256_set1_epi16(1));
-        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a->d[rg]));
-        sums[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), sd, sums[2 * j + h]);
-        if (offsets)
-          sums[2 * j + h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xg[rg]), sums[2 * j + h]);
-      }
-    }
+    for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_madd_epi16(acc[j], _mm256_set1_epi16(1));
+    add_group(a, acc, scales, mins, first_factor + g * TILE, r0 * count + g, count, rb,
+              offsets, half, sums);
   }
-  for (int j = 0; j < rb; j++)
-    for (int h = 0; h < 2; h++) {
-      const long first = b * TILE + h * HALF;
-      if (first >= out) break;
-      const long n = out - first < HALF ? out - first : HALF;
-      store(y + (r0 + j) * out + first, sums[2 * j + h], n);
-    }
+  store_rows(y, sums, out, b, r0, rb);
 }
 
 /* Rows r0 .. r0 + rb of block b (both halves): y[r0 + j, 16 b .. + 16], for compile-time rb
@@ -247,36 +258,20 @@ static inline __attribute__((always_inline)) void block(
         pair(at, &low, &high);
         for (int j = 0; j < rb; j++) {
           int32_t two;
-          memcpy(&two, a->p + (r0 + j) * k + g * group + 2 * i, 4);
+          memcpy(&two, (const int16_t *)a->p + (r0 + j) * k + g * group + 2 * i, 4);
           const __m256i xs = _mm256_set1_epi32(two);
           acc[2 * j] = _mm256_add_epi32(acc[2 * j], _mm256_madd_epi16(low, xs));
           acc[2 * j + 1] = _mm256_add_epi32(acc[2 * j + 1], _mm256_madd_epi16(high, xs));
         }
       }
-    for (int h = 0; h < 2; h++) {
-      const long at_factor = first_factor + g * TILE + h * HALF;
-      const __m256 s = factors(scales, at_factor, half);
-      const __m256 m = offsets ? factors(mins, at_factor, half) : _mm256_setzero_ps();
-      for (int j = 0; j < rb; j++) {
-        const long rg = (r0 + j) * count + g;
-        const __m256 st = _mm256_mul_ps(s, _mm256_set1_ps(a->t[rg]));
-        sums[2 * j + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[2 * j + h]), st, sums[2 * j + h]);
-        if (offsets)
-          sums[2 * j + h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xg[rg]), sums[2 * j + h]);
-      }
-    }
+    add_group(a, acc, scales, mins, first_factor + g * TILE, r0 * count + g, count, rb,
+              offsets, half, sums);
   }
-  for (int j = 0; j < rb; j++)
-    for (int h = 0; h < 2; h++) {
-      const long first = b * TILE + h * HALF;
-      if (first >= out) break;
-      const long n = out - first < HALF ? out - first : HALF;
-      store(y + (r0 + j) * out + first, sums[2 * j + h], n);
-    }
+  store_rows(y, sums, out, b, r0, rb);
 }
 
 #define BLOCK(rb) block(&a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
-#define BLOCK8(rb) block8(&a8, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
+#define BLOCK8(rb) block8(&a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
 #define ROWS(BLOCK)                                                 \
   for (long b = first; b < last; b++)                               \
     for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                 \
@@ -298,33 +293,9 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
   const uint8_t *q = (const uint8_t *)weights;
   const long count = k / group;
   const long blocks = (out + TILE - 1) / TILE;
-  const int offsets = mins != NULL;
-  if (bits == 4) {
-    activations8 a8;
-    a8.p = malloc((size_t)(rows * k));
-    a8.d = malloc(sizeof(float) * (size_t)(rows * count));
-    a8.xg = malloc(sizeof(float) * (size_t)(rows * count));
-    if (a8.p == NULL || a8.d == NULL || a8.xg == NULL) {
-      free(a8.p);
-      free(a8.d);
-      free(a8.xg);
-      return -2;
-    }
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-      for (long rg = 0; rg < rows * count; rg++) quantize_group8(x + rg * group, group, &a8, rg);
-      long first, last;
-      thread_share(blocks, 1, &first, &last);
-      ROWS(BLOCK8)
-    }
-    free(a8.p);
-    free(a8.d);
-    free(a8.xg);
-    return 0;
-  }
+  const int offsets = mins != NULL, eight = bits == 4; /* 4-bit weights take 8-bit x */
   activations a;
-  a.p = malloc(sizeof(int16_t) * (size_t)(rows * k));
+  a.p = malloc((eight ? 1 : sizeof(int16_t)) * (size_t)(rows * k));
   a.t = malloc(sizeof(float) * (size_t)(rows * count));
   a.xg = malloc(sizeof(float) * (size_t)(rows * count));
   if (a.p == NULL || a.t == NULL || a.xg == NULL) {
@@ -336,10 +307,19 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (long rg = 0; rg < rows * count; rg++) quantize_group(x + rg * group, group, &a, rg);
+    for (long rg = 0; rg < rows * count; rg++) {
+      if (eight)
+        quantize_group8(x + rg * group, group, &a, rg);
+      else
+        quantize_group(x + rg * group, group, &a, rg);
+    }
     long first, last; /* (after the loop's barrier: every row's x is written) */
     thread_share(blocks, 1, &first, &last);
-    ROWS(BLOCK)
+    if (eight) {
+      ROWS(BLOCK8)
+    } else {
+      ROWS(BLOCK)
+    }
   }
   free(a.p);
   free(a.t);
