@@ -80,25 +80,32 @@ typedef struct {
   float *t, *xg;
 } activations;
 
-/* Group rg of the pass's x (n = 16 or 32 x's at x; groups in order, a row's one after
- * another) into a's entry rg. */
-static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
-  __m256 v[4];
-  __m256i largest = _mm256_setzero_si256(); /* |x|'s bits: integers order as the floats do */
+/* A group's n (16 or 32) x's at x as float32 into v, and the bits of its largest |x| (as
+ * integers they order as the floats do; an infinity or a NaN above every finite). */
+static inline int32_t widened_largest(const uint16_t *x, long n, __m256 *v) {
+  __m256i largest = _mm256_setzero_si256();
   for (long c = 0; c < n / HALF; c++) {
     v[c] = widen8(x + c * HALF);
     const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v[c]), _mm256_set1_epi32(0x7fffffff));
-    largest = _mm256_max_epi32(largest, bits); /* an infinity or a NaN above every finite */
+    largest = _mm256_max_epi32(largest, bits);
   }
+  int32_t each[8], top = 0;
+  _mm256_storeu_si256((__m256i *)each, largest);
+  for (int i = 0; i < HALF; i++) top = each[i] > top ? each[i] : top;
+  return top;
+}
+
+/* Group rg of the pass's x (n = 16 or 32 x's at x; groups in order, a row's one after
+ * another) into a's entry rg for int8 weights: p int16, t a power of two. */
+static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
+  __m256 v[4];
+  const int32_t top = widened_largest(x, n, v);
   float sum = 0.0f, lanes[8];
   for (long c = 0; c < n / HALF; c++) {
     _mm256_storeu_ps(lanes, v[c]);
     for (int i = 0; i < HALF; i++) sum += lanes[i];
   }
   a->xg[rg] = sum;
-  int32_t each[8], top = 0;
-  _mm256_storeu_si256((__m256i *)each, largest);
-  for (int i = 0; i < HALF; i++) top = each[i] > top ? each[i] : top;
   long exponent = (long)(top >> 23); /* biased: |x| < 2^(exponent - 126) */
   const int finite = exponent < 255;
   if (exponent < 14) exponent = 14; /* t >= 2^-127 (a float32, subnormal at 14) */
@@ -118,6 +125,42 @@ static void quantize_group(const uint16_t *x, long n, activations *a, long rg) {
         _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
     _mm_storeu_si128((__m128i *)(p + c * HALF), packed);
   }
+}
+
+/* Group rg of the pass's x (n = 16 or 32 x's at x) into a's entry rg for 4-bit weights, as
+ * llama.cpp's 8-bit activations are: p = round(x / d) in [-127, 127] (int8), t = d = the
+ * group's largest |x| / 127 (0 where the group is all zeros), xg = d * sum p. */
+static void quantize_group8(const uint16_t *x, long n, activations *a, long rg) {
+  __m256 v[4];
+  const int32_t top = widened_largest(x, n, v);
+  float amax;
+  memcpy(&amax, &top, 4);
+  const float d = amax / 127.0f;
+  int8_t *p = (int8_t *)a->p + rg * n;
+  if (!(amax <= 3.402823466e38f)) { /* an infinity or a NaN: every output of the row NaN */
+    a->t[rg] = a->xg[rg] = __builtin_nanf("");
+    memset(p, 0, (size_t)n);
+    return;
+  }
+  a->t[rg] = d;
+  if (d == 0.0f) { /* all zeros (or below the float32's least step times 63.5) */
+    a->xg[rg] = 0.0f;
+    memset(p, 0, (size_t)n);
+    return;
+  }
+  const __m256 by = _mm256_set1_ps(d);
+  for (long c = 0; c < n / HALF; c++) {
+    /* x / d rounds to an integer in [-127, 127] (|x| <= amax = 127 d, up to rounding of d) */
+    __m256i whole = _mm256_cvtps_epi32(_mm256_div_ps(v[c], by));
+    whole = _mm256_max_epi32(_mm256_min_epi32(whole, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    const __m128i words =
+        _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
+    const __m128i bytes = _mm_packs_epi16(words, words);
+    _mm_storel_epi64((__m128i *)(p + c * HALF), bytes);
+  }
+  int total = 0; /* the offsets' share reads the x the products read: d * sum p */
+  for (long i = 0; i < n; i++) total += p[i];
+  a->xg[rg] = d * (float)total;
 }
 
 /* One group's share of rows r0 .. r0 + rb (rg: row r0's entry of the group in a; the rows'
@@ -151,50 +194,6 @@ static inline __attribute__((always_inline)) void store_rows(uint16_t *y, const 
       const long n = out - first < HALF ? out - first : HALF;
       store(y + (r0 + j) * out + first, sums[2 * j + h], n);
     }
-}
-
-/* Group rg of the pass's x (n = 16 or 32 x's at x) into a's entry rg for 4-bit weights, as
- * llama.cpp's 8-bit activations are: p = round(x / d) in [-127, 127] (int8), t = d = the
- * group's largest |x| / 127 (0 where the group is all zeros), xg = d * sum p. */
-static void quantize_group8(const uint16_t *x, long n, activations *a, long rg) {
-  __m256 v[4];
-  __m256i largest = _mm256_setzero_si256();
-  for (long c = 0; c < n / HALF; c++) {
-    v[c] = widen8(x + c * HALF);
-    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v[c]), _mm256_set1_epi32(0x7fffffff));
-    largest = _mm256_max_epi32(largest, bits);
-  }
-  int32_t each[8], top = 0;
-  _mm256_storeu_si256((__m256i *)each, largest);
-  for (int i = 0; i < HALF; i++) top = each[i] > top ? each[i] : top;
-  float amax;
-  memcpy(&amax, &top, 4);
-  const float d = amax / 127.0f;
-  int8_t *p = (int8_t *)a->p + rg * n;
-  if (!(amax <= 3.402823466e38f)) { /* an infinity or a NaN: every output of the row NaN */
-    a->t[rg] = a->xg[rg] = __builtin_nanf("");
-    memset(p, 0, (size_t)n);
-    return;
-  }
-  a->t[rg] = d;
-  if (d == 0.0f) { /* all zeros (or below the float32's least step times 63.5) */
-    a->xg[rg] = 0.0f;
-    memset(p, 0, (size_t)n);
-    return;
-  }
-  const __m256 by = _mm256_set1_ps(d);
-  for (long c = 0; c < n / HALF; c++) {
-    /* x / d rounds to an integer in [-127, 127] (|x| <= amax = 127 d, up to rounding of d) */
-    __m256i whole = _mm256_cvtps_epi32(_mm256_div_ps(v[c], by));
-    whole = _mm256_max_epi32(_mm256_min_epi32(whole, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
-    const __m128i words =
-        _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
-    const __m128i bytes = _mm_packs_epi16(words, words);
-    _mm_storel_epi64((__m128i *)(p + c * HALF), bytes);
-  }
-  int total = 0; /* the offsets' share reads the x the products read: d * sum p */
-  for (long i = 0; i < n; i++) total += p[i];
-  a->xg[rg] = d * (float)total;
 }
 
 /* Rows r0 .. r0 + rb of block b of a 4-bit weight in quads with 8-bit x (vpmaddubsw: 32
