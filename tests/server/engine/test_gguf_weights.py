@@ -22,7 +22,12 @@ from kenspec.server.engine.forward.kernel_build import Isa
 from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
 from kenspec.server.engine.gguf_quants import READABLE
 from kenspec.server.engine.params import Weights
-from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, join_grouped
+from kenspec.server.engine.quantize import (
+    GroupedLinear,
+    GroupedWeight,
+    exact_grouped_products,
+    join_grouped,
+)
 from kenspec.server.engine.target import TargetLoadError, TargetModel
 from tests import tiny
 from tests.gguf_files import tiny_llama, write_quantized_llama_gguf
@@ -293,6 +298,33 @@ def test_the_fallback_product_is_the_dequantized_product_in_float32() -> None:
     x = torch.randn(3, 256)
     weight = layer.weight_groups.dequantize(torch.float32)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+
+
+@needs_grouped
+def test_the_load_time_check_multiplies_the_files_weights_in_float32() -> None:
+    """exact_grouped_products (around the check of packed attention): within it a model's
+    GroupedLinear layers give the dequantized product in float32 rounded to bf16, not the
+    GEMV's (8-bit x on AVX2); after it, and after an error inside it, the GEMV's again."""
+    assert KERNELS is not None
+    model = torch.nn.Sequential(
+        GroupedLinear(_grouped(48, 256, 4, 32, True, seed=7, quads=KERNELS.grouped_quads),
+                      bias=None, kernels=KERNELS),
+        GroupedLinear(_grouped(32, 48, 8, 16, False, seed=8), bias=None, kernels=KERNELS),
+    )  # fmt: skip
+    x = torch.randn(3, 256).bfloat16()
+    gemv = model(x)
+    with exact_grouped_products(model):
+        first = torch.nn.functional.linear(x.float(), model[0].weight_groups.dequantize())
+        exact = torch.nn.functional.linear(
+            first.bfloat16().float(), model[1].weight_groups.dequantize()
+        ).bfloat16()
+        assert torch.equal(model(x), exact)
+    assert torch.equal(model(x), gemv)
+    if KERNELS.grouped_quads:  # AVX2's 8-bit x: never the float32 product's bits here
+        assert not torch.equal(gemv, exact)
+    with pytest.raises(RuntimeError), exact_grouped_products(model):
+        raise RuntimeError("the check failed")
+    assert all(layer.kernels is KERNELS for layer in model)
 
 
 @pytest.fixture(scope="module")
