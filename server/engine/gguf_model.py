@@ -44,6 +44,9 @@ from kenspec.server.engine.architecture import UnsupportedArchitecture, refuse_u
 GGUF_SUFFIX = ".gguf"
 DEFAULT_GGUF_CACHE = "~/.cache/kenspec/gguf"
 CACHE_MANIFEST = "kenspec-gguf.json"
+# The manifest of a folder kenspec converted from a GGUF file and keeps it in (the default
+# model: server/default_model.py); its "weights_file" names the file.
+FOLDER_MANIFEST = "kenspec-model.json"
 # Architectures transformers' GGUF loader knows that are not causal LMs (or no GGUF type at all).
 _NOT_CAUSAL = frozenset({"general", "tokenizer", "t5", "umt5", "t5encoder"})
 _CACHE_FORMAT = 2  # 2: the end tokens below are written into the generation config
@@ -97,6 +100,23 @@ def find_gguf(path: Path) -> Path | None:
         names = ", ".join(file.name for file in files)
         raise GgufRefused(f"{path} holds {len(files)} GGUF files ({names}); name one as --model")
     return files[0] if files else None
+
+
+def kept_source(folder: Path) -> Path | None:
+    """The GGUF file a Hugging Face folder was converted from, where the folder keeps it: its
+    kenspec-model.json names the file as "weights_file" and the file lies in the folder (the
+    default model). None for any other path. Served as the file keeps its weights
+    (--weights auto), each tensor is checked against the folder's own on load
+    (gguf_weights), so a file that is not the folder's source is refused there."""
+    try:
+        manifest = json.loads((folder / FOLDER_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = manifest.get("weights_file") if isinstance(manifest, dict) else None
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(GGUF_SUFFIX):
+        return None
+    path = folder / name
+    return path if path.is_file() else None
 
 
 def inspect(path: Path) -> GgufFile:

@@ -37,6 +37,7 @@ from kenspec.server.engine.gguf_model import (
     GgufRefused,
     cached_folder,
     find_gguf,
+    kept_source,
     read_architecture,
 )
 from kenspec.server.engine.gguf_weights import FileWeights, FileWeightsError, apply_file_weights
@@ -128,7 +129,8 @@ class TargetModel:
         `dtype` once and kept as a folder under `gguf_cache` (see gguf_model); with `weights`
         int8 or int4, its linear layers quantized (engine.quantize), gguf (and auto where the
         grouped GEMV computes it: see _resolve_weights) a GGUF file's own quantized tensors
-        served as it keeps them (engine.gguf_weights); its passes planned within
+        served as it keeps them (engine.gguf_weights), the file named as `path` or the one a
+        folder converted from it keeps (gguf_model.kept_source); its passes planned within
         `execution` and built (engine.forward). chat_template: a Jinja template its tokenizer
         renders chats with instead of its own (or the one a model without one gets)."""
         try:
@@ -139,11 +141,14 @@ class TargetModel:
         resolved_device = resolve_device(device)
         name = str(Path(path))
         gguf_file = _gguf_file(Path(path))
+        # The file whose own weights may be served: the GGUF file itself, or the one a folder
+        # converted from it keeps (the default model: gguf_model.kept_source).
+        weights_file = gguf_file or kept_source(Path(path))
         avx2_step = dtype == "auto" and _avx2_step(
             Path(path), gguf_file, resolved_device, execution
         )
         resolved_dtype = resolve_dtype(dtype, resolved_device, avx2_step)
-        kept = _resolve_weights(kept, gguf_file, resolved_device, resolved_dtype, execution)
+        kept = _resolve_weights(kept, weights_file, resolved_device, resolved_dtype, execution)
         directory = _model_folder(Path(path), gguf_file, resolved_dtype, Path(gguf_cache))
         config = AutoConfig.from_pretrained(directory)
         try:
@@ -164,8 +169,8 @@ class TargetModel:
             # Before the load-time check: it runs the model, and run on the dequantized layers
             # it would read their pages of the cached folder's file into memory for good
             # (transformers keeps the file mapped).
-            assert gguf_file is not None  # _resolve_weights saw to it
-            file_weights = _file_weights(model, name, gguf_file, execution)
+            assert weights_file is not None  # _resolve_weights saw to it
+            file_weights = _file_weights(model, name, weights_file, execution)
             if not file_weights.quantized_layers and file_weights.output is None:
                 kept, file_weights = Weights.BF16, None  # a float file: nothing to keep
         try:
@@ -335,15 +340,16 @@ def _resolve_weights(
     dtype: torch.dtype,
     execution: ExecutionOptions,
 ) -> Weights:
-    """auto: the GGUF file's own quantization where it is served fast (a GGUF file, a CPU
-    with AVX512-BF16 whose grouped GEMV computes it, bfloat16), else the weights as loaded.
-    gguf: the file's own wherever it can be served (float32 too: its weights dequantized for
-    every product, exact but slow), or TargetLoadError saying why it cannot be."""
+    """auto: the GGUF file's own quantization where it is served fast (a GGUF file, or a
+    folder keeping the one it was converted from; a CPU whose grouped GEMV computes it,
+    AVX512-BF16 or AVX2; bfloat16), else the weights as loaded. gguf: the file's own wherever
+    it can be served (float32 too: its weights dequantized for every product, exact but
+    slow), or TargetLoadError saying why it cannot be."""
     if weights not in (Weights.AUTO, Weights.GGUF):
         return weights
     why = None
     if gguf_file is None:
-        why = "the model is not a GGUF file"
+        why = "the model is not a GGUF file (nor a folder keeping the one it was made from)"
     elif device.type != "cpu":
         why = f"it runs on a CPU only, not {device.type}"
     elif dtype not in (torch.bfloat16, torch.float32):

