@@ -28,7 +28,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -149,43 +149,106 @@ def read_architecture(path: Path) -> str | None:
     """The file's general.architecture, read from its header only as far as that key (writers
     put it first), where `inspect` parses the whole header: seconds for a large vocabulary.
     None where the file is not GGUF or its header does not say."""
-
-    def read(file: BinaryIO, size: int) -> bytes:
-        data = file.read(size)
-        if len(data) != size:
-            raise ValueError("the header ends early")
-        return data
-
-    def skip(file: BinaryIO, kind: int) -> None:
-        if kind == _STRING:
-            file.seek(struct.unpack("<Q", read(file, 8))[0], os.SEEK_CUR)
-        elif kind == _ARRAY:
-            inner, count = struct.unpack("<IQ", read(file, 12))
-            if inner in _SCALAR_BYTES:
-                file.seek(count * _SCALAR_BYTES[inner], os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    skip(file, inner)
-        elif kind in _SCALAR_BYTES:
-            file.seek(_SCALAR_BYTES[kind], os.SEEK_CUR)
-        else:
-            raise ValueError(f"value type {kind}")
-
     try:
         with path.open("rb") as file:
-            magic, _version, _tensors, keys = struct.unpack("<4sIQQ", read(file, 24))
-            if magic != b"GGUF":
-                return None
-            for _ in range(keys):
-                key = read(file, struct.unpack("<Q", read(file, 8))[0])
-                (kind,) = struct.unpack("<I", read(file, 4))
-                if key == b"general.architecture" and kind == _STRING:
-                    text = read(file, struct.unpack("<Q", read(file, 8))[0])
-                    return text.decode("utf-8", errors="replace")
-                skip(file, kind)
+            return _read_keys(file, stop_at_architecture=True).get(_ARCHITECTURE)
     except (OSError, ValueError, struct.error):
         return None
-    return None
+
+
+@dataclass(frozen=True, slots=True)
+class FileTensor:
+    """One tensor of a GGUF file: its name, GGML type and bytes as the file keeps them."""
+
+    name: str
+    tensor_type: int
+    data: np.ndarray  # uint8, a read-only map of the file
+
+
+def read_tensors(path: Path) -> tuple[str, dict[str, FileTensor]]:
+    """The file's architecture and its tensors by name, each a map of its bytes: the header's
+    keys skipped, not parsed (the gguf package's reader turns every vocabulary entry into
+    numpy views: ~10 s for SmolLM2's 49,152). ValueError where the file is not one it can
+    read."""
+    try:
+        with path.open("rb") as file:
+            keys = _read_keys(file, stop_at_architecture=False)
+            infos = []
+            for _ in range(keys[_TENSORS]):
+                name = _read(file, struct.unpack("<Q", _read(file, 8))[0]).decode("utf-8")
+                (dims,) = struct.unpack("<I", _read(file, 4))
+                shape = struct.unpack(f"<{dims}Q", _read(file, 8 * dims))
+                kind, offset = struct.unpack("<IQ", _read(file, 12))
+                infos.append((name, shape, kind, offset))
+            alignment = keys.get(_ALIGNMENT, 32)
+            if alignment <= 0:
+                raise ValueError(f"general.alignment is {alignment}")
+            start = -(-file.tell() // alignment) * alignment
+    except (OSError, ValueError, struct.error) as error:  # UnicodeDecodeError among them
+        raise ValueError(f"{path}: not a GGUF file kenspec can read ({error})") from None
+    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        try:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {name} has an unknown type {kind}") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        begin, end = start + offset, start + offset + count // block * size
+        if count % block or end > len(whole):
+            raise ValueError(f"{path}: tensor {name} does not fit the file")
+        tensors[name] = FileTensor(name, kind, whole[begin:end])
+    return str(keys.get(_ARCHITECTURE, "")), tensors
+
+
+_ARCHITECTURE, _ALIGNMENT, _TENSORS = "general.architecture", "general.alignment", " tensors"
+
+
+def _read(file: BinaryIO, size: int) -> bytes:
+    data = file.read(size)
+    if len(data) != size:
+        raise ValueError("the header ends early")
+    return data
+
+
+def _skip(file: BinaryIO, kind: int) -> None:
+    if kind == _STRING:
+        file.seek(struct.unpack("<Q", _read(file, 8))[0], os.SEEK_CUR)
+    elif kind == _ARRAY:
+        inner, count = struct.unpack("<IQ", _read(file, 12))
+        if inner in _SCALAR_BYTES:
+            file.seek(count * _SCALAR_BYTES[inner], os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip(file, inner)
+    elif kind in _SCALAR_BYTES:
+        file.seek(_SCALAR_BYTES[kind], os.SEEK_CUR)
+    else:
+        raise ValueError(f"value type {kind}")
+
+
+def _read_keys(file: BinaryIO, stop_at_architecture: bool) -> dict[str, Any]:
+    """From the start of the file: the header's tensor count (as " tensors"), and the values of
+    general.architecture and general.alignment where present, every other key skipped; the
+    file left at the tensor table (or just past the architecture, where told to stop there).
+    ValueError where the file is not GGUF."""
+    magic, _version, tensors, keys = struct.unpack("<4sIQQ", _read(file, 24))
+    if magic != b"GGUF":
+        raise ValueError("not a GGUF file")
+    found: dict[str, Any] = {_TENSORS: tensors}
+    for _ in range(keys):
+        key = _read(file, struct.unpack("<Q", _read(file, 8))[0])
+        (kind,) = struct.unpack("<I", _read(file, 4))
+        if key == b"general.architecture" and kind == _STRING:
+            text = _read(file, struct.unpack("<Q", _read(file, 8))[0])
+            found[_ARCHITECTURE] = text.decode("utf-8", errors="replace")
+            if stop_at_architecture:
+                return found
+        elif key == b"general.alignment" and kind == int(GGUFValueType.UINT32):
+            (found[_ALIGNMENT],) = struct.unpack("<I", _read(file, 4))
+        else:
+            _skip(file, kind)
+    return found
 
 
 def _refuse_architecture(info: GgufFile) -> None:

@@ -18,16 +18,19 @@ load (its name map and tensor processor, applied to each row's index).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from transformers import PreTrainedModel
 
+from kenspec.server.engine.gguf_model import read_tensors
 from kenspec.server.engine.gguf_quants import FOUR_BIT, READABLE, read_blocks
 from kenspec.server.engine.quantize import GroupedLinear, GroupedWeight, decoder_linears, tied_head
 
@@ -78,10 +81,10 @@ def apply_file_weights(
     a tensor is missing, of a type not read, or does not match the loaded model. For AVX2's
     grouped GEMV the scales and offsets are kept in float16 where each is one exactly (Q4_1:
     5 bits a weight to read instead of 6); AVX512-BF16's reads float32."""
-    reader = GGUFReader(path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    field_value = reader.get_field("general.architecture")
-    architecture = str(field_value.contents()) if field_value is not None else ""
+    try:
+        architecture, tensors = read_tensors(path)
+    except ValueError as error:
+        raise FileWeightsError(str(error)) from None
     names, processor = _names(model, architecture)
     half = kernels is not None and kernels.grouped_half
     quads = kernels is not None and kernels.grouped_quads
@@ -125,8 +128,15 @@ def _names(model: PreTrainedModel, architecture: str) -> tuple[dict[str, str], A
 
     kind: Any = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     processor = kind(config=model.config.to_dict())
-    mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor)
-    return {hf: gguf for gguf, hf in mapping.items()}, processor
+    # transformers builds gguf's name map afresh for every module it walks (the same map: ~9 s
+    # for SmolLM2's ~400 modules); built once here, for this call (start-up runs one load).
+    uncached = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(uncached)
+    try:
+        mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor)
+    finally:
+        gguf.get_tensor_name_map = uncached
+    return {hf: name for name, hf in mapping.items()}, processor
 
 
 def _row_order(processor: Any, name: str, rows: int) -> np.ndarray:

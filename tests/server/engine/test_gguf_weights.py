@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from transformers import PreTrainedTokenizerFast
 
 from kenspec.server import default_model
@@ -573,3 +573,26 @@ def test_a_folder_keeping_its_gguf_file_is_served_as_the_file_keeps_it(
     _file(tmp_path, tokenizer, Q.Q8_0).rename(folder / path.name)
     with pytest.raises(TargetLoadError, match="differ from the loaded model's"):
         TargetModel.load(folder, device="cpu", dtype="float32", weights="gguf")
+
+
+def test_the_tensor_table_is_read_as_the_gguf_package_reads_it(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """gguf_model.read_tensors (the header's keys skipped, not parsed) gives every tensor's
+    name, type and bytes as GGUFReader does, and the architecture; a cut file is refused."""
+    path = _file(tmp_path, tokenizer, Q.Q4_K, tied=False, output=Q.Q6_K)
+    architecture, tensors = gguf_model.read_tensors(path)
+    reader = GGUFReader(path)
+    assert architecture == "llama" == gguf_model.read_architecture(path)
+    assert list(tensors) == [tensor.name for tensor in reader.tensors]
+    for theirs in reader.tensors:
+        mine = tensors[theirs.name]
+        assert mine.tensor_type == theirs.tensor_type, theirs.name
+        assert mine.data.tobytes() == np.asarray(theirs.data).tobytes(), theirs.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size - 64])
+    with pytest.raises(ValueError, match="does not fit the file"):
+        gguf_model.read_tensors(cut)
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_model.read_tensors(tmp_path / "text.gguf")
