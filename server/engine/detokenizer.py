@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _INCOMPLETE = "\ufffd"  # what a decoder prints for a multi-byte character cut in the middle
 
@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
+        self._backend = _plain_backend_decode(tokenizer)
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decoding window
         self._read_offset = 0  # tokens before this are already emitted
@@ -42,9 +43,31 @@ class IncrementalDetokenizer:
         return text[len(prefix) :]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend(token_ids, True)
         text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
+
+
+def _plain_backend_decode(
+    tokenizer: PreTrainedTokenizerBase,
+) -> Callable[[list[int], bool], str] | None:
+    """The Rust backend's decode where transformers' decode of a list of ids is only that (a
+    fast tokenizer neither subclassing decode nor cleaning up spaces): ~17 us a call against
+    ~50 through transformers' wrapper, two calls a token. None: use the tokenizer's own."""
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        not isinstance(tokenizer, PreTrainedTokenizerFast)
+        or kind.decode is not PreTrainedTokenizerBase.decode
+        or kind._decode is not PreTrainedTokenizerFast._decode
+        or tokenizer.clean_up_tokenization_spaces
+        or backend is None
+    ):
+        return None
+    decode: Callable[[list[int], bool], str] = backend.decode
+    return decode
 
 
 class StopMatcher:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -34,6 +35,26 @@ def test_concatenated_deltas_equal_decode_on_random_tokens(tiny_target) -> None:
     tokenizer = tiny_target.tokenizer
     rng = random.Random(0)
     for _ in range(50):
+        token_ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        expected = tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert "".join(deltas(tokenizer, token_ids)) == expected
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_backends_decode_serves_only_where_it_is_what_decode_does(
+    tiny_target, clean_up: bool
+) -> None:
+    """A fast tokenizer without clean-up is decoded by its Rust backend directly (the same
+    text); one that cleans up spaces goes through transformers' decode."""
+    tokenizer = copy.deepcopy(tiny_target.tokenizer)
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    assert (IncrementalDetokenizer(tokenizer)._backend is None) == clean_up
+    rng = random.Random(1)
+    for text in ("Hello , world . It 's done !", "a  b\n\tc"):
+        token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected = tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert "".join(deltas(tokenizer, token_ids)) == expected
+    for _ in range(20):
         token_ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
         expected = tokenizer.decode(token_ids, skip_special_tokens=True)
         assert "".join(deltas(tokenizer, token_ids)) == expected

@@ -33,6 +33,18 @@ def test_lazy_rows_equal_the_full_output_layer_in_any_order(tiny_target, order) 
         lazy[7]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_rows_greedy_token_is_torchs_argmax_with_ties_and_nan(dtype: torch.dtype) -> None:
+    """The first of tied largest logits, the first NaN where there is one (torch's rule; the
+    row's argmax is taken by numpy where it can hold the dtype)."""
+    rows = torch.tensor(
+        [[0.0, 3.0, 1.0, 3.0], [1.0, float("nan"), 5.0, float("nan")], [-1.0, -1.0, -2.0, -9.0]]
+    ).to(dtype)
+    logits = Logits.of(rows)
+    assert [logits.argmax(i) for i in range(3)] == [1, 1, 0]
+    assert [logits.argmax(i) for i in range(3)] == [int(row.argmax()) for row in rows]
+
+
 def test_lazy_rows_past_the_first_are_read_in_blocks(tiny_target) -> None:
     lazy = _lazy(tiny_target, torch.randn(7, tiny_target.model.config.hidden_size))
     assert [i for i, _ in lazy.computed(7)] == [0]  # row 0: every sequence reads one
