@@ -28,7 +28,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -151,7 +151,7 @@ def read_architecture(path: Path) -> str | None:
     None where the file is not GGUF or its header does not say."""
     try:
         with path.open("rb") as file:
-            return _read_keys(file, stop_at_architecture=True).get(_ARCHITECTURE)
+            return _read_header(file, stop_at_architecture=True).architecture
     except (OSError, ValueError, struct.error):
         return None
 
@@ -172,18 +172,17 @@ def read_tensors(path: Path) -> tuple[str, dict[str, FileTensor]]:
     read."""
     try:
         with path.open("rb") as file:
-            keys = _read_keys(file, stop_at_architecture=False)
+            header = _read_header(file, stop_at_architecture=False)
             infos = []
-            for _ in range(keys[_TENSORS]):
+            for _ in range(header.tensors):
                 name = _read(file, struct.unpack("<Q", _read(file, 8))[0]).decode("utf-8")
                 (dims,) = struct.unpack("<I", _read(file, 4))
                 shape = struct.unpack(f"<{dims}Q", _read(file, 8 * dims))
                 kind, offset = struct.unpack("<IQ", _read(file, 12))
                 infos.append((name, shape, kind, offset))
-            alignment = keys.get(_ALIGNMENT, 32)
-            if alignment <= 0:
-                raise ValueError(f"general.alignment is {alignment}")
-            start = -(-file.tell() // alignment) * alignment
+            if header.alignment <= 0:
+                raise ValueError(f"general.alignment is {header.alignment}")
+            start = -(-file.tell() // header.alignment) * header.alignment
     except (OSError, ValueError, struct.error) as error:  # UnicodeDecodeError among them
         raise ValueError(f"{path}: not a GGUF file kenspec can read ({error})") from None
     whole = np.memmap(path, dtype=np.uint8, mode="r")
@@ -198,10 +197,16 @@ def read_tensors(path: Path) -> tuple[str, dict[str, FileTensor]]:
         if count % block or end > len(whole):
             raise ValueError(f"{path}: tensor {name} does not fit the file")
         tensors[name] = FileTensor(name, kind, whole[begin:end])
-    return str(keys.get(_ARCHITECTURE, "")), tensors
+    return header.architecture or "", tensors
 
 
-_ARCHITECTURE, _ALIGNMENT, _TENSORS = "general.architecture", "general.alignment", " tensors"
+@dataclass(slots=True)
+class _Header:
+    """What a GGUF header says that kenspec reads: its tensor count, architecture, alignment."""
+
+    tensors: int
+    architecture: str | None = None
+    alignment: int = 32  # GGUF's default where general.alignment is absent
 
 
 def _read(file: BinaryIO, size: int) -> bytes:
@@ -227,25 +232,24 @@ def _skip(file: BinaryIO, kind: int) -> None:
         raise ValueError(f"value type {kind}")
 
 
-def _read_keys(file: BinaryIO, stop_at_architecture: bool) -> dict[str, Any]:
-    """From the start of the file: the header's tensor count (as " tensors"), and the values of
-    general.architecture and general.alignment where present, every other key skipped; the
-    file left at the tensor table (or just past the architecture, where told to stop there).
-    ValueError where the file is not GGUF."""
+def _read_header(file: BinaryIO, stop_at_architecture: bool) -> _Header:
+    """From the start of the file: the header's tensor count, general.architecture and
+    general.alignment, every other key skipped; the file left at the tensor table (or just
+    past the architecture, where told to stop there). ValueError where it is not GGUF."""
     magic, _version, tensors, keys = struct.unpack("<4sIQQ", _read(file, 24))
     if magic != b"GGUF":
         raise ValueError("not a GGUF file")
-    found: dict[str, Any] = {_TENSORS: tensors}
+    found = _Header(tensors)
     for _ in range(keys):
         key = _read(file, struct.unpack("<Q", _read(file, 8))[0])
         (kind,) = struct.unpack("<I", _read(file, 4))
         if key == b"general.architecture" and kind == _STRING:
             text = _read(file, struct.unpack("<Q", _read(file, 8))[0])
-            found[_ARCHITECTURE] = text.decode("utf-8", errors="replace")
+            found.architecture = text.decode("utf-8", errors="replace")
             if stop_at_architecture:
                 return found
         elif key == b"general.alignment" and kind == int(GGUFValueType.UINT32):
-            (found[_ALIGNMENT],) = struct.unpack("<I", _read(file, 4))
+            (found.alignment,) = struct.unpack("<I", _read(file, 4))
         else:
             _skip(file, kind)
     return found
