@@ -128,12 +128,12 @@ void kenspec_rotary_cache_avx2(uint16_t *qkv, const uint16_t *cos, const uint16_
 }
 
 /* The scores of `group` query heads (widened: q [group, dim] float32) over one kv head's keys
- * k ([kv_length, dim]): scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for a
- * masked key. Each score: eight lanes of FMAs over the head dimension in order, summed by
+ * k ([kv_length, dim]; kf: the same keys widened to float32, or NULL to widen them here):
+ * scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for a masked key. Each score: eight lanes of FMAs over the head dimension in order, summed by
  * sums8's tree, whatever else is computed beside it. */
-static void score_group(const float *q, const uint16_t *k, long group, const void *mask,
-                        int mask_bf16, long kv_length, long dim, float scale, float *scores,
-                        long stride) {
+static void score_group(const float *q, const uint16_t *k, const float *kf, long group,
+                        const void *mask, int mask_bf16, long kv_length, long dim, float scale,
+                        float *scores, long stride) {
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (long h = 0; h < group; h++) {
     const float *query = q + h * dim;
@@ -145,9 +145,15 @@ static void score_group(const float *q, const uint16_t *k, long group, const voi
       for (long jj = 0; jj < 8; jj++) {
         acc[jj] = _mm256_setzero_ps();
         if (jj >= count) continue;
-        const uint16_t *key = k + (j0 + jj) * dim;
-        for (long d = 0; d < dim; d += 8)
-          acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), widen8(key + d), acc[jj]);
+        if (kf != NULL) {
+          const float *key = kf + (j0 + jj) * dim;
+          for (long d = 0; d < dim; d += 8)
+            acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), _mm256_loadu_ps(key + d), acc[jj]);
+        } else {
+          const uint16_t *key = k + (j0 + jj) * dim;
+          for (long d = 0; d < dim; d += 8)
+            acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), widen8(key + d), acc[jj]);
+        }
       }
       __m256 added;
       if (mask_bf16) {
@@ -176,36 +182,45 @@ static void score_group(const float *q, const uint16_t *k, long group, const voi
  * `chunks` (compile-time, <= 8) eight-lane pieces of the values at v (row stride dim): its
  * sums key after key, zero weights skipped, in registers. */
 static inline __attribute__((always_inline)) void value_piece(const float *p, const int chunks,
-                                                              const uint16_t *v, long dim,
-                                                              long kv_length, float total,
-                                                              uint16_t *out) {
+                                                              const uint16_t *v, const float *vf,
+                                                              long dim, long kv_length,
+                                                              float total, uint16_t *out) {
   __m256 acc[8];
   for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
   for (long j = 0; j < kv_length; j++) {
     if (p[j] == 0.0f) continue;
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int c = 0; c < chunks; c++)
-      acc[c] = _mm256_fmadd_ps(weight, widen8(v + j * dim + c * 8), acc[c]);
+      acc[c] = _mm256_fmadd_ps(weight,
+                               vf != NULL ? _mm256_loadu_ps(vf + j * dim + c * 8)
+                                          : widen8(v + j * dim + c * 8),
+                               acc[c]);
   }
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
   for (int c = 0; c < chunks; c++) store(out + c * 8, _mm256_mul_ps(acc[c], inverse), 8);
 }
 
 /* Each of `count` heads' weighted values (its scores: row h of scores), 64 dimensions at a time
- * (the last piece 32: dim is a multiple of 32). */
+ * (the last piece 32: dim is a multiple of 32); vf: the values widened to float32, or NULL. */
 static void value_heads(const float *scores, long stride, long count, long dim, const uint16_t *v,
-                        long kv_length, uint16_t *const *out) {
+                        const float *vf, long kv_length, uint16_t *const *out) {
   for (long h = 0; h < count; h++) {
     const float *p = scores + h * stride;
     float total = 0.0f;
     for (long j = 0; j < kv_length; j++) total += p[j];
     for (long d = 0; d < dim; d += 64) {
+      const float *piece = vf != NULL ? vf + d : NULL;
       if (dim - d >= 64)
-        value_piece(p, 8, v + d, dim, kv_length, total, out[h] + d);
+        value_piece(p, 8, v + d, piece, dim, kv_length, total, out[h] + d);
       else
-        value_piece(p, 4, v + d, dim, kv_length, total, out[h] + d);
+        value_piece(p, 4, v + d, piece, dim, kv_length, total, out[h] + d);
     }
   }
+}
+
+/* n bf16 at x as float32 at y (n a multiple of 8): exact. */
+static void widen_all(const uint16_t *x, float *y, long n) {
+  for (long i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, widen8(x + i));
 }
 
 /* Queries of one cache row a work item takes at most, and the work below which a layer's
@@ -237,24 +252,37 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
     float *scores = malloc(sizeof(float) * stride * group * QUERY_CHUNK);
     float *query = malloc(sizeof(float) * group * dim);
     uint16_t **outs = malloc(sizeof(uint16_t *) * group * QUERY_CHUNK);
-    if (!scores || !query || !outs) failed = 1;
+    /* An item of several tokens (a verify pass's) widens its keys and values to float32 once
+     * for all its queries, which then read them as they are: each of a 4-token item's 12
+     * query heads widened them itself, half of a wide pass's attention. Exact: the same
+     * products and sums. A one-token item (a decoding step's) reads the bf16 cache. */
+    float *widened = tokens > 1 ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
+    if (!scores || !query || !outs || (tokens > 1 && !widened)) failed = 1;
 #pragma omp for schedule(dynamic, 1)
     for (long item = 0; item < items; item++) {
-      if (!scores || !query || !outs) continue;
+      if (!scores || !query || !outs || (tokens > 1 && !widened)) continue;
       const long chunk = item / kv_heads, g = item % kv_heads;
       const long first = firsts[chunk], count = firsts[chunk + 1] - first;
       const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
+      const float *kf = NULL, *vf = NULL;
+      if (count > 1) {
+        widen_all(keys + cache_at, widened, kv_length * dim);
+        widen_all(values + cache_at, widened + kv_length * dim, kv_length * dim);
+        kf = widened;
+        vf = widened + kv_length * dim;
+      }
       for (long i = 0; i < count; i++) {
         const long t = first + i;
         const uint16_t *q = qkv + t * width + g * group * dim;
         for (long e = 0; e < group * dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
         const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
-        score_group(query, keys + cache_at, group, row_mask, mask_bf16, kv_length, dim, scale,
-                    scores + i * group * stride, stride);
+        score_group(query, keys + cache_at, kf, group, row_mask, mask_bf16, kv_length, dim,
+                    scale, scores + i * group * stride, stride);
         for (long h = 0; h < group; h++) outs[i * group + h] = out + t * heads * dim + (g * group + h) * dim;
       }
-      value_heads(scores, stride, count * group, dim, values + cache_at, kv_length, outs);
+      value_heads(scores, stride, count * group, dim, values + cache_at, vf, kv_length, outs);
     }
+    free(widened);
     free(scores);
     free(query);
     free(outs);
