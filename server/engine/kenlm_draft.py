@@ -26,6 +26,9 @@ DRAFT_MANIFEST = "draft.json"
 KENLM = Source("kenlm")  # where a KenLM chain comes from: acceptance is learned for it apart
 # Slack for comparing the index's ARPA log-probs with KenLM's own floats when pruning.
 _PRUNE_SLACK = 1e-3
+# Contexts whose best next words are kept (then all are forgotten at once): a request's rounds
+# ask again for what the last round asked (its chain's second step is the next round's first)
+REMEMBERED = 4096
 
 
 def _word(token_id: int) -> str:
@@ -66,6 +69,10 @@ class KenLMDraft:
         self._name = name
         self.min_draft_prob = min_draft_prob
         self.end_token_id = end_token_id  # what </s> is proposed as (the target's EOS)
+        # top_next's answers and _state_after's states, by what determines them (the draft
+        # thread's only; a lost race is a recomputation, never a wrong answer)
+        self._tops: dict[tuple[tuple[int, ...], int, kenlm.State], tuple[_Step, ...]] = {}
+        self._states: dict[tuple[int, ...], tuple[kenlm.State, tuple[int, ...]]] = {}
 
     @property
     def name(self) -> str:
@@ -151,6 +158,10 @@ class KenLMDraft:
         candidates; KenLM's ngram_length tells which words those are, and the sorted lists end
         the walk as soon as no word of this length can beat the n-th best found so far.
         """
+        key = (history, n, state)
+        known = self._tops.get(key)
+        if known is not None:
+            return list(known)
         best: list[_Step] = []
         backoff = 0.0
         for length in range(len(history), -1, -1):
@@ -159,6 +170,9 @@ class KenLMDraft:
             if span is not None:
                 self._top_at(state, length, span, backoff, best, n)
             backoff += self._index.backoffs.get(context, 0.0)
+        if len(self._tops) >= REMEMBERED:
+            self._tops.clear()
+        self._tops[key] = tuple(best)
         return best
 
     def _top_at(
@@ -187,20 +201,28 @@ class KenLMDraft:
 
     def _state_after(self, context_ids: Sequence[int]) -> tuple[kenlm.State, tuple[int, ...]]:
         """KenLM state and index history after the sentence so far (only n-1 words matter)."""
-        state = kenlm.State()
         window = self.order - 1
         if len(context_ids) >= window:
-            self._model.NullContextWrite(state)
             recent = tuple(context_ids[len(context_ids) - window :]) if window else ()
             history = recent
         else:
-            self._model.BeginSentenceWrite(state)
             recent = tuple(context_ids)
             history = (SENTENCE_START, *recent)
+        known = self._states.get(history)
+        if known is not None:
+            return known
+        state = kenlm.State()
+        if len(context_ids) < window:
+            self._model.BeginSentenceWrite(state)
+        else:
+            self._model.NullContextWrite(state)
         for token_id in recent:
             out = kenlm.State()
             self._model.BaseScore(state, _word(token_id), out)
             state = out
+        if len(self._states) >= REMEMBERED:
+            self._states.clear()
+        self._states[history] = (state, history)
         return state, history
 
     def _trim(self, history: tuple[int, ...]) -> tuple[int, ...]:

@@ -209,3 +209,28 @@ def test_a_session_offers_what_a_context_draft_asks_of_a_static_draft(draft: Ken
     assert session.chain_after([7], 2) == draft.chain([5, 6, 7], 2)
     assert session.n_best(3) == draft.n_best([4, 5, 6], 3)
     assert session.branching() is None  # chains only
+
+
+def test_remembered_answers_are_the_answers_computed_afresh(
+    arpa_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains and n-best lists asked again (the next round's context is the last round's
+    chain one token on), across the forgetting of a full memory, equal a fresh draft's: short
+    contexts (the sentence's start) and full windows alike."""
+    import kenspec.server.engine.kenlm_draft as module
+
+    monkeypatch.setattr(module, "REMEMBERED", 50)  # forgotten several times below
+    remembering = KenLMDraft.load(arpa_path, vocab_size=VOCAB)
+    rng = random.Random(5)
+    contexts = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 7))] for _ in range(120)]
+    contexts += [context[: len(context) - 1] for context in contexts[:40]] * 2  # asked again
+    fresh = KenLMDraft.load(arpa_path, vocab_size=VOCAB)
+    for context in contexts:
+        fresh._tops.clear()
+        fresh._states.clear()
+        assert remembering.chain(context, 5) == fresh.chain(context, 5), context
+        assert remembering.n_best(context, 3) == fresh.n_best(context, 3), context
+        fresh._tops.clear()
+        fresh._states.clear()
+        assert remembering._state_after(context) == fresh._state_after(context), context
+    assert 0 < len(remembering._tops) <= 50
