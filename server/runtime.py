@@ -37,6 +37,7 @@ from kenspec.server.engine.suffix_index import SuffixIndex, add_text_corpus
 from kenspec.server.engine.target import TargetModel
 from kenspec.server.engine.tenant_index import SHARED_TENANT, TenantSuffixIndex
 from kenspec.server.generate_params import Defaults, Limits, prompt_char_limit
+from kenspec.server.memory import release_freed_memory, resident_mib
 from kenspec.server.settings import Settings
 from kenspec.server.tool_calls.formats import ToolFormat
 from kenspec.server.tool_calls.formats import detect as detect_tool_format
@@ -146,7 +147,13 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
     info = _model_info(
         settings, engine, limits, calibrated=settings.speculation.breaker_threshold < 0
     )
-    log.info("loaded", seconds=round(time.perf_counter() - started, 2))
+    released = release_freed_memory()  # what loading freed, no longer resident
+    log.info(
+        "loaded",
+        seconds=round(time.perf_counter() - started, 2),
+        resident_mib=_rounded(resident_mib()),
+        released_mib=_rounded(released),
+    )
     tool_format = detect_tool_format(target.tokenizer, settings.model.tool_call_format)
     log.info("tool_calls", format=tool_format.name, native=tool_format.native)
     return Runtime(
@@ -157,6 +164,10 @@ def load_runtime(settings: Settings, events: EngineEvents = NO_EVENTS) -> Runtim
         tool_format=tool_format,
         save_costs=save_costs,
     )
+
+
+def _rounded(mib: float | None) -> float | None:
+    return None if mib is None else round(mib, 1)
 
 
 def _recycled_predictions(target: TargetModel) -> RecycledPredictions:
