@@ -127,10 +127,18 @@ void kenspec_rotary_cache_avx2(uint16_t *qkv, const uint16_t *cos, const uint16_
   }
 }
 
+/* Eight of the cache's values at `at` as float32: read from `widened` (the same values widened
+ * once, float32) where there is one, else widened here from the bf16 cache `cached`; exact
+ * either way. */
+static inline __m256 cached8(const uint16_t *cached, const float *widened, long at) {
+  return widened != NULL ? _mm256_loadu_ps(widened + at) : widen8(cached + at);
+}
+
 /* The scores of `group` query heads (widened: q [group, dim] float32) over one kv head's keys
  * k ([kv_length, dim]; kf: the same keys widened to float32, or NULL to widen them here):
- * scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for a masked key. Each score: eight lanes of FMAs over the head dimension in order, summed by
- * sums8's tree, whatever else is computed beside it. */
+ * scores[h * stride + j] = exp(q_h . k_j * scale + mask_j - max), 0 for a masked key. Each
+ * score: eight lanes of FMAs over the head dimension in order, summed by sums8's tree,
+ * whatever else is computed beside it. */
 static void score_group(const float *q, const uint16_t *k, const float *kf, long group,
                         const void *mask, int mask_bf16, long kv_length, long dim, float scale,
                         float *scores, long stride) {
@@ -145,15 +153,9 @@ static void score_group(const float *q, const uint16_t *k, const float *kf, long
       for (long jj = 0; jj < 8; jj++) {
         acc[jj] = _mm256_setzero_ps();
         if (jj >= count) continue;
-        if (kf != NULL) {
-          const float *key = kf + (j0 + jj) * dim;
-          for (long d = 0; d < dim; d += 8)
-            acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), _mm256_loadu_ps(key + d), acc[jj]);
-        } else {
-          const uint16_t *key = k + (j0 + jj) * dim;
-          for (long d = 0; d < dim; d += 8)
-            acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), widen8(key + d), acc[jj]);
-        }
+        const long key = (j0 + jj) * dim;
+        for (long d = 0; d < dim; d += 8)
+          acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), cached8(k, kf, key + d), acc[jj]);
       }
       __m256 added;
       if (mask_bf16) {
@@ -191,10 +193,7 @@ static inline __attribute__((always_inline)) void value_piece(const float *p, co
     if (p[j] == 0.0f) continue;
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int c = 0; c < chunks; c++)
-      acc[c] = _mm256_fmadd_ps(weight,
-                               vf != NULL ? _mm256_loadu_ps(vf + j * dim + c * 8)
-                                          : widen8(v + j * dim + c * 8),
-                               acc[c]);
+      acc[c] = _mm256_fmadd_ps(weight, cached8(v, vf, j * dim + c * 8), acc[c]);
   }
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
   for (int c = 0; c < chunks; c++) store(out + c * 8, _mm256_mul_ps(acc[c], inverse), 8);
@@ -257,10 +256,11 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
      * query heads widened them itself, half of a wide pass's attention. Exact: the same
      * products and sums. A one-token item (a decoding step's) reads the bf16 cache. */
     float *widened = tokens > 1 ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
-    if (!scores || !query || !outs || (tokens > 1 && !widened)) failed = 1;
+    const int ready = scores && query && outs && (tokens == 1 || widened);
+    if (!ready) failed = 1;
 #pragma omp for schedule(dynamic, 1)
     for (long item = 0; item < items; item++) {
-      if (!scores || !query || !outs || (tokens > 1 && !widened)) continue;
+      if (!ready) continue;
       const long chunk = item / kv_heads, g = item % kv_heads;
       const long first = firsts[chunk], count = firsts[chunk + 1] - first;
       const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
