@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import kenlm
 
@@ -29,6 +30,15 @@ _PRUNE_SLACK = 1e-3
 # Contexts whose best next words are kept (then all are forgotten at once): a request's rounds
 # ask again for what the last round asked (its chain's second step is the next round's first)
 REMEMBERED = 4096
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _remember(memory: dict[K, V], key: K, value: V) -> None:
+    """Keep `value` by `key`, forgetting everything first where REMEMBERED are kept."""
+    if len(memory) >= REMEMBERED:
+        memory.clear()
+    memory[key] = value
 
 
 def _word(token_id: int) -> str:
@@ -170,9 +180,7 @@ class KenLMDraft:
             if span is not None:
                 self._top_at(state, length, span, backoff, best, n)
             backoff += self._index.backoffs.get(context, 0.0)
-        if len(self._tops) >= REMEMBERED:
-            self._tops.clear()
-        self._tops[key] = tuple(best)
+        _remember(self._tops, key, tuple(best))
         return best
 
     def _top_at(
@@ -202,17 +210,18 @@ class KenLMDraft:
     def _state_after(self, context_ids: Sequence[int]) -> tuple[kenlm.State, tuple[int, ...]]:
         """KenLM state and index history after the sentence so far (only n-1 words matter)."""
         window = self.order - 1
-        if len(context_ids) >= window:
-            recent = tuple(context_ids[len(context_ids) - window :]) if window else ()
-            history = recent
-        else:
+        starts = len(context_ids) < window  # the sentence's start is still in the window
+        if starts:
             recent = tuple(context_ids)
             history = (SENTENCE_START, *recent)
+        else:
+            recent = tuple(context_ids[len(context_ids) - window :]) if window else ()
+            history = recent
         known = self._states.get(history)
         if known is not None:
             return known
         state = kenlm.State()
-        if len(context_ids) < window:
+        if starts:
             self._model.BeginSentenceWrite(state)
         else:
             self._model.NullContextWrite(state)
@@ -220,9 +229,7 @@ class KenLMDraft:
             out = kenlm.State()
             self._model.BaseScore(state, _word(token_id), out)
             state = out
-        if len(self._states) >= REMEMBERED:
-            self._states.clear()
-        self._states[history] = (state, history)
+        _remember(self._states, history, (state, history))
         return state, history
 
     def _trim(self, history: tuple[int, ...]) -> tuple[int, ...]:
