@@ -221,7 +221,7 @@ def _load_head(settings: Settings, target: TargetModel) -> DraftHead | None:
             folder=str(folder),
             vocabulary=head.vocabulary,
             inner=head.net.inner,
-            kernels="gemv_bf16" if head.uses_kernels else "torch",
+            kernels="c" if head.runs_in_c else "gemv_bf16" if head.uses_kernels else "torch",
             heldout=head.manifest.get("heldout_check"),
         )
     return head

@@ -13,6 +13,7 @@
  *   gemv_u8s8.c  + AVX512-VNNI        the screened output layer's int8 x int8 product
  *   layout.c     any x86-64           the structs' sizes and offsets, checked by ctypes at load
  *   norms.c      any x86-64           Gemma's RMSNorm: its residual step and head norms
+ *   head.c       any x86-64           a learned draft head's chain (its products passed in)
  */
 #ifndef KENSPEC_H
 #define KENSPEC_H
@@ -134,9 +135,43 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
 void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long width, int32_t *ids,
                             float *probs);
 int kenspec_decoder_pass_avx2(const kenspec_pass *pass);
-/* layout.c: which = 0 (kenspec_layer) or 1 (kenspec_pass); writes each member's offset, in
+/* layout.c: which = 0 (kenspec_layer), 1 (kenspec_pass) or 2 (kenspec_head); writes each member's offset, in
  * declaration order, into offsets (at most room of them); returns the struct's size. */
 long kenspec_layout(int which, long *offsets, long room);
+
+/* A bf16 product without a result (kenspec_gemv_bf16's and kenspec_gemv_bf16_avx2's
+ * signature). */
+typedef void (*kenspec_gemv)(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
+                             long k, long out);
+
+/* A learned draft head (head.c, engine.draft_head): its products' weights [out, in] in bf16,
+ * its bias and norms' weights in float32, the reduced vocabulary's token ids, the target's
+ * input embedding (bf16 or float32) and the bf16 GEMV its products run through. */
+typedef struct {
+  long hidden, inner, vocab;
+  float eps;
+  const uint16_t *fc;      /* [hidden, 2 hidden] */
+  const float *fc_bias;    /* [hidden] */
+  const float *norm;       /* [hidden] */
+  const uint16_t *gate_up; /* [2 inner, hidden]: gate's rows, then up's */
+  const uint16_t *down;    /* [hidden, inner] */
+  const float *out_norm;   /* [hidden] */
+  const uint16_t *rows;    /* [vocab, hidden]: the target's output rows of `keep` */
+  const int64_t *keep;     /* [vocab] */
+  const void *embed;       /* [embed_rows, hidden] */
+  long embed_rows;
+  int embed_bf16;
+  kenspec_gemv product;
+} kenspec_head;
+
+/* head.c: up to `steps` tokens after `token` from the target's hidden state `feature`
+ * [hidden] (float32), into tokens[] and probs[] (the head's probability of each), stopping at
+ * the first under min_prob; with `alternatives`, the next best first tokens and their
+ * probabilities (-1 and 0 where there are fewer) when the first token passed. Returns the
+ * tokens made, or -1 where it had no memory (or more than 15 alternatives were asked). */
+long kenspec_head_chain(const kenspec_head *head, const float *feature, long token, long steps,
+                        float min_prob, long alternatives, int64_t *tokens, float *probs,
+                        int64_t *alt_tokens, float *alt_probs);
 
 /* norms.c: Gemma 3's norms for the lean forward (bfloat16 rows, float32 arithmetic). */
 void kenspec_gemma_head_norms(uint16_t *qkv, long tokens, long heads, long kv_heads, long dim,

@@ -35,11 +35,25 @@ static const long pass_offsets[] = {
     AT(kenspec_pass, kv_length),  AT(kenspec_pass, scale),      AT(kenspec_pass, bf16_product),
 };
 
+static const long head_offsets[] = {
+    AT(kenspec_head, hidden),  AT(kenspec_head, inner),      AT(kenspec_head, vocab),
+    AT(kenspec_head, eps),     AT(kenspec_head, fc),         AT(kenspec_head, fc_bias),
+    AT(kenspec_head, norm),    AT(kenspec_head, gate_up),    AT(kenspec_head, down),
+    AT(kenspec_head, out_norm), AT(kenspec_head, rows),      AT(kenspec_head, keep),
+    AT(kenspec_head, embed),   AT(kenspec_head, embed_rows), AT(kenspec_head, embed_bf16),
+    AT(kenspec_head, product),
+};
+
+#define COUNT(table) (long)(sizeof table / sizeof *table)
+
 long kenspec_layout(int which, long *offsets, long room) {
-  const long *table = which == 0 ? layer_offsets : pass_offsets;
-  const long count = which == 0 ? (long)(sizeof layer_offsets / sizeof *layer_offsets)
-                                : (long)(sizeof pass_offsets / sizeof *pass_offsets);
+  const long *table = which == 0 ? layer_offsets : which == 1 ? pass_offsets : head_offsets;
+  const long count = which == 0   ? COUNT(layer_offsets)
+                     : which == 1 ? COUNT(pass_offsets)
+                                  : COUNT(head_offsets);
   for (long i = 0; i < count && i < room; i++) offsets[i] = table[i];
   if (room > count) offsets[count] = -1; /* where the members end */
-  return which == 0 ? (long)sizeof(kenspec_layer) : (long)sizeof(kenspec_pass);
+  return which == 0   ? (long)sizeof(kenspec_layer)
+         : which == 1 ? (long)sizeof(kenspec_pass)
+                      : (long)sizeof(kenspec_head);
 }

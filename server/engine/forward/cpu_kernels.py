@@ -76,6 +76,17 @@ class PassArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class HeadArgs(ctypes.Structure):
+    """csrc/kenspec.h's kenspec_head: a learned draft head's weights, vocabulary, the target's
+    input embedding and the bf16 GEMV its products run through (engine.draft_head)."""
+
+    _fields_ = [
+        ("hidden", _L), ("inner", _L), ("vocab", _L), ("eps", _F), ("fc", _P), ("fc_bias", _P),
+        ("norm", _P), ("gate_up", _P), ("down", _P), ("out_norm", _P), ("rows", _P),
+        ("keep", _P), ("embed", _P), ("embed_rows", _L), ("embed_bf16", _I), ("product", _P),
+    ]  # fmt: skip
+
+
 _ATTENTION = [_P] * 2 + [_L] * 4 + [_P] * 3 + [_L, _P, _I, _P, _L, _F]  # kenspec_attention's
 _GROUPED = [_P, _P, _I, _P, _P, _L, _P, _L, _L, _L]  # kenspec_gemv_grouped's
 # name: (result, arguments, the instructions it runs)
@@ -107,6 +118,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
     "kenspec_gemma_head_norms": (None, [_P] + [_L] * 4 + [_P] * 2 + [_F], None),
     "kenspec_gemma_add_norm": (None, [_P] * 5 + [_L] * 2 + [_F], None),
+    "kenspec_head_chain": (_L, [ctypes.POINTER(HeadArgs), _P, _L, _L, _F, _L] + [_P] * 4, None),
 }
 
 
@@ -211,12 +223,16 @@ class CpuKernels:
         """The screened output layer's int8 x int8 product runs here."""
         return Isa.VNNI in self.isa
 
-    def _call(self, name: str, *arguments: object) -> object:
+    def _function(self, name: str) -> Any:
+        """The library's function `name`; KernelUnavailable where it does not run here."""
         needed = _SIGNATURES[name][2]
         if needed is not None and needed not in self.isa:
             lacks = "this CPU lacks" if needed in self.built else "the library was built without"
             raise KernelUnavailable(f"{name} needs {needed}, which {lacks}")
-        return getattr(self.library, name)(*arguments)
+        return getattr(self.library, name)
+
+    def _call(self, name: str, *arguments: object) -> object:
+        return self._function(name)(*arguments)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T for bf16 x [rows, k] and weight [out, k]: bf16 [rows, out], through
@@ -225,6 +241,40 @@ class CpuKernels:
         if not self.bf16 and Isa.AVX2 in self.isa:
             return self.gemv_avx2(x, weight)
         return self._gemv("kenspec_gemv_bf16", x, weight)
+
+    @property
+    def gemv_address(self) -> int:
+        """The address of the bf16 GEMV `gemv` runs here (a C caller's product: HeadArgs)."""
+        name = "kenspec_gemv_bf16_avx2" if not self.bf16 else "kenspec_gemv_bf16"
+        address = ctypes.cast(self._function(name), ctypes.c_void_p).value
+        assert address is not None
+        return address
+
+    def head_chain(
+        self,
+        head: HeadArgs,
+        feature: torch.Tensor,
+        token: int,
+        steps: int,
+        min_prob: float,
+        alternatives: int,
+    ) -> tuple[list[int], list[float], list[tuple[int, float]]]:
+        """A learned draft head's chain (csrc/head.c): up to `steps` tokens after `token` from
+        the float32 hidden state `feature` [hidden], their probabilities, and the next best
+        first tokens with theirs (where the first token passed `min_prob`)."""
+        out = (ctypes.c_int64 * max(steps, 1))()
+        probs = (ctypes.c_float * max(steps, 1))()
+        others = (ctypes.c_int64 * max(alternatives, 1))()
+        other_probs = (ctypes.c_float * max(alternatives, 1))()
+        made = self._call(
+            "kenspec_head_chain", ctypes.byref(head), feature.data_ptr(), token, steps, min_prob,
+            alternatives, out, probs, others, other_probs,
+        )  # fmt: skip
+        assert isinstance(made, int)
+        if made < 0:
+            raise MemoryError("kenspec_head_chain: no memory for its scratch")
+        firsts = [(int(others[j]), float(other_probs[j])) for j in range(alternatives)]
+        return list(out[:made]), list(probs[:made]), [(t, p) for t, p in firsts if t >= 0]
 
     def gemv_amx(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`gemv`'s product through AMX tiles (csrc/gemv_amx.c): its own one order, the
@@ -643,7 +693,7 @@ class LayoutMismatch(RuntimeError):
 def check_layout(library: ctypes.CDLL) -> None:
     """Raise LayoutMismatch unless DecoderLayer and PassArgs have the C structs' sizes and
     member offsets (kenspec_layout)."""
-    for which, mirror in enumerate((DecoderLayer, PassArgs)):
+    for which, mirror in enumerate((DecoderLayer, PassArgs, HeadArgs)):
         room = len(mirror._fields_) + 1
         offsets = (ctypes.c_long * room)()
         size = library.kenspec_layout(which, offsets, room)

@@ -83,6 +83,7 @@ UNITS: tuple[tuple[str, Isa | None], ...] = (
     ("gemv_amx.c", Isa.AMX),
     ("layout.c", None),
     ("norms.c", None),
+    ("head.c", None),
 )
 
 

@@ -13,7 +13,7 @@ import torch
 from kenspec.api.outputs import BreakerState
 from kenspec.server.engine import context_draft, draft_head
 from kenspec.server.engine.breaker import AcceptanceBreaker
-from kenspec.server.engine.draft import Candidates, Chain, DraftSession
+from kenspec.server.engine.draft import UNNAMED, Candidates, Chain, DraftSession
 from kenspec.server.engine.draft_head import (
     HEAD_MANIFEST,
     DraftHead,
@@ -24,8 +24,9 @@ from kenspec.server.engine.draft_head import (
     reduced_vocabulary,
     save_head,
 )
+from kenspec.server.engine.draft_tree import DraftTree
 from kenspec.server.engine.params import SpeculationParams
-from kenspec.server.engine.speculator import Speculator
+from kenspec.server.engine.speculator import REST_AFTER, REST_EVERY, Proposal, Speculator
 from kenspec.server.engine.target import TargetModel
 from tests import tiny
 from tests.server.engine.drafts import generate
@@ -252,6 +253,47 @@ def test_the_kernels_path_computes_what_the_network_does(tiny_target) -> None:
         torch.testing.assert_close(f_fast, f_plain, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("embedding", ["float32", "bfloat16"])
+def test_the_chain_in_c_is_the_kernels_paths_chain(tiny_target, embedding: str) -> None:
+    """csrc/head.c's chain (one call) against the kernels path's steps in Python: each token it
+    drafts is the Python step's best within bf16 rounding, fed the tokens C chose, with the
+    same probability; its gate, length and alternatives as the Python chain's."""
+    from kenspec.server.engine.forward.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None or not kernels.gemv_bf16:
+        pytest.skip("this CPU runs no bf16 GEMV of kenspec's (neither AVX512-BF16 nor AVX2)")
+    plain = _head(tiny_target, vocabulary=128, max_tokens=4)
+    embed = plain._embed.to(getattr(torch, embedding)).contiguous()
+    fast = DraftHead(plain.net, plain.keep, embed, plain._rows, kernels=kernels, max_tokens=4)
+    assert fast.runs_in_c and not plain.runs_in_c
+    stepper = DraftHead(plain.net, plain.keep, embed, plain._rows, kernels=kernels)
+    stepper._c = None  # the same products, step by step in Python
+    ids = plain.keep.tolist()
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        feature = torch.randn(tiny_target.model.config.hidden_size, generator=generator) * 2
+        token = 5 + trial
+        chain = fast.chain(feature, token, k=8, min_prob=0.0, alternatives=2)
+        assert len(chain.tokens) == 4  # max_tokens
+        f = feature[None]
+        for drafted, prob in zip(chain.tokens, chain.probs, strict=True):
+            f, logits = stepper._step(f, token)
+            probs = torch.softmax(logits.float(), dim=-1)
+            assert logits[ids.index(drafted)] >= logits.max() - 0.05
+            assert prob == pytest.approx(float(probs[ids.index(drafted)]), abs=0.02)
+            token = drafted
+        python = stepper.chain(feature, 5 + trial, k=8, min_prob=0.0, alternatives=2)
+        if python.tokens == chain.tokens:  # (a near tie may take another branch)
+            assert [t for t, _ in chain.alternatives] == [t for t, _ in python.alternatives]
+    # The gate: the first token under it ends the chain at once, with no alternatives.
+    feature = torch.randn(tiny_target.model.config.hidden_size, generator=generator)
+    first = fast.chain(feature, 5, k=8, min_prob=0.0)
+    gated = fast.chain(feature, 5, k=8, min_prob=first.probs[0] + 0.01, alternatives=2)
+    assert gated == HeadChain((), (), ())
+    assert fast.chain(feature, 5, k=2, min_prob=0.0).tokens == first.tokens[:2]
+
+
 def test_no_head_chain_after_a_long_match(tiny_target, references) -> None:
     """A context match of HEAD_AFTER_MATCH tokens or more drafts without the head's products."""
     ids, expected = references[tiny.PROMPTS[1]]
@@ -326,3 +368,20 @@ def test_no_state_while_grammar_tokens_are_held_ahead_or_the_breaker_is_open(clo
     speculator.extend([8])
     speculator.observe(torch.zeros(4))
     assert session.observed == 2
+    # A starved request's next round rests (REST_EVERY): no state for a round that drafts none.
+    starved = Session()
+    resting = Speculator(starved, SpeculationParams())
+    cut = Proposal.of(DraftTree.chain((5, 6), (0.5, 0.25), UNNAMED)).cut(0)  # none kept
+    for _ in range(REST_AFTER):
+        resting.record(cut, 0)
+    assert resting.propose(limit=8).rested
+    resting.observe(torch.zeros(4))
+    assert starved.observed == 0
+    resting.record(resting.propose(limit=8), 0)  # one rested round ...
+    resting.observe(torch.zeros(4))
+    assert starved.observed == 0
+    for _ in range(REST_EVERY - 2):  # ... the others, until a round that drafts
+        resting.record(resting.propose(limit=8), 0)
+    assert not resting.propose(limit=8).rested
+    resting.observe(torch.zeros(4))
+    assert starved.observed == 1

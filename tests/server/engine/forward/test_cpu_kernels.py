@@ -11,6 +11,7 @@ import torch
 from kenspec.server.engine.forward import cpu_kernels, kernel_build
 from kenspec.server.engine.forward.cpu_kernels import (
     DecoderLayer,
+    HeadArgs,
     Isa,
     LayoutMismatch,
     PassArgs,
@@ -48,15 +49,15 @@ def test_the_ctypes_structs_match_the_c_declarations() -> None:
 
 
 @needs_library
-@pytest.mark.parametrize("which", ["layer", "pass"])
+@pytest.mark.parametrize("which", ["layer", "pass", "head"])
 def test_a_member_added_on_one_side_only_fails_at_load(
     which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A mirror with one member more, or with two members swapped in type, no longer matches
     kenspec_layout's sizes and offsets: LayoutMismatch, not a shifted pointer at run time."""
     assert KERNELS is not None
-    original = DecoderLayer if which == "layer" else PassArgs
-    name = "DecoderLayer" if which == "layer" else "PassArgs"
+    original = {"layer": DecoderLayer, "pass": PassArgs, "head": HeadArgs}[which]
+    name = original.__name__
     extra = type(
         name, (ctypes.Structure,), {"_fields_": [*original._fields_, ("x", ctypes.c_long)]}
     )
