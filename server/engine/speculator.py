@@ -435,15 +435,17 @@ class Speculator:
     def observe(self, feature: torch.Tensor) -> None:
         """The target's final hidden state [hidden_size] at the row that chose the output's
         last token (after `extend` with the round's tokens); none while the session holds
-        grammar tokens ahead of the output or the acceptance breaker is open. A session that
-        fails on it is given no more (a draft's failure never fails the request; its other
-        sources go on)."""
+        grammar tokens ahead of the output, the acceptance breaker is open or the next round
+        rests. A session that fails on it is given no more (a draft's failure never fails the
+        request; its other sources go on)."""
         if self._session is None or not self._features:
             return
         if self._ahead:  # the session holds grammar tokens the state did not choose
             return
         if self._acceptance is not None and self._acceptance.state is BreakerState.OPEN:
             return  # no drafts until it half-opens: nothing to draft for
+        if self._rests:
+            return  # the next round rests (REST_EVERY): its proposal drafts nothing
         try:
             self._session.observe(feature)
         except Exception:
