@@ -222,10 +222,12 @@ static void widen_all(const uint16_t *x, float *y, long n) {
   for (long i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, widen8(x + i));
 }
 
-/* Queries of one cache row a work item takes at most, and the work below which a layer's
- * attention runs on one thread: layer.c's. */
+/* Queries of one cache row a work item takes at most (layer.c's), and the work below which a
+ * layer's attention runs on one thread: a quarter of layer.c's. One-token items split by query
+ * head (below) keep both threads busy from a short cache on: SmolLM2's attention of one token
+ * over 200 keys took 20.6-23.6 us a layer against 24.5-27.7 on one thread (2-core EPYC). */
 #define QUERY_CHUNK 4
-#define PARALLEL_WORK (1L << 17)
+#define PARALLEL_WORK (1L << 15)
 
 /* layer.c's kenspec_attention (the same arguments and work items): out [tokens, heads * dim]
  * = attention of each token's query heads over the first kv_length keys and values of its
@@ -243,7 +245,12 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
     if (t == 0 || cache_rows[t] != cache_rows[t - 1] || t - firsts[chunks - 1] == QUERY_CHUNK)
       firsts[chunks++] = t;
   firsts[chunks] = tokens;
-  const long items = chunks * kv_heads;
+  /* A pass of one-token chunks (decoding steps) splits its work by query head, not by kv head:
+   * a kv head's query heads read the same keys, but one model's few kv heads (SmolLM2: 3) over
+   * two threads leave one idle a third of the time. Each head's scores and values are the same
+   * arithmetic either way (score_group and value_heads take each head on its own). */
+  const int by_head = chunks == tokens;
+  const long items = chunks * (by_head ? heads : kv_heads);
   int failed = 0;
 #pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > PARALLEL_WORK) \
     reduction(| : failed)
@@ -255,12 +262,24 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
      * for all its queries, which then read them as they are: each of a 4-token item's 12
      * query heads widened them itself, half of a wide pass's attention. Exact: the same
      * products and sums. A one-token item (a decoding step's) reads the bf16 cache. */
-    float *widened = tokens > 1 ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
-    const int ready = scores && query && outs && (tokens == 1 || widened);
+    float *widened = !by_head ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
+    const int ready = scores && query && outs && (by_head || widened);
     if (!ready) failed = 1;
 #pragma omp for schedule(dynamic, 1)
     for (long item = 0; item < items; item++) {
       if (!ready) continue;
+      if (by_head) { /* one token's query head h, of kv head h / group */
+        const long t = item / heads, h = item % heads, g = h / group;
+        const long cache_at = (cache_rows[t] * kv_heads + g) * capacity * dim;
+        const uint16_t *q = qkv + t * width + h * dim;
+        for (long e = 0; e < dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
+        const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
+        score_group(query, keys + cache_at, NULL, 1, row_mask, mask_bf16, kv_length, dim, scale,
+                    scores, stride);
+        outs[0] = out + t * heads * dim + h * dim;
+        value_heads(scores, stride, 1, dim, values + cache_at, NULL, kv_length, outs);
+        continue;
+      }
       const long chunk = item / kv_heads, g = item % kv_heads;
       const long first = firsts[chunk], count = firsts[chunk + 1] - first;
       const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
