@@ -98,6 +98,73 @@ class _Layer:
         return self.head_norms is None and self.window is None and self.softcap is None
 
 
+# Rope types whose inverse frequencies do not depend on the sequence (transformers' "dynamic"
+# and "longrope" rescale them past a length): their cos and sin are a function of the position.
+STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+ROTARY_BLOCK = 64  # positions RotaryTable computes in one call of the model's module
+ROTARY_TABLE_TOKENS = 512  # passes of more tokens call the module (see RotaryTable)
+
+
+class RotaryTable:
+    """Rotary's cos and sin by position, computed by the model's own module in blocks of
+    ROTARY_BLOCK positions as passes reach them, and looked up: the module's call (transformers'
+    rope wrapper and ~6 torch operations) was ~2% of a decoding step. The same values: each is
+    an elementwise function of its position (the position times an inverse frequency, its cos
+    or sin, times the attention scaling, rounded once to the hidden states' dtype), computed
+    by the same vectorized loops in a block as in a pass of up to ROTARY_TABLE_TOKENS tokens
+    (below torch's parallel grain: one loop, no scalar tail, a head's 64 or 128 values at a
+    time); a wider pass, a position past the model's maximum or a rope type outside STATIC_ROPE
+    calls the module. Checked value for value against the module (test_lean.py)."""
+
+    def __init__(self, rotary: nn.Module, max_positions: int) -> None:
+        self._rotary = rotary
+        self._limit = max_positions
+        self._cos: torch.Tensor | None = None  # [positions computed, dim]
+        self._sin: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rotary: nn.Module, config: PretrainedConfig) -> RotaryTable | None:
+        """A table for the model's rotary module, or None where it is not one (a rope type
+        that rescales with the length, a module taking a layer type)."""
+        kind = getattr(rotary, "rope_type", None)  # (Gemma 3's: one per layer type)
+        if not isinstance(kind, str) or kind not in STATIC_ROPE:
+            return None
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        return cls(rotary, limit) if limit > 0 else None
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's (cos, sin) [1, tokens, dim] for x [1, tokens, hidden] at position_ids
+        [1, tokens]."""
+        tokens = position_ids.shape[-1]
+        top = int(position_ids.max()) if tokens else 0
+        if tokens > ROTARY_TABLE_TOKENS or top >= self._limit or position_ids.shape[0] != 1:
+            cos, sin = self._rotary(x, position_ids)
+            return cos, sin
+        if self._cos is None or self._cos.dtype != x.dtype or top >= self._cos.shape[0]:
+            self._grow(x, top + 1)
+        assert self._cos is not None and self._sin is not None
+        ids = position_ids[0]
+        return self._cos[ids][None], self._sin[ids][None]
+
+    def _grow(self, x: torch.Tensor, needed: int) -> None:
+        """Blocks up to `needed` positions (all anew where x's dtype is another)."""
+        kept = self._cos is not None and self._sin is not None and self._cos.dtype == x.dtype
+        cosines = [self._cos] if kept and self._cos is not None else []
+        sines = [self._sin] if kept and self._sin is not None else []
+        have = cosines[0].shape[0] if cosines else 0
+        end = min(-(-needed // ROTARY_BLOCK) * ROTARY_BLOCK, self._limit)
+        probe = x[:, :1]
+        for start in range(have, end, ROTARY_BLOCK):
+            stop = min(start + ROTARY_BLOCK, end)
+            positions = torch.arange(start, stop, device=x.device)[None]
+            cos, sin = self._rotary(probe.expand(1, stop - start, -1), positions)
+            cosines.append(cos[0])
+            sines.append(sin[0])
+        self._cos, self._sin = torch.cat(cosines), torch.cat(sines)
+
+
 class LeanWeights:
     """A Llama-family model's decoder as products (q/k/v and gate/up each joined into one;
     the model's layers become views of them) and the modules the loop calls."""
@@ -107,6 +174,7 @@ class LeanWeights:
         inner = model.base_model
         self.embed: nn.Module = inner.get_submodule("embed_tokens")  # (Gemma's: scaled)
         self.rotary: nn.Module = inner.get_submodule("rotary_emb")
+        self.rotary_table = RotaryTable.of(self.rotary, model.config)
         self.norm: nn.Module = inner.get_submodule("norm")
         shape = attention_shape(model)
         decoder = inner.get_submodule("layers")
@@ -328,7 +396,8 @@ class LeanDecoder:
         the attention packed_attention chooses) and SiLU(gate) * up."""
         w = self.weights
         hidden = w.embed(input_ids)[0].contiguous()  # [tokens, hidden], updated in place
-        cos, sin = w.rotary(hidden[None], position_ids)
+        rotary = w.rotary_table if w.rotary_table is not None else w.rotary
+        cos, sin = rotary(hidden[None], position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
         tokens = hidden.shape[0]
         normed = torch.empty_like(hidden)

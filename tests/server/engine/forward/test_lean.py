@@ -368,3 +368,43 @@ def test_a_cpu_whose_onednn_packs_no_bf16_is_never_planned_packed(
     assert candidates(bf16, KERNELS) == (STOCK,) + ((GEMV_,) if GEMV else ())
     monkeypatch.setattr(products, "onednn_packs", lambda dtype: True)
     assert PACKED in candidates(bf16, KERNELS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_rotary_table_is_the_models_own_rotary(dtype: torch.dtype, head_dim: int) -> None:
+    """RotaryTable's cos and sin, value for value, against the model's module: positions in any
+    order and count, past a block's end, after the table grew, at the model's last position."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kenspec.server.engine.forward.lean import ROTARY_TABLE_TOKENS, RotaryTable
+
+    config = LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=1000,
+        rope_theta=10000.0,
+    )  # fmt: skip
+    module = LlamaRotaryEmbedding(config)
+    table = RotaryTable.of(module, config)
+    assert table is not None
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.zeros(1, ROTARY_TABLE_TOKENS, config.hidden_size, dtype=dtype)
+    cases = [[0], [5, 6, 7], [63, 64], [999], list(range(200, 217)), list(range(488, 1000))]
+    cases += [torch.randint(0, 1000, (n,), generator=generator).tolist() for n in (1, 9, 300)]
+    for positions in cases:
+        ids = torch.tensor([positions])
+        x = hidden[:, : len(positions)]
+        for got, want in zip(table(x, ids), module(x, ids), strict=True):
+            assert got.dtype == want.dtype == dtype
+            assert torch.equal(got, want), positions
+
+
+def test_a_rope_that_rescales_with_the_length_has_no_table() -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kenspec.server.engine.forward.lean import RotaryTable
+
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dynamic)
+    assert RotaryTable.of(LlamaRotaryEmbedding(config), config) is None
