@@ -52,6 +52,8 @@ class _PackedForward:
 
     def __init__(self, model: PreTrainedModel, plan: ExecutionPlan, head: Head, max_context: int):
         self._model = model
+        # (transformers' dtype and device properties walk the parameters: read once)
+        self._dtype, self._device = model.dtype, model.device
         self._plan = plan
         self._head = head
         self._max_context = max_context
@@ -113,8 +115,8 @@ class _PackedForward:
         packed = pack(
             lengths,
             token_rows,
-            self._model.dtype,
-            self._model.device,
+            self._dtype,
+            self._device,
             pad_to=min_tokens,
             parents=parents,
             kernels=self.plan.attention,

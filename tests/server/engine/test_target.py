@@ -155,3 +155,33 @@ def test_lazy_transposed_head_only_in_float32(
     logits = bf16.forward(bf16.new_cache(), VerifyPass.sequences([0], [ids]))[0]
     assert len(logits.computed(len(ids))) == len(ids)  # every row computed, by the model
     assert logits[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [0, 1, 37])
+def test_a_one_token_pass_is_packed_as_every_pass_is(dtype: torch.dtype, length: int) -> None:
+    """A decoding step's pass, built directly (packed_pass._one_token), holds what the general
+    packing gives it: every tensor, value for value, dtype and shape."""
+    from kenspec.server.engine import packed_pass
+    from kenspec.server.engine.kernels import Kernels
+
+    cpu, kernels = torch.device("cpu"), Kernels()
+    direct = pack([length], [[7]], dtype, cpu, kernels=kernels)
+    general = packed_pass._rows([length], [[7]], dtype, cpu, 0, None, kernels)
+    assert direct.starts == general.starts and direct.kv_length == general.kv_length
+    assert direct.cache_positions is None and general.cache_positions is None
+    pairs = [
+        (direct.input_ids, general.input_ids), (direct.positions, general.positions),
+        (direct.token_rows, general.token_rows),
+        (direct.packing.slots, general.packing.slots),
+        (direct.packing.tokens, general.packing.tokens),
+        (direct.packing.mask, general.packing.mask),
+        (direct.packing.grid, general.packing.grid),
+    ]  # fmt: skip
+    for mine, theirs in pairs:
+        assert mine is not None and theirs is not None
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        assert mine.is_contiguous() == theirs.is_contiguous()
+        assert torch.equal(mine, theirs)
+    assert direct.packing.trees == general.packing.trees == ()
+    assert direct.packing.reordered == general.packing.reordered == ()
