@@ -95,6 +95,18 @@ class SlotCache:
             self._positions.contiguous(),
         )
 
+    def kernel_layers(
+        self, count: int, like: torch.Tensor
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """`layer_for_kernel` for layers 0 .. count - 1 at once: each layer's whole keys and
+        values, and the new tokens' rows and positions (the same for every layer)."""
+        if self._positions is None or self._batch_index is None:
+            raise RuntimeError("SlotCache.bind() must be called before a forward pass")
+        while len(self._keys) < count:
+            self._allocate_layer(like, like)
+        layers = list(zip(self._keys[:count], self._values[:count], strict=True))
+        return layers, self._batch_index.contiguous(), self._positions.contiguous()
+
     def bound_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bound rows' keys and values of a layer, as `update` returns them."""
         span = slice(self._first, self._stop)

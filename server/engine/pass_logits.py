@@ -198,6 +198,9 @@ def lazy_logits(
     """Per span [begin, end) of hidden [positions, hidden_size], its rows on access; every
     span's row 0 now, in one product (every sequence reads one). A pass of at most
     `head.together` rows has them all computed now, in that one product."""
+    if len(spans) == 1 and spans[0][1] - spans[0][0] <= head.together:  # (a slice: no gather)
+        begin, end = spans[0]
+        return [Logits.ahead(head.rows(hidden[begin:end]))]
     if sum(end - begin for begin, end in spans) <= head.together:
         rows = head.rows(hidden[[i for begin, end in spans for i in range(begin, end)]])
         return [Logits.ahead(block) for block in rows.split([end - b for b, end in spans])]

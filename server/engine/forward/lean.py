@@ -189,11 +189,12 @@ class LeanWeights:
         self.quantized = quantized_kind(self.products)
         # Gemma's layers: norms of the attention's and the MLP's outputs too
         self.gemma = any(layer.out_norms is not None for layer in self.layers)
+        self._plain = all(layer.plain for layer in self.layers)  # (asked every pass)
 
     @property
     def plain(self) -> bool:
         """Whether csrc/step.c's whole pass computes every layer (see _Layer.plain)."""
-        return all(layer.plain for layer in self.layers)
+        return self._plain
 
     def fusable(self, model: PreTrainedModel) -> bool:
         """Whether the layer kernels compute what this model's modules do: bfloat16
@@ -558,10 +559,10 @@ class LeanDecoder:
         tokens = hidden.shape[0]
         heads, kv_heads, dim = w.layers[0].heads
         like = hidden.new_empty(1, kv_heads, 1, dim)
-        rows = positions = keys = torch.empty(0)
-        for index in range(len(w.layers)):
-            keys, values, rows, positions = cache.layer_for_kernel(index, like)
-            layers[index].keys, layers[index].values = keys.data_ptr(), values.data_ptr()
+        caches, rows, positions = cache.kernel_layers(len(w.layers), like)
+        for described, (keys, values) in zip(layers, caches, strict=True):
+            described.keys, described.values = keys.data_ptr(), values.data_ptr()
+        keys = caches[0][0]
         arguments = PassArgs(
             layers=layers, count=len(w.layers), final_norm=w.norm_weights[-1].data_ptr(),
             hidden=hidden.data_ptr(), normed=normed.data_ptr(), tokens=tokens,
