@@ -135,8 +135,9 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
 void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long width, int32_t *ids,
                             float *probs);
 int kenspec_decoder_pass_avx2(const kenspec_pass *pass);
-/* layout.c: which = 0 (kenspec_layer), 1 (kenspec_pass) or 2 (kenspec_head); writes each member's offset, in
- * declaration order, into offsets (at most room of them); returns the struct's size. */
+/* layout.c: which = 0 (kenspec_layer), 1 (kenspec_pass) or 2 (kenspec_head); writes each
+ * member's offset, in declaration order, into offsets (at most room of them); returns the
+ * struct's size. */
 long kenspec_layout(int which, long *offsets, long room);
 
 /* A bf16 product without a result (kenspec_gemv_bf16's and kenspec_gemv_bf16_avx2's

@@ -268,20 +268,13 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
 #pragma omp for schedule(dynamic, 1)
     for (long item = 0; item < items; item++) {
       if (!ready) continue;
-      if (by_head) { /* one token's query head h, of kv head h / group */
-        const long t = item / heads, h = item % heads, g = h / group;
-        const long cache_at = (cache_rows[t] * kv_heads + g) * capacity * dim;
-        const uint16_t *q = qkv + t * width + h * dim;
-        for (long e = 0; e < dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
-        const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
-        score_group(query, keys + cache_at, NULL, 1, row_mask, mask_bf16, kv_length, dim, scale,
-                    scores, stride);
-        outs[0] = out + t * heads * dim + h * dim;
-        value_heads(scores, stride, 1, dim, values + cache_at, NULL, kv_length, outs);
-        continue;
-      }
-      const long chunk = item / kv_heads, g = item % kv_heads;
+      /* The item's tokens [first, first + count) of one chunk and its query heads [h0, h0 + n)
+       * of kv head g: one token's head h0 where by_head (each chunk one token), else all of
+       * g's heads. */
+      const long chunk = item / (by_head ? heads : kv_heads);
       const long first = firsts[chunk], count = firsts[chunk + 1] - first;
+      const long h0 = by_head ? item % heads : item % kv_heads * group;
+      const long n = by_head ? 1 : group, g = h0 / group;
       const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
       const float *kf = NULL, *vf = NULL;
       if (count > 1) {
@@ -292,14 +285,14 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
       }
       for (long i = 0; i < count; i++) {
         const long t = first + i;
-        const uint16_t *q = qkv + t * width + g * group * dim;
-        for (long e = 0; e < group * dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
+        const uint16_t *q = qkv + t * width + h0 * dim;
+        for (long e = 0; e < n * dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
         const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
-        score_group(query, keys + cache_at, kf, group, row_mask, mask_bf16, kv_length, dim,
-                    scale, scores + i * group * stride, stride);
-        for (long h = 0; h < group; h++) outs[i * group + h] = out + t * heads * dim + (g * group + h) * dim;
+        score_group(query, keys + cache_at, kf, n, row_mask, mask_bf16, kv_length, dim, scale,
+                    scores + i * n * stride, stride);
+        for (long h = 0; h < n; h++) outs[i * n + h] = out + t * heads * dim + (h0 + h) * dim;
       }
-      value_heads(scores, stride, count * group, dim, values + cache_at, vf, kv_length, outs);
+      value_heads(scores, stride, count * n, dim, values + cache_at, vf, kv_length, outs);
     }
     free(widened);
     free(scores);
