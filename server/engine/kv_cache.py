@@ -84,28 +84,27 @@ class SlotCache:
         the layer's whole keys and values [rows, kv_heads, capacity, head_dim] (allocated as
         `update` would for states shaped like `like`, [1, kv_heads, tokens, head_dim]), and
         each new token's row and position (int64, contiguous)."""
-        if self._positions is None or self._batch_index is None:
-            raise RuntimeError("SlotCache.bind() must be called before a forward pass")
+        rows, positions = self._new_tokens()
         if layer_idx == len(self._keys):
             self._allocate_layer(like, like)
-        return (
-            self._keys[layer_idx],
-            self._values[layer_idx],
-            self._batch_index.contiguous(),
-            self._positions.contiguous(),
-        )
+        return self._keys[layer_idx], self._values[layer_idx], rows, positions
 
     def kernel_layers(
         self, count: int, like: torch.Tensor
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
         """`layer_for_kernel` for layers 0 .. count - 1 at once: each layer's whole keys and
         values, and the new tokens' rows and positions (the same for every layer)."""
-        if self._positions is None or self._batch_index is None:
-            raise RuntimeError("SlotCache.bind() must be called before a forward pass")
+        rows, positions = self._new_tokens()
         while len(self._keys) < count:
             self._allocate_layer(like, like)
         layers = list(zip(self._keys[:count], self._values[:count], strict=True))
-        return layers, self._batch_index.contiguous(), self._positions.contiguous()
+        return layers, rows, positions
+
+    def _new_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound pass's new tokens' rows and positions (int64, contiguous)."""
+        if self._positions is None or self._batch_index is None:
+            raise RuntimeError("SlotCache.bind() must be called before a forward pass")
+        return self._batch_index.contiguous(), self._positions.contiguous()
 
     def bound_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bound rows' keys and values of a layer, as `update` returns them."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -198,17 +199,22 @@ def lazy_logits(
     """Per span [begin, end) of hidden [positions, hidden_size], its rows on access; every
     span's row 0 now, in one product (every sequence reads one). A pass of at most
     `head.together` rows has them all computed now, in that one product."""
-    if len(spans) == 1 and spans[0][1] - spans[0][0] <= head.together:  # (a slice: no gather)
-        begin, end = spans[0]
-        return [Logits.ahead(head.rows(hidden[begin:end]))]
     if sum(end - begin for begin, end in spans) <= head.together:
-        rows = head.rows(hidden[[i for begin, end in spans for i in range(begin, end)]])
+        rows = head.rows(_rows_of(hidden, spans))
         return [Logits.ahead(block) for block in rows.split([end - b for b, end in spans])]
     firsts = head.rows(hidden[[begin for begin, _ in spans]])  # [spans, vocab]
     return [
         Logits(end - begin, hidden=hidden[begin:end], head=head, first=firsts[i])
         for i, (begin, end) in enumerate(spans)
     ]
+
+
+def _rows_of(hidden: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """hidden's rows of the spans, in order: a slice where each span ends where the next
+    begins (a one-row pass's: no gather), else gathered."""
+    if spans and all(end == following for (_, end), (following, _) in pairwise(spans)):
+        return hidden[spans[0][0] : spans[-1][1]]
+    return hidden[[i for begin, end in spans for i in range(begin, end)]]
 
 
 def computed_logits(

@@ -150,9 +150,10 @@ class RotaryTable:
 
     def _grow(self, x: torch.Tensor, needed: int) -> None:
         """Blocks up to `needed` positions (all anew where x's dtype is another)."""
-        kept = self._cos is not None and self._sin is not None and self._cos.dtype == x.dtype
-        cosines = [self._cos] if kept and self._cos is not None else []
-        sines = [self._sin] if kept and self._sin is not None else []
+        cosines: list[torch.Tensor] = []
+        sines: list[torch.Tensor] = []
+        if self._cos is not None and self._sin is not None and self._cos.dtype == x.dtype:
+            cosines, sines = [self._cos], [self._sin]
         have = cosines[0].shape[0] if cosines else 0
         end = min(-(-needed // ROTARY_BLOCK) * ROTARY_BLOCK, self._limit)
         probe = x[:, :1]
