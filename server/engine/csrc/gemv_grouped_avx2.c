@@ -75,10 +75,7 @@ static inline __attribute__((always_inline)) __m256 factors(const void *p, long 
  * int8 weights (t a power of two: quantize_group) or int8 for 4-bit ones (t = the group's
  * largest |x| / 127: quantize_group8); t NaN where the group holds an infinity or a NaN, so
  * that each of the row's outputs is NaN; and the x the offsets' share reads (xg). */
-typedef struct {
-  void *p;
-  float *t, *xg;
-} activations;
+typedef kenspec_activations activations;
 
 /* A group's n (16 or 32) x's at x as float32 into v, and the bits of its largest |x| (as
  * integers they order as the floats do; an infinity or a NaN above every finite). */
@@ -314,8 +311,8 @@ static inline __attribute__((always_inline)) void block(
   store_rows(y, sums, out, b, r0, rb);
 }
 
-#define BLOCK(rb) block(&a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
-#define BLOCK8(rb) block8(&a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
+#define BLOCK(rb) block(a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
+#define BLOCK8(rb) block8(a, q, scales, mins, y, k, out, b, r0, group, rb, offsets, half)
 #define ROWS(BLOCK)                                                 \
   for (long b = first; b < last; b++)                               \
     for (long r0 = 0; r0 < rows; r0 += ROW_BLOCK) {                 \
@@ -327,19 +324,42 @@ static inline __attribute__((always_inline)) void block(
       }                                                             \
     }
 
+/* Blocks [first, last) of the product for every row, x as `a` holds it. */
+static void blocks(const activations *a, const uint8_t *q, const void *scales, const void *mins,
+                   uint16_t *y, long rows, long k, long out, long group, long first, long last,
+                   int bits, int half) {
+  const int offsets = mins != NULL;
+  if (bits == 4) { /* 4-bit weights take 8-bit x */
+    ROWS(BLOCK8)
+  } else {
+    ROWS(BLOCK)
+  }
+}
+
+/* Group rg of the pass's x into a's entry rg, as the weights' bits ask. */
+static inline void quantize(const uint16_t *x, long group, int bits, activations *a, long rg) {
+  if (bits == 4)
+    quantize_group8(x + rg * group, group, a, rg);
+  else
+    quantize_group(x + rg * group, group, a, rg);
+}
+
+static int takes(long group, long k, int bits) {
+  return (group == 16 || group == 32) && k % group == 0 && (bits == 4 || bits == 8);
+}
+
 /* kenspec_gemv_grouped's product (same arguments, tiles and results: 0, -1 for arguments it
  * does not take, -2 where memory ran out), in this file's one order; scales and mins float16
  * where `half`, else float32. */
 int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
                               const void *scales, const void *mins, long group, uint16_t *y,
                               long rows, long k, long out, int half) {
-  if ((group != 16 && group != 32) || k % group || (bits != 4 && bits != 8)) return -1;
+  if (!takes(group, k, bits)) return -1;
   const uint8_t *q = (const uint8_t *)weights;
   const long count = k / group;
-  const long blocks = (out + TILE - 1) / TILE;
-  const int offsets = mins != NULL, eight = bits == 4; /* 4-bit weights take 8-bit x */
+  const long tiles = (out + TILE - 1) / TILE;
   activations a;
-  a.p = malloc((eight ? 1 : sizeof(int16_t)) * (size_t)(rows * k));
+  a.p = malloc((bits == 4 ? 1 : sizeof(int16_t)) * (size_t)(rows * k));
   a.t = malloc(sizeof(float) * (size_t)(rows * count));
   a.xg = malloc(sizeof(float) * (size_t)(rows * count));
   if (a.p == NULL || a.t == NULL || a.xg == NULL) {
@@ -351,22 +371,40 @@ int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *weights, int bits,
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (long rg = 0; rg < rows * count; rg++) {
-      if (eight)
-        quantize_group8(x + rg * group, group, &a, rg);
-      else
-        quantize_group(x + rg * group, group, &a, rg);
-    }
+    for (long rg = 0; rg < rows * count; rg++) quantize(x, group, bits, &a, rg);
     long first, last; /* (after the loop's barrier: every row's x is written) */
-    thread_share(blocks, 1, &first, &last);
-    if (eight) {
-      ROWS(BLOCK8)
-    } else {
-      ROWS(BLOCK)
-    }
+    thread_share(tiles, 1, &first, &last);
+    blocks(&a, q, scales, mins, y, rows, k, out, group, first, last, bits, half);
   }
   free(a.p);
   free(a.t);
   free(a.xg);
+  return 0;
+}
+
+/* The bytes of a kenspec_activations' p for `rows` rows of k inputs (int16 each, enough for
+ * either kind of weights), and in *factors the floats of each of t and xg (groups of 16 or
+ * more). */
+long kenspec_grouped_room(long rows, long k, long *factors) {
+  *factors = rows * (k / 16);
+  return (long)sizeof(int16_t) * rows * k;
+}
+
+/* A thread of a parallel region: every row's x into its own `a` (each thread the same
+ * numbers: the product's x as kenspec_gemv_grouped_avx2 reads it), then its share of the
+ * blocks, as kenspec_gemv_grouped_avx2 splits them: the same outputs, bit for bit. Without
+ * the fork, the join and the barrier after the x of each product: a decoder pass's team
+ * (layer_avx2.c) waits once a product. 0, or -1 for arguments it does not take. */
+int kenspec_gemv_grouped_avx2_share(const uint16_t *x, const void *weights, int bits,
+                                    const void *scales, const void *mins, long group,
+                                    uint16_t *y, long rows, long k, long out, int half,
+                                    const kenspec_activations *a) {
+  if (!takes(group, k, bits)) return -1;
+  activations mine = *a;
+  for (long rg = 0; rg < rows * (k / group); rg++) quantize(x, group, bits, &mine, rg);
+  long first, last;
+  thread_share((out + TILE - 1) / TILE, 1, &first, &last);
+  blocks(&mine, (const uint8_t *)weights, scales, mins, y, rows, k, out, group, first, last,
+         bits, half);
   return 0;
 }

@@ -93,6 +93,18 @@ int kenspec_gemv_grouped(const uint16_t *x, const void *q, int bits, const float
 int kenspec_gemv_grouped_avx2(const uint16_t *x, const void *q, int bits, const void *scales,
                               const void *mins, long group, uint16_t *y, long rows, long k,
                               long out, int half);
+/* ... and a thread's part of it inside a parallel region (a decoder pass's team): x as the
+ * products read it, per row and group, into the thread's own `a` (kenspec_grouped_room says
+ * how large), then its share of the outputs; no barrier (the caller's) */
+typedef struct {
+  void *p;          /* x per row and group as integers (int8, or int16 for 8-bit weights) */
+  float *t, *xg;    /* each group's factor and the x its offsets read */
+} kenspec_activations;
+long kenspec_grouped_room(long rows, long k, long *factors);
+int kenspec_gemv_grouped_avx2_share(const uint16_t *x, const void *q, int bits,
+                                    const void *scales, const void *mins, long group,
+                                    uint16_t *y, long rows, long k, long out, int half,
+                                    const kenspec_activations *a);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

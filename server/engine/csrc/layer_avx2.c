@@ -229,6 +229,102 @@ static void widen_all(const uint16_t *x, float *y, long n) {
 #define QUERY_CHUNK 4
 #define PARALLEL_WORK (1L << 15)
 
+/* A pass's attention work (the same for each of its layers): each chunk's first token and
+ * the end (firsts [chunks + 1]), and the items, by query head where every chunk is one token
+ * (decoding steps: a kv head's query heads read the same keys, but one model's few kv heads,
+ * SmolLM2's 3, over two threads leave one idle a third of the time; each head's scores and
+ * values are the same arithmetic either way: score_group and value_heads take each head on its
+ * own), else by kv head. */
+typedef struct {
+  long *firsts;
+  long chunks, items;
+  int by_head;
+} attention_work;
+
+/* A thread's room for attention's items: scores, the query widened, the outputs' places, and
+ * (multi-token items) the keys and values widened. */
+typedef struct {
+  float *scores, *query, *widened;
+  uint16_t **outs;
+} attention_room;
+
+/* The work of a pass of `tokens` (cache_rows: each token's), firsts malloc'ed (NULL: no
+ * memory). */
+static attention_work attention_items(const int64_t *cache_rows, long tokens, long heads,
+                                      long kv_heads) {
+  attention_work w = {malloc(sizeof(long) * (tokens + 1)), 0, 0, 0};
+  if (!w.firsts) return w;
+  for (long t = 0; t < tokens; t++)
+    if (t == 0 || cache_rows[t] != cache_rows[t - 1] || t - w.firsts[w.chunks - 1] == QUERY_CHUNK)
+      w.firsts[w.chunks++] = t;
+  w.firsts[w.chunks] = tokens;
+  w.by_head = w.chunks == tokens;
+  w.items = w.chunks * (w.by_head ? heads : kv_heads);
+  return w;
+}
+
+/* A thread's room (see attention_room); 0 where memory ran out (the room then freed). An item
+ * of several tokens (a verify pass's) widens its keys and values to float32 once for all its
+ * queries, which then read them as they are: each of a 4-token item's 12 query heads widened
+ * them itself, half of a wide pass's attention. Exact: the same products and sums. A one-token
+ * item (a decoding step's) reads the bf16 cache. */
+static int attention_room_of(attention_room *r, const attention_work *w, long heads,
+                             long kv_heads, long dim, long kv_length) {
+  const long group = heads / kv_heads, stride = kv_length + 16;
+  r->scores = malloc(sizeof(float) * stride * group * QUERY_CHUNK);
+  r->query = malloc(sizeof(float) * group * dim);
+  r->outs = malloc(sizeof(uint16_t *) * group * QUERY_CHUNK);
+  r->widened = !w->by_head ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
+  if (r->scores && r->query && r->outs && (w->by_head || r->widened)) return 1;
+  free(r->scores);
+  free(r->query);
+  free(r->outs);
+  free(r->widened);
+  r->scores = r->query = r->widened = NULL;
+  r->outs = NULL;
+  return 0;
+}
+
+static void attention_room_free(attention_room *r) {
+  free(r->scores);
+  free(r->query);
+  free(r->outs);
+  free(r->widened);
+}
+
+/* Work item `item` of w: its tokens [first, first + count) of one chunk and its query heads
+ * [h0, h0 + n) of kv head g (one token's head h0 where by_head, else all of g's heads). */
+static void attention_item(const attention_work *w, long item, const attention_room *r,
+                           const uint16_t *qkv, uint16_t *out, long heads, long kv_heads,
+                           long dim, const uint16_t *keys, const uint16_t *values,
+                           const int64_t *cache_rows, long capacity, const void *mask,
+                           int mask_bf16, const int64_t *mask_rows, long kv_length, float scale) {
+  const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+  const long stride = kv_length + 16;
+  const long chunk = item / (w->by_head ? heads : kv_heads);
+  const long first = w->firsts[chunk], count = w->firsts[chunk + 1] - first;
+  const long h0 = w->by_head ? item % heads : item % kv_heads * group;
+  const long n = w->by_head ? 1 : group, g = h0 / group;
+  const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
+  const float *kf = NULL, *vf = NULL;
+  if (count > 1) {
+    widen_all(keys + cache_at, r->widened, kv_length * dim);
+    widen_all(values + cache_at, r->widened + kv_length * dim, kv_length * dim);
+    kf = r->widened;
+    vf = r->widened + kv_length * dim;
+  }
+  for (long i = 0; i < count; i++) {
+    const long t = first + i;
+    const uint16_t *q = qkv + t * width + h0 * dim;
+    for (long e = 0; e < n * dim; e += 8) _mm256_storeu_ps(r->query + e, widen8(q + e));
+    const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
+    score_group(r->query, keys + cache_at, kf, n, row_mask, mask_bf16, kv_length, dim, scale,
+                r->scores + i * n * stride, stride);
+    for (long h = 0; h < n; h++) r->outs[i * n + h] = out + t * heads * dim + (h0 + h) * dim;
+  }
+  value_heads(r->scores, stride, count * n, dim, values + cache_at, vf, kv_length, r->outs);
+}
+
 /* layer.c's kenspec_attention (the same arguments and work items): out [tokens, heads * dim]
  * = attention of each token's query heads over the first kv_length keys and values of its
  * cache row. Returns 0, or 1 without memory. */
@@ -236,70 +332,22 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
                            long kv_heads, long dim, const uint16_t *keys, const uint16_t *values,
                            const int64_t *cache_rows, long capacity, const void *mask,
                            int mask_bf16, const int64_t *mask_rows, long kv_length, float scale) {
-  const long width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-  const long stride = kv_length + 16;
-  long *firsts = malloc(sizeof(long) * (tokens + 1)); /* each chunk's first token, and the end */
-  if (!firsts) return 1;
-  long chunks = 0;
-  for (long t = 0; t < tokens; t++)
-    if (t == 0 || cache_rows[t] != cache_rows[t - 1] || t - firsts[chunks - 1] == QUERY_CHUNK)
-      firsts[chunks++] = t;
-  firsts[chunks] = tokens;
-  /* A pass of one-token chunks (decoding steps) splits its work by query head, not by kv head:
-   * a kv head's query heads read the same keys, but one model's few kv heads (SmolLM2: 3) over
-   * two threads leave one idle a third of the time. Each head's scores and values are the same
-   * arithmetic either way (score_group and value_heads take each head on its own). */
-  const int by_head = chunks == tokens;
-  const long items = chunks * (by_head ? heads : kv_heads);
+  const attention_work w = attention_items(cache_rows, tokens, heads, kv_heads);
+  if (!w.firsts) return 1;
   int failed = 0;
-#pragma omp parallel if (tokens * kv_heads * kv_length * group * dim > PARALLEL_WORK) \
-    reduction(| : failed)
+#pragma omp parallel if (tokens * heads * kv_length * dim > PARALLEL_WORK) reduction(| : failed)
   {
-    float *scores = malloc(sizeof(float) * stride * group * QUERY_CHUNK);
-    float *query = malloc(sizeof(float) * group * dim);
-    uint16_t **outs = malloc(sizeof(uint16_t *) * group * QUERY_CHUNK);
-    /* An item of several tokens (a verify pass's) widens its keys and values to float32 once
-     * for all its queries, which then read them as they are: each of a 4-token item's 12
-     * query heads widened them itself, half of a wide pass's attention. Exact: the same
-     * products and sums. A one-token item (a decoding step's) reads the bf16 cache. */
-    float *widened = !by_head ? malloc(sizeof(float) * 2 * kv_length * dim) : NULL;
-    const int ready = scores && query && outs && (by_head || widened);
+    attention_room r;
+    const int ready = attention_room_of(&r, &w, heads, kv_heads, dim, kv_length);
     if (!ready) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-    for (long item = 0; item < items; item++) {
-      if (!ready) continue;
-      /* The item's tokens [first, first + count) of one chunk and its query heads [h0, h0 + n)
-       * of kv head g: one token's head h0 where by_head (each chunk one token), else all of
-       * g's heads. */
-      const long chunk = item / (by_head ? heads : kv_heads);
-      const long first = firsts[chunk], count = firsts[chunk + 1] - first;
-      const long h0 = by_head ? item % heads : item % kv_heads * group;
-      const long n = by_head ? 1 : group, g = h0 / group;
-      const long cache_at = (cache_rows[first] * kv_heads + g) * capacity * dim;
-      const float *kf = NULL, *vf = NULL;
-      if (count > 1) {
-        widen_all(keys + cache_at, widened, kv_length * dim);
-        widen_all(values + cache_at, widened + kv_length * dim, kv_length * dim);
-        kf = widened;
-        vf = widened + kv_length * dim;
-      }
-      for (long i = 0; i < count; i++) {
-        const long t = first + i;
-        const uint16_t *q = qkv + t * width + h0 * dim;
-        for (long e = 0; e < n * dim; e += 8) _mm256_storeu_ps(query + e, widen8(q + e));
-        const char *row_mask = (const char *)mask + mask_rows[t] * kv_length * (mask_bf16 ? 2 : 4);
-        score_group(query, keys + cache_at, kf, n, row_mask, mask_bf16, kv_length, dim, scale,
-                    scores + i * n * stride, stride);
-        for (long h = 0; h < n; h++) outs[i * n + h] = out + t * heads * dim + (h0 + h) * dim;
-      }
-      value_heads(scores, stride, count * n, dim, values + cache_at, vf, kv_length, outs);
-    }
-    free(widened);
-    free(scores);
-    free(query);
-    free(outs);
+    for (long item = 0; item < w.items; item++)
+      if (ready)
+        attention_item(&w, item, &r, qkv, out, heads, kv_heads, dim, keys, values, cache_rows,
+                       capacity, mask, mask_bf16, mask_rows, kv_length, scale);
+    if (ready) attention_room_free(&r);
   }
-  free(firsts);
+  free(w.firsts);
   return failed;
 }
 
@@ -344,11 +392,128 @@ static int linear(const uint16_t *x, const void *w, const void *scales, const fl
 #define PRODUCT(L, name) \
   L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits, L->name##_half
 
+/* A team product (decoder_pass_team): this thread's share of y = x @ W^T, a file's own groups
+ * (kenspec_gemv_grouped_avx2_share: x as the products read it into the thread's own `a`), and
+ * the bias added to the thread's own outputs; no barrier. 0, or -1 where it failed. */
+static int team_linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
+                       long group, long bits, long half, const void *bias, uint16_t *y,
+                       long rows, long k, long n, const kenspec_activations *a) {
+  if (kenspec_gemv_grouped_avx2_share(x, w, (int)bits, scales, mins, group, y, rows, k, n,
+                                      (int)half, a))
+    return -1;
+  if (bias) { /* the outputs of this thread's tiles (16 outputs a tile, as the product's) */
+    long first, last;
+    thread_share((n + 15) / 16, 1, &first, &last);
+    first *= 16;
+    last = last * 16 < n ? last * 16 : n;
+    const uint16_t *b = (const uint16_t *)bias;
+    for (long r = 0; r < rows; r++)
+      for (long i = first; i < last; i += 8)
+        store(y + r * n + i,
+              _mm256_add_ps(widen(y + r * n + i, last - i), widen(b + i, last - i)), last - i);
+  }
+  return 0;
+}
+
+/* The pass of a file's own groups (quant 2) in one parallel region: a thread team that waits
+ * once a product (its outputs are split between the threads) and once for the cache's keys
+ * and for attention's outputs, where a parallel region a product (kenspec_gemv_grouped_avx2)
+ * forks, waits for the product's x and joins: 3.2 us a product on the 2-core EPYC VM, ~0.4 ms
+ * a pass of SmolLM2's 120 products. Each thread reads the x of a product into its own room
+ * (the same numbers in each); the norms and SiLU(gate) * up, a row's few thousand values, run
+ * in every thread on its own copy of the hidden states (thread 0's: the pass's own), so no
+ * thread waits for them; the rotary and the cache write run once (`single`). Every value is
+ * computed by the same code as in the pass of one region a kernel: the same bits. */
+static int decoder_pass_team(const kenspec_pass *p) {
+  const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
+  const long kv_heads = p->kv_heads, intermediate = p->intermediate;
+  const long width = (heads + 2 * kv_heads) * dim;
+  const long widest = width > 2 * intermediate ? width : 2 * intermediate;
+  long inputs = intermediate > size ? intermediate : size; /* the products' widest x */
+  if (heads * dim > inputs) inputs = heads * dim;
+  uint16_t *wide = malloc(sizeof(uint16_t) * tokens * widest);    /* qkv; gate_up */
+  uint16_t *attended = malloc(sizeof(uint16_t) * tokens * heads * dim);
+  uint16_t *delta = malloc(sizeof(uint16_t) * tokens * size);     /* out's and down's */
+  const attention_work work = attention_items(p->cache_rows, tokens, heads, kv_heads);
+  int failed = wide == NULL || attended == NULL || delta == NULL || work.firsts == NULL;
+  int missing = failed; /* a thread's room not there: no thread computes */
+  if (!failed) {
+#pragma omp parallel reduction(| : failed)
+    {
+      const int me = omp_get_thread_num();
+      const size_t row_bytes = sizeof(uint16_t) * tokens * size;
+      uint16_t *hidden = me == 0 ? p->hidden : malloc(row_bytes);
+      uint16_t *normed = me == 0 ? p->normed : malloc(row_bytes);
+      uint16_t *gated = malloc(sizeof(uint16_t) * tokens * intermediate);
+      long factors;
+      const long room = kenspec_grouped_room(tokens, inputs, &factors);
+      kenspec_activations a = {malloc((size_t)room), malloc(sizeof(float) * factors),
+                               malloc(sizeof(float) * factors)};
+      attention_room r;
+      const int roomy = attention_room_of(&r, &work, heads, kv_heads, dim, p->kv_length);
+      if (!(hidden && normed && gated && a.p && a.t && a.xg && roomy)) {
+#pragma omp atomic write
+        missing = 1;
+      } else if (me) { /* (thread 0 changes the pass's hidden states only after a barrier) */
+        memcpy(hidden, p->hidden, row_bytes);
+      }
+#pragma omp barrier
+      if (!missing) {
+        kenspec_add_rmsnorm_avx2(hidden, NULL, p->layers[0].input_norm, normed, tokens, size,
+                                 p->eps);
+        for (long l = 0; l < p->count; l++) {
+          const kenspec_layer *L = p->layers + l;
+          failed |= team_linear(normed, PRODUCT(L, qkv), L->qkv_bias, wide, tokens, size, width,
+                                &a);
+#pragma omp barrier
+#pragma omp single
+          kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
+                                    L->values, p->cache_rows, p->positions, p->capacity);
+#pragma omp for schedule(dynamic, 1)
+          for (long item = 0; item < work.items; item++)
+            attention_item(&work, item, &r, wide, attended, heads, kv_heads, dim, L->keys,
+                           L->values, p->cache_rows, p->capacity, p->mask, p->mask_bf16,
+                           p->mask_rows, p->kv_length, p->scale);
+          failed |= team_linear(attended, PRODUCT(L, out), L->out_bias, delta, tokens,
+                                heads * dim, size, &a);
+#pragma omp barrier
+          kenspec_add_rmsnorm_avx2(hidden, delta, L->post_norm, normed, tokens, size, p->eps);
+          failed |= team_linear(normed, PRODUCT(L, gate_up), NULL, wide, tokens, size,
+                                2 * intermediate, &a);
+#pragma omp barrier
+          kenspec_silu_mul_avx2(wide, gated, tokens, intermediate);
+          failed |= team_linear(gated, PRODUCT(L, down), NULL, delta, tokens, intermediate, size,
+                                &a);
+#pragma omp barrier
+          const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
+          kenspec_add_rmsnorm_avx2(hidden, delta, next, normed, tokens, size, p->eps);
+        }
+      }
+      if (me) {
+        free(hidden);
+        free(normed);
+      }
+      free(gated);
+      free(a.p);
+      free(a.t);
+      free(a.xg);
+      if (roomy) attention_room_free(&r);
+    }
+  }
+  free(wide);
+  free(attended);
+  free(delta);
+  free(work.firsts);
+  return failed || missing ? -1 : 0;
+}
+
 /* step.c's kenspec_decoder_pass for bf16 weights or a file's own groups (kenspec_pass.quant 0
  * or 2; others: -2), with gemv_avx2.c's and gemv_grouped_avx2.c's products and this file's
- * kernels, in step.c's order. Returns 0, -1 where memory ran out. */
+ * kernels, in step.c's order: a file's groups in one parallel region (decoder_pass_team), bf16
+ * weights a region a kernel. Returns 0, -1 where memory ran out. */
 int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
   if ((p->quant != 0 && p->quant != 2) || p->bf16_product != NULL) return -2;
+  if (p->quant == 2) return decoder_pass_team(p);
   const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
   const long kv_heads = p->kv_heads, intermediate = p->intermediate;
   const long width = (heads + 2 * kv_heads) * dim;

@@ -9,6 +9,7 @@ through the fast step, and what auto and gguf do with what they cannot serve."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from kenspec.server import default_model
 from kenspec.server.engine import gguf_model
 from kenspec.server.engine.forward.cpu_kernels import CpuKernels, load_kernels
 from kenspec.server.engine.forward.kernel_build import Isa
+from kenspec.server.engine.forward.passes import LeanForward
 from kenspec.server.engine.forward.plan import ExecutionOptions, ForwardKind, LeanMode
 from kenspec.server.engine.gguf_quants import READABLE
 from kenspec.server.engine.params import Weights
@@ -32,6 +34,7 @@ from kenspec.server.engine.quantize import (
     join_grouped,
 )
 from kenspec.server.engine.target import TargetLoadError, TargetModel
+from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.gguf_files import tiny_llama, write_quantized_llama_gguf
 from tests.kernels import one_isa
@@ -403,6 +406,64 @@ def test_speculation_on_the_files_own_weights_is_plain_decoding(
     assert "gguf" in target.plan.describe()
     assert target.plan.row_invariant_below == sys.maxsize  # every width: the GEMV
     check_greedy_speculation_is_plain_decoding(target, tmp_path)
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's (and so the kernels') thread count for one test (the suite runs on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@needs_grouped
+@pytest.mark.parametrize("threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_the_whole_pass_over_the_files_groups_gives_the_layer_loops_bits(
+    qtype: GGMLQuantizationType, threads: int, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """The whole pass in one call over a file's own groups (on AVX2 one parallel region whose
+    threads share each product: layer_avx2.c's team) calls the kernels the Python loop calls,
+    in its order: for a prefill and passes of 1 and 7 tokens, the same hidden states bit for
+    bit and the same cache, with biases on q/k/v and the attention's output (Qwen2's), 4-bit
+    weights (8-bit x) and 8-bit ones (16-bit x), on 2 and 3 threads."""
+    path = _file(tmp_path, tokenizer, qtype)
+    target = TargetModel.load(
+        path, device="cpu", dtype="bfloat16", gguf_cache=tmp_path / "cache", execution=LEAN
+    )
+    assert isinstance(target.passes, LeanForward)
+    decoder = target.passes.decoder
+    generator = torch.Generator().manual_seed(3)
+    for layer in decoder.weights.layers:
+        for product in (layer.qkv, layer.out):
+            assert product.grouped is not None and product.bias is None
+            rows = product.grouped.shape[0]
+            product.bias = (torch.randn(rows, generator=generator) * 0.5).bfloat16()
+    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog, twice")
+    calls: list[int] = []
+    whole = decoder._whole_pass
+    results = []
+    for one_call in (True, False):
+        decoder._layers = decoder._describe_layers() if one_call else None
+        decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
+        cache = target.new_cache(1)
+        target.prefill(cache, 0, 0, ids[:-8])
+        rows = []
+        for width in (1, 7):
+            start = len(ids) - 8 + (0 if width == 1 else 1)
+            verify = VerifyPass.sequences([start], [ids[start : start + width]])
+            logits = target.forward(cache, verify)[0]
+            rows.append(torch.stack([logits[i] for i in range(width)]))
+        results.append((rows, cache.read(0, len(ids) - 1)))
+    assert calls == [1, 1, 1]  # the prefill, the 1- and 7-token passes; the loop's none
+    (whole_rows, whole_cache), (loop_rows, loop_cache) = results
+    for a, b in zip(whole_rows, loop_rows, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(
+        (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
+    ):
+        assert torch.equal(a, b)
 
 
 @needs_grouped
