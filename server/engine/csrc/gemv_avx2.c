@@ -127,3 +127,12 @@ void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, l
     if (first < last) columns(x, w, y, rows, k, out, first, last);
   }
 }
+
+/* A thread's part of kenspec_gemv_bf16_avx2 inside a parallel region (a decoder pass's team,
+ * layer_avx2.c): its share of the outputs, [*first, *last), as the product alone splits them,
+ * the same bits; no barrier. */
+void kenspec_gemv_bf16_avx2_share(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
+                                  long k, long out, long *first, long *last) {
+  thread_share(out, OUT_BLOCK, first, last);
+  if (*first < *last) columns(x, w, y, rows, k, out, *first, *last);
+}

@@ -79,6 +79,8 @@ long kenspec_exact_candidates(const uint16_t *x, const uint16_t *w, long k,
 /* gemv_avx2.c: kenspec_gemv_bf16's product, summed in its own one order (see the file) */
 void kenspec_gemv_bf16_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
                             long k, long out);
+void kenspec_gemv_bf16_avx2_share(const uint16_t *x, const uint16_t *w, uint16_t *y, long rows,
+                                  long k, long out, long *first, long *last);
 /* gemv_amx.c: kenspec_gemv_bf16's product through AMX tiles, in its own one order (see the
  * file); kenspec_amx_init asks Linux for the tile state once a process (0: granted) */
 int kenspec_amx_init(void);
@@ -104,7 +106,7 @@ long kenspec_grouped_room(long rows, long k, long *factors);
 int kenspec_gemv_grouped_avx2_share(const uint16_t *x, const void *q, int bits,
                                     const void *scales, const void *mins, long group,
                                     uint16_t *y, long rows, long k, long out, int half,
-                                    const kenspec_activations *a);
+                                    const kenspec_activations *a, long *first, long *last);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

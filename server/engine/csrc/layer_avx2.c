@@ -364,48 +364,26 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
   }
 }
 
-/* y [rows, n] += bias, each sum rounded to bf16, as torch's in-place bf16 add. */
-static void add_bias(uint16_t *y, const uint16_t *bias, long rows, long n) {
-  for (long r = 0; r < rows; r++)
-    for (long i = 0; i < n; i += 8)
-      store(y + r * n + i, _mm256_add_ps(widen(y + r * n + i, n - i), widen(bias + i, n - i)),
-            n - i);
-}
-
-/* y = x @ W^T (+ bias) for one product, its weights as `quant` says (0 bf16, 2 a file's own
- * groups): step.c's linear with this instruction set's GEMVs. 0, or -1 where it failed. */
-static int linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
-                  long group, long bits, long half, const void *bias, uint16_t *y, long rows,
-                  long k, long n, int quant) {
-  if (quant == 2) {
-    if (kenspec_gemv_grouped_avx2(x, w, (int)bits, scales, mins, group, y, rows, k, n,
-                                  (int)half))
-      return -1;
-  } else {
-    kenspec_gemv_bf16_avx2(x, (const uint16_t *)w, y, rows, k, n);
-  }
-  if (bias) add_bias(y, (const uint16_t *)bias, rows, n);
-  return 0;
-}
-
 /* A layer's product by name: its weights, scales, offsets, group, bits and scales' width. */
 #define PRODUCT(L, name) \
   L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits, L->name##_half
 
-/* A team product (decoder_pass_team): this thread's share of y = x @ W^T, a file's own groups
- * (kenspec_gemv_grouped_avx2_share: x as the products read it into the thread's own `a`), and
+/* A team product (decoder_pass_team): this thread's share of y = x @ W^T, bf16 weights
+ * (quant 0: kenspec_gemv_bf16_avx2_share) or a file's own groups (quant 2:
+ * kenspec_gemv_grouped_avx2_share, x as the products read it into the thread's own `a`), and
  * the bias added to the thread's own outputs; no barrier. 0, or -1 where it failed. */
 static int team_linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
                        long group, long bits, long half, const void *bias, uint16_t *y,
-                       long rows, long k, long n, const kenspec_activations *a) {
-  if (kenspec_gemv_grouped_avx2_share(x, w, (int)bits, scales, mins, group, y, rows, k, n,
-                                      (int)half, a))
-    return -1;
-  if (bias) { /* the outputs of this thread's tiles (16 outputs a tile, as the product's) */
-    long first, last;
-    thread_share((n + 15) / 16, 1, &first, &last);
-    first *= 16;
-    last = last * 16 < n ? last * 16 : n;
+                       long rows, long k, long n, int quant, const kenspec_activations *a) {
+  long first, last;
+  if (quant == 2) {
+    if (kenspec_gemv_grouped_avx2_share(x, w, (int)bits, scales, mins, group, y, rows, k, n,
+                                        (int)half, a, &first, &last))
+      return -1;
+  } else {
+    kenspec_gemv_bf16_avx2_share(x, (const uint16_t *)w, y, rows, k, n, &first, &last);
+  }
+  if (bias) { /* each sum rounded to bf16, as torch's in-place bf16 add */
     const uint16_t *b = (const uint16_t *)bias;
     for (long r = 0; r < rows; r++)
       for (long i = first; i < last; i += 8)
@@ -415,10 +393,10 @@ static int team_linear(const uint16_t *x, const void *w, const void *scales, con
   return 0;
 }
 
-/* The pass of a file's own groups (quant 2) in one parallel region: a thread team that waits
+/* The pass (bf16 weights or a file's own groups) in one parallel region: a thread team that waits
  * once a product (its outputs are split between the threads) and once for the cache's keys
  * and for attention's outputs, where a parallel region a product (kenspec_gemv_grouped_avx2)
- * forks, waits for the product's x and joins: 3.2 us a product on the 2-core EPYC VM, ~0.4 ms
+ * forked, waits for the product's x and joins: 3.2 us a product on the 2-core EPYC VM, ~0.4 ms
  * a pass of SmolLM2's 120 products. Each thread reads the x of a product into its own room
  * (the same numbers in each); the norms and SiLU(gate) * up, a row's few thousand values, run
  * in every thread on its own copy of the hidden states (thread 0's: the pass's own), so no
@@ -445,13 +423,18 @@ static int decoder_pass_team(const kenspec_pass *p) {
       uint16_t *hidden = me == 0 ? p->hidden : malloc(row_bytes);
       uint16_t *normed = me == 0 ? p->normed : malloc(row_bytes);
       uint16_t *gated = malloc(sizeof(uint16_t) * tokens * intermediate);
-      long factors;
-      const long room = kenspec_grouped_room(tokens, inputs, &factors);
-      kenspec_activations a = {malloc((size_t)room), malloc(sizeof(float) * factors),
-                               malloc(sizeof(float) * factors)};
+      kenspec_activations a = {NULL, NULL, NULL}; /* (a file's groups only) */
+      if (p->quant == 2) {
+        long factors;
+        const long room = kenspec_grouped_room(tokens, inputs, &factors);
+        a.p = malloc((size_t)room);
+        a.t = malloc(sizeof(float) * factors);
+        a.xg = malloc(sizeof(float) * factors);
+      }
+      const int quantized = p->quant != 2 || (a.p && a.t && a.xg);
       attention_room r;
       const int roomy = attention_room_of(&r, &work, heads, kv_heads, dim, p->kv_length);
-      if (!(hidden && normed && gated && a.p && a.t && a.xg && roomy)) {
+      if (!(hidden && normed && gated && quantized && roomy)) {
 #pragma omp atomic write
         missing = 1;
       } else if (me) { /* (thread 0 changes the pass's hidden states only after a barrier) */
@@ -464,7 +447,7 @@ static int decoder_pass_team(const kenspec_pass *p) {
         for (long l = 0; l < p->count; l++) {
           const kenspec_layer *L = p->layers + l;
           failed |= team_linear(normed, PRODUCT(L, qkv), L->qkv_bias, wide, tokens, size, width,
-                                &a);
+                                p->quant, &a);
 #pragma omp barrier
 #pragma omp single
           kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
@@ -475,15 +458,15 @@ static int decoder_pass_team(const kenspec_pass *p) {
                            L->values, p->cache_rows, p->capacity, p->mask, p->mask_bf16,
                            p->mask_rows, p->kv_length, p->scale);
           failed |= team_linear(attended, PRODUCT(L, out), L->out_bias, delta, tokens,
-                                heads * dim, size, &a);
+                                heads * dim, size, p->quant, &a);
 #pragma omp barrier
           kenspec_add_rmsnorm_avx2(hidden, delta, L->post_norm, normed, tokens, size, p->eps);
           failed |= team_linear(normed, PRODUCT(L, gate_up), NULL, wide, tokens, size,
-                                2 * intermediate, &a);
+                                2 * intermediate, p->quant, &a);
 #pragma omp barrier
           kenspec_silu_mul_avx2(wide, gated, tokens, intermediate);
           failed |= team_linear(gated, PRODUCT(L, down), NULL, delta, tokens, intermediate, size,
-                                &a);
+                                p->quant, &a);
 #pragma omp barrier
           const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
           kenspec_add_rmsnorm_avx2(hidden, delta, next, normed, tokens, size, p->eps);
@@ -509,46 +492,11 @@ static int decoder_pass_team(const kenspec_pass *p) {
 
 /* step.c's kenspec_decoder_pass for bf16 weights or a file's own groups (kenspec_pass.quant 0
  * or 2; others: -2), with gemv_avx2.c's and gemv_grouped_avx2.c's products and this file's
- * kernels, in step.c's order: a file's groups in one parallel region (decoder_pass_team), bf16
- * weights a region a kernel. Returns 0, -1 where memory ran out. */
+ * kernels, in step.c's order, in one parallel region (decoder_pass_team). Returns 0, -1 where
+ * memory ran out. */
 int kenspec_decoder_pass_avx2(const kenspec_pass *p) {
   if ((p->quant != 0 && p->quant != 2) || p->bf16_product != NULL) return -2;
-  if (p->quant == 2) return decoder_pass_team(p);
-  const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
-  const long kv_heads = p->kv_heads, intermediate = p->intermediate;
-  const long width = (heads + 2 * kv_heads) * dim;
-  const long widest = width > 2 * intermediate ? width : 2 * intermediate;
-  uint16_t *wide = malloc(sizeof(uint16_t) * tokens * widest);
-  long across = intermediate > size ? intermediate : size; /* the MLP's activations, or ... */
-  if (heads * dim > across) across = heads * dim;           /* ... the attention's output */
-  uint16_t *narrow = malloc(sizeof(uint16_t) * tokens * across);
-  uint16_t *delta = malloc(sizeof(uint16_t) * tokens * size);
-  int failed = wide == NULL || narrow == NULL || delta == NULL;
-  if (!failed)
-    kenspec_add_rmsnorm_avx2(p->hidden, NULL, p->layers[0].input_norm, p->normed, tokens, size,
-                             p->eps);
-  for (long l = 0; l < p->count && !failed; l++) {
-    const kenspec_layer *L = p->layers + l;
-    failed |= linear(p->normed, PRODUCT(L, qkv), L->qkv_bias, wide, tokens, size, width, p->quant);
-    kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
-                              L->values, p->cache_rows, p->positions, p->capacity);
-    failed |= kenspec_attention_avx2(wide, narrow, tokens, heads, kv_heads, dim, L->keys,
-                                     L->values, p->cache_rows, p->capacity, p->mask,
-                                     p->mask_bf16, p->mask_rows, p->kv_length, p->scale);
-    failed |= linear(narrow, PRODUCT(L, out), L->out_bias, delta, tokens, heads * dim, size,
-                     p->quant);
-    kenspec_add_rmsnorm_avx2(p->hidden, delta, L->post_norm, p->normed, tokens, size, p->eps);
-    failed |= linear(p->normed, PRODUCT(L, gate_up), NULL, wide, tokens, size, 2 * intermediate,
-                     p->quant);
-    kenspec_silu_mul_avx2(wide, narrow, tokens, intermediate);
-    failed |= linear(narrow, PRODUCT(L, down), NULL, delta, tokens, intermediate, size, p->quant);
-    const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
-    kenspec_add_rmsnorm_avx2(p->hidden, delta, next, p->normed, tokens, size, p->eps);
-  }
-  free(wide);
-  free(narrow);
-  free(delta);
-  return failed ? -1 : 0;
+  return decoder_pass_team(p);
 }
 
 /* layer.c's kenspec_top_probs in eight lanes (the recycled predictions' rows, engine.recycled):

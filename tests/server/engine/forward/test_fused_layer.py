@@ -394,19 +394,38 @@ def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
     ids=["llama", "qwen2", "llama-heads-wider-than-hidden"],
 )
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
-    model_type: str, shape: dict, weights: str, tokenizer, tmp_path: Path
+    model_type: str, shape: dict, weights: str, threads: int, tokenizer, tmp_path: Path
 ) -> None:
     """csrc/step.c's pass (every product on the GEMV) calls the kernels the Python loop calls,
     in its order: the same hidden states bit for bit, and the same cache, for 1 and 7 tokens
     (Qwen2: q/k/v biases; int8: the widened int8 GEMV; heads x head_dim 256 against a hidden
-    size of 128 and an MLP of 96)."""
+    size of 128 and an MLP of 96), on 1 and 3 threads (AVX2's pass: one parallel region whose
+    threads share each product)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_whole_pass(model_type, shape, weights, tokenizer, tmp_path)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_whole_pass(
+    model_type: str, shape: dict, weights: str, tokenizer, tmp_path: Path
+) -> None:
     directory = save_architecture(
         tmp_path / model_type, tokenizer, model_type, **{**WIDE_HEADS, **shape}
     )
     target = _served(directory, EVERY_GEMV, weights=weights)
     assert isinstance(target.passes, LeanForward)
     decoder = target.passes.decoder
+    generator = torch.Generator().manual_seed(3)
+    for layer in decoder.weights.layers:  # biases as trained ones are (a new model's: zeros)
+        for product in (layer.qkv, layer.out):
+            if product.bias is not None:
+                noise = torch.randn(product.bias.shape, generator=generator) * 0.5
+                product.bias = noise.to(product.bias.dtype)
     ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
     calls: list[int] = []
     whole = decoder._whole_pass
