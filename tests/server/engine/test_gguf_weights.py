@@ -34,7 +34,6 @@ from kenspec.server.engine.quantize import (
     join_grouped,
 )
 from kenspec.server.engine.target import TargetLoadError, TargetModel
-from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.gguf_files import tiny_llama, write_quantized_llama_gguf
 from tests.kernels import one_isa
@@ -43,6 +42,7 @@ from tests.server.engine.quantized_models import (
     check_float32_decoding_is_generate,
     check_greedy_speculation_is_plain_decoding,
 )
+from tests.server.engine.whole_pass import random_biases, whole_pass_calls
 
 Q = GGMLQuantizationType
 KERNELS = load_kernels()
@@ -433,37 +433,10 @@ def test_the_whole_pass_over_the_files_groups_gives_the_layer_loops_bits(
         path, device="cpu", dtype="bfloat16", gguf_cache=tmp_path / "cache", execution=LEAN
     )
     assert isinstance(target.passes, LeanForward)
-    decoder = target.passes.decoder
-    generator = torch.Generator().manual_seed(3)
-    for layer in decoder.weights.layers:
-        for product in (layer.qkv, layer.out):
-            assert product.grouped is not None and product.bias is None
-            rows = product.grouped.shape[0]
-            product.bias = (torch.randn(rows, generator=generator) * 0.5).bfloat16()
-    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog, twice")
-    calls: list[int] = []
-    whole = decoder._whole_pass
-    results = []
-    for one_call in (True, False):
-        decoder._layers = decoder._describe_layers() if one_call else None
-        decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
-        cache = target.new_cache(1)
-        target.prefill(cache, 0, 0, ids[:-8])
-        rows = []
-        for width in (1, 7):
-            start = len(ids) - 8 + (0 if width == 1 else 1)
-            verify = VerifyPass.sequences([start], [ids[start : start + width]])
-            logits = target.forward(cache, verify)[0]
-            rows.append(torch.stack([logits[i] for i in range(width)]))
-        results.append((rows, cache.read(0, len(ids) - 1)))
+    assert all(layer.qkv.bias is None for layer in target.passes.decoder.weights.layers)
+    random_biases(target, every=True)
+    calls = whole_pass_calls(target, "The quick brown fox jumps over the lazy dog, twice")
     assert calls == [1, 1, 1]  # the prefill, the 1- and 7-token passes; the loop's none
-    (whole_rows, whole_cache), (loop_rows, loop_cache) = results
-    for a, b in zip(whole_rows, loop_rows, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(
-        (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
-    ):
-        assert torch.equal(a, b)
 
 
 @needs_grouped

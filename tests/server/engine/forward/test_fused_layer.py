@@ -16,7 +16,6 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kenspec.server.engine.forward.cpu_kernels import CpuKernels, Isa, load_kernels
-from kenspec.server.engine.forward.passes import LeanForward
 from kenspec.server.engine.forward.plan import (
     ExecutionOptions,
     ForwardKind,
@@ -27,13 +26,13 @@ from kenspec.server.engine.forward.plan import (
 from kenspec.server.engine.packing import attention_mask
 from kenspec.server.engine.recycled import RecycledPredictions
 from kenspec.server.engine.target import TargetModel
-from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.kernels import one_isa
 from tests.server.engine.drafts import (
     assert_speculation_is_plain_decoding,
     last_rows,
 )
+from tests.server.engine.whole_pass import random_biases, whole_pass_calls
 from tests.tiny_architectures import save_architecture
 
 KERNELS = load_kernels()
@@ -418,40 +417,11 @@ def _check_whole_pass(
         tmp_path / model_type, tokenizer, model_type, **{**WIDE_HEADS, **shape}
     )
     target = _served(directory, EVERY_GEMV, weights=weights)
-    assert isinstance(target.passes, LeanForward)
-    decoder = target.passes.decoder
-    generator = torch.Generator().manual_seed(3)
-    for layer in decoder.weights.layers:  # biases as trained ones are (a new model's: zeros)
-        for product in (layer.qkv, layer.out):
-            if product.bias is not None:
-                noise = torch.randn(product.bias.shape, generator=generator) * 0.5
-                product.bias = noise.to(product.bias.dtype)
-    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
-    calls: list[int] = []
-    whole = decoder._whole_pass
-    results = []
-    for one_call in (True, False):
-        decoder._layers = decoder._describe_layers() if one_call else None
-        decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
-        cache = target.new_cache(1)
-        target.prefill(cache, 0, 0, ids[:-8])
-        rows = []
-        for width in (1, 7):
-            start = len(ids) - 8 + (0 if width == 1 else 1)
-            verify = VerifyPass.sequences([start], [ids[start : start + width]])
-            logits = target.forward(cache, verify)[0]
-            rows.append(torch.stack([logits[i] for i in range(width)]))
-        results.append((rows, cache.read(0, len(ids) - 1)))
+    random_biases(target)
+    calls = whole_pass_calls(target, "The quick brown fox jumps over the lazy dog")
     # the prefill, 1- and 7-token passes; the loop's passes none (AVX2's pass: bf16 weights)
     assert LAYER is not None
     assert calls == ([1, 1, 1] if LAYER.bf16 or weights == "bf16" else [])
-    (whole_rows, whole_cache), (loop_rows, loop_cache) = results
-    for a, b in zip(whole_rows, loop_rows, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(
-        (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
-    ):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("vocab", [5, 49, 1000])

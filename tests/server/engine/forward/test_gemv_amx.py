@@ -26,9 +26,9 @@ from kenspec.server.engine.forward.plan import (
     RowPlan,
 )
 from kenspec.server.engine.target import TargetModel
-from kenspec.server.engine.verify_pass import VerifyPass
 from tests import tiny
 from tests.server.engine.drafts import assert_speculation_is_plain_decoding, wide_pass_rows
+from tests.server.engine.whole_pass import random_biases, whole_pass_calls
 from tests.tiny_architectures import save_architecture
 
 KERNELS = load_kernels()
@@ -215,31 +215,8 @@ def test_the_whole_pass_in_one_call_gives_the_product_loops_bits(
     )
     target = _target(directory, screen=False)
     assert target.plan.decoder == EVERY_AMX and isinstance(target.passes, LeanForward)
-    decoder = target.passes.decoder
-    ids = target.encode_prompt("The quick brown fox jumps over the lazy dog")
-    calls: list[int] = []
-    whole = decoder._whole_pass
-    results = []
-    for one_call in (True, False):
-        decoder._layers = decoder._describe_layers() if one_call else None
-        decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
-        cache = target.new_cache(1)
-        target.prefill(cache, 0, 0, ids[:-8])
-        rows = []
-        for width in (1, 7):
-            start = len(ids) - 8 + (0 if width == 1 else 1)
-            verify = VerifyPass.sequences([start], [ids[start : start + width]])
-            logits = target.forward(cache, verify)[0]
-            rows.append(torch.stack([logits[i] for i in range(width)]))
-        results.append((rows, cache.read(0, len(ids) - 1)))
-    assert calls == [1, 1, 1]
-    (whole_rows, whole_cache), (loop_rows, loop_cache) = results
-    for a, b in zip(whole_rows, loop_rows, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(
-        (*whole_cache[0], *whole_cache[1]), (*loop_cache[0], *loop_cache[1]), strict=True
-    ):
-        assert torch.equal(a, b)
+    random_biases(target)
+    assert whole_pass_calls(target, "The quick brown fox jumps over the lazy dog") == [1, 1, 1]
 
 
 @needs_amx
