@@ -393,21 +393,19 @@ long kenspec_grouped_room(long rows, long k, long *factors) {
 /* A thread of a parallel region: every row's x into its own `a` (each thread the same
  * numbers: the product's x as kenspec_gemv_grouped_avx2 reads it), then its share of the
  * blocks, as kenspec_gemv_grouped_avx2 splits them (its outputs [*first, *last)): the same
- * outputs, bit for bit. Without
- * the fork, the join and the barrier after the x of each product: a decoder pass's team
- * (layer_avx2.c) waits once a product. 0, or -1 for arguments it does not take. */
+ * outputs, bit for bit. Without the fork, the join and the barrier after the x of each
+ * product: a decoder pass's team (layer_avx2.c) waits once a product. 0, or -1 for arguments
+ * it does not take. */
 int kenspec_gemv_grouped_avx2_share(const uint16_t *x, const void *weights, int bits,
                                     const void *scales, const void *mins, long group,
                                     uint16_t *y, long rows, long k, long out, int half,
-                                    const kenspec_activations *a, long *first, long *last) {
+                                    kenspec_activations *a, long *first, long *last) {
   *first = *last = 0;
   if (!takes(group, k, bits)) return -1;
-  activations mine = *a;
-  for (long rg = 0; rg < rows * (k / group); rg++) quantize(x, group, bits, &mine, rg);
+  for (long rg = 0; rg < rows * (k / group); rg++) quantize(x, group, bits, a, rg);
   long b0, b1;
   thread_share((out + TILE - 1) / TILE, 1, &b0, &b1);
-  blocks(&mine, (const uint8_t *)weights, scales, mins, y, rows, k, out, group, b0, b1, bits,
-         half);
+  blocks(a, (const uint8_t *)weights, scales, mins, y, rows, k, out, group, b0, b1, bits, half);
   *first = b0 * TILE < out ? b0 * TILE : out;
   *last = b1 * TILE < out ? b1 * TILE : out;
   return 0;

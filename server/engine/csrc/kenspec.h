@@ -106,7 +106,7 @@ long kenspec_grouped_room(long rows, long k, long *factors);
 int kenspec_gemv_grouped_avx2_share(const uint16_t *x, const void *q, int bits,
                                     const void *scales, const void *mins, long group,
                                     uint16_t *y, long rows, long k, long out, int half,
-                                    const kenspec_activations *a, long *first, long *last);
+                                    kenspec_activations *a, long *first, long *last);
 /* gemv_int8.c */
 int kenspec_gemv_int8(const void *x, const int8_t *q, const void *scale, void *y, long rows,
                       long k, long out, int bf16);

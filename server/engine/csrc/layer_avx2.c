@@ -374,7 +374,7 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
  * the bias added to the thread's own outputs; no barrier. 0, or -1 where it failed. */
 static int team_linear(const uint16_t *x, const void *w, const void *scales, const float *mins,
                        long group, long bits, long half, const void *bias, uint16_t *y,
-                       long rows, long k, long n, int quant, const kenspec_activations *a) {
+                       long rows, long k, long n, int quant, kenspec_activations *a) {
   long first, last;
   if (quant == 2) {
     if (kenspec_gemv_grouped_avx2_share(x, w, (int)bits, scales, mins, group, y, rows, k, n,
@@ -407,8 +407,6 @@ static int decoder_pass_team(const kenspec_pass *p) {
   const long kv_heads = p->kv_heads, intermediate = p->intermediate;
   const long width = (heads + 2 * kv_heads) * dim;
   const long widest = width > 2 * intermediate ? width : 2 * intermediate;
-  long inputs = intermediate > size ? intermediate : size; /* the products' widest x */
-  if (heads * dim > inputs) inputs = heads * dim;
   uint16_t *wide = malloc(sizeof(uint16_t) * tokens * widest);    /* qkv; gate_up */
   uint16_t *attended = malloc(sizeof(uint16_t) * tokens * heads * dim);
   uint16_t *delta = malloc(sizeof(uint16_t) * tokens * size);     /* out's and down's */
@@ -425,6 +423,8 @@ static int decoder_pass_team(const kenspec_pass *p) {
       uint16_t *gated = malloc(sizeof(uint16_t) * tokens * intermediate);
       kenspec_activations a = {NULL, NULL, NULL}; /* (a file's groups only) */
       if (p->quant == 2) {
+        long inputs = intermediate > size ? intermediate : size; /* the products' widest x */
+        if (heads * dim > inputs) inputs = heads * dim;
         long factors;
         const long room = kenspec_grouped_room(tokens, inputs, &factors);
         a.p = malloc((size_t)room);
