@@ -40,6 +40,12 @@ typedef struct {
   long qkv_group, out_group, gate_up_group, down_group;
   long qkv_bits, out_bits, gate_up_bits, down_bits;
   long qkv_half, out_half, gate_up_half, down_half;
+  /* Gemma 3's (kenspec_pass.gemma; AVX2's pass only): the norms of the attention's and the
+   * MLP's outputs and of the query and key heads; the layer's rotary table [tokens, dim] and
+   * mask where they are not the pass's (a local layer's base, its sliding window), or NULL */
+  const uint16_t *attention_out_norm, *mlp_out_norm, *q_norm, *k_norm;
+  const uint16_t *cos, *sin;
+  const void *mask;
 } kenspec_layer;
 
 /* One decoder pass (kenspec_decoder_pass): `tokens` packed tokens through `count` layers.
@@ -67,6 +73,9 @@ typedef struct {
    * takes AMX (a library's sources of one instruction set call no other set's), or NULL:
    * gemv.c's kenspec_gemv_bf16 */
   kenspec_bf16_product bf16_product;
+  /* Gemma 3's layers (AVX2's pass; step.c refuses them): every norm of (1 + weight) in
+   * float32, the head norms and the norms of each half's output, GELU (tanh) for SiLU */
+  int gemma;
 } kenspec_pass;
 
 /* gemv.c */
@@ -146,6 +155,13 @@ int kenspec_attention_avx2(const uint16_t *qkv, uint16_t *out, long tokens, long
                            const int64_t *cache_rows, long capacity, const void *mask,
                            int mask_bf16, const int64_t *mask_rows, long kv_length, float scale);
 void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n);
+void kenspec_gelu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n);
+void kenspec_gemma_head_norms_avx2(uint16_t *qkv, long tokens, long heads, long kv_heads,
+                                   long dim, const uint16_t *q_weight, const uint16_t *k_weight,
+                                   float eps);
+void kenspec_gemma_add_norm_avx2(uint16_t *hidden, const uint16_t *delta,
+                                 const uint16_t *delta_weight, const uint16_t *weight,
+                                 uint16_t *normed, long rows, long n, float eps);
 void kenspec_top_probs_avx2(const float *logits, long rows, long vocab, long width, int32_t *ids,
                             float *probs);
 int kenspec_decoder_pass_avx2(const kenspec_pass *pass);

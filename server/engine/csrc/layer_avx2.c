@@ -364,6 +364,85 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
   }
 }
 
+/* GELU with tanh's approximation (transformers' gelu_pytorch_tanh, Gemma's) times up:
+ * out [rows, n] = bf16(gelu(gate)) * up for gate_up [rows, 2n], in float32 each rounded to
+ * bfloat16 where torch's bfloat16 ops round. gelu(x) = 0.5 x (1 + tanh(y)), y = sqrt(2 / pi)
+ * (x + 0.044715 x^3), computed as x / (1 + exp(-2 y)) (the same function, without tanh's
+ * cancellation near 0): within a bfloat16 step of torch's, most values equal. */
+void kenspec_gelu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n) {
+  const __m256 beta = _mm256_set1_ps(-2.0f * 0.7978845608028654f), kappa = _mm256_set1_ps(0.044715f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (long r = 0; r < rows; r++) {
+    const uint16_t *gate = gate_up + r * 2 * n, *up = gate + n;
+    for (long i = 0; i < n; i += 8) {
+      const __m256 g = widen(gate + i, n - i);
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+      const __m256 y = _mm256_mul_ps(beta, _mm256_add_ps(g, _mm256_mul_ps(kappa, cube)));
+      const __m256 gelu = rounded(_mm256_div_ps(g, _mm256_add_ps(one, exp8(y))));
+      store(out + r * n + i, _mm256_mul_ps(gelu, widen(up + i, n - i)), n - i);
+    }
+  }
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over x[0 .. n) (bfloat16): Gemma's RMSNorm's factor, its sum of
+ * squares in eight lanes. */
+static inline float gemma_factor(const uint16_t *x, long n, float eps) {
+  __m256 squares = _mm256_setzero_ps();
+  for (long i = 0; i < n; i += 8) {
+    const __m256 v = widen(x + i, n - i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  return 1.0f / sqrtf(sum8(squares) / (float)n + eps);
+}
+
+/* out[0 .. n) = bf16(x * factor * (1 + weight)) in float32: transformers' Gemma3RMSNorm, its
+ * steps in its order (x * rsqrt(...), then times 1 + weight, rounded once). */
+static inline void gemma_norm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out,
+                                  long n, float factor) {
+  const __m256 f = _mm256_set1_ps(factor), one = _mm256_set1_ps(1.0f);
+  for (long i = 0; i < n; i += 8)
+    store(out + i,
+          _mm256_mul_ps(_mm256_mul_ps(widen(x + i, n - i), f),
+                        _mm256_add_ps(one, widen(weight + i, n - i))),
+          n - i);
+}
+
+/* norms.c's kenspec_gemma_head_norms in eight lanes: each token's query heads (q_weight) and
+ * key heads (k_weight) of qkv [tokens, (heads + 2 kv_heads) * dim] normed in place. */
+void kenspec_gemma_head_norms_avx2(uint16_t *qkv, long tokens, long heads, long kv_heads,
+                                   long dim, const uint16_t *q_weight, const uint16_t *k_weight,
+                                   float eps) {
+  const long width = (heads + 2 * kv_heads) * dim;
+  for (long t = 0; t < tokens; t++)
+    for (long h = 0; h < heads + kv_heads; h++) {
+      uint16_t *head = qkv + t * width + h * dim;
+      gemma_norm_row(head, h < heads ? q_weight : k_weight, head, dim,
+                     gemma_factor(head, dim, eps));
+    }
+}
+
+/* norms.c's kenspec_gemma_add_norm in eight lanes, delta left as it is (the pass's threads
+ * share it): where delta is given, hidden = bf16(hidden + norm(delta; delta_weight)) in
+ * place; then normed = norm(hidden; weight). */
+void kenspec_gemma_add_norm_avx2(uint16_t *hidden, const uint16_t *delta,
+                                 const uint16_t *delta_weight, const uint16_t *weight,
+                                 uint16_t *normed, long rows, long n, float eps) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (long r = 0; r < rows; r++) {
+    uint16_t *h = hidden + r * n;
+    if (delta != NULL) {
+      const uint16_t *d = delta + r * n;
+      const __m256 f = _mm256_set1_ps(gemma_factor(d, n, eps));
+      for (long i = 0; i < n; i += 8) {
+        const __m256 added = rounded(_mm256_mul_ps(_mm256_mul_ps(widen(d + i, n - i), f),
+                                                   _mm256_add_ps(one, widen(delta_weight + i, n - i))));
+        store(h + i, _mm256_add_ps(widen(h + i, n - i), added), n - i);
+      }
+    }
+    gemma_norm_row(h, weight, normed + r * n, n, gemma_factor(h, n, eps));
+  }
+}
+
 /* A layer's product by name: its weights, scales, offsets, group, bits and scales' width. */
 #define PRODUCT(L, name) \
   L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits, L->name##_half
@@ -393,6 +472,17 @@ static int team_linear(const uint16_t *x, const void *w, const void *scales, con
   return 0;
 }
 
+/* A pass's residual step on a thread's own hidden states: hidden += delta (Gemma: its norm by
+ * delta_weight; NULL delta: nothing added), then normed = the next norm (weight) of hidden. */
+static void residual_norm(const kenspec_pass *p, uint16_t *hidden, const uint16_t *delta,
+                          const uint16_t *delta_weight, const uint16_t *weight, uint16_t *normed) {
+  if (p->gemma)
+    kenspec_gemma_add_norm_avx2(hidden, delta, delta_weight, weight, normed, p->tokens, p->size,
+                                p->eps);
+  else
+    kenspec_add_rmsnorm_avx2(hidden, delta, weight, normed, p->tokens, p->size, p->eps);
+}
+
 /* The pass (bf16 weights or a file's own groups) in one parallel region: a thread team that waits
  * once a product (its outputs are split between the threads) and once for the cache's keys
  * and for attention's outputs, where a parallel region a product (kenspec_gemv_grouped_avx2)
@@ -401,7 +491,9 @@ static int team_linear(const uint16_t *x, const void *w, const void *scales, con
  * (the same numbers in each); the norms and SiLU(gate) * up, a row's few thousand values, run
  * in every thread on its own copy of the hidden states (thread 0's: the pass's own), so no
  * thread waits for them; the rotary and the cache write run once (`single`). Every value is
- * computed by the same code as in the pass of one region a kernel: the same bits. */
+ * computed by the same code as in the pass of one region a kernel: the same bits. Gemma 3's
+ * layers (p->gemma) take the same steps with its kernels: its norms around each half, the
+ * head norms in the `single` before the rotary, a layer's own rotary table and mask, GELU. */
 static int decoder_pass_team(const kenspec_pass *p) {
   const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
   const long kv_heads = p->kv_heads, intermediate = p->intermediate;
@@ -442,34 +534,42 @@ static int decoder_pass_team(const kenspec_pass *p) {
       }
 #pragma omp barrier
       if (!missing) {
-        kenspec_add_rmsnorm_avx2(hidden, NULL, p->layers[0].input_norm, normed, tokens, size,
-                                 p->eps);
+        residual_norm(p, hidden, NULL, NULL, p->layers[0].input_norm, normed);
         for (long l = 0; l < p->count; l++) {
           const kenspec_layer *L = p->layers + l;
           failed |= team_linear(normed, PRODUCT(L, qkv), L->qkv_bias, wide, tokens, size, width,
                                 p->quant, &a);
 #pragma omp barrier
 #pragma omp single
-          kenspec_rotary_cache_avx2(wide, p->cos, p->sin, tokens, heads, kv_heads, dim, L->keys,
-                                    L->values, p->cache_rows, p->positions, p->capacity);
+          {
+            if (p->gemma)
+              kenspec_gemma_head_norms_avx2(wide, tokens, heads, kv_heads, dim, L->q_norm,
+                                            L->k_norm, p->eps);
+            kenspec_rotary_cache_avx2(wide, L->cos ? L->cos : p->cos, L->sin ? L->sin : p->sin,
+                                      tokens, heads, kv_heads, dim, L->keys, L->values,
+                                      p->cache_rows, p->positions, p->capacity);
+          }
 #pragma omp for schedule(dynamic, 1)
           for (long item = 0; item < work.items; item++)
             attention_item(&work, item, &r, wide, attended, heads, kv_heads, dim, L->keys,
-                           L->values, p->cache_rows, p->capacity, p->mask, p->mask_bf16,
-                           p->mask_rows, p->kv_length, p->scale);
+                           L->values, p->cache_rows, p->capacity, L->mask ? L->mask : p->mask,
+                           p->mask_bf16, p->mask_rows, p->kv_length, p->scale);
           failed |= team_linear(attended, PRODUCT(L, out), L->out_bias, delta, tokens,
                                 heads * dim, size, p->quant, &a);
 #pragma omp barrier
-          kenspec_add_rmsnorm_avx2(hidden, delta, L->post_norm, normed, tokens, size, p->eps);
+          residual_norm(p, hidden, delta, L->attention_out_norm, L->post_norm, normed);
           failed |= team_linear(normed, PRODUCT(L, gate_up), NULL, wide, tokens, size,
                                 2 * intermediate, p->quant, &a);
 #pragma omp barrier
-          kenspec_silu_mul_avx2(wide, gated, tokens, intermediate);
+          if (p->gemma)
+            kenspec_gelu_mul_avx2(wide, gated, tokens, intermediate);
+          else
+            kenspec_silu_mul_avx2(wide, gated, tokens, intermediate);
           failed |= team_linear(gated, PRODUCT(L, down), NULL, delta, tokens, intermediate, size,
                                 p->quant, &a);
 #pragma omp barrier
           const uint16_t *next = l + 1 < p->count ? p->layers[l + 1].input_norm : p->final_norm;
-          kenspec_add_rmsnorm_avx2(hidden, delta, next, normed, tokens, size, p->eps);
+          residual_norm(p, hidden, delta, L->mlp_out_norm, next, normed);
         }
       }
       if (me) {

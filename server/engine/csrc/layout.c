@@ -22,6 +22,9 @@ static const long layer_offsets[] = {
     AT(kenspec_layer, gate_up_bits), AT(kenspec_layer, down_bits),
     AT(kenspec_layer, qkv_half),    AT(kenspec_layer, out_half),
     AT(kenspec_layer, gate_up_half), AT(kenspec_layer, down_half),
+    AT(kenspec_layer, attention_out_norm), AT(kenspec_layer, mlp_out_norm),
+    AT(kenspec_layer, q_norm),      AT(kenspec_layer, k_norm),
+    AT(kenspec_layer, cos),         AT(kenspec_layer, sin),       AT(kenspec_layer, mask),
 };
 
 static const long pass_offsets[] = {
@@ -33,6 +36,7 @@ static const long pass_offsets[] = {
     AT(kenspec_pass, cache_rows), AT(kenspec_pass, positions),  AT(kenspec_pass, capacity),
     AT(kenspec_pass, mask),       AT(kenspec_pass, mask_bf16),  AT(kenspec_pass, mask_rows),
     AT(kenspec_pass, kv_length),  AT(kenspec_pass, scale),      AT(kenspec_pass, bf16_product),
+    AT(kenspec_pass, gemma),
 };
 
 static const long head_offsets[] = {

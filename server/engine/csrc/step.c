@@ -42,8 +42,10 @@ static int linear(const uint16_t *x, const void *w, const void *scales, const fl
 /* A layer's product by name: its weights, scales, offsets, group and bits. */
 #define PRODUCT(L, name) L->name, L->name##_scales, L->name##_mins, L->name##_group, L->name##_bits
 
-/* Every layer of the pass (kenspec.h's kenspec_pass). Returns 0, or -1 where memory ran out. */
+/* Every layer of the pass (kenspec.h's kenspec_pass). Returns 0, -1 where memory ran out, -2
+ * for Gemma's layers (AVX2's pass computes them, this one not). */
 int kenspec_decoder_pass(const kenspec_pass *p) {
+  if (p->gemma) return -2;
   const long tokens = p->tokens, size = p->size, dim = p->dim, heads = p->heads;
   const long kv_heads = p->kv_heads, intermediate = p->intermediate;
   const long width = (heads + 2 * kv_heads) * dim;

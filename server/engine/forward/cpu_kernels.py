@@ -60,6 +60,11 @@ class DecoderLayer(ctypes.Structure):
         (f"{product}_{what}", _L)
         for what in ("group", "bits", "half")
         for product in ("qkv", "out", "gate_up", "down")
+    ] + [
+        (name, _P)
+        for name in (
+            "attention_out_norm", "mlp_out_norm", "q_norm", "k_norm", "cos", "sin", "mask",
+        )
     ]  # fmt: skip
 
 
@@ -72,7 +77,7 @@ class PassArgs(ctypes.Structure):
         ("kv_heads", _L), ("dim", _L), ("intermediate", _L), ("quant", _I), ("eps", _F),
         ("cos", _P), ("sin", _P), ("cache_rows", _P), ("positions", _P), ("capacity", _L),
         ("mask", _P), ("mask_bf16", _I), ("mask_rows", _P), ("kv_length", _L), ("scale", _F),
-        ("bf16_product", _P),
+        ("bf16_product", _P), ("gemma", _I),
     ]  # fmt: skip
 
 
@@ -113,6 +118,9 @@ _SIGNATURES: dict[str, tuple[type | None, list[Any], Isa | None]] = {
     "kenspec_rotary_cache_avx2": (None, [_P] * 3 + [_L] * 4 + [_P] * 4 + [_L], Isa.AVX2),
     "kenspec_attention_avx2": (_I, _ATTENTION, Isa.AVX2),
     "kenspec_silu_mul_avx2": (None, [_P] * 2 + [_L] * 2, Isa.AVX2),
+    "kenspec_gelu_mul_avx2": (None, [_P] * 2 + [_L] * 2, Isa.AVX2),
+    "kenspec_gemma_head_norms_avx2": (None, [_P] + [_L] * 4 + [_P] * 2 + [_F], Isa.AVX2),
+    "kenspec_gemma_add_norm_avx2": (None, [_P] * 5 + [_L] * 2 + [_F], Isa.AVX2),
     "kenspec_top_probs_avx2": (None, [_P] + [_L] * 3 + [_P] * 2, Isa.AVX2),
     "kenspec_decoder_pass_avx2": (_I, [ctypes.POINTER(PassArgs)], Isa.AVX2),
     "kenspec_layout": (_L, [_I, ctypes.POINTER(_L), _L], None),
@@ -197,7 +205,8 @@ class CpuKernels:
         return self.grouped and not self.bf16
 
     def _layer(self, name: str, *arguments: object) -> object:
-        """A layer kernel by layer.c's name: AVX512-BF16's where it runs, else AVX2's."""
+        """A layer kernel by layer.c's (or norms.c's) name: AVX512-BF16's (norms.c's) where
+        it runs, else AVX2's."""
         return self._call(name if self.bf16 else f"{name}_avx2", *arguments)
 
     @property
@@ -401,8 +410,9 @@ class CpuKernels:
         k_weight: torch.Tensor,
         eps: float,
     ) -> None:
-        """Gemma 3's q_norm and k_norm on qkv's query and key heads, in place (norms.c)."""
-        self._call(
+        """Gemma 3's q_norm and k_norm on qkv's query and key heads, in place (norms.c;
+        layer_avx2.c's where AVX512-BF16 is not: the layer kernels' instruction set)."""
+        self._layer(
             "kenspec_gemma_head_norms", qkv.data_ptr(), qkv.shape[0], *heads,
             q_weight.data_ptr(), k_weight.data_ptr(), eps,
         )  # fmt: skip
@@ -417,9 +427,10 @@ class CpuKernels:
         eps: float,
     ) -> None:
         """Gemma's residual step: hidden += norm(delta) in place (None: nothing to add; delta
-        is overwritten), then normed = norm(hidden) (norms.c)."""
+        is scratch: norms.c's overwrites it), then normed = norm(hidden) (norms.c; AVX2's as
+        `gemma_head_norms`)."""
         rows, n = hidden.shape
-        self._call(
+        self._layer(
             "kenspec_gemma_add_norm", hidden.data_ptr(),
             None if delta is None else delta.data_ptr(),
             None if delta_weight is None else delta_weight.data_ptr(),
@@ -464,6 +475,16 @@ class CpuKernels:
         )  # fmt: skip
         if failed:
             raise MemoryError("kenspec_attention: no memory for a query's scores")
+
+    @property
+    def gelu(self) -> bool:
+        """`gelu_mul` runs here and the lean loop takes it for Gemma's GELU: where the layer
+        kernels are AVX2's (AVX512-BF16's layer.c has none: the model's own module there)."""
+        return self.layer_kernels and not self.bf16
+
+    def gelu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out = gelu_tanh(gate) * up for gate_up [rows, 2n] (gate first; layer_avx2.c)."""
+        self._call("kenspec_gelu_mul_avx2", gate_up.data_ptr(), out.data_ptr(), *out.shape)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(gate) * up for gate_up [rows, 2n] (gate first)."""
@@ -552,10 +573,13 @@ class CpuKernels:
 
     def decoder_pass(self, arguments: PassArgs) -> None:
         """Every layer of a pass whose products all take the GEMV, in one call (step.c; on
-        AVX2, layer_avx2.c's: bf16 weights only)."""
+        AVX2, layer_avx2.c's: bf16 weights or a file's own groups, Gemma 3's layers too)."""
         failed = self._layer("kenspec_decoder_pass", ctypes.byref(arguments))
         if failed == -2:
-            raise ValueError("the AVX2 decoder pass takes bf16 weights through its own GEMV")
+            raise ValueError(
+                "the decoder pass does not take these layers (AVX2's: bf16 weights or a file's"
+                " own groups through its own GEMV; AVX512-BF16's: no Gemma layers)"
+            )
         if failed:
             raise MemoryError("kenspec_decoder_pass: no memory for the pass's buffers")
 

@@ -23,7 +23,8 @@ layer type) - with their sliding windows, which packed attention applies per lay
 kernels (`fused`) take the decoders whose rotary spans the head and whose norms are Llama's
 RMSNorm - Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Qwen3's head norms then run between the
 kernels, and a model with head norms or windows takes the layer calls, not the whole pass in
-one) - or Gemma 3's, which csrc/norms.c computes (`_gemma_pass`); Gemma 2's soft-capped scores
+one) - or Gemma 3's, which csrc/norms.c computes (`_gemma_pass`; on AVX2 layer_avx2.c, its
+GELU too, and there all its layers in one call like Llama's); Gemma 2's soft-capped scores
 keep its layers in Python.
 float32 weights keep the eager forward, so float32 output stays identical to transformers'
 `generate`. In bfloat16 a product summed by another kernel differs in its last bits, as any
@@ -93,8 +94,8 @@ class _Layer:
 
     @property
     def plain(self) -> bool:
-        """Whether csrc/step.c's whole pass computes this layer: no head norms, window or
-        soft-capping."""
+        """Whether csrc/step.c's whole pass computes this Llama-style layer: no head norms,
+        window or soft-capping (Gemma 3's: LeanDecoder._one_call)."""
         return self.head_norms is None and self.window is None and self.softcap is None
 
 
@@ -202,8 +203,8 @@ class LeanWeights:
         activations and weights, one epsilon, rotary over whole heads, heads the attention
         kernel takes, no soft-capped scores; and the norms of one kind the kernels compute:
         Llama's RMSNorm with SiLU (csrc/layer.c; Qwen3's head norms run as the model's
-        modules), or Gemma 3's everywhere, its head norms too (csrc/norms.c; its GELU stays
-        the model's module)."""
+        modules), or Gemma 3's everywhere, its head norms too (csrc/norms.c, its GELU the
+        model's module; on AVX2 layer_avx2.c's, GELU too)."""
         layers = self.layers
         if self.gemma:
             if any(la.out_norms is None or la.head_norms is None for la in layers):
@@ -295,6 +296,12 @@ def _gemma_weights(layer: _Layer) -> tuple[torch.Tensor, ...]:
     return tuple(_weight(norm) for norm in norms)
 
 
+def _gelu_tanh(act: nn.Module) -> bool:
+    """Whether an MLP's activation is GELU with tanh's approximation (transformers'
+    gelu_pytorch_tanh: Gemma's), which csrc/layer_avx2.c's gelu_mul computes."""
+    return type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
+
+
 def _epsilon(norm: nn.Module) -> float | None:
     """An RMSNorm's epsilon: Llama's kind keeps it as variance_epsilon, Gemma's as eps."""
     value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -325,13 +332,28 @@ class LeanDecoder:
         self.kernels = kernels
         # (the plan takes the layer kernels only where they run: AVX512-BF16)
         self.fused = kernels if plan.fused_layer else None
-        # csrc/step.c's description of every layer (its cache pointers set per pass)
-        fused_llama = self.fused is not None and not weights.gemma
-        self._layers = self._describe_layers() if fused_llama else None
         # _gemma_pass's norm weights by layer (see _gemma_weights)
         gemma_pass = self.fused is not None and weights.gemma
         self._gemma_norms = [_gemma_weights(la) for la in weights.layers] if gemma_pass else []
+        # Gemma's GELU through layer_avx2.c where the layer kernels are AVX2's (else the
+        # model's module): the loop and the whole pass compute it alike
+        self._gelu = gemma_pass and self.fused is not None and self.fused.gelu
+        # csrc/step.c's description of every layer (its cache pointers set per pass)
+        self._layers = self._describe_layers() if self._one_call() else None
         lay_out(weights.products, self.plan)
+
+    def _one_call(self) -> bool:
+        """Whether a whole pass in one C call computes this model's layers (where its
+        products all take the GEMV): Llama-style ones without head norms or windows (step.c,
+        layer_avx2.c), or Gemma 3's where the layer kernels are AVX2's (layer_avx2.c: its
+        norms, head norms, GELU with tanh's approximation, rotary tables and windows by
+        layer); one attention scale for every layer."""
+        w = self.weights
+        if self.fused is None or len({layer.scaling for layer in w.layers}) != 1:
+            return False
+        if w.gemma:
+            return self._gelu and all(_gelu_tanh(layer.act) for layer in w.layers)
+        return w.plain
 
     def run(self, product: Product, x: torch.Tensor) -> torch.Tensor:
         return product.run(x, self.plan.kernel(x.shape[0]), self.kernels)
@@ -403,11 +425,8 @@ class LeanDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
         tokens = hidden.shape[0]
         normed = torch.empty_like(hidden)
-        mask = packing.mask
-        narrow = mask.is_contiguous()
-        mask_rows = packing.tokens.contiguous()
-        if narrow and self._layers is not None and self._all_gemv(tokens) and w.plain:
-            self._whole_pass(fused, hidden, normed, cos, sin, cache, mask, mask_rows)
+        if packing.mask.is_contiguous() and self._layers is not None and self._all_gemv(tokens):
+            self._whole_pass(fused, hidden, normed, {None: (cos, sin)}, cache, packing)
             return normed
         eps, weights = w.eps, w.norm_weights
         fused.add_rmsnorm(hidden, None, weights[0], normed, eps)
@@ -443,7 +462,9 @@ class LeanDecoder:
         residual adds (csrc/norms.c: after attention the post-attention norm, the add and the
         pre-MLP norm in one call, after the MLP the post-MLP norm, the add and the next layer's
         input norm), head norms, rotary with the cache write and attention (layer.c's or
-        layer_avx2.c's, a windowed layer's mask from the packing); GELU stays the model's."""
+        layer_avx2.c's, a windowed layer's mask from the packing); GELU the model's, or
+        layer_avx2.c's where its layer kernels run, and there every layer in one call where
+        every product takes the GEMV."""
         w = self.weights
         hidden = w.embed(input_ids)[0].contiguous()  # [tokens, hidden] (scaled), in place
         rotary = {
@@ -451,6 +472,10 @@ class LeanDecoder:
             for kind, (cos, sin) in _rotary(w, hidden[None], position_ids).items()
         }
         normed = torch.empty_like(hidden)
+        tokens = hidden.shape[0]
+        if packing.mask.is_contiguous() and self._layers is not None and self._all_gemv(tokens):
+            self._whole_pass(fused, hidden, normed, rotary, cache, packing)
+            return normed
         eps, norms = w.eps, self._gemma_norms
         fused.gemma_add_norm(hidden, None, None, norms[0][0], normed, eps)
         for index, layer in enumerate(w.layers):
@@ -461,8 +486,14 @@ class LeanDecoder:
             attended = self._attend(fused, index, layer, qkv, cos, sin, cache, packing)
             delta = self.run(layer.out, attended).contiguous()
             fused.gemma_add_norm(hidden, delta, post_attention, pre_mlp, normed, eps)
-            gate, up = self.run(layer.gate_up, normed).chunk(2, dim=-1)
-            delta = self.run(layer.down, layer.act(gate) * up).contiguous()
+            gate_up = self.run(layer.gate_up, normed)
+            if self._gelu:
+                act = gate_up.new_empty(tokens, gate_up.shape[1] // 2)
+                fused.gelu_mul(gate_up, act)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = layer.act(gate) * up
+            delta = self.run(layer.down, act).contiguous()
             following = norms[index + 1][0] if index + 1 < len(norms) else w.norm_weights[-1]
             fused.gemma_add_norm(hidden, delta, post_mlp, following, normed, eps)
         return normed
@@ -540,6 +571,11 @@ class LeanDecoder:
                     assert product.bias is None  # check(): no biased MLP
             described.input_norm = w.norm_weights[2 * index].data_ptr()
             described.post_norm = w.norm_weights[2 * index + 1].data_ptr()  # (the MLP's)
+            if w.gemma:  # (see _gemma_weights)
+                _, after_attention, _, after_mlp, q_weight, k_weight = self._gemma_norms[index]
+                described.attention_out_norm = after_attention.data_ptr()
+                described.mlp_out_norm = after_mlp.data_ptr()
+                described.q_norm, described.k_norm = q_weight.data_ptr(), k_weight.data_ptr()
         return layers
 
     def _whole_pass(
@@ -547,23 +583,29 @@ class LeanDecoder:
         fused: CpuKernels,
         hidden: torch.Tensor,
         normed: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
         cache: SlotCache,
-        mask: torch.Tensor,
-        mask_rows: torch.Tensor,
+        packing: Packing,
     ) -> None:
-        """Every layer in one call (csrc/step.c): the kernels `_fused_pass` calls, in its
-        order, for a pass whose products all take the GEMV."""
+        """Every layer in one call (csrc/step.c; layer_avx2.c's): the kernels `_fused_pass`
+        (or `_gemma_pass`) calls, in its order, for a pass whose products all take the GEMV;
+        `rotary` the cos and sin [tokens, dim] of each layer's rotary_type."""
         layers, w = self._layers, self.weights
         assert layers is not None
         tokens = hidden.shape[0]
         heads, kv_heads, dim = w.layers[0].heads
         like = hidden.new_empty(1, kv_heads, 1, dim)
         caches, rows, positions = cache.kernel_layers(len(w.layers), like)
-        for described, (keys, values) in zip(layers, caches, strict=True):
+        for described, layer, (keys, values) in zip(layers, w.layers, caches, strict=True):
             described.keys, described.values = keys.data_ptr(), values.data_ptr()
+            if w.gemma:  # each layer's rotary table and (windowed layers) mask
+                cos, sin = rotary[layer.rotary_type]
+                described.cos, described.sin = cos.data_ptr(), sin.data_ptr()
+                window = packing.windowed_mask(layer.window) if layer.window else None
+                described.mask = None if window is None else window.data_ptr()
         keys = caches[0][0]
+        cos, sin = rotary[w.layers[0].rotary_type]
+        mask, mask_rows = packing.mask, packing.tokens.contiguous()
         arguments = PassArgs(
             layers=layers, count=len(w.layers), final_norm=w.norm_weights[-1].data_ptr(),
             hidden=hidden.data_ptr(), normed=normed.data_ptr(), tokens=tokens,
@@ -574,6 +616,7 @@ class LeanDecoder:
             mask_bf16=int(mask.dtype == torch.bfloat16), mask_rows=mask_rows.data_ptr(),
             kv_length=mask.shape[-1], scale=w.layers[0].scaling,
             bf16_product=fused.amx_product if self.plan.kernel(tokens) is Kernel.AMX else None,
+            gemma=int(w.gemma),
         )  # fmt: skip
         fused.decoder_pass(arguments)
 

@@ -38,7 +38,7 @@ def whole_pass_calls(target: TargetModel, text: str) -> list[int]:
     whole = decoder._whole_pass
     results = []
     for one_call in (True, False):
-        decoder._layers = decoder._describe_layers() if one_call else None
+        decoder._layers = decoder._describe_layers() if one_call and decoder._one_call() else None
         decoder._whole_pass = lambda *a: (calls.append(1), whole(*a))  # type: ignore[method-assign]
         cache = target.new_cache(1)
         target.prefill(cache, 0, 0, ids[:-8])

@@ -7,11 +7,13 @@ runs; the served models take the ones the CPU's flags choose."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from transformers.activations import GELUTanh
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
@@ -83,11 +85,21 @@ def test_add_rmsnorm_is_the_residual_add_and_llamas_rmsnorm(n: int, layer: CpuKe
     assert torch.equal(hidden, before)
 
 
-@pytest.mark.parametrize("n", [640, 256, 40])
-def test_gemma_add_norm_is_gemmas_sandwich_of_norm_add_norm(n: int) -> None:
-    """norms.c (any CPU): hidden + post_norm(delta), then the next norm of the sum, each as
-    transformers' Gemma3RMSNorm computes it (float32, times 1 + weight)."""
+@pytest.fixture(params=["norms.c", "avx2"])
+def gemma(request: pytest.FixtureRequest) -> CpuKernels:
+    """The library with one source's Gemma kernels in use: norms.c's (any CPU; the names the
+    AVX512-BF16 layer kernels call: the library seen as that CPU's, only norms.c's called) or
+    layer_avx2.c's."""
+    if request.param == "avx2":
+        return one_isa(Isa.AVX2)
     assert LAYER is not None
+    return replace(LAYER, isa=frozenset({Isa.BF16}))
+
+
+@pytest.mark.parametrize("n", [640, 256, 40])
+def test_gemma_add_norm_is_gemmas_sandwich_of_norm_add_norm(n: int, gemma: CpuKernels) -> None:
+    """norms.c's and layer_avx2.c's: hidden + post_norm(delta), then the next norm of the
+    sum, each as transformers' Gemma3RMSNorm computes it (float32, times 1 + weight)."""
     torch.manual_seed(3)
     post, following = (Gemma3RMSNorm(n, eps=1e-6) for _ in range(2))
     with torch.no_grad():
@@ -100,18 +112,17 @@ def test_gemma_add_norm_is_gemmas_sandwich_of_norm_add_norm(n: int) -> None:
         expected = following(summed)
     normed = torch.empty_like(hidden)
     weights = post.weight.detach(), following.weight.detach()
-    LAYER.gemma_add_norm(hidden, delta.clone(), *weights, normed, 1e-6)
+    gemma.gemma_add_norm(hidden, delta.clone(), *weights, normed, 1e-6)
     # The mean of squares is summed in another order: at most one bf16 step apart.
     assert int(_ulps(hidden, summed).max()) <= 1 and (hidden == summed).float().mean() > 0.99
     assert int(_ulps(normed, expected).max()) <= 1 and (normed == expected).float().mean() > 0.99
     before = hidden.clone()
-    LAYER.gemma_add_norm(hidden, None, None, weights[1], normed, 1e-6)
+    gemma.gemma_add_norm(hidden, None, None, weights[1], normed, 1e-6)
     assert torch.equal(hidden, before)
     assert int(_ulps(normed, following(before).detach()).max()) <= 1
 
 
-def test_gemma_head_norms_are_q_norm_and_k_norm_in_place() -> None:
-    assert LAYER is not None
+def test_gemma_head_norms_are_q_norm_and_k_norm_in_place(gemma: CpuKernels) -> None:
     torch.manual_seed(4)
     heads, kv_heads, dim, tokens = 4, 1, 256, 3
     q_norm, k_norm = (Gemma3RMSNorm(dim, eps=1e-6) for _ in range(2))
@@ -126,11 +137,40 @@ def test_gemma_head_norms_are_q_norm_and_k_norm_in_place() -> None:
             (q_norm(split[:, :heads]), k_norm(split[:, heads : heads + kv_heads]),
              split[:, heads + kv_heads :]), dim=1,
         ).view(tokens, -1)  # fmt: skip
-    LAYER.gemma_head_norms(
+    gemma.gemma_head_norms(
         qkv, (heads, kv_heads, dim), q_norm.weight.detach(), k_norm.weight.detach(), 1e-6
     )
     assert int(_ulps(qkv, expected).max()) <= 1 and (qkv == expected).float().mean() > 0.99
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], expected[:, (heads + kv_heads) * dim :])
+
+
+@pytest.mark.parametrize("n", [2048, 40, 13])
+def test_gelu_mul_is_gemmas_gelu_with_tanh_times_up(n: int) -> None:
+    """layer_avx2.c's gelu_mul: bf16(gelu_tanh(gate)) * up, each rounded to bfloat16, for
+    rows not a multiple of its 8 lanes, large, small and infinite gates: within one bf16
+    step of the function computed in float64 (0.5 x (1 + tanh(y)) as x sigmoid(2 y), which
+    keeps the negative tail where 1 + tanh(y) in floating point is 0: torch's module gives 0
+    there, this the value), torch's module's value for gates above -3."""
+    kernels = one_isa(Isa.AVX2)
+    generator = torch.Generator().manual_seed(n)
+    gate = torch.randn(6, n, generator=generator) * 3
+    gate[5, :8] = torch.tensor([0.0, -0.0, 40.0, -40.0, 1e-20, float("inf"), float("-inf"), 7.5])
+    up = torch.randn(6, n, generator=generator)
+    gate_up = torch.cat((gate, up), dim=1).to(BF16)
+    gate, up = gate_up.chunk(2, dim=1)
+    out = torch.empty(6, n, dtype=BF16)
+    kernels.gelu_mul(gate_up, out)
+    x = gate.double()
+    exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3))  # 1 + tanh(y)
+    expected = (exact.to(BF16).double() * up.double()).to(BF16)
+    finite = expected.isfinite()
+    assert torch.equal(out[~finite].isnan(), expected[~finite].isnan())
+    close = (out.double() - expected.double()).abs() <= expected.double().abs() * 2**-7 + 1e-30
+    assert bool(close[finite].all())
+    assert (out == expected)[finite].float().mean() > 0.97
+    with torch.inference_mode():
+        module = (GELUTanh()(gate) * up)[gate > -3]
+    assert int(_ulps(out[gate > -3].abs(), module.abs()).max()) <= 1
 
 
 def test_rotary_is_transformers_rotary_and_the_cache_gets_keys_and_values(
@@ -389,9 +429,12 @@ def test_models_whose_modules_it_does_not_compute_keep_the_torch_loop(
 
 @pytest.mark.parametrize(
     ("model_type", "shape"),
-    [("llama", {}), ("qwen2", {}), ("llama", {"head_dim": 64, "intermediate_size": 96})],
-    ids=["llama", "qwen2", "llama-heads-wider-than-hidden"],
-)
+    [
+        ("llama", {}), ("qwen2", {}), ("llama", {"head_dim": 64, "intermediate_size": 96}),
+        ("gemma3_text", {"head_dim": 32}),
+    ],
+    ids=["llama", "qwen2", "llama-heads-wider-than-hidden", "gemma3"],
+)  # fmt: skip
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
@@ -400,8 +443,9 @@ def test_the_whole_pass_in_one_call_gives_the_layer_loops_bits(
     """csrc/step.c's pass (every product on the GEMV) calls the kernels the Python loop calls,
     in its order: the same hidden states bit for bit, and the same cache, for 1 and 7 tokens
     (Qwen2: q/k/v biases; int8: the widened int8 GEMV; heads x head_dim 256 against a hidden
-    size of 128 and an MLP of 96), on 1 and 3 threads (AVX2's pass: one parallel region whose
-    threads share each product)."""
+    size of 128 and an MLP of 96; Gemma 3: its norms, head norms, GELU, two rotary bases and
+    a window shorter than the text), on 1 and 3 threads (AVX2's pass: one parallel region
+    whose threads share each product)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -414,14 +458,18 @@ def _check_whole_pass(
     model_type: str, shape: dict, weights: str, tokenizer, tmp_path: Path
 ) -> None:
     directory = save_architecture(
-        tmp_path / model_type, tokenizer, model_type, **{**WIDE_HEADS, **shape}
+        tmp_path / model_type, tokenizer, model_type, random_norms=True, **{**WIDE_HEADS, **shape}
     )
     target = _served(directory, EVERY_GEMV, weights=weights)
     random_biases(target)
     calls = whole_pass_calls(target, "The quick brown fox jumps over the lazy dog")
-    # the prefill, 1- and 7-token passes; the loop's passes none (AVX2's pass: bf16 weights)
+    # the prefill, 1- and 7-token passes; the loop's passes none (AVX2's pass: bf16 weights;
+    # Gemma's layers: AVX2's pass only)
     assert LAYER is not None
-    assert calls == ([1, 1, 1] if LAYER.bf16 or weights == "bf16" else [])
+    if model_type == "gemma3_text":
+        assert calls == ([1, 1, 1] if not LAYER.bf16 and weights == "bf16" else [])
+    else:
+        assert calls == ([1, 1, 1] if LAYER.bf16 or weights == "bf16" else [])
 
 
 @pytest.mark.parametrize("vocab", [5, 49, 1000])
