@@ -55,15 +55,6 @@
 #define PREFETCH 2048 /* bytes ahead of the tile being read, into L2 */
 #endif
 
-/* One pair of an int8 tile as int16 pairs: rows 0-7 in *low, 8-15 in *high, row o's q at
- * k = 2i in the low word of its 32-bit lane, 2i + 1 in the high one (the tile's 32 bytes: row
- * o's two at 2o, 2o + 1). */
-static inline __attribute__((always_inline)) void pair(const uint8_t *at, __m256i *low,
-                                                       __m256i *high) {
-  *low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
-  *high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
-}
-
 /* 8 scales or offsets at p (float16 where half, else float32) as float32, exactly. */
 static inline __attribute__((always_inline)) __m256 factors(const void *p, long at,
                                                             const int half) {
@@ -277,6 +268,56 @@ static inline __attribute__((always_inline)) void block8(
   store_rows(y, sums, out, b, r0, rb);
 }
 
+/* One pair (k = 2i, 2i + 1 of the block's 16 rows: 32 bytes at `at`, row o's two at 2o, 2o +
+ * 1) times rows 0 .. rb of x (2 int16 at x, the rows `stride` bytes apart) into acc, as quad8
+ * lays it out: the pair widened once (vpmovsxbw: rows 0-7, 8-15, row o's k = 2i in the low
+ * word of its 32-bit lane, 2i + 1 in the high one), per pass row one broadcast, two vpmaddwd and two
+ * 32-bit adds, written out for quad8's reason: as intrinsics GCC 12 kept rb = 4's eight sums
+ * with a register copy each and one on the stack (a load-add-store a pair). */
+#define PAIR_UNPACK                                     \
+  "vpmovsxbw (%[at]), %%ymm12\n\t"                      \
+  "vpmovsxbw 16(%[at]), %%ymm13\n\t"
+#define PAIR_ROW(X, LOW, HIGH)                          \
+  "vpbroadcastd " X ", %%ymm14\n\t"                      \
+  "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"              \
+  "vpaddd %%ymm15, %" LOW ", %" LOW "\n\t"               \
+  "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"              \
+  "vpaddd %%ymm14, %" HIGH ", %" HIGH "\n\t"
+static inline __attribute__((always_inline)) void pair16(const uint8_t *at, const int16_t *x,
+                                                         long stride, __m256i *acc,
+                                                         const int rb) {
+  if (rb == 1) {
+    __asm__(PAIR_UNPACK PAIR_ROW("(%[x0])", "[a0]", "[a1]")
+            : [a0] "+x"(acc[0]), [a1] "+x"(acc[1])
+            : [at] "r"(at), [x0] "r"(x)
+            : QUAD_CLOBBERS);
+  } else if (rb == 2) {
+    __asm__(PAIR_UNPACK PAIR_ROW("(%[x0])", "[a0]", "[a1]")
+                PAIR_ROW("(%[x0], %[k])", "[a2]", "[a3]")
+            : [a0] "+x"(acc[0]), [a1] "+x"(acc[1]), [a2] "+x"(acc[2]), [a3] "+x"(acc[3])
+            : [at] "r"(at), [x0] "r"(x), [k] "r"(stride)
+            : QUAD_CLOBBERS);
+  } else if (rb == 3) {
+    __asm__(PAIR_UNPACK PAIR_ROW("(%[x0])", "[a0]", "[a1]")
+                PAIR_ROW("(%[x0], %[k])", "[a2]", "[a3]")
+                PAIR_ROW("(%[x0], %[k], 2)", "[a4]", "[a5]")
+            : [a0] "+x"(acc[0]), [a1] "+x"(acc[1]), [a2] "+x"(acc[2]), [a3] "+x"(acc[3]),
+              [a4] "+x"(acc[4]), [a5] "+x"(acc[5])
+            : [at] "r"(at), [x0] "r"(x), [k] "r"(stride)
+            : QUAD_CLOBBERS);
+  } else {
+    const int16_t *x3 = (const int16_t *)((const char *)x + 3 * stride);
+    __asm__(PAIR_UNPACK PAIR_ROW("(%[x0])", "[a0]", "[a1]")
+                PAIR_ROW("(%[x0], %[k])", "[a2]", "[a3]")
+                PAIR_ROW("(%[x0], %[k], 2)", "[a4]", "[a5]")
+                PAIR_ROW("(%[x3])", "[a6]", "[a7]")
+            : [a0] "+x"(acc[0]), [a1] "+x"(acc[1]), [a2] "+x"(acc[2]), [a3] "+x"(acc[3]),
+              [a4] "+x"(acc[4]), [a5] "+x"(acc[5]), [a6] "+x"(acc[6]), [a7] "+x"(acc[7])
+            : [at] "r"(at), [x0] "r"(x), [k] "r"(stride), [x3] "r"(x3)
+            : QUAD_CLOBBERS);
+  }
+}
+
 /* Rows r0 .. r0 + rb of block b (both halves): y[r0 + j, 16 b .. + 16], for compile-time rb
  * (int8 weights, 16-bit x). */
 static inline __attribute__((always_inline)) void block(
@@ -292,19 +333,12 @@ static inline __attribute__((always_inline)) void block(
     __m256i acc[2 * ROW_BLOCK];
     for (int j = 0; j < 2 * rb; j++) acc[j] = _mm256_setzero_si256();
     const uint8_t *at = tile + g * pairs * pair_bytes;
+    const int16_t *xs = (const int16_t *)a->p + r0 * k + g * group; /* row r0's pair 0 */
     for (long i = 0; i < pairs; i++, at += pair_bytes) {
-        if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
-          _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
-        __m256i low, high;
-        pair(at, &low, &high);
-        for (int j = 0; j < rb; j++) {
-          int32_t two;
-          memcpy(&two, (const int16_t *)a->p + (r0 + j) * k + g * group + 2 * i, 4);
-          const __m256i xs = _mm256_set1_epi32(two);
-          acc[2 * j] = _mm256_add_epi32(acc[2 * j], _mm256_madd_epi16(low, xs));
-          acc[2 * j + 1] = _mm256_add_epi32(acc[2 * j + 1], _mm256_madd_epi16(high, xs));
-        }
-      }
+      if ((i * pair_bytes) % 64 == 0) /* each 64-byte line once */
+        _mm_prefetch((const char *)at + PREFETCH, _MM_HINT_T1);
+      pair16(at, xs + 2 * i, 2 * k, acc, rb);
+    }
     add_group(a, acc, scales, mins, first_factor + g * TILE, r0 * count + g, count, rb,
               offsets, half, sums);
   }
