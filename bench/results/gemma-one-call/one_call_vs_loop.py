@@ -55,7 +55,9 @@ def main() -> None:
                 tokens.setdefault(mode, token)
         loop, one = (statistics.median(times[m]) * 1e3 for m in ("loop", "one call"))
         assert tokens["loop"] == tokens["one call"]
-        print(f"width {width}: loop {loop:.2f} ms  one call {one:.2f} ms  one/loop {one / loop:.3f}")
+        print(
+            f"width {width}: loop {loop:.2f} ms  one call {one:.2f} ms  one/loop {one / loop:.3f}"
+        )
 
 
 if __name__ == "__main__":
