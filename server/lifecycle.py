@@ -42,6 +42,7 @@ from kenspec.server.engine.events import EngineEvents
 from kenspec.server.engine.gguf_model import GGUF_SUFFIX
 from kenspec.server.extras import check_extras
 from kenspec.server.grpc_front import FrontLimits, GrpcFront
+from kenspec.server.memory import freeze_heap, thaw_heap
 from kenspec.server.metrics import Metrics
 from kenspec.server.metrics_http import metrics_access
 from kenspec.server.openai_api.connections import ConnectionLimits
@@ -194,6 +195,8 @@ class KenspecServer:
         """Load and warm the model off the event loop, then report SERVING (and log `ready`:
         a request sent after that line is served, not refused as still loading)."""
         started = time.perf_counter()
+        # What the imports made lives as long as the process: the load's collections skip it
+        freeze_heap()
         # On the engine thread itself: a second thread running torch kernels leaves a second
         # OpenMP pool behind, which slows every later multi-token pass.
         events = self.tracing.engine_events(self.metrics)
@@ -202,8 +205,9 @@ class KenspecServer:
         self.serving.runtime = runtime
         if self.settings.speculation.share_answers:
             await self._share_answers(runtime)
+        frozen = freeze_heap()  # the model, kept as long: serving's collections skip it too
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready", seconds=round(time.perf_counter() - started, 2))
+        log.info("ready", seconds=round(time.perf_counter() - started, 2), frozen_objects=frozen)
 
     async def _share_answers(self, runtime: Runtime) -> None:
         """Publish the answers the engine learns and learn the other replicas' (before
@@ -255,6 +259,7 @@ class KenspecServer:
             await self.answers.stop(SHARED_ANSWERS_FLUSH_S)
         self.metrics.close()
         await asyncio.to_thread(self.tracing.close)  # exports the spans left
+        thaw_heap()  # (a process that goes on, e.g. tests: the runtime's garbage collected)
         log.info("stopped")
 
     async def wait(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import platform
+import weakref
 
 from kenspec.server import memory
 
@@ -36,3 +38,40 @@ def test_nothing_to_give_back_is_zero_not_an_error() -> None:
         assert released is None
     else:
         assert released is not None and 0 <= released < 16
+
+
+def test_a_frozen_heap_is_left_out_of_collections_and_new_garbage_still_goes() -> None:
+    """freeze_heap: every tracked object into the permanent generation (a full collection no
+    longer scans them); a cycle made afterwards is still collected; thaw_heap hands them back."""
+    memory.thaw_heap()
+    kept = [Node() for _ in range(1000)]
+    frozen = memory.freeze_heap()
+    try:
+        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        garbage = Node()
+        garbage.me = garbage  # a cycle: only the collector frees it
+        gone = weakref.ref(garbage)
+        del garbage
+        gc.collect()
+        assert gone() is None
+        assert gc.get_freeze_count() == frozen  # the frozen ones stayed where they were
+    finally:
+        memory.thaw_heap()
+    assert gc.get_freeze_count() == 0
+
+
+async def test_a_serving_server_keeps_its_heap_frozen_and_a_stopped_one_thaws_it(
+    start_server,
+) -> None:
+    """Once loaded (the `ready` line), the server's objects are frozen; stopped, handed back."""
+    memory.thaw_heap()
+    server, _ = await start_server()
+    assert gc.get_freeze_count() > 0
+    await server.stop(0)
+    assert gc.get_freeze_count() == 0
+
+
+class Node:
+    """A tracked object that can hold a reference to itself."""
+
+    me: Node | None = None
