@@ -271,9 +271,9 @@ static inline __attribute__((always_inline)) void block8(
 /* One pair (k = 2i, 2i + 1 of the block's 16 rows: 32 bytes at `at`, row o's two at 2o, 2o +
  * 1) times rows 0 .. rb of x (2 int16 at x, the rows `stride` bytes apart) into acc, as quad8
  * lays it out: the pair widened once (vpmovsxbw: rows 0-7, 8-15, row o's k = 2i in the low
- * word of its 32-bit lane, 2i + 1 in the high one), per pass row one broadcast, two vpmaddwd and two
- * 32-bit adds, written out for quad8's reason: as intrinsics GCC 12 kept rb = 4's eight sums
- * with a register copy each and one on the stack (a load-add-store a pair). */
+ * word of its 32-bit lane, 2i + 1 in the high one), per pass row one broadcast, two vpmaddwd
+ * and two 32-bit adds, written out for quad8's reason: as intrinsics GCC 12 kept rb = 4's
+ * eight sums with a register copy each and one on the stack (a load-add-store a pair). */
 #define PAIR_UNPACK                                     \
   "vpmovsxbw (%[at]), %%ymm12\n\t"                      \
   "vpmovsxbw 16(%[at]), %%ymm13\n\t"

@@ -370,8 +370,8 @@ void kenspec_silu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, lo
  * (x + 0.044715 x^3), computed as x / (1 + exp(-2 y)) (the same function, without tanh's
  * cancellation near 0): within a bfloat16 step of torch's, most values equal. */
 void kenspec_gelu_mul_avx2(const uint16_t *gate_up, uint16_t *out, long rows, long n) {
-  const __m256 beta = _mm256_set1_ps(-2.0f * 0.7978845608028654f), kappa = _mm256_set1_ps(0.044715f);
-  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 beta = _mm256_set1_ps(-2.0f * 0.7978845608028654f); /* -2 sqrt(2 / pi) */
+  const __m256 kappa = _mm256_set1_ps(0.044715f), one = _mm256_set1_ps(1.0f);
   for (long r = 0; r < rows; r++) {
     const uint16_t *gate = gate_up + r * 2 * n, *up = gate + n;
     for (long i = 0; i < n; i += 8) {
@@ -395,16 +395,19 @@ static inline float gemma_factor(const uint16_t *x, long n, float eps) {
   return 1.0f / sqrtf(sum8(squares) / (float)n + eps);
 }
 
-/* out[0 .. n) = bf16(x * factor * (1 + weight)) in float32: transformers' Gemma3RMSNorm, its
- * steps in its order (x * rsqrt(...), then times 1 + weight, rounded once). */
+/* x[i .. i + 8) * factor * (1 + weight[i ..]) in float32 (lanes from n on: 0): transformers'
+ * Gemma3RMSNorm, its steps in its order (x * rsqrt(...), then times 1 + weight), unrounded. */
+static inline __m256 gemma_normed8(const uint16_t *x, const uint16_t *weight, long i, long n,
+                                   __m256 factor) {
+  return _mm256_mul_ps(_mm256_mul_ps(widen(x + i, n - i), factor),
+                       _mm256_add_ps(_mm256_set1_ps(1.0f), widen(weight + i, n - i)));
+}
+
+/* out[0 .. n) = bf16(gemma_normed8 of x): Gemma's RMSNorm, rounded once. */
 static inline void gemma_norm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out,
                                   long n, float factor) {
-  const __m256 f = _mm256_set1_ps(factor), one = _mm256_set1_ps(1.0f);
-  for (long i = 0; i < n; i += 8)
-    store(out + i,
-          _mm256_mul_ps(_mm256_mul_ps(widen(x + i, n - i), f),
-                        _mm256_add_ps(one, widen(weight + i, n - i))),
-          n - i);
+  const __m256 f = _mm256_set1_ps(factor);
+  for (long i = 0; i < n; i += 8) store(out + i, gemma_normed8(x, weight, i, n, f), n - i);
 }
 
 /* norms.c's kenspec_gemma_head_norms in eight lanes: each token's query heads (q_weight) and
@@ -427,17 +430,15 @@ void kenspec_gemma_head_norms_avx2(uint16_t *qkv, long tokens, long heads, long 
 void kenspec_gemma_add_norm_avx2(uint16_t *hidden, const uint16_t *delta,
                                  const uint16_t *delta_weight, const uint16_t *weight,
                                  uint16_t *normed, long rows, long n, float eps) {
-  const __m256 one = _mm256_set1_ps(1.0f);
   for (long r = 0; r < rows; r++) {
     uint16_t *h = hidden + r * n;
     if (delta != NULL) {
       const uint16_t *d = delta + r * n;
       const __m256 f = _mm256_set1_ps(gemma_factor(d, n, eps));
-      for (long i = 0; i < n; i += 8) {
-        const __m256 added = rounded(_mm256_mul_ps(_mm256_mul_ps(widen(d + i, n - i), f),
-                                                   _mm256_add_ps(one, widen(delta_weight + i, n - i))));
-        store(h + i, _mm256_add_ps(widen(h + i, n - i), added), n - i);
-      }
+      for (long i = 0; i < n; i += 8) /* the normed delta rounded, then the add rounded */
+        store(h + i,
+              _mm256_add_ps(widen(h + i, n - i), rounded(gemma_normed8(d, delta_weight, i, n, f))),
+              n - i);
     }
     gemma_norm_row(h, weight, normed + r * n, n, gemma_factor(h, n, eps));
   }

@@ -425,7 +425,7 @@ class LeanDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
         tokens = hidden.shape[0]
         normed = torch.empty_like(hidden)
-        if packing.mask.is_contiguous() and self._layers is not None and self._all_gemv(tokens):
+        if self._in_one_call(tokens, packing):
             self._whole_pass(fused, hidden, normed, {None: (cos, sin)}, cache, packing)
             return normed
         eps, weights = w.eps, w.norm_weights
@@ -473,7 +473,7 @@ class LeanDecoder:
         }
         normed = torch.empty_like(hidden)
         tokens = hidden.shape[0]
-        if packing.mask.is_contiguous() and self._layers is not None and self._all_gemv(tokens):
+        if self._in_one_call(tokens, packing):
             self._whole_pass(fused, hidden, normed, rotary, cache, packing)
             return normed
         eps, norms = w.eps, self._gemma_norms
@@ -534,11 +534,14 @@ class LeanDecoder:
         )  # fmt: skip
         return out.reshape(tokens, heads * dim)
 
-    def _all_gemv(self, tokens: int) -> bool:
-        """Whether every decoder product of a `tokens`-row pass takes a GEMV that
-        csrc/step.c runs (bf16 weights, int8 ones widened to bf16, a file's own groups; or
-        bf16 weights through AMX tiles); on AVX2, layer_avx2.c's pass: bf16 weights or a
-        file's own groups."""
+    def _in_one_call(self, tokens: int, packing: Packing) -> bool:
+        """Whether a `tokens`-row pass runs as one C call (`_whole_pass`): the call computes
+        the model's layers (`_one_call`), the mask is laid out for its attention, and every
+        decoder product takes a GEMV that csrc/step.c runs (bf16 weights, int8 ones widened
+        to bf16, a file's own groups; or bf16 weights through AMX tiles); on AVX2,
+        layer_avx2.c's pass: bf16 weights or a file's own groups."""
+        if self._layers is None or not packing.mask.is_contiguous():
+            return False
         kernel, quantized = self.plan.kernel(tokens), self.weights.quantized
         if kernel is Kernel.AMX:
             return quantized == ""
